@@ -1,0 +1,86 @@
+"""Vectorized n-gram ids: no Python loop over tokens or requests.
+
+The packed batch is laid out as one "extended" sequence where each request's context precedes its
+tokens; every shift is then a plain offset into that sequence, and the EOS cut is carried shift by
+shift (N is small), with no cumulative scan over the history.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..layout import Layout
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mult = torch.tensor(layout.multipliers, dtype=torch.int64, device=device)
+    sizes = torch.tensor(layout.head_sizes, dtype=torch.int64, device=device)
+    offs = torch.tensor(layout.head_offsets, dtype=torch.int64, device=device)
+    return mult, sizes, offs
+
+
+def _extended(
+    input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ext [T + R*(N-1)]`` (context then tokens, per request) and each token's position in it."""
+    device = input_ids.device
+    t_total = input_ids.shape[0]
+    r_total, k = ngram_context.shape
+    qsl = query_start_loc.to(device=device, dtype=torch.int64)
+    lengths = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(r_total, device=device), lengths, output_size=t_total)
+    tok_pos = torch.arange(t_total, device=device) + (req + 1) * k
+    ext = torch.empty(t_total + r_total * k, dtype=torch.int64, device=device)
+    ext[tok_pos] = input_ids.to(torch.int64)
+    if k:
+        ctx_pos = (qsl[:-1] + torch.arange(r_total, device=device) * k).unsqueeze(1) + torch.arange(k, device=device)
+        ext[ctx_pos.reshape(-1)] = ngram_context.to(device=device, dtype=torch.int64).reshape(-1)
+    return ext, tok_pos
+
+
+def ngram_ids(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    layout: Layout,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64."""
+    n = layout.ngram_size
+    hpn = layout.heads_per_ngram
+    mult, sizes, offs = _layout_tensors(layout, input_ids.device)
+    ext, pos = _extended(input_ids, query_start_loc, ngram_context)
+    t_total = pos.shape[0]
+    out = torch.empty(t_total, layout.num_heads, dtype=torch.int64, device=input_ids.device)
+    x0 = ext[pos]
+    h = x0 * mult[0]
+    alive = torch.ones_like(x0, dtype=torch.bool)
+    prev = x0
+    for s in range(1, n):
+        # y_s survives only if no EOS lies strictly between t-s and t
+        if s >= 2:
+            alive &= prev != eos_token_id
+        prev = ext[pos - s]
+        y = torch.where(alive, prev, eos_token_id)
+        h = h ^ (y * mult[s])
+        g0 = (s - 1) * hpn
+        torch.remainder(h.unsqueeze(1), sizes[g0 : g0 + hpn], out=out[:, g0 : g0 + hpn])
+    out += offs
+    return out
+
+
+def next_ngram_context(
+    input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
+) -> torch.Tensor:
+    """``[R, N-1]`` int64: the last N-1 tokens of (context ++ chunk) for every request."""
+    r_total, k = ngram_context.shape
+    if k == 0 or r_total == 0:
+        return ngram_context.to(torch.int64).clone()
+    ext, _ = _extended(input_ids, query_start_loc, ngram_context)
+    qsl = query_start_loc.to(device=input_ids.device, dtype=torch.int64)
+    end = qsl[1:] + (torch.arange(r_total, device=input_ids.device) + 1) * k
+    idx = end.unsqueeze(1) - k + torch.arange(k, device=input_ids.device)
+    return ext[idx]
