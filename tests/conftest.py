@@ -43,7 +43,7 @@ def hf_config(**kw):
     base.update(kw)
     if "ple_embed_dim" not in base:
         base["ple_embed_dim"] = base["hidden_size"]
-    if len(base["ple_layer_ids"]) > base["num_hidden_layers"]:
+    if max(base["ple_layer_ids"], default=0) > base["num_hidden_layers"]:
         base["num_hidden_layers"] = max(base["ple_layer_ids"])
     return Qwen4ExpTextConfig(**base)
 

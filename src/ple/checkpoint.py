@@ -87,13 +87,19 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | No
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return {}, f"{path.name}: unreadable safetensors header ({e})"
+    if not isinstance(header, dict):
+        return {}, f"{path.name}: unreadable safetensors header (not a JSON object)"
     out: dict[str, TensorInfo] = {}
     end = 0
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        out[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]))
-        end = max(end, meta["data_offsets"][1])
+        try:
+            info = TensorInfo(path, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
+            end = max(end, int(meta["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            return out, f"{path.name}: malformed safetensors header entry for {name!r}: {meta!r}"
+        out[name] = info
     if 8 + n + end > size:
         return out, f"{path.name}: truncated: tensor data needs {8 + n + end} bytes, the file has {size}"
     return out, None
@@ -118,6 +124,12 @@ def _checkpoint_files(path: Path) -> list[Path]:
         with open(index) as f:
             weight_map = json.load(f).get("weight_map", {})
         files = sorted({path / v for v in weight_map.values()})
+        pickled = [p.name for p in files if p.suffix in _PICKLE_SUFFIXES]
+        if pickled:
+            raise CheckpointError(
+                f"{INDEX_NAME} names pickled weights ({', '.join(pickled[:3])}); they are refused "
+                "(unpickling runs arbitrary code); convert to safetensors"
+            )
         missing = [p.name for p in files if not p.is_file()]
         if missing:
             raise CheckpointError([f"{INDEX_NAME} names missing file(s): {', '.join(missing)}"])
@@ -274,6 +286,13 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
                     f"{prefix}ple_embedding.ngram_embedding.shard_{k}.weight: shape {list(info.shape)}, "
                     f"expected [{b - a}, {lay.head_dim}] (rows {a}..{b} of {lay.padded_rows})"
                 )
+    orphans = sorted(set(e.shard_scales) - set(e.shards))
+    if orphans:
+        p(f"{prefix}: weight_scale for shard(s) {orphans[:8]} without the shard's weight")
+    scales = list(e.shard_scales.values()) + ([e.global_scale] if e.global_scale is not None else [])
+    bad_scale = sorted({i.dtype for i in scales} - {"F32", "BF16", "F16", "F64"})
+    if bad_scale:
+        p(f"{prefix}: weight_scale dtype(s) {bad_scale}, expected a floating point dtype (F32, BF16, F16)")
     dtypes = {i.dtype for i in table_infos}
     if len(dtypes) > 1:
         p(f"{prefix}: table shards have mixed dtypes {sorted(dtypes)}")
@@ -292,7 +311,10 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
                     if s is None:
                         p(f"{prefix}: shard {k} is {dt} with per-row scales elsewhere but has no weight_scale")
                     elif s.shape != (info.shape[0], 1):
-                        p(f"{prefix}shard_{k}.weight_scale: shape {list(s.shape)}, expected [{info.shape[0]}, 1]")
+                        p(
+                            f"{prefix}ple_embedding.ngram_embedding.shard_{k}.weight_scale: shape {list(s.shape)}, "
+                            f"expected [{info.shape[0]}, 1]"
+                        )
             elif dt == "F8_E4M3":
                 e.table_format = "fp8"
                 if e.global_scale is None:
@@ -379,6 +401,46 @@ def _buffer_problem(name: str, got: list[int], want: list[int], prefix: str) -> 
     )
 
 
+def _check_buffers(e: LayerEntry, reader: _Reader) -> list[str]:
+    """Compare the layer's hash buffers (a few integers each) with the values the config implies.
+
+    Buffers whose header shape is already reported as wrong are skipped; a buffer that cannot be
+    read is reported as such.
+    """
+    lay = e.layout
+    want = {
+        "layer_multipliers": list(lay.multipliers),
+        "ngram_heads_vocab_sizes": list(lay.head_sizes),
+        "ngram_heads_offsets": list(lay.head_offsets),
+    }
+    out = []
+    for name, info in sorted(e.buffers.items()):
+        if info.shape != (len(want[name]),):
+            continue
+        full = f"{e.prefix}ple_embedding.{name}"
+        try:
+            got = [int(v) for v in reader.get(info, full).tolist()]
+        except Exception as exc:  # a truncated file: its own problem is reported by the scan
+            out.append(f"{full}: could not be read ({type(exc).__name__}: {exc})")
+            continue
+        if got != want[name]:
+            out.append(_buffer_problem(name, got, want[name], e.prefix))
+    return out
+
+
+def _read_checked(reader: _Reader, info: TensorInfo, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Read one tensor and insist on the shape and dtype its header promised (the file may have
+    changed since the scan; ``copy_`` would otherwise broadcast or convert silently)."""
+    t = reader.get(info, name)
+    want_dtype = _ST_DTYPES.get(info.dtype)
+    if tuple(t.shape) != shape or (want_dtype is not None and t.dtype != want_dtype):
+        raise CheckpointError(
+            f"{name} in {info.file.name}: read {list(t.shape)} {t.dtype}, expected {list(shape)} {want_dtype} "
+            "(the file changed after it was scanned)"
+        )
+    return t
+
+
 def load_ple_weights(
     path: str | os.PathLike,
     config: PLEConfig,
@@ -390,9 +452,10 @@ def load_ple_weights(
 ) -> dict[int, PLEWeights]:
     """Load PLE layers (``{ple_layer_index: PLEWeights}``) from a safetensors file or directory.
 
-    The whole checkpoint is validated from its headers first; then tensors are read one at a time,
-    the table shard by shard into a freshly allocated :class:`ple.table.MemoryTable`. Nothing is
-    returned (and no caller state is touched) unless every layer loaded.
+    The whole checkpoint is validated first (headers, plus the small hash buffers, whose values
+    must equal the config's); then tensors are read one at a time, the table shard by shard into
+    a freshly allocated :class:`ple.table.MemoryTable`. Nothing is returned (and no caller state is
+    touched) unless every layer loaded; any failure raises :class:`CheckpointError`.
 
     Args:
         layers: ``ple_layer_index`` values to load (default: all).
@@ -408,36 +471,40 @@ def load_ple_weights(
         problems += [f"PLE layer {i} requested but not in the checkpoint" for i in layers if i not in have]
     for e in wanted:
         problems += [q for q in e.problems if strict or not q.startswith("unexpected tensor")]
-    if problems:
-        raise CheckpointError(problems)
     reader = _Reader()
     out: dict[int, PLEWeights] = {}
     try:
+        # Buffers first, even when the headers already show problems: a wrong seed or
+        # ngram_vocab_size_base is the usual cause of wrong table shapes, and the buffers say so.
+        for e in wanted:
+            problems += _check_buffers(e, reader)
+        if problems:
+            raise CheckpointError(problems)
+        c, k = config.hc_hidden_size, config.ple_conv_kernel_size
         for e in wanted:
             lay = e.layout
-            want_buf = {
-                "layer_multipliers": list(lay.multipliers),
-                "ngram_heads_vocab_sizes": list(lay.head_sizes),
-                "ngram_heads_offsets": list(lay.head_offsets),
-            }
-            bad = []
-            for name, info in e.buffers.items():
-                got = [int(v) for v in reader.get(info, f"{e.prefix}ple_embedding.{name}").tolist()]
-                if got != want_buf[name]:
-                    bad.append(_buffer_problem(name, got, want_buf[name], e.prefix))
-            if bad:
-                raise CheckpointError(bad)
-            dense = {n: reader.get(i, e.prefix + n).to(device) for n, i in e.dense.items()}
+            dense = {n: _read_checked(reader, i, e.prefix + n, i.shape).to(device) for n, i in e.dense.items()}
             table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device)
             shard_iter = iter_table_shards(e, reader)
             if progress:
                 from tqdm.auto import tqdm
 
                 shard_iter = tqdm(shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard")
-            for k, rows, scale in shard_iter:
-                a, b = lay.shard_range(k)
+            for sk, rows, scale in shard_iter:
+                a, b = lay.shard_range(sk)
+                name = f"{e.prefix}ple_embedding.ngram_embedding.shard_{sk}"
+                if tuple(rows.shape) != (b - a, lay.head_dim) or rows.dtype != table.data.dtype:
+                    raise CheckpointError(
+                        f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
+                        f"{table.data.dtype} (the file changed after it was scanned)"
+                    )
                 table.data[a:b].copy_(rows)
                 if scale is not None:
+                    if tuple(scale.shape) != (b - a, 1):
+                        raise CheckpointError(
+                            f"{name}.weight_scale: read {list(scale.shape)}, expected [{b - a}, 1] "
+                            "(the file changed after it was scanned)"
+                        )
                     table.scale[a:b].copy_(scale)
                 del rows, scale
             if e.table_format == "fp8":
@@ -451,7 +518,7 @@ def load_ple_weights(
                 norm_key=dense["norm_key.weight"],
                 norm_query=dense["norm_query.weight"],
                 norm_conv=dense["norm_conv.weight"],
-                conv1d=dense["conv1d.weight"].reshape(config.hc_hidden_size, config.ple_conv_kernel_size),
+                conv1d=dense["conv1d.weight"].reshape(c, k),
                 table=table,
             )
     except CheckpointError:

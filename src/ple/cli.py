@@ -23,7 +23,16 @@ def _config_and_checkpoint(path: str) -> tuple[PLEConfig, Path | None]:
     if not (root / "config.json").is_file():
         raise SystemExit(f"ple: {root} has no config.json")
     cfg = PLEConfig.from_pretrained(root)
-    has_weights = p.is_file() or any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
+    # Pickled weights count as weights here so the checkpoint reader refuses them by name,
+    # instead of the directory silently reading as "config only".
+    from .checkpoint import _PICKLE_SUFFIXES
+
+    has_weights = (
+        p.is_file()
+        or any(root.glob("*.safetensors"))
+        or (root / "model.safetensors.index.json").exists()
+        or any(q.suffix in _PICKLE_SUFFIXES for q in root.iterdir())
+    )
     return cfg, (p if has_weights else None)
 
 
@@ -143,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_extra(sub) -> None:
     """Subcommands of the higher levels (registered here so ``ple --help`` lists them all)."""
+    from . import commands
+
+    commands.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

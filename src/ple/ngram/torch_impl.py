@@ -41,6 +41,27 @@ def _extended(
     return ext, tok_pos
 
 
+def ngram_windows(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    ngram_size: int,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """``[T, N]`` int64: per token ``y_0..y_{N-1}`` (itself, then its predecessors as the hash sees
+    them: EOS at or before the most recent earlier EOS)."""
+    ext, pos = _extended(input_ids, query_start_loc, ngram_context)
+    out = torch.empty(pos.shape[0], ngram_size, dtype=torch.int64, device=input_ids.device)
+    out[:, 0] = ext[pos]
+    alive = torch.ones(pos.shape[0], dtype=torch.bool, device=input_ids.device)
+    for s in range(1, ngram_size):
+        # y_s survives only if no EOS lies strictly between t-s and t
+        if s >= 2:
+            alive &= out[:, s - 1] != eos_token_id
+        out[:, s] = torch.where(alive, ext[pos - s], eos_token_id)
+    return out
+
+
 def ngram_ids(
     input_ids: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -49,23 +70,13 @@ def ngram_ids(
     eos_token_id: int,
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64."""
-    n = layout.ngram_size
     hpn = layout.heads_per_ngram
     mult, sizes, offs = _layout_tensors(layout, input_ids.device)
-    ext, pos = _extended(input_ids, query_start_loc, ngram_context)
-    t_total = pos.shape[0]
-    out = torch.empty(t_total, layout.num_heads, dtype=torch.int64, device=input_ids.device)
-    x0 = ext[pos]
-    h = x0 * mult[0]
-    alive = torch.ones_like(x0, dtype=torch.bool)
-    prev = x0
-    for s in range(1, n):
-        # y_s survives only if no EOS lies strictly between t-s and t
-        if s >= 2:
-            alive &= prev != eos_token_id
-        prev = ext[pos - s]
-        y = torch.where(alive, prev, eos_token_id)
-        h = h ^ (y * mult[s])
+    y = ngram_windows(input_ids, query_start_loc, ngram_context, layout.ngram_size, eos_token_id)
+    out = torch.empty(y.shape[0], layout.num_heads, dtype=torch.int64, device=input_ids.device)
+    h = y[:, 0] * mult[0]
+    for s in range(1, layout.ngram_size):
+        h = h ^ (y[:, s] * mult[s])
         g0 = (s - 1) * hpn
         torch.remainder(h.unsqueeze(1), sizes[g0 : g0 + hpn], out=out[:, g0 : g0 + hpn])
     out += offs
