@@ -1,0 +1,6 @@
+"""The streaming runtime: packed step metadata (:class:`Batch`) and per-request state (:class:`Session`)."""
+
+from .batch import DECODE, PREFILL, VERIFY, Batch, BatchError
+from .session import Checkpoint, Session, SessionError
+
+__all__ = ["Batch", "BatchError", "Session", "SessionError", "Checkpoint", "PREFILL", "DECODE", "VERIFY"]

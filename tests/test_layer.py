@@ -1,0 +1,200 @@
+import random
+
+import pytest
+import torch
+
+from ple.layer import PLELayer
+from ple.runtime import Batch, BatchError
+from ple.table import MemoryTable
+
+from .conftest import hf_config, hf_ple_layer, ple_config_from_hf
+
+
+def _random_hf(seed: int, dtype=torch.float32):
+    rng = random.Random(seed)
+    hc = rng.randint(2, 4)
+    n = rng.randint(2, 4)
+    k = rng.randint(2, 4)
+    hpn = rng.randint(1, 3)
+    g = (n - 1) * hpn
+    h = rng.choice([10, 14, 18, 22])  # not powers of two
+    e = g * rng.randint(1, 3)
+    n_layers = rng.randint(1, 2)
+    idx = rng.randrange(n_layers)
+    hf = hf_config(
+        hidden_size=h,
+        hc_count=hc,
+        ngram_size=n,
+        heads_per_ngram=hpn,
+        ple_embed_dim=e,
+        ple_conv_kernel_size=k,
+        ple_layer_ids=list(range(1, n_layers + 1)),
+        vocab_size=rng.choice([60, 300]),
+        eos_token_id=rng.choice([0, 5]),
+        seed=rng.randrange(10**5),
+    )
+    mod = hf_ple_layer(hf, idx, seed=seed, dtype=dtype)
+    return hf, mod, rng
+
+
+def _hf_oneshot(mod, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hidden + mod(hidden[None], tokens[None], None)[0]
+
+
+def _stream(rng, n, vocab, eos):
+    return torch.tensor([eos if rng.random() < 0.15 else rng.randrange(vocab) for _ in range(n)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_prefill_matches_transformers_fp32(seed):
+    hf, mod, rng = _random_hf(seed)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    lens = [rng.randint(1, 20) for _ in range(rng.randint(1, 5))]
+    toks = [_stream(rng, n, cfg.vocab_size, cfg.eos_token_id) for n in lens]
+    hid = [torch.randn(n, cfg.hc_hidden_size) for n in lens]
+    pool = layer.new_state_pool(len(lens) + 2)
+    batch = Batch.build(
+        lens, list(range(len(lens))), torch.full((len(lens), cfg.ngram_size - 1), cfg.eos_token_id), pool,
+        conv_window=cfg.conv_window,
+    )
+    out = layer(torch.cat(hid), torch.cat(toks), batch)
+    start = 0
+    for h, t in zip(hid, toks):
+        want = _hf_oneshot(mod, h, t)
+        got = out[start : start + len(t)]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start += len(t)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_error_rule(seed):
+    """bf16: error vs an fp64 computation <= 2 x the error of transformers' bf16 eager + 1e-3."""
+    hf, mod32, rng = _random_hf(100 + seed)
+    mod64 = hf_ple_layer(hf, mod32.ple_embedding.ple_layer_index, seed=100 + seed, dtype=torch.float64)
+    mod16 = hf_ple_layer(hf, mod32.ple_embedding.ple_layer_index, seed=100 + seed, dtype=torch.bfloat16)
+    layer = PLELayer.from_transformers(mod16)
+    cfg = layer.config
+    n = rng.randint(20, 40)
+    t = _stream(rng, n, cfg.vocab_size, cfg.eos_token_id)
+    h = torch.randn(n, cfg.hc_hidden_size, dtype=torch.float64)
+    exact = _hf_oneshot(mod64, h, t)
+    hf16 = _hf_oneshot(mod16, h.bfloat16(), t).double()
+    pool = layer.new_state_pool(1)
+    batch = Batch.build([n], [0], torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id), pool)
+    ours = layer(h.bfloat16(), t, batch).double()
+    assert ours.dtype == torch.float64
+    err_ref = (hf16 - exact).abs().max().item()
+    err_ours = (ours - exact).abs().max().item()
+    assert err_ours <= 2 * err_ref + 1e-3, (err_ours, err_ref)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forward_padded_and_gradients_match_transformers(seed):
+    hf, mod, rng = _random_hf(200 + seed)
+    mod64 = mod  # fp32: both sides run the same reference arithmetic
+    layer = PLELayer.from_transformers(mod64)
+    layer.table.data.requires_grad_(False)
+    cfg = layer.config
+    b, s = 3, rng.randint(5, 12)
+    ids = torch.stack([_stream(rng, s, cfg.vocab_size, cfg.eos_token_id) for _ in range(b)])
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    mask[2, :4] = 0
+    h1 = torch.randn(b, s, cfg.hc_hidden_size, dtype=torch.float32, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    ours = layer.forward_padded(h1, ids, attention_mask=mask)
+    # transformers' decoder feeds its PLE ids with padding replaced by EOS and masks the conv input
+    hf_ids = torch.where(mask.bool(), ids, cfg.eos_token_id)
+    theirs = mod64(h2, hf_ids, None, conv_mask=mask)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(ours)
+    ours.backward(g)
+    theirs.backward(g)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-5)
+    pairs = [
+        (layer.key_proj, mod64.key_proj.weight),
+        (layer.value_proj, mod64.value_proj.weight),
+        (layer.norm_key, mod64.norm_key.weight),
+        (layer.norm_query, mod64.norm_query.weight),
+        (layer.norm_conv, mod64.norm_conv.weight),
+    ]
+    for ours_p, theirs_p in pairs:
+        torch.testing.assert_close(ours_p.grad, theirs_p.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.conv_weight.grad, mod64.conv1d.weight.grad.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+def test_table_gradient_through_forward_padded():
+    hf, mod, rng = _random_hf(7)
+    layer = PLELayer.from_transformers(mod)
+    table = layer.table.data.detach().clone().requires_grad_(True)
+    layer.set_table(MemoryTable(table))
+    cfg = layer.config
+    ids = _stream(rng, 9, cfg.vocab_size, cfg.eos_token_id)[None]
+    h = torch.randn(1, 9, cfg.hc_hidden_size)
+    layer.forward_padded(h, ids).sum().backward()
+    mod.zero_grad()
+    mod(h, ids, None).sum().backward()
+    grad = mod.ple_embedding.ngram_embedding.weight.grad
+    assert grad.abs().sum() > 0
+    torch.testing.assert_close(table.grad, grad, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_call_validation():
+    hf, mod, rng = _random_hf(3)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    pool = layer.new_state_pool(4, num_spec=2)
+    ctx = torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id)
+    with pytest.raises(BatchError, match="slot 1 is used by requests 0 and 1"):
+        Batch.build([2, 3], [1, 1], ctx, pool, num_spec=2)
+    with pytest.raises(BatchError, match=r"slot index 9 outside \[-1, 4\)"):
+        Batch.build([2, 3], [0, 9], ctx, pool, num_spec=2)
+    with pytest.raises(BatchError, match=r"verify row has 1..1\+num_spec = 1..3 tokens, got 4"):
+        Batch.build([2, 4], [0, 1], ctx, pool, kinds=["prefill", "verify"], num_spec=2)
+    with pytest.raises(BatchError, match="decode row has exactly 1 token, got 2"):
+        Batch.build([2, 1], [0, 1], ctx, pool, kinds=["decode", "decode"], num_spec=2)
+    with pytest.raises(BatchError, match="accepted count 5 outside 1..previous verify length 3"):
+        Batch.build([1, 1], [0, 1], ctx, pool, num_accepted=[None, 5], prev_query_lens=[None, 3], num_spec=2)
+    with pytest.raises(BatchError, match=r"window is 3\d* columns|window is \d+ columns"):
+        Batch.build([1, 1], [0, 1], ctx, pool, num_spec=0, conv_window=cfg.conv_window)
+    batch = Batch.build([2, 3], [0, 1], ctx, pool, num_spec=2)
+    with pytest.raises(ValueError, match="batch covers 5 tokens, hidden has 4"):
+        layer(torch.zeros(4, cfg.hc_hidden_size), torch.zeros(4, dtype=torch.long), batch)
+    with pytest.raises(ValueError, match=r"hidden must be \[T, HC\*H="):
+        layer(torch.zeros(5, 3), torch.zeros(5, dtype=torch.long), batch)
+
+
+def test_null_slot_row_is_skipped():
+    hf, mod, rng = _random_hf(4)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    pool = layer.new_state_pool(2)
+    pool.normal_()
+    before = pool.clone()
+    t = _stream(rng, 5, cfg.vocab_size, cfg.eos_token_id)
+    h = torch.randn(5, cfg.hc_hidden_size)
+    batch = Batch.build([5], [-1], torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id), pool)
+    out = layer(h, t, batch)
+    assert torch.equal(pool, before)
+    # no conv: hidden + v, where v + conv = transformers' output with a zero conv weight
+    with torch.no_grad():
+        mod.conv1d.weight.zero_()
+    torch.testing.assert_close(out, _hf_oneshot(mod, h, t), rtol=1e-5, atol=1e-5)
+
+
+def test_prefetched_lookup_gives_the_same_output():
+    hf, mod, rng = _random_hf(11)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    lens = [3, 7, 1]
+    toks = torch.cat([_stream(rng, n, cfg.vocab_size, cfg.eos_token_id) for n in lens])
+    h = torch.randn(sum(lens), cfg.hc_hidden_size)
+    ctx = torch.full((3, cfg.ngram_size - 1), cfg.eos_token_id)
+    outs = []
+    for use_prefetch in (False, True):
+        batch = Batch.build(lens, [0, 1, 2], ctx, layer.new_state_pool(3))
+        handle = layer.start_prefetch(toks, batch) if use_prefetch else None
+        outs.append(layer(h, toks, batch, prefetched=handle))
+    assert torch.equal(outs[0], outs[1])
