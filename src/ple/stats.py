@@ -1,0 +1,84 @@
+"""Row traffic statistics of a token stream: what a cache of hot rows in a faster tier would save.
+
+Per head: distinct rows touched, the share of lookups served by the hottest 1% / 10% of touched
+rows (reuse), and bucket load — how many distinct n-grams share a row (the hash collision view).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import PLEConfig
+from .ngram import fresh_context, ngram_ids
+from .ngram.torch_impl import ngram_windows
+
+__all__ = ["read_token_file", "row_traffic"]
+
+
+def read_token_file(path: str | os.PathLike) -> torch.Tensor:
+    """Token ids from a ``.npy`` file or a text file of integers (separated by spaces, commas or newlines)."""
+    p = Path(path)
+    if p.suffix == ".npy":
+        arr = np.load(p, allow_pickle=False)
+        return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64)))
+    text = p.read_text().replace(",", " ").split()
+    try:
+        return torch.tensor([int(t) for t in text], dtype=torch.int64)
+    except ValueError as e:
+        raise ValueError(f"{p}: token files hold integers only ({e})") from None
+
+
+def _top_share(counts: torch.Tensor, fraction: float) -> float:
+    """Share of all lookups that the hottest ``fraction`` of touched rows serve."""
+    k = max(1, int(round(fraction * counts.numel())))
+    return float(torch.topk(counts, k).values.sum()) / float(counts.sum())
+
+
+def row_traffic(tokens: torch.Tensor, config: PLEConfig, ple_layer_index: int = 0) -> dict:
+    """Statistics of the rows a stream of tokens (one request; EOS separates documents) reads.
+
+    Returns ``{"tokens", "lookups", "heads": [{"head", "order", "rows", "distinct_rows",
+    "top1_share", "top10_share", "distinct_ngrams", "shared_rows", "max_bucket_load"}], "total": {...}}``.
+    """
+    lay = config.layout(ple_layer_index)
+    eos = config.eos_token_id
+    qsl = torch.tensor([0, tokens.numel()])
+    ctx = fresh_context(1, lay, eos)
+    ids = ngram_ids(tokens, qsl, ctx, lay, eos)
+    y = ngram_windows(tokens, qsl, ctx, lay.ngram_size, eos)
+    heads = []
+    for g in range(lay.num_heads):
+        order = g // lay.heads_per_ngram + 2
+        col = ids[:, g]
+        rows, counts = torch.unique(col, return_counts=True)
+        grams = torch.unique(torch.cat([col.unsqueeze(1), y[:, :order]], dim=1), dim=0)  # distinct (row, n-gram)
+        _, per_row = torch.unique(grams[:, 0], return_counts=True)
+        heads.append(
+            {
+                "head": g,
+                "order": order,
+                "rows": lay.head_sizes[g],
+                "distinct_rows": int(rows.numel()),
+                "top1_share": _top_share(counts, 0.01),
+                "top10_share": _top_share(counts, 0.10),
+                "distinct_ngrams": int(grams.shape[0]),
+                "shared_rows": int((per_row > 1).sum()),
+                "max_bucket_load": int(per_row.max()) if per_row.numel() else 0,
+            }
+        )
+    all_rows, all_counts = torch.unique(ids.reshape(-1), return_counts=True)
+    return {
+        "tokens": int(tokens.numel()),
+        "lookups": int(ids.numel()),
+        "heads": heads,
+        "total": {
+            "distinct_rows": int(all_rows.numel()),
+            "top1_share": _top_share(all_counts, 0.01) if all_counts.numel() else 0.0,
+            "top10_share": _top_share(all_counts, 0.10) if all_counts.numel() else 0.0,
+            "bytes_per_row_fp8": lay.head_dim,
+        },
+    }

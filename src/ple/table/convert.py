@@ -1,0 +1,221 @@
+"""Convert a PLE layer's table, shard by shard, into a table file; compare a file with its source.
+
+The source is an iterator of ``(k, rows, scale)`` shards (any order; a checkpoint reader provides
+it): ``rows [n_k, head_dim]`` plain (bf16/fp16/fp32, ``scale`` None), fp8 with the global scale
+(``[1]``), or fp8/int8 with per-row scales (``[n_k, 1]``). Memory stays bounded by one shard plus
+one chunk of fp32 rows.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .file import MmapTable, TableFileWriter, _tensor_bytes
+from .formats import format_info, infer_format
+from .quantize import QuantError, RowErrors, dequantize, quantize_rows
+
+__all__ = ["convert_layer", "compare_with_source"]
+
+_TARGETS = (None, "fp8_row", "int8_row")
+_CHUNK_ROWS = 1 << 17
+
+
+def _source_format(k: int, rows: torch.Tensor, scale: torch.Tensor | None) -> str:
+    try:
+        return infer_format(rows, scale)
+    except ValueError as e:
+        raise ValueError(f"source shard {k}: {e}") from None
+
+
+def _scale_chunk(scale: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor | None:
+    if scale is None or scale.dim() != 2:
+        return scale
+    return scale[c0:c1]
+
+
+def _dequantized(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Source rows in fp32 (a global fp8 scale is applied before any requantization)."""
+    return dequantize(rows, None if scale is None else scale.float(), torch.float32)
+
+
+def convert_layer(
+    shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]],
+    out_path: str | os.PathLike,
+    layout_hash: str | dict,
+    rows: int,
+    head_dim: int,
+    shard_rows: int,
+    to: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    head_ranges: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """Write one layer's table file from its source shards.
+
+    Args:
+        shard_iter: yields ``(k, rows [n_k, head_dim], scale | None)`` for every shard of the table.
+        out_path: the table file to create (atomically; see :class:`TableFileWriter`).
+        layout_hash: hash of the layout fields (str) or the fields (dict), stored in the header.
+        rows, head_dim, shard_rows: table geometry; shard ``k`` holds rows
+            ``[k*shard_rows, min((k+1)*shard_rows, rows))``.
+        to: None keeps the source format; "fp8_row" / "int8_row" dequantize each row (fp32,
+            with the source's global or per-row scale) and requantize it with its own scale.
+        force: replace an existing file.
+        progress: show a tqdm progress bar (rows written).
+        head_ranges: row ranges ``(start, stop)`` of the hash heads for per-head error statistics.
+
+    Returns:
+        ``{"path", "format", "source_format", "rows", "error": {max_rel, rms_rel, rows},
+        "per_head": [{start, stop, max_rel, rms_rel, rows}, ...]}``; errors are relative to the
+        fp32 dequantized source (see :mod:`ple.table.quantize`); zero when ``to`` is None.
+    """
+    if to not in _TARGETS:
+        raise ValueError(f"convert_layer: to must be one of {list(_TARGETS)}, got {to!r}")
+    heads = [(int(a), int(b)) for a, b in (head_ranges or [])]
+    for a, b in heads:
+        if not 0 <= a <= b <= rows:
+            raise ValueError(f"head range ({a}, {b}) is not inside the table's rows [0, {rows})")
+    it = iter(shard_iter)
+    try:
+        first = next(it)
+    except StopIteration:
+        raise ValueError("convert_layer: the source yielded no shards") from None
+    src_fmt = _source_format(first[0], first[1], first[2])
+    out_fmt = src_fmt if to is None else to
+    head_err = [QuantError() for _ in heads]
+    total_err = QuantError()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"convert {Path(out_path).name}")
+    try:
+        with TableFileWriter(out_path, rows, head_dim, out_fmt, shard_rows, layout_hash, force=force) as w:
+            for item in _chain(first, it):
+                k, src, scale = item
+                fmt = _source_format(k, src, scale)
+                if fmt != src_fmt:
+                    raise ValueError(f"source shard {k} is {fmt!r}, but shard {first[0]} was {src_fmt!r}")
+                start, stop = w.shard_range(k)
+                if to is None:
+                    w.write_shard(k, src, scale)
+                    total_err.rows += stop - start
+                    for (a, b), e in zip(heads, head_err):
+                        e.rows += max(0, min(b, stop) - max(a, start))
+                else:
+                    q, qs = _requantize_shard(
+                        k, src, scale, head_dim, stop - start, to, start, heads, head_err, total_err
+                    )
+                    w.write_shard(k, q, qs)
+                if bar is not None:
+                    bar.update(stop - start)
+    finally:
+        if bar is not None:
+            bar.close()
+    return {
+        "path": str(out_path),
+        "format": out_fmt,
+        "source_format": src_fmt,
+        "rows": rows,
+        "error": total_err.to_dict(),
+        "per_head": [{"start": a, "stop": b, **e.to_dict()} for (a, b), e in zip(heads, head_err)],
+    }
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, total_err):
+    if tuple(src.shape) != (n, head_dim):
+        raise ValueError(f"source shard {k}: expected rows of shape [{n}, {head_dim}], got {tuple(src.shape)}")
+    q = torch.empty(n, head_dim, dtype=format_info(to).storage_dtype)
+    qs = torch.empty(n, 1, dtype=torch.float32)
+    for c0 in range(0, n, _CHUNK_ROWS):
+        c1 = min(n, c0 + _CHUNK_ROWS)
+        x = _dequantized(src[c0:c1].cpu(), _scale_chunk(scale, c0, c1))
+        qc, sc = quantize_rows(x, to)
+        q[c0:c1] = qc
+        qs[c0:c1] = sc
+        errs = RowErrors.of(x, dequantize(qc, sc, torch.float32))
+        total_err.add(errs)
+        g0, g1 = start + c0, start + c1
+        for (a, b), e in zip(heads, head_err):
+            lo, hi = max(a, g0), min(b, g1)
+            if lo < hi:
+                e.add(errs, lo - g0, hi - g0)
+    return q, qs
+
+
+def _row_mismatch(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Indices of rows whose bytes differ (``a``, ``b``: ``[n, row_bytes]`` uint8)."""
+    return np.nonzero((a != b).any(axis=1))[0]
+
+
+def compare_with_source(
+    path: str | os.PathLike, shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]]
+) -> list[str]:
+    """Compare a table file with the source it was converted from, exactly; returns problems.
+
+    A file in the source's format must hold the source's bytes (scales as fp32); a requantized
+    file must hold exactly what :func:`~ple.table.quantize_rows` gives for the dequantized source.
+    Shards missing from the source, or of the wrong size, are problems too.
+    """
+    table = MmapTable.open(path)
+    problems: list[str] = []
+    num_shards = table.header["num_shards"]
+    seen: set[int] = set()
+    scale_reported = False
+    rn = table.header["row_nbytes"]
+    for k, src, scale in shard_iter:
+        start, stop = table.shard_range(k)
+        n = stop - start
+        if src.shape[0] != n or (n and src.shape[1] != table.head_dim):
+            problems.append(f"shard {k}: source has shape {tuple(src.shape)}, the file has [{n}, {table.head_dim}]")
+            continue
+        seen.add(k)
+        if n == 0:
+            continue
+        src_fmt = _source_format(k, src, scale)
+        bad_rows = 0
+        first_bad = None
+        for c0 in range(0, n, _CHUNK_ROWS):
+            c1 = min(n, c0 + _CHUNK_ROWS)
+            s = _scale_chunk(scale, c0, c1)
+            if src_fmt == table.format:
+                want_q, want_s = src[c0:c1], s
+            else:
+                want_q, want_s = quantize_rows(_dequantized(src[c0:c1].cpu(), s), table.format)
+            got = _tensor_bytes(table.data[start + c0 : start + c1]).reshape(c1 - c0, rn)
+            want = _tensor_bytes(want_q).reshape(c1 - c0, rn)
+            diff = _row_mismatch(got, want)
+            if table.scale is not None and table.scale.dim() == 2:
+                got_s = _tensor_bytes(table.scale[start + c0 : start + c1]).reshape(c1 - c0, 4)
+                want_s_b = _tensor_bytes(want_s.float()).reshape(c1 - c0, 4)
+                diff = np.union1d(diff, _row_mismatch(got_s, want_s_b))
+            if len(diff):
+                bad_rows += len(diff)
+                first_bad = start + c0 + int(diff[0]) if first_bad is None else first_bad
+        same_global = table.scale is not None and table.scale.dim() == 1 and scale is not None
+        if same_global and src_fmt == table.format and not scale_reported:
+            if float(scale.float().reshape(-1)[0]) != float(table.scale[0]):
+                scale_reported = True
+                problems.append(
+                    f"global scale: file has {float(table.scale[0])}, the source {float(scale.reshape(-1)[0])}"
+                )
+        if bad_rows:
+            problems.append(
+                f"shard {k} (rows [{start}, {stop})): {bad_rows} rows differ from the source, first at row {first_bad}"
+            )
+    for k in range(num_shards):
+        if k not in seen:
+            a, b = table.shard_range(k)
+            problems.append(f"shard {k} (rows [{a}, {b})) is in the file but not in the source")
+    return problems

@@ -1,0 +1,151 @@
+"""Storage formats of a PLE table and the tensor checks shared by every tier.
+
+A table is ``data [rows, head_dim]`` in a storage dtype plus, for quantized formats, a float
+scale: one global value (``[1]``) or one value per row (``[rows, 1]``).
+
+| format     | storage dtype         | scale        |
+|------------|-----------------------|--------------|
+| "bf16"     | torch.bfloat16        | none         |
+| "fp16"     | torch.float16         | none         |
+| "fp32"     | torch.float32         | none         |
+| "fp8"      | torch.float8_e4m3fn   | global, [1]  |
+| "fp8_row"  | torch.float8_e4m3fn   | per row, [rows, 1] |
+| "int8_row" | torch.int8            | per row, [rows, 1] |
+
+Dequantization (SPEC section 5) is ``row.to(dtype) * scale.to(dtype)`` in the activation dtype,
+``row.to(dtype)`` for plain formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "FORMATS",
+    "ACTIVATION_DTYPES",
+    "FormatInfo",
+    "format_info",
+    "infer_format",
+    "check_table_tensors",
+    "check_ids",
+    "IdOutOfRangeError",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatInfo:
+    """What a format name means: storage dtype and scale kind ("none", "global" or "row")."""
+
+    name: str
+    storage_dtype: torch.dtype
+    scale_kind: str
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.storage_dtype).element_size()
+
+
+_INFOS = {
+    "bf16": FormatInfo("bf16", torch.bfloat16, "none"),
+    "fp16": FormatInfo("fp16", torch.float16, "none"),
+    "fp32": FormatInfo("fp32", torch.float32, "none"),
+    "fp8": FormatInfo("fp8", torch.float8_e4m3fn, "global"),
+    "fp8_row": FormatInfo("fp8_row", torch.float8_e4m3fn, "row"),
+    "int8_row": FormatInfo("int8_row", torch.int8, "row"),
+}
+
+FORMATS: tuple[str, ...] = tuple(_INFOS)
+"""Every table format name."""
+
+ACTIVATION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Dtypes a lookup may return."""
+
+_PLAIN_BY_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def format_info(format: str) -> FormatInfo:
+    """The :class:`FormatInfo` of a format name; unknown names raise ``ValueError``."""
+    try:
+        return _INFOS[format]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown table format {format!r}: expected one of {list(FORMATS)}") from None
+
+
+def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
+    """Format name of ``data [rows, head_dim]`` with ``scale`` (None, ``[1]`` or ``[rows, 1]``).
+
+    A 2-D scale is per-row; a scale with one element and at most one dimension is global.
+    """
+    if scale is None:
+        if data.dtype in _PLAIN_BY_DTYPE:
+            return _PLAIN_BY_DTYPE[data.dtype]
+        raise ValueError(
+            f"table data of dtype {data.dtype} needs a scale: plain tables are one of {list(_PLAIN_BY_DTYPE)}"
+        )
+    per_row = scale.dim() == 2
+    if data.dtype == torch.float8_e4m3fn:
+        return "fp8_row" if per_row else "fp8"
+    if data.dtype == torch.int8 and per_row:
+        return "int8_row"
+    raise ValueError(
+        f"no table format stores data of dtype {data.dtype} with a scale of shape {tuple(scale.shape)}: "
+        f"expected float8_e4m3fn with [1] or [rows, 1], or int8 with [rows, 1]"
+    )
+
+
+def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: str | None = None) -> str:
+    """Validate a table's tensors; return its format name (inferred when ``format`` is None).
+
+    ``data`` must be ``[rows, head_dim]`` of the format's storage dtype; a global scale has one
+    element, a per-row scale is ``[rows, 1]``; scales are floating point.
+    """
+    if not isinstance(data, torch.Tensor) or data.dim() != 2:
+        shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
+        raise ValueError(f"table data must be a 2-D tensor [rows, head_dim], got {shape}")
+    if scale is not None and not scale.is_floating_point():
+        raise ValueError(f"table scale must be a floating point tensor, got dtype {scale.dtype}")
+    fmt = infer_format(data, scale) if format is None else format
+    info = format_info(fmt)
+    if data.dtype != info.storage_dtype:
+        raise ValueError(f"format {fmt!r} stores {info.storage_dtype}, but the data is {data.dtype}")
+    if info.scale_kind == "none" and scale is not None:
+        raise ValueError(f"format {fmt!r} has no scale, but a scale of shape {tuple(scale.shape)} was given")
+    if info.scale_kind == "global" and (scale is None or scale.numel() != 1 or scale.dim() > 1):
+        got = None if scale is None else tuple(scale.shape)
+        raise ValueError(f"format {fmt!r} needs one global scale of shape [1], got {got}")
+    if info.scale_kind == "row" and (scale is None or tuple(scale.shape) != (data.shape[0], 1)):
+        got = None if scale is None else tuple(scale.shape)
+        raise ValueError(f"format {fmt!r} needs a per-row scale of shape [{data.shape[0]}, 1], got {got}")
+    return fmt
+
+
+class IdOutOfRangeError(IndexError):
+    """A row id lies outside ``[0, rows)``; the message names the id and its (token, head)."""
+
+
+def check_ids(ids: torch.Tensor, rows: int) -> None:
+    """Check ``ids [T, G]`` int64 lie in ``[0, rows)``.
+
+    Raises :class:`IdOutOfRangeError` naming the first bad id and its (token, head) position.
+    On an accelerator this reads one flag back to the host (a synchronization).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"row ids must be a 2-D tensor [T, G], got {shape}")
+    if ids.dtype != torch.int64:
+        raise ValueError(f"row ids must be int64, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if bool(bad.any()):
+        t, g = (int(v) for v in bad.nonzero()[0])
+        raise IdOutOfRangeError(
+            f"row id {int(ids[t, g])} at (token {t}, head {g}) is out of range: the table has rows [0, {rows})"
+        )
+
+
+def check_activation_dtype(dtype: torch.dtype) -> None:
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"lookup dtype must be one of {list(ACTIVATION_DTYPES)}, got {dtype}")

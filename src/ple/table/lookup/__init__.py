@@ -1,0 +1,46 @@
+"""Table lookup: gather rows by id and dequantize (SPEC section 5).
+
+``gather_dequant`` is the dispatcher; its twins share one signature:
+
+- :func:`gather_dequant_reference` — literal advanced indexing + ``row.to(dtype) * scale.to(dtype)``;
+- :func:`gather_dequant_torch` — one ``index_select`` + one dequantization pass (CPU);
+- :func:`gather_dequant_triton` — one gather+dequantize kernel (CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import gather_dequant_reference
+from .torch_impl import dequantize_rows_into, gather_dequant_torch
+
+__all__ = ["gather_dequant", "gather_dequant_reference", "gather_dequant_torch", "dequantize_rows_into"]
+
+
+def gather_dequant(
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """``[T, G*D]`` rows ``data[ids]`` dequantized to ``dtype``, on the ids' device.
+
+    Picks the implementation from the ids' device: CUDA -> Triton kernel (``data`` on that device
+    or in pinned host memory), CPU -> torch fast path (``data`` on the CPU). Results are bit-exact
+    with :func:`gather_dequant_reference`.
+    """
+    if ids.device.type == "cuda":
+        if data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
+            raise ValueError(
+                f"ids on {ids.device} need the table data on that device or in pinned host memory, "
+                f"got data on {data.device}"
+            )
+        from .triton_impl import gather_dequant_triton
+
+        return gather_dequant_triton(data, scale, ids, dtype, out=out, check=check)
+    if data.device.type != "cpu":
+        raise ValueError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
+    return gather_dequant_torch(data, scale, ids, dtype, out=out, check=check)

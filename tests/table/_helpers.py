@@ -1,0 +1,64 @@
+"""Shared helpers of the table tests: random tables of every format, table files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ple.table import TableFileWriter, format_info, quantize_global, quantize_rows
+
+PLAIN = ("bf16", "fp16", "fp32")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def make_table(fmt: str, rows: int, head_dim: int, seed: int = 0, amp: float = 3.0):
+    """Random ``(data [rows, head_dim], scale)`` of format ``fmt``, with rows of varied magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, head_dim, generator=g) * amp
+    x *= torch.exp(torch.randn(rows, 1, generator=g))  # rows of different magnitudes
+    if fmt in PLAIN:
+        return x.to(format_info(fmt).storage_dtype), None
+    if fmt == "fp8":
+        return quantize_global(x)
+    return quantize_rows(x, fmt)
+
+
+def random_ids(rows: int, T: int, G: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, rows, (T, G), generator=g, dtype=torch.int64)
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
+    """Exact equality that also matches NaN with NaN (for inputs that overflow to inf * 0)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, msg
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=msg or None)
+
+
+LAYOUT = {"vocab_size": 1000, "ngram_size": 3, "heads_per_ngram": 2, "seed": 1234, "ple_layer_index": 0}
+
+
+def shard_parts(data, scale, shard_rows):
+    rows = data.shape[0]
+    for k in range(-(-rows // shard_rows)):
+        a, b = k * shard_rows, min(rows, (k + 1) * shard_rows)
+        s = scale[a:b] if scale is not None and scale.dim() == 2 else scale
+        yield k, data[a:b], s
+
+
+def write_file(path, fmt, data, scale, shard_rows, order=None, **kw):
+    parts = list(shard_parts(data, scale, shard_rows))
+    if order is not None:
+        parts = [parts[i] for i in order]
+    with TableFileWriter(path, data.shape[0], data.shape[1], fmt, shard_rows, LAYOUT, **kw) as w:
+        for k, rows, s in parts:
+            w.write_shard(k, rows, s)
+    return path
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))

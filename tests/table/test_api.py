@@ -1,0 +1,38 @@
+import ple.table as table
+
+
+def test_public_api_is_pinned():
+    assert sorted(table.__all__) == sorted(
+        [
+            "FORMATS",
+            "IdOutOfRangeError",
+            "MemoryTable",
+            "MmapTable",
+            "PinnedHostTable",
+            "Prefetch",
+            "PrefetchError",
+            "QuantError",
+            "Table",
+            "TableFileError",
+            "TableFileWriter",
+            "check_ids",
+            "compare_with_source",
+            "convert_layer",
+            "dequantize",
+            "format_info",
+            "gather_dequant",
+            "gather_dequant_reference",
+            "gather_dequant_torch",
+            "hash_layout",
+            "infer_format",
+            "quantization_error",
+            "quantize_global",
+            "quantize_rows",
+            "read_table_header",
+            "verify_table_file",
+            "write_sparse_table_file",
+        ]
+    )
+    for name in table.__all__:
+        assert hasattr(table, name), name
+    assert table.FORMATS == ("bf16", "fp16", "fp32", "fp8", "fp8_row", "int8_row")

@@ -1,0 +1,112 @@
+"""The Triton gather+dequantize kernel, run by the Triton interpreter on the CPU (tiny shapes)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from ple.table import FORMATS, MmapTable, gather_dequant_reference, write_sparse_table_file
+
+from ._helpers import DTYPES, assert_same, make_table, random_ids
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def tri():
+    """``ple.table.lookup.triton_impl`` with its kernel built for this machine: natively on CUDA,
+    otherwise under the Triton interpreter. ``TRITON_INTERPRET`` is read when a kernel is defined,
+    so it is set (for this module's tests only) before the module is imported or reloaded."""
+    if torch.cuda.is_available():
+        import ple.table.lookup.triton_impl as mod
+
+        yield mod
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        import ple.table.lookup.triton_impl as mod
+
+        if not isinstance(mod._gather_dequant_kernel, InterpretedFunction):
+            mod = importlib.reload(mod)
+        yield mod
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(3, 2, 20), (1, 1, 7), (2, 3, 160)], ids=lambda s: "T{}_G{}_D{}".format(*s))
+def test_triton_exact(tri, fmt, shape):
+    mod = tri
+    T, G, D = shape
+    data, scale = make_table(fmt, 37, D, seed=D)
+    ids = random_ids(37, T, G, seed=T)
+    dev = _device()
+    for dtype in DTYPES:
+        ref = gather_dequant_reference(data, scale, ids, dtype)
+        out = torch.full((T, G * D), float("nan"), dtype=dtype, device=dev)
+        got = mod.gather_dequant_triton(
+            data.to(dev), None if scale is None else scale.to(dev), ids.to(dev), dtype, out=out
+        )
+        assert got is out
+        assert_same(got.cpu(), ref, f"{fmt} {dtype}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 overflow to inf, on purpose
+def test_triton_extreme_values_and_strides(tri):
+    mod = tri
+    dev = _device()
+    fp8 = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    base = fp8.view(torch.float8_e4m3fn).reshape(-1, 2).repeat(1, 2)  # [127, 4]
+    data = base[:, 1:3]  # non-contiguous rows
+    ids = torch.arange(127).reshape(-1, 1)[::2]  # [64, 1] strided view
+    for scale in (torch.tensor([3.1e-3]), torch.tensor([6.0e4]), torch.logspace(-6, 6, 127).reshape(-1, 1)):
+        for dtype in DTYPES:
+            ref = gather_dequant_reference(data, scale, ids, dtype)
+            got = mod.gather_dequant_triton(data.to(dev), scale.to(dev), ids.to(dev), dtype)
+            assert_same(got.cpu(), ref, f"scale {scale.flatten()[:2]} {dtype}")
+    # fp32 -> bf16 rounding ties and carries (the interpreter's own cast truncates)
+    x = torch.tensor([[1.00390625, 1.01171875, -1.00390625, 3.0e38, 1.0e-3, -0.0]], dtype=torch.float32)
+    x = torch.cat([x, torch.randn(8, 6) * 100])
+    ids = torch.arange(9).reshape(9, 1)
+    got = mod.gather_dequant_triton(x.to(dev), None, ids.to(dev), torch.bfloat16)
+    assert_same(got.cpu(), gather_dequant_reference(x, None, ids, torch.bfloat16))
+
+
+def test_triton_unchecked_bad_ids_give_zero_rows(tri):
+    mod = tri
+    data, scale = make_table("int8_row", 10, 4)
+    ids = torch.tensor([[1, 10], [-1, 2]])
+    got = mod.gather_dequant_triton(data, scale, ids, torch.float32, check=False)
+    ref_ok = gather_dequant_reference(data, scale, torch.tensor([[1, 2]]), torch.float32)
+    assert torch.equal(got[0, :4], ref_ok[0, :4]) and torch.equal(got[1, 4:], ref_ok[0, 4:])
+    assert torch.equal(got[0, 4:], torch.zeros(4)) and torch.equal(got[1, :4], torch.zeros(4))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="memory map of host rows: interpreter-only check")
+def test_triton_int64_row_addressing(tri, tmp_path):
+    """Byte offsets past 2^31: a sparse 2.3 GB fp8 table, rows written near the end."""
+    mod = tri
+    rows, D = 14_500_000, 160  # 2.32e9 bytes > 2^31
+    ids = torch.tensor([[rows - 1, 13_500_001], [0, 13_421_773]])  # 13_421_773 * 160 > 2^31
+    flat = ids.reshape(-1)
+    # bytes 8..107: no NaN pattern
+    vals = ((torch.arange(4 * D).reshape(4, D) % 100) + 8).to(torch.uint8).view(torch.float8_e4m3fn)
+    path = write_sparse_table_file(tmp_path / "big.ple", rows, D, "fp8", "h", flat, vals, torch.tensor([0.5]))
+    table = MmapTable.open(path)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = mod.gather_dequant_triton(table.data, table.scale, ids, dtype)
+        want = (vals.to(dtype) * torch.tensor([0.5]).to(dtype)).reshape(2, 2 * D)
+        assert torch.equal(got, want)

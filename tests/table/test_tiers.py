@@ -1,0 +1,45 @@
+"""Tier-specific behaviour: pinned host tables (CUDA only), accelerator tables, device placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ple.table import FORMATS, MemoryTable, PinnedHostTable, Table, gather_dequant_reference
+
+from ._helpers import DTYPES, make_table, random_ids
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_pinned_table_without_cuda_names_the_missing_cuda():
+    data, scale = make_table("fp8", 10, 4)
+    with pytest.raises(RuntimeError, match=r"PinnedHostTable needs CUDA.*torch.cuda.is_available\(\) is False"):
+        PinnedHostTable(data, scale)
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        PinnedHostTable.empty(10, 4, "fp8")
+
+
+def test_every_tier_is_a_table():
+    assert issubclass(MemoryTable, Table) and issubclass(PinnedHostTable, Table)
+    with pytest.raises(TypeError):
+        Table("bf16", 1, 1)  # abstract
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pinned_and_device_tables_exact(fmt):
+    data, scale = make_table(fmt, 1000, 160, seed=2)
+    ids = random_ids(1000, 129, 16)
+    tables = [PinnedHostTable(data, scale), MemoryTable(data.cuda(), None if scale is None else scale.cuda())]
+    assert tables[0].data.is_pinned() and tables[0].device == torch.device("cpu")
+    for table in tables + [MemoryTable(data, scale)]:
+        for dtype in DTYPES:
+            ref = gather_dequant_reference(data, scale, ids, dtype)
+            assert torch.equal(table.lookup(ids.cuda(), dtype).cpu(), ref)
+            assert torch.equal(table.lookup(ids, dtype), ref)
+            h = table.start_prefetch(ids.cuda(), dtype)
+            assert torch.equal(h.wait().cpu(), ref)
+            h.release()
+        table.close()

@@ -1,0 +1,130 @@
+"""ple convert / verify / stats / demo, end to end on small synthesized checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from ple.cli import main
+from ple.config import PLEConfig
+from ple.demo import synthesize_checkpoint
+from ple.ngram import fresh_context, reference
+from ple.table import MmapTable
+
+SMALL = dict(
+    hidden_size=32,
+    hc_count=2,
+    ple_layer_ids=(2, 3),
+    ple_embed_dim=32,
+    ngram_size=3,
+    heads_per_ngram=2,
+    vocab_size=500,
+    ngram_vocab_size_base=700,
+    make_ngram_vocab_size_divisible_by=64,
+    split_ngram_parts=7,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    cfg = PLEConfig(**SMALL)
+    return cfg, synthesize_checkpoint(cfg, tmp_path_factory.mktemp("ckpt"), seed=3, files=3)
+
+
+def test_convert_then_verify_and_lookup(small_checkpoint, tmp_path, capsys):
+    cfg, ckpt = small_checkpoint
+    out = tmp_path / "tables"
+    assert main(["convert", str(ckpt), str(out)]) == 0
+    files = sorted(out.glob("*.pletable"))
+    assert [f.name for f in files] == [
+        "model.language_model.layers.1.ple.pletable",
+        "model.language_model.layers.2.ple.pletable",
+    ]
+    for f in files:
+        assert main(["verify", str(f), "--checkpoint", str(ckpt)]) == 0
+    # the file serves exactly the rows the loader assembles
+    from ple.checkpoint import load_ple_weights
+
+    w = load_ple_weights(ckpt, cfg)
+    for idx, f in enumerate(files):
+        t = MmapTable.open(f)
+        ids = torch.randint(0, cfg.layout(idx).padded_rows, (17, cfg.num_heads))
+        assert torch.equal(t.lookup(ids, torch.float32), w[idx].table.lookup(ids, torch.float32))
+    # no overwrite without --force
+    capsys.readouterr()
+    with pytest.raises(FileExistsError):
+        main(["convert", str(ckpt), str(out), "--layers", "0"])
+    assert main(["convert", str(ckpt), str(out), "--layers", "0", "--force"]) == 0
+
+
+def test_verify_reports_flipped_byte(small_checkpoint, tmp_path, capsys):
+    cfg, ckpt = small_checkpoint
+    out = tmp_path / "t"
+    assert main(["convert", str(ckpt), str(out), "--layers", "1"]) == 0
+    (f,) = out.glob("*.pletable")
+    header = MmapTable.open(f).header
+    lay = cfg.layout(1)
+    shard = 3
+    row = lay.shard_range(shard)[0] + 5
+    pos = header["data_offset"] + row * header["row_nbytes"] + 2
+    with open(f, "r+b") as fh:
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0x10]))
+    capsys.readouterr()
+    assert main(["verify", str(f)]) == 1
+    text = capsys.readouterr().out
+    assert f"shard {shard}" in text
+
+
+def test_convert_to_int8_reports_error(small_checkpoint, tmp_path, capsys):
+    cfg, ckpt = small_checkpoint
+    capsys.readouterr()
+    assert main(["convert", str(ckpt), str(tmp_path), "--to", "int8", "--layers", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "quantization error" in text and "head  3" in text
+    (f,) = tmp_path.glob("*.pletable")
+    assert MmapTable.open(f).format == "int8_row"
+    assert main(["verify", str(f), "--checkpoint", str(ckpt)]) == 0
+
+
+def test_stats_counts_rows_and_collisions(tmp_path, capsys):
+    cfg = PLEConfig(**SMALL)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (3000,), generator=g)
+    tokens[::37] = cfg.eos_token_id
+    (tmp_path / "tokens.txt").write_text(",".join(map(str, tokens.tolist())))
+    capsys.readouterr()
+    assert main(["stats", str(tmp_path), "--tokens", str(tmp_path / "tokens.txt"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    lay = cfg.layout(0)
+    ids = reference.ngram_ids(tokens, torch.tensor([0, len(tokens)]), fresh_context(1, lay, 2), lay, 2)
+    windows = reference.ngram_tokens(tokens.tolist(), 3, 2)
+    for h in res["heads"]:
+        g_ = h["head"]
+        col = ids[:, g_].tolist()
+        assert h["distinct_rows"] == len(set(col))
+        grams = {(r, tuple(w[: h["order"]])) for r, w in zip(col, windows)}
+        assert h["distinct_ngrams"] == len(grams)
+        per_row = {}
+        for r, _ in grams:
+            per_row[r] = per_row.get(r, 0) + 1
+        assert h["shared_rows"] == sum(1 for v in per_row.values() if v > 1)
+        assert h["max_bucket_load"] == max(per_row.values())
+        assert 0 < h["top1_share"] <= h["top10_share"] <= 1
+    assert res["total"]["distinct_rows"] == len(set(ids.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("tier", ["memory", "mmap"])
+def test_demo_runs_and_checks(tier, tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--tier", tier, "--requests", "6", "--slots", "3", "--no-progress", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "every kept output equals the one-shot reference" in text
+    res = json.loads(out.read_text())
+    assert res["tier"] == tier and res["checked_tokens"] > 0
+    assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
