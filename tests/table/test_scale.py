@@ -26,13 +26,22 @@ RSS_LIMIT = 2 << 30
 
 
 def scale_ids() -> torch.Tensor:
-    """``[T, 16]`` int64 row ids to serve (any ids in [0, ROWS): here seeded random, spread over the
-    whole table, with repeats; n-gram ids of real token streams can be passed instead)."""
+    """``[T, 16]`` row ids to serve: the n-gram ids of seeded token streams (64 requests of 64
+    tokens, EOS in places) at the published geometry, plus one row of edge ids (first row, last
+    row, a row past 2^31 bytes)."""
+    from ple.config import PLEConfig
+    from ple.ngram import fresh_context, ngram_ids
+
+    cfg = PLEConfig(hidden_size=2560, hc_count=4, eos_token_id=248044, split_ngram_parts=128, ple_layer_ids=(2,))
+    lay = cfg.layout(0)
+    assert lay.padded_rows == ROWS and lay.head_dim == HEAD_DIM
     g = torch.Generator().manual_seed(20260101)
-    ids = torch.randint(0, ROWS, (4096, HEADS), generator=g, dtype=torch.int64)
-    ids[:, 0] = ids[:, 1]  # repeated ids
-    ids[0, :4] = torch.tensor([0, ROWS - 1, 2**31 // HEAD_DIM + 1, ROWS // 2])
-    return ids
+    tokens = torch.randint(0, cfg.vocab_size, (64 * 64,), generator=g)
+    tokens[torch.randint(0, tokens.numel(), (200,), generator=g)] = cfg.eos_token_id
+    qsl = torch.arange(0, 64 * 64 + 1, 64)
+    ids = ngram_ids(tokens, qsl, fresh_context(64, lay, cfg.eos_token_id), lay, cfg.eos_token_id)
+    edge = torch.tensor([[0, ROWS - 1, 2**31 // HEAD_DIM + 1, ROWS // 2] * (HEADS // 4)])
+    return torch.cat([edge, ids])
 
 
 def row_bytes(ids: torch.Tensor) -> torch.Tensor:
