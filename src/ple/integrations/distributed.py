@@ -1,0 +1,703 @@
+"""Row-sharded PLE tables across ``torch.distributed`` ranks.
+
+Each rank of a process group holds a contiguous slice ``[row_start, row_stop)`` of the full
+``[total_rows, head_dim]`` table (any tier: memory, accelerator, memory map) and a
+:class:`ShardedTable` answers ``lookup(ids [T, G], dtype) -> [T, G*head_dim]`` for the whole
+table, bit-exact with a single-process lookup, by combining what each rank owns with a
+collective:
+
+- ``"allreduce"`` (the default): every rank writes the rows it owns into a ``[T, G*head_dim]``
+  buffer, zeros elsewhere, and the buffers are summed by ``all_reduce``. The sum runs on the buffers' *bit
+  patterns* (viewed as int32, or uint8 when the byte count is not a multiple of 4), not on the
+  floats: exactly one rank contributes non-zero bits at any position, so the integer sum is a
+  bitwise OR and reproduces the owner's bits whatever the dtype, the reduction order or the
+  backend's float arithmetic (a float sum would turn -0.0 into +0.0 and depends on how NaN
+  payloads and subnormals are treated). Needs the same ``ids`` on every rank.
+- ``"alltoall"``: each rank sends every id to the rank that owns it (``all_to_all_single``), the
+  owners look the ids up and send the rows back. Moves rows, never arithmetic on them. Also
+  works when ranks look up different ids (data-parallel batches), as long as every rank calls.
+
+Collective contract: every rank of the group calls :meth:`ShardedTable.lookup` (and
+:meth:`~ShardedTable.start_prefetch`) the same number of times in the same order, with the same
+``dtype``; with ``"allreduce"`` also with the same ``ids`` (a replicated batch, as in tensor
+parallelism; ``verify_ids=True`` checks it on every call). Collectives run on the ids' device
+(NCCL for CUDA ids, gloo for CPU ids); nothing in the collective path is CPU-specific.
+
+Construction is itself collective: the ranks exchange a fixed-size fingerprint (total rows,
+head_dim, format, layout hash, global scale, method, row range) and, when they disagree or their
+ranges overlap or leave gaps, every rank raises :class:`ShardGeometryError` naming the ranks and
+values, instead of some ranks proceeding into collectives that would never match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ..table import MemoryTable, MmapTable, PrefetchError, Table, check_ids, hash_layout
+from ..table.formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype
+
+__all__ = [
+    "METHODS",
+    "DEFAULT_METHOD",
+    "ShardGeometryError",
+    "ShardedPrefetch",
+    "ShardedTable",
+    "load_sharded",
+    "shard_rows",
+]
+
+METHODS: tuple[str, ...] = ("allreduce", "alltoall")
+"""Ways of combining the ranks' rows (see the module docstring)."""
+
+DEFAULT_METHOD = "allreduce"
+"""The method :class:`ShardedTable` uses unless told otherwise (measured in docs/DISTRIBUTED.md)."""
+
+
+class ShardGeometryError(ValueError):
+    """The ranks of a :class:`ShardedTable` disagree on the table, or their row ranges do not tile it.
+
+    Raised on every rank, with the same list of problems (``problems``), each naming ranks and values.
+    """
+
+    def __init__(self, problems: Sequence[str], rank: int, world_size: int) -> None:
+        self.problems = list(problems)
+        self.rank = rank
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"ShardedTable: the {world_size} ranks of the process group disagree on the sharded table "
+            f"(raised on every rank; this is rank {rank}):\n{lines}"
+        )
+
+
+# ---------------------------------------------------------------------- row ranges
+def shard_rows(total_rows: int, world_size: int, rank: int, *, align: int = 1) -> tuple[int, int]:
+    """Balanced contiguous row range ``[start, stop)`` of ``rank`` among ``world_size`` ranks.
+
+    Rows are split in blocks of ``align`` rows (e.g. a checkpoint's ``shard_rows``, so each rank
+    reads whole checkpoint shards); the first ``blocks % world_size`` ranks get one block more.
+    Ranks past the end get an empty range. Ranges of ranks ``0..world_size-1`` tile
+    ``[0, total_rows)`` in rank order.
+    """
+    for name, v, lo in (("total_rows", total_rows, 0), ("world_size", world_size, 1), ("align", align, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"shard_rows: {name} must be an integer >= {lo}, got {v!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"shard_rows: rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+    blocks = -(-total_rows // align)
+    base, extra = divmod(blocks, world_size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return min(start * align, total_rows), min(stop * align, total_rows)
+
+
+# ---------------------------------------------------------------------- fingerprints
+# Fixed-size int64 record exchanged at construction; -1 marks "absent / invalid".
+_FIELDS = (
+    "total_rows",
+    "head_dim",
+    "format",
+    "layout_hash",
+    "global_scale",
+    "method",
+    "row_start",
+    "row_stop",
+    "local_rows",
+    "local_errors",
+)
+_HASH_HEX = 15  # layout hashes are compared on their first 60 bits (fits int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fingerprint:
+    total_rows: int
+    head_dim: int
+    format: int
+    layout_hash: int
+    global_scale: int
+    method: int
+    row_start: int
+    row_stop: int
+    local_rows: int
+    local_errors: int
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, f) for f in _FIELDS]
+
+    @classmethod
+    def from_list(cls, values: Sequence[int]) -> _Fingerprint:
+        return cls(*(int(v) for v in values))
+
+
+def _nonneg_int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
+
+
+def _hash_bits(layout_hash: str) -> int:
+    try:
+        return int(layout_hash[:_HASH_HEX], 16)
+    except ValueError:  # not a hex digest: hash the text itself
+        return int(hashlib.sha256(layout_hash.encode()).hexdigest()[:_HASH_HEX], 16)
+
+
+def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash):
+    """``(fingerprint, problems)`` of this rank. Never raises: invalid arguments become -1 fields
+    and local problems, reported collectively so every rank fails together."""
+    problems: list[str] = []
+    head_dim = fmt = scale_bits = local_rows = -1
+    if not isinstance(local_table, Table):
+        problems.append(f"local_table must be a ple.table.Table, got {type(local_table).__name__}")
+    else:
+        try:
+            head_dim, fmt, local_rows = local_table.head_dim, FORMATS.index(local_table.format), local_table.rows
+            scale = local_table.scale
+            if scale is not None and scale.dim() < 2:
+                scale_bits = int(scale.detach().reshape(1).float().cpu().view(torch.int32)[0])
+        except Exception as e:  # a table that cannot describe itself
+            problems.append(f"local_table could not be inspected: {type(e).__name__}: {e}")
+    if method not in METHODS:
+        problems.append(f"method {method!r} is unknown; expected one of {list(METHODS)}")
+    for name, v in (("row_start", row_start), ("row_stop", row_stop), ("total_rows", total_rows)):
+        if _nonneg_int(v) < 0:
+            problems.append(f"{name} must be a non-negative integer, got {v!r}")
+    hbits = -1
+    if layout_hash is not None:
+        if isinstance(layout_hash, str) and layout_hash:
+            hbits = _hash_bits(layout_hash)
+        else:
+            problems.append(f"layout_hash must be a non-empty str or a dict, got {layout_hash!r}")
+    fp = _Fingerprint(
+        total_rows=_nonneg_int(total_rows),
+        head_dim=head_dim,
+        format=fmt,
+        layout_hash=hbits,
+        global_scale=scale_bits,
+        method=METHODS.index(method) if method in METHODS else -1,
+        row_start=_nonneg_int(row_start),
+        row_stop=_nonneg_int(row_stop),
+        local_rows=local_rows,
+        local_errors=len(problems),
+    )
+    return fp, problems
+
+
+def _render(field: str, v: int) -> str:
+    if field == "format":
+        return repr(FORMATS[v]) if 0 <= v < len(FORMATS) else "no usable table"
+    if field == "method":
+        return repr(METHODS[v]) if 0 <= v < len(METHODS) else "an unknown method"
+    if field == "layout_hash":
+        return "none given" if v < 0 else f"{v:0{_HASH_HEX}x}..."
+    if field == "global_scale":
+        return "none" if v == -1 else repr(float(torch.tensor([v], dtype=torch.int32).view(torch.float32)[0]))
+    return "invalid" if v < 0 else str(v)
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
+
+
+def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
+    """Problems with the ranks' fingerprints; empty when they describe one table tiled by the ranges."""
+    problems: list[str] = []
+    failed = [r for r, fp in enumerate(fps) if fp.local_errors]
+    if failed:
+        problems.append(f"{_ranks(failed)} could not describe their shard (invalid arguments, listed on that rank)")
+    live = [(r, fp) for r, fp in enumerate(fps) if not fp.local_errors]
+    for field in ("total_rows", "head_dim", "format", "layout_hash", "global_scale", "method"):
+        groups: dict[int, list[int]] = {}
+        for r, fp in live:
+            groups.setdefault(getattr(fp, field), []).append(r)
+        if len(groups) > 1:
+            parts = "; ".join(f"{_ranks(rs)}: {_render(field, v)}" for v, rs in groups.items())
+            problems.append(f"{field} differs across ranks ({parts})")
+    if failed:
+        return problems  # the ranges cannot be judged with a rank missing
+    total = fps[0].total_rows
+    ranges_ok = all(fp.total_rows == total for fp in fps) and total >= 0
+    owned: list[tuple[int, int, int]] = []
+    for r, fp in enumerate(fps):
+        a, b = fp.row_start, fp.row_stop
+        if a < 0 or b < a or (total >= 0 and b > total):
+            problems.append(
+                f"rank {r}: row range [{_render('row_start', a)}, {_render('row_stop', b)}) is not a range within "
+                f"[0, total_rows={_render('total_rows', fp.total_rows)})"
+            )
+            ranges_ok = False
+            continue
+        if fp.local_rows >= 0 and fp.local_rows != b - a:
+            problems.append(
+                f"rank {r}: its local table has {fp.local_rows} rows but its row range [{a}, {b}) has {b - a}"
+            )
+        if b > a:
+            owned.append((a, b, r))
+    if not ranges_ok:
+        return problems
+    owned.sort()
+    cursor, prev = 0, None  # prev: the range reaching furthest so far
+    for a, b, r in owned:
+        if a > cursor:
+            after = "the start of the table" if prev is None else f"rank {prev[2]}'s [{prev[0]}, {prev[1]})"
+            problems.append(
+                f"rows [{cursor}, {a}) are owned by no rank (a gap between {after} and rank {r}'s [{a}, {b}))"
+            )
+        elif a < cursor:
+            problems.append(
+                f"rank {prev[2]}'s rows [{prev[0]}, {prev[1]}) and rank {r}'s rows [{a}, {b}) overlap on "
+                f"[{a}, {min(cursor, b)})"
+            )
+        if b > cursor:
+            cursor, prev = b, (a, b, r)
+    if cursor < total:
+        where = "no rank owns any row" if prev is None else f"after rank {prev[2]}'s [{prev[0]}, {prev[1]})"
+        problems.append(f"rows [{cursor}, {total}) are owned by no rank ({where})")
+    return problems
+
+
+# ---------------------------------------------------------------------- helpers
+def _collective_device(group, device=None) -> torch.device:
+    """Device of the construction-time exchange: the one given, else what the backend serves (CPU
+    with gloo, the current CUDA device with NCCL alone), the same on every rank."""
+    if device is not None:
+        return torch.device(device)
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _exchange_fingerprints(group, mine: _Fingerprint, device: torch.device) -> list[_Fingerprint]:
+    local = torch.tensor(mine.as_list(), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return [_Fingerprint.from_list(t.tolist()) for t in gathered]
+
+
+def _fail_with_peers(group, problem: str) -> NoReturn:
+    """Take part in the construction exchange with a failed fingerprint, then raise: the peers
+    reach the same exchange and raise too, instead of waiting for this rank forever."""
+    failed = _Fingerprint(*([-1] * (len(_FIELDS) - 1)), local_errors=1)
+    fps = _exchange_fingerprints(group, failed, _collective_device(group))
+    rank = dist.get_rank(group)
+    raise ShardGeometryError([f"rank {rank} (this rank): {problem}"] + _check_fingerprints(fps), rank, len(fps))
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as int32 (uint8 when their count is not a multiple of 4): an
+    integer SUM over these is a bitwise OR when at most one rank has non-zero bits per position."""
+    flat = t.reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    return flat.view(torch.int32) if nbytes % 4 == 0 else flat.view(torch.uint8)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return ACTIVATION_DTYPES.index(dtype)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One lookup in flight: its result buffer, the last collective's handle, and the step after it."""
+
+    out: torch.Tensor
+    work: Any = None
+    finish: Any = None
+
+    def complete(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return self.out
+
+
+# ---------------------------------------------------------------------- prefetch handle
+class ShardedPrefetch:
+    """Handle of one started sharded lookup (same interface and misuse rules as
+    :class:`ple.table.Prefetch`): ``wait(ids)`` returns the ``[T, G*head_dim]`` rows once the
+    collective finished; ``release()`` gives up the handle; waiting twice, after release, or for
+    another (or in-place modified) ids tensor raises :class:`~ple.table.PrefetchError`.
+
+    The collective was issued when the prefetch started (on the calling thread, so collectives
+    keep program order across ranks); ``wait`` blocks until it completes.
+    """
+
+    def __init__(self, seq: int, ids: torch.Tensor, dtype: torch.dtype, pending: _Pending) -> None:
+        self.seq = seq
+        self.ids = ids
+        self.dtype = dtype
+        self._ids_version = ids._version
+        self._pending: _Pending | None = pending
+        self._waited = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "released" if self._pending is None else ("waited" if self._waited else "pending")
+        return f"ShardedPrefetch(seq={self.seq}, ids={tuple(self.ids.shape)}, dtype={self.dtype}, {state})"
+
+    def done(self) -> bool:
+        """Whether the collective finished (``wait`` would not block on communication)."""
+        p = self._pending
+        return p is None or p.work is None or p.work.is_completed()
+
+    def wait(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Block until the rows are ready; ``ids``, when given, must be the tensor the prefetch was started for."""
+        with self._lock:
+            if self._pending is None:
+                raise PrefetchError(f"prefetch #{self.seq} was released: its rows may already be reused")
+            if self._waited:
+                raise PrefetchError(f"prefetch #{self.seq} was already waited: a handle is waited once")
+            if ids is not None and ids is not self.ids:
+                raise PrefetchError(
+                    f"prefetch #{self.seq} was started for another ids tensor "
+                    f"(shape {tuple(self.ids.shape)}), not the one given (shape {tuple(ids.shape)})"
+                )
+            if ids is not None and ids._version != self._ids_version:
+                raise PrefetchError(f"prefetch #{self.seq}: its ids tensor was modified in place after the start")
+            self._waited = True
+            pending = self._pending
+        return pending.complete()
+
+    def release(self) -> None:
+        """Drop the handle (idempotent); waits for the collective so no buffer is freed mid-write."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None and pending.work is not None:
+            pending.work.wait()
+
+    def __enter__(self) -> ShardedPrefetch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------------- the table
+class ShardedTable(Table):
+    """A ``[total_rows, head_dim]`` table whose rows are split across the ranks of a process group.
+
+    Args:
+        local_table: this rank's rows ``[row_stop - row_start, head_dim]``, any tier and format.
+        row_start, row_stop: the full-table rows this rank owns (see :func:`shard_rows`).
+        total_rows: rows of the full table (``R_pad``).
+        group: process group (default: the default group).
+        method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHOD`.
+        layout_hash: hash (str) or fields (dict, see :func:`ple.table.hash_layout`) of the layout the
+            table was built for; compared across ranks. Defaults to a memory-mapped local table's hash.
+        device: device of the construction-time exchange (default: CPU, or the current CUDA device
+            when the group's only backend is NCCL: call ``torch.cuda.set_device`` first).
+        verify_ids: check on every lookup that all ranks passed the same ids (one extra small
+            collective and a host synchronization per lookup; for debugging "allreduce" setups).
+
+    Construction is a collective over ``group`` (see :class:`ShardGeometryError`). Lookups are
+    collectives too: see the module docstring for the calling contract. ``data`` and ``scale`` of
+    the full table exist nowhere, so those attributes raise ``AttributeError``; this rank's rows are
+    ``local_table.data``.
+    """
+
+    def __init__(
+        self,
+        local_table: Table,
+        row_start: int,
+        row_stop: int,
+        total_rows: int,
+        group=None,
+        method: str | None = None,
+        *,
+        layout_hash: str | dict | None = None,
+        device: torch.device | str | None = None,
+        verify_ids: bool = False,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedTable needs an initialized torch.distributed process group")
+        method = DEFAULT_METHOD if method is None else method
+        if layout_hash is None:
+            layout_hash = getattr(local_table, "layout_hash", None)
+        if isinstance(layout_hash, dict):
+            layout_hash = hash_layout(layout_hash)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        mine, local_problems = _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash)
+        fps = _exchange_fingerprints(group, mine, _collective_device(group, device))
+        problems = [f"rank {self.rank} (this rank): {p}" for p in local_problems] + _check_fingerprints(fps)
+        if problems:
+            raise ShardGeometryError(problems, self.rank, self.world_size)
+
+        super().__init__(local_table.format, total_rows, local_table.head_dim)
+        self.local_table = local_table
+        self.row_start = int(row_start)
+        self.row_stop = int(row_stop)
+        self.method = method
+        self.layout_hash = layout_hash
+        self.verify_ids = bool(verify_ids)
+        self.ranges: list[tuple[int, int]] = [(fp.row_start, fp.row_stop) for fp in fps]
+        owned = sorted((a, r) for r, (a, b) in enumerate(self.ranges) if b > a)
+        self._owner_starts = torch.tensor([a for a, _ in owned], dtype=torch.int64)
+        self._owner_ranks = torch.tensor([r for _, r in owned], dtype=torch.int64)
+        self._owner_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_full(
+        cls,
+        table: Table,
+        group=None,
+        method: str | None = None,
+        *,
+        row_range: tuple[int, int] | None = None,
+        align: int = 1,
+        device: torch.device | str | None = None,
+        copy: bool = True,
+        layout_hash: str | dict | None = None,
+        verify_ids: bool = False,
+    ) -> ShardedTable:
+        """Shard a full table that every rank can read (a :class:`MemoryTable`, a memory map, ...).
+
+        Each rank keeps rows ``row_range`` (default :func:`shard_rows` with ``align``) as a
+        :class:`MemoryTable`, copied (``copy=True``, so the full table can be dropped) and moved to
+        ``device`` when given; ``copy=False`` keeps a view of the full table's storage.
+        """
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        try:
+            a, b = row_range if row_range is not None else shard_rows(table.rows, world, rank, align=align)
+            local = _slice_table(table, a, b, device, copy)
+        except Exception as e:
+            _fail_with_peers(group, f"could not build its shard: {type(e).__name__}: {e}")
+        if layout_hash is None:
+            layout_hash = getattr(table, "layout_hash", None)
+        return cls(local, a, b, table.rows, group, method, layout_hash=layout_hash, verify_ids=verify_ids)
+
+    # ------------------------------------------------------------------ Table interface
+    @property
+    def data(self) -> torch.Tensor:
+        raise AttributeError(
+            f"ShardedTable holds only rows [{self.row_start}, {self.row_stop}) of the {self.rows}-row table on "
+            "this rank: the full table's data exists nowhere; use lookup(), or local_table.data for this rank's rows"
+        )
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        raise AttributeError("ShardedTable has no full-table scale; local_table.scale holds this rank's scales")
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's rows are stored."""
+        return self.local_table.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's rows plus scales."""
+        return self.local_table.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedTable(format={self.format!r}, rows={self.rows}, head_dim={self.head_dim}, rank={self.rank}/"
+            f"{self.world_size}, local_rows=[{self.row_start}, {self.row_stop}), method={self.method!r}, "
+            f"local={type(self.local_table).__name__} on {self.device})"
+        )
+
+    def _gathers_on_device(self, device: torch.device) -> bool:
+        return self.local_table._gathers_on_device(device)
+
+    def close(self) -> None:
+        super().close()
+        self.local_table.close()
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> torch.Tensor:
+        """Rows of the full table for ``ids [T, G]``: ``[T, G*head_dim]`` in ``dtype`` on the ids' device,
+        identical on every rank (with "alltoall": each rank's own ids' rows).
+
+        A collective: see the module docstring for the calling contract. ``check`` verifies ids lie
+        in ``[0, rows)``; with "alltoall" a bad id on any rank raises on every rank.
+        """
+        return self._start(ids, dtype, check).complete()
+
+    def start_prefetch(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> ShardedPrefetch:
+        """Start ``lookup(ids, dtype)``: the local gather and the collectives are issued now, on this
+        thread (so collective order matches across ranks); the last collective runs in the background
+        and ``handle.wait()`` returns the rows. A collective, like :meth:`lookup`."""
+        pending = self._start(ids, dtype, check)
+        return ShardedPrefetch(next(self._seq), ids, dtype, pending)
+
+    # ------------------------------------------------------------------ lookup internals
+    def _start(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
+        check_activation_dtype(dtype)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
+            raise ValueError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
+        if self.verify_ids:
+            self._verify_same_ids(ids, dtype)
+        if self.method == "allreduce":
+            if check:
+                check_ids(ids, self.rows)  # same ids on every rank: every rank raises alike
+            return self._start_allreduce(ids, dtype)
+        return self._start_alltoall(ids, dtype, check)
+
+    def _verify_same_ids(self, ids: torch.Tensor, dtype: torch.dtype) -> None:
+        flat = ids.reshape(-1)
+        weights = torch.arange(1, 2 * flat.numel() + 1, 2, dtype=torch.int64, device=ids.device)
+        digest = (flat * weights).sum() if flat.numel() else torch.zeros((), dtype=torch.int64, device=ids.device)
+        head = torch.tensor([ids.shape[0], ids.shape[1], _dtype_code(dtype)], dtype=torch.int64, device=ids.device)
+        mine = torch.cat([head, digest.reshape(1)])
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        rows = [tuple(t.tolist()) for t in gathered]
+        if len(set(rows)) > 1:
+            desc = "; ".join(
+                f"rank {r}: ids [{t}, {g}], dtype {ACTIVATION_DTYPES[d]}, ids digest {h}"
+                for r, (t, g, d, h) in enumerate(rows)
+            )
+            raise ValueError(
+                f"ShardedTable (verify_ids=True): ranks looked up different ids or dtypes "
+                f"(raised on every rank; this is rank {self.rank}): {desc}"
+            )
+
+    def _start_allreduce(self, ids: torch.Tensor, dtype: torch.dtype) -> _Pending:
+        T, G = ids.shape
+        D = self.head_dim
+        a, b = self.row_start, self.row_stop
+        flat = ids.reshape(-1)
+        if b == a or flat.numel() == 0:
+            out = torch.zeros(T, G * D, dtype=dtype, device=ids.device)
+        elif ids.device.type == "cpu":
+            # Host: gather only the owned rows (half the dequantization work at two ranks) and place
+            # them in a zeroed buffer.
+            pos = ((flat >= a) & (flat < b)).nonzero().squeeze(1)
+            out = torch.zeros(T, G * D, dtype=dtype)
+            if pos.numel():
+                rows = self.local_table.lookup((flat[pos] - a).view(-1, 1), dtype, check=False)
+                out.view(T * G, D).index_copy_(0, pos, rows)
+        else:
+            # Accelerator: no host synchronization to compact the ids; rows owned elsewhere read
+            # local row 0 and are zeroed.
+            owned = (flat >= a) & (flat < b)
+            out = self.local_table.lookup(torch.where(owned, flat - a, 0).view(T, G), dtype, check=False)
+            out.view(T * G, D).masked_fill_(~owned.unsqueeze(1), 0)
+        if not out.is_contiguous():
+            out = out.contiguous()
+        work = dist.all_reduce(_bit_view(out), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Pending(out, work)
+
+    def _owner_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._owner_cache.get(device)
+        if cached is None:
+            cached = (self._owner_starts.to(device), self._owner_ranks.to(device))
+            self._owner_cache[device] = cached
+        return cached
+
+    def _start_alltoall(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
+        T, G = ids.shape
+        D, W = self.head_dim, self.world_size
+        dev = ids.device
+        flat = ids.reshape(-1)
+        bad = (flat < 0) | (flat >= self.rows)
+        flat_ok = flat.masked_fill(bad, 0) if check else flat
+        starts, ranks = self._owner_tables(dev)
+        owner = ranks[torch.searchsorted(starts, flat_ok, right=True) - 1]
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=W)
+        # One small exchange: per destination (count, this rank's ids are bad, dtype); every rank
+        # thus learns every rank's problems and all raise together rather than leave peers waiting.
+        flag = bad.any().to(torch.int64) if check else torch.zeros((), dtype=torch.int64, device=dev)
+        meta = torch.stack(
+            [send_counts, flag.expand(W), torch.full((W,), _dtype_code(dtype), dtype=torch.int64, device=dev)], dim=1
+        )
+        recv_meta = torch.empty_like(meta)
+        dist.all_to_all_single(recv_meta, meta, group=self.group)
+        recv_meta = recv_meta.cpu()
+        bad_ranks = [r for r in range(W) if int(recv_meta[r, 1])]
+        dtypes = {ACTIVATION_DTYPES[int(d)] for d in recv_meta[:, 2]}
+        if bad_ranks or len(dtypes) > 1:
+            if self.rank in bad_ranks:
+                check_ids(ids, self.rows)  # raises with the id and its position
+            if bad_ranks:
+                raise ValueError(
+                    f"ShardedTable: {_ranks(bad_ranks)} looked up row ids outside [0, {self.rows}) "
+                    f"(raised on every rank; this is rank {self.rank})"
+                )
+            desc = "; ".join(f"rank {r}: {ACTIVATION_DTYPES[int(recv_meta[r, 2])]}" for r in range(W))
+            raise ValueError(
+                f"ShardedTable: ranks asked for different lookup dtypes ({desc}) (raised on every rank; "
+                f"this is rank {self.rank})"
+            )
+        send_splits = send_counts.tolist()
+        recv_splits = recv_meta[:, 0].tolist()
+        recv_ids = torch.empty(sum(recv_splits), dtype=torch.int64, device=dev)
+        dist.all_to_all_single(recv_ids, flat_ok[order], recv_splits, send_splits, group=self.group)
+        if recv_ids.numel():
+            rows = self.local_table.lookup((recv_ids - self.row_start).view(-1, 1), dtype, check=False)
+        else:
+            rows = torch.empty(0, D, dtype=dtype, device=dev)
+        back = torch.empty(T * G, D, dtype=dtype, device=dev)
+        # Rows travel as bytes: a plain copy, for every dtype and backend.
+        work = dist.all_to_all_single(
+            back.view(torch.uint8),
+            rows.contiguous().view(torch.uint8),
+            send_splits,
+            recv_splits,
+            group=self.group,
+            async_op=True,
+        )
+        out = torch.empty(T, G * D, dtype=dtype, device=dev)
+        # where each position's row lands in ``back`` (a gather is cheaper than a scatter)
+        inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=dev))
+
+        def finish() -> None:
+            torch.index_select(back, 0, inverse, out=out.view(T * G, D))
+
+        return _Pending(out, work, finish)
+
+
+# ---------------------------------------------------------------------- building local shards
+def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTable:
+    if not 0 <= a <= b <= table.rows:
+        raise ValueError(f"row range [{a}, {b}) is not within the table's [0, {table.rows})")
+    data, scale = table.data[a:b], table.scale
+    if scale is not None and scale.dim() == 2:
+        scale = scale[a:b]
+    if device is not None:
+        data = data.to(device, copy=copy)
+        scale = None if scale is None else scale.to(device, copy=copy)
+    elif copy:
+        data = data.clone()
+        scale = None if scale is None else scale.clone()
+    return MemoryTable(data, scale, table.format)
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    group=None,
+    method: str | None = None,
+    *,
+    expected_layout_hash: str | dict | None = None,
+    row_range: tuple[int, int] | None = None,
+    align: int = 1,
+    device: torch.device | str | None = None,
+    verify_ids: bool = False,
+) -> ShardedTable:
+    """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
+
+    ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read); a device
+    (``"cpu"``, ``"cuda:3"``) reads them into memory there. The file's layout hash is part of the
+    fingerprint the ranks compare, so ranks that opened different files fail together.
+    Row range: ``row_range``, or :func:`shard_rows` over the file's rows with ``align`` (default:
+    the file's own shard rows are not imposed; pass ``align=header['shard_rows']`` to keep them).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    try:
+        full = MmapTable.open(path, expected_layout_hash)
+        a, b = row_range if row_range is not None else shard_rows(full.rows, world, rank, align=align)
+        local = _slice_table(full, a, b, device, copy=device is not None)
+    except Exception as e:
+        _fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
+    return ShardedTable(local, a, b, full.rows, group, method, layout_hash=full.layout_hash, verify_ids=verify_ids)
