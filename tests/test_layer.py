@@ -7,7 +7,7 @@ from ple.layer import PLELayer
 from ple.runtime import Batch, BatchError
 from ple.table import MemoryTable
 
-from .conftest import hf_config, hf_ple_layer, ple_config_from_hf
+from .conftest import hf_config, hf_ple_layer
 
 
 def _random_hf(seed: int, dtype=torch.float32):
