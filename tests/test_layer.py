@@ -198,3 +198,15 @@ def test_prefetched_lookup_gives_the_same_output():
         handle = layer.start_prefetch(toks, batch) if use_prefetch else None
         outs.append(layer(h, toks, batch, prefetched=handle))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_engine_call_is_inference_only():
+    hf, mod, rng = _random_hf(5)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    batch = Batch.build([3], [0], torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id), layer.new_state_pool(1))
+    h = torch.randn(3, cfg.hc_hidden_size, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        layer(h, torch.tensor([1, 2, 3]), batch)
+    out = layer(h.detach(), torch.tensor([1, 2, 3]), batch)  # parameters require grad: still fine
+    assert not out.requires_grad

@@ -206,6 +206,15 @@ class PLELayer(nn.Module):
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
         """
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            raise RuntimeError(
+                "the engine call is inference-only (it updates the state pool in place); "
+                "use forward_padded() for gradients"
+            )
+        with torch.no_grad():
+            return self._forward(hidden, input_ids, batch, prefetched, return_conv_input, token_mask, add_hidden)
+
+    def _forward(self, hidden, input_ids, batch, prefetched, return_conv_input, token_mask, add_hidden):
         cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_hidden_size:
             raise ValueError(f"hidden must be [T, HC*H={cfg.hc_hidden_size}], got {tuple(hidden.shape)}")

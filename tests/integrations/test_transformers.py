@@ -1,0 +1,429 @@
+"""``ple.integrations.transformers``: a patched qwen4_exp model generates what the original does."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen4ExpTextConfig
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextPLELayer
+
+from ple.config import PLEConfig
+from ple.integrations.transformers import PatchedPLELayer, patch, patched_layers, unpatch
+from ple.table import MemoryTable, MmapTable, hash_layout, read_table_header, verify_table_file
+
+EOS = 5
+VOCAB = 97
+LOGIT_ATOL = 1e-4  # logits are O(1) (initializer_range 0.1); the PLE moves them by O(1)
+
+
+def _config(**kw) -> Qwen4ExpTextConfig:
+    """Three decoder layers (linear, linear, indexed attention), PLE on both linear ones."""
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+        hc_count=2,
+        hc_lowrank=4,
+        ple_layer_ids=[1, 2],
+        ple_embed_dim=16,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=16,
+        split_ngram_parts=3,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=8,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        initializer_range=0.1,
+    )
+    base.update(kw)
+    return Qwen4ExpTextConfig(**base)
+
+
+def _model(config: Qwen4ExpTextConfig | None = None, seed: int = 0, random_table: bool = True):
+    """A random-weight model whose PLE weights are all non-trivial (conv and norms init to zero)."""
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config or _config()).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ple." not in name:
+                continue
+            if name.endswith("ngram_embedding.weight"):
+                if random_table:
+                    p.copy_(torch.randn(p.shape, generator=g))
+            elif ".norm_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def _prompts(seed: int = 0):
+    """Three prompts of lengths 7, 4 and 2, left-padded; the first holds an EOS."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(EOS + 1, VOCAB, (3, 7), generator=g)
+    ids[0, 3] = EOS
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :5] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask=None, new_tokens=6):
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def _ple_layer_indices(model) -> list[int]:
+    return [i - 1 for i in model.config.ple_layer_ids]
+
+
+def _assert_same_cache(want, got, model):
+    """The PLE states of two caches: n-gram context exactly, conv window to fp32 tolerance."""
+    for layer_idx in _ple_layer_indices(model):
+        ctx_w, ctx_g = want.get_conv_state(layer_idx, state_idx=2), got.get_conv_state(layer_idx, state_idx=2)
+        assert ctx_g.dtype == ctx_w.dtype == torch.int64
+        assert torch.equal(ctx_g, ctx_w), f"layer {layer_idx}: n-gram context {ctx_g.tolist()} != {ctx_w.tolist()}"
+        conv_w, conv_g = want.get_conv_state(layer_idx, state_idx=1), got.get_conv_state(layer_idx, state_idx=1)
+        assert conv_g.shape == conv_w.shape and conv_g.dtype == conv_w.dtype
+        torch.testing.assert_close(conv_g, conv_w, rtol=1e-5, atol=1e-5)
+
+
+def _assert_same_generation(want, got, model):
+    assert torch.equal(got.sequences, want.sequences), f"{got.sequences.tolist()} != {want.sequences.tolist()}"
+    assert len(got.logits) == len(want.logits)
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        err = (a - b).abs().max().item()
+        assert err <= LOGIT_ATOL, f"step {step}: logits differ by {err:.3e}"
+    _assert_same_cache(want.cache, got.cache, model)
+
+
+def _table_factory(weight, layer):
+    return MemoryTable(weight.clone())
+
+
+@pytest.mark.parametrize("tier", ["memory", "mmap", "factory"])
+def test_generate_matches_original_with_left_padding(tier, tmp_path):
+    model = _model()
+    ids, mask = _prompts()
+    want = _generate(model, ids, mask)
+    assert want.logits[0].abs().max() > 0.3  # logits large enough for LOGIT_ATOL to mean something
+    table_tier = _table_factory if tier == "factory" else tier
+    patch(model, table_tier, table_dir=tmp_path if tier == "mmap" else None)
+    try:
+        layers = patched_layers(model)
+        assert [w.layer_idx for w in layers] == [0, 1]
+        if tier == "mmap":
+            assert all(isinstance(w.layer.table, MmapTable) for w in layers)
+            pcfg = PLEConfig.from_dict(model.config.to_dict())
+            for i, w in enumerate(layers):
+                assert w.table_path.parent == tmp_path and verify_table_file(w.table_path) == []
+                header = read_table_header(w.table_path)
+                assert header["num_shards"] == model.config.split_ngram_parts
+                assert header["layout_hash"] == hash_layout({**pcfg.layout_key(), "ple_layer_index": i})
+        got = _generate(model, ids, mask)
+    finally:
+        unpatch(model)
+    _assert_same_generation(want, got, model)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2])
+def test_prompts_shorter_than_the_ngram_context_and_conv_window(prompt_len):
+    model = _model(seed=3)
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(EOS + 1, VOCAB, (2, prompt_len), generator=g)
+    want = _generate(model, ids, new_tokens=12)  # 12 > conv window 9: the window fills up while decoding
+    patch(model)
+    try:
+        got = _generate(model, ids, new_tokens=12)
+    finally:
+        unpatch(model)
+    _assert_same_generation(want, got, model)
+
+
+def _forward(model, ids, cache):
+    with torch.no_grad():
+        return model(input_ids=ids, cache=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("record_past", [False, True])
+def test_cache_handed_between_patched_and_original(record_past):
+    """Chunks (prefill, continuations shorter than N-1 and than the conv window, decode, a long chunk)
+    alternate between the original and the patched modules on one cache; every logit and the final
+    states equal an all-original run. ``record_past`` (what assisted generation switches on) makes
+    the cache keep whole histories, shorter or longer than the windows, and roll them back with
+    ``crop``."""
+    from transformers import DynamicCache
+
+    model = _model(seed=5)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(EOS + 1, VOCAB, (2, 22), generator=g)
+    tokens[1, 9] = EOS
+    steps = [(0, 4), -3, (4, 5), (5, 6), -1, (6, 8), (8, 9), -2, (9, 20), (20, 22)]
+    if not record_past:
+        steps = [st for st in steps if isinstance(st, tuple)]
+
+    def fresh_cache():
+        cache = DynamicCache(config=model.config)
+        if record_past:
+            cache.activate_past_recording()
+        return cache
+
+    def run(cache, step):
+        if isinstance(step, int):
+            cache.crop(step)
+            return None
+        return _forward(model, tokens[:, step[0] : step[1]], cache)
+
+    ref_cache = fresh_cache()
+    want = [run(ref_cache, st) for st in steps]
+    if record_past:
+        assert ref_cache.get_conv_state(0, state_idx=2).shape[-1] > 2  # whole histories are kept
+    for start_patched in (True, False):
+        cache = fresh_cache()
+        patched = False
+        for i, st in enumerate(steps):
+            if patched != ((i % 2 == 0) == start_patched):
+                (unpatch if patched else patch)(model)
+                patched = not patched
+            got = run(cache, st)
+            if got is not None:
+                err = (got - want[i]).abs().max().item()
+                who = "patched" if patched else "original"
+                assert err <= LOGIT_ATOL, f"step {i} {st} ({who}): logits differ by {err:.3e}"
+        if patched:
+            unpatch(model)
+        _assert_same_cache(ref_cache, cache, model)
+
+
+def test_text_model_forward_without_cache():
+    """A bare ``Qwen4ExpTextModel`` (no LM head) patched, run without a cache."""
+    text_model = _model(seed=7).model
+    ids, mask = _prompts(seed=7)
+    with torch.no_grad():
+        want = text_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        patch(text_model)
+        try:
+            assert len(patched_layers(text_model)) == 2
+            got = text_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        finally:
+            unpatch(text_model)
+    assert want.abs().max() > 0.3
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_ATOL)
+
+
+def test_multimodal_model_generates_the_same_tokens():
+    """``Qwen4ExpForConditionalGeneration``: PLE config under ``text_config``, layers under ``language_model``."""
+    from transformers import Qwen4ExpConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForConditionalGeneration
+
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=16,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
+    config = Qwen4ExpConfig(
+        text_config=_config().to_dict(),
+        vision_config=vision,
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
+    )
+    torch.manual_seed(0)
+    model = Qwen4ExpForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ple." in name and ("conv1d" in name or ".norm_" in name):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    ids, mask = _prompts(seed=1)
+    want = _generate(model, ids, mask)
+    patch(model)
+    try:
+        assert [w.layer_idx for w in patched_layers(model)] == [0, 1]
+        got = _generate(model, ids, mask)
+    finally:
+        unpatch(model)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(want.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=LOGIT_ATOL)
+
+
+def test_autograd_through_fresh_sequences():
+    """Outside ``torch.no_grad()`` a fresh forward is differentiable and gives the original's gradients;
+    continuing a cache with autograd is refused."""
+    model = _model(seed=15)
+    reference = copy.deepcopy(model)
+    ids, mask = _prompts(seed=15)
+    want = reference(input_ids=ids, attention_mask=mask).logits
+    want.square().sum().backward()
+    patch(model)
+    try:
+        out = model(input_ids=ids, attention_mask=mask)
+        out.logits.square().sum().backward()
+        torch.testing.assert_close(out.logits, want, rtol=0, atol=LOGIT_ATOL)
+        for idx in (0, 1):
+            got_ple, want_ple = model.model.layers[idx].ple.layer, reference.model.layers[idx].ple
+            for got_grad, want_grad in (
+                (got_ple.key_proj.grad, want_ple.key_proj.weight.grad),
+                (got_ple.norm_query.grad, want_ple.norm_query.weight.grad),
+                (got_ple.conv_weight.grad, want_ple.conv1d.weight.grad.reshape(got_ple.conv_weight.shape)),
+            ):
+                assert want_grad.abs().max() > 0
+                torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
+        _assert_same_cache(reference(input_ids=ids, attention_mask=mask).cache, out.cache, model)
+        with pytest.raises(RuntimeError, match="continuing a cache with autograd"):
+            model(input_ids=ids[:, :1], cache=out.cache)
+    finally:
+        unpatch(model)
+
+
+def test_patched_module_returns_what_the_original_returns():
+    """Module level, fresh sequences: ``v + conv`` of the patched module vs the original."""
+    model = _model(seed=9)
+    original = model.model.layers[1].ple
+    hidden = torch.randn(3, 5, model.config.hc_count * model.config.hidden_size)
+    ids = torch.randint(0, VOCAB, (3, 5))
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [0, 0, 0, 0, 1]])
+    ids = torch.where(mask.bool(), ids, EOS)
+    with torch.no_grad():
+        want = original(hidden, ids, None, conv_mask=mask)
+        patch(model)
+        try:
+            wrapper = model.model.layers[1].ple
+            assert isinstance(wrapper, PatchedPLELayer) and wrapper.original is original
+            got = wrapper(hidden, ids, None, conv_mask=mask)
+            with pytest.raises(ValueError, match="input_ids must be"):
+                wrapper(hidden, ids[:, :4], None)
+        finally:
+            unpatch(model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unpatch_restores_the_original_modules():
+    model = _model(seed=11)
+    ids, mask = _prompts(seed=11)
+    originals = [layer.ple for layer in model.model.layers if layer.ple is not None]
+    params = [id(p) for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    patch(model, "mmap")  # releases the in-memory tables, which unpatch must bring back
+    wrappers = patched_layers(model)
+    table_dir = wrappers[0].table_path.parent
+    assert table_dir.is_dir()
+    for original in originals:
+        assert original.ple_embedding.ngram_embedding.weight.numel() == 0
+    assert not any(isinstance(m, Qwen4ExpTextPLELayer) for m in model.modules())
+    assert not any(k.endswith("ngram_embedding.weight") for k in model.state_dict())
+    unpatch(model)
+    assert not table_dir.exists()
+    assert [layer.ple for layer in model.model.layers if layer.ple is not None] == originals
+    assert all(type(o) is Qwen4ExpTextPLELayer for o in originals)
+    assert [id(p) for p in model.parameters()] == params
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    for k, v in state.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert patched_layers(model) == []
+
+
+def test_patch_refuses_bad_arguments(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="'disk'"):
+        patch(model, "disk")
+    with pytest.raises(ValueError, match="table_dir"):
+        patch(model, "memory", table_dir=tmp_path)
+    with pytest.raises(ValueError, match="nothing to unpatch"):
+        unpatch(model)
+    with pytest.raises(ValueError, match="stores the module's rows exactly"):
+        patch(model, lambda w, layer: MemoryTable(w.to(torch.bfloat16)), release_weight=True)
+    assert patched_layers(model) == [] and model.model.layers[0].ple.ple_embedding.ngram_embedding.weight.numel() > 0
+    patch(model)
+    with pytest.raises(ValueError, match="already patched"):
+        patch(model)
+    unpatch(model)
+    plain = Qwen4ExpForCausalLM(_config(ple_layer_ids=[]))
+    with pytest.raises(ValueError, match="no Qwen4ExpTextPLELayer"):
+        patch(plain)
+
+
+def resident_memory_bytes() -> int:
+    """Resident set size of this process (``VmRSS``)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    psutil = pytest.importorskip("psutil")
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def test_mmap_tier_generates_the_same_tokens_with_less_resident_memory(tmp_path):
+    """~192 MB of PLE tables (two layers of ~6M rows x 4 fp32): the mmap tier frees them."""
+    config = _config(ngram_vocab_size_base=1_500_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=16)
+    model = _model(config, seed=13, random_table=False)  # the init's normal_ table is random enough
+    table_bytes = sum(
+        layer.ple.ple_embedding.ngram_embedding.weight.nbytes for layer in model.model.layers if layer.ple is not None
+    )
+    assert table_bytes > 150e6
+    ids, mask = _prompts(seed=13)
+    want = _generate(model, ids, mask)
+    gc.collect()
+    rss_unpatched = resident_memory_bytes()
+    patch(model, "mmap", table_dir=tmp_path)
+    try:
+        got = _generate(model, ids, mask)
+        gc.collect()
+        rss_patched = resident_memory_bytes()
+        files = sorted(p.name for p in tmp_path.iterdir())
+        assert files == ["model.layers.0.ple.pletable", "model.layers.1.ple.pletable"]
+    finally:
+        unpatch(model)
+    print(
+        f"\nPLE tables {table_bytes / 2**20:.1f} MiB; resident memory unpatched {rss_unpatched / 2**20:.1f} MiB, "
+        f"patched (mmap) {rss_patched / 2**20:.1f} MiB, saved {(rss_unpatched - rss_patched) / 2**20:.1f} MiB"
+    )
+    _assert_same_generation(want, got, model)
+    assert rss_unpatched - rss_patched >= 0.8 * table_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # a caller's table_dir is kept
