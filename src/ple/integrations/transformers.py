@@ -241,26 +241,7 @@ def _write_mmap_table(layer: PLELayer, weight: torch.Tensor, path: Path) -> Mmap
                 yield k, weight[start:stop].detach().cpu(), None
 
     convert_layer(shards(), path, fields, lay.padded_rows, lay.head_dim, lay.shard_rows, force=True, progress=False)
-    _drop_page_cache(path)
     return MmapTable.open(path, expected_layout_hash=fields)
-
-
-def _drop_page_cache(path: Path) -> None:
-    """Evict the just-written (clean, fsynced) file from the page cache.
-
-    While the whole file sits in the page cache (large folios), a lookup that touches one row maps
-    the row's whole folio into the process (hundreds of KiB counted as resident per row on Linux 6.x);
-    read back from disk, a touched row maps only its own pages.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _check_lossless(table: Table, weight: torch.Tensor, what: str) -> None:

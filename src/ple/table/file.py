@@ -416,6 +416,10 @@ class TableFileWriter:
             os.fsync(self._fd)
             self._write_header(complete=True)
             os.fsync(self._fd)
+            if hasattr(os, "posix_fadvise"):
+                # the rows just written are clean now: drop them from the page cache, so a process that
+                # maps the file later holds only the rows it reads, not the whole freshly written table
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(self._fd)
             self._fd = -1
             self._publish()
