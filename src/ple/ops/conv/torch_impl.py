@@ -1,11 +1,12 @@
 """Dilated conv over a packed batch, CPU fast path: no padding to ``[R, max_len]``, no ``nn.Conv1d``.
 
-All reads of the state pool happen in one gather of the batch's slots (fresh and null rows zeroed).
-Each request's window is cut from that copy and interleaved with the rows into one buffer
-``[R*W + T, C]`` = window_0 ++ rows_0 ++ window_1 ++ rows_1 ++ ..., where every tap is a fixed shift:
-one fused multiply-add per tap over a shifted view, then one gather of the rows. Decode batches (one
-row per request) read their ``K-1`` history taps straight from the slot copy. The new states are
-assembled from the same copy and the chunks' last rows and written with one ``index_copy_`` at the end.
+All reads of the state pool happen in one row gather of the batch's slots (fresh rows zeroed).
+Decode batches (one row per request) take their ``K-1`` history taps straight from that copy.
+Other batches work on ``ext [R*W + T, C]`` = every request's window, then all rows, with a
+precomputed source row per (tap, token); tokens are processed in blocks whose fp32 accumulator stays
+in cache (blocks deep inside a request read their taps as plain shifted views). The new states are
+assembled from the same slot copy and the chunks' last rows and written with one ``index_copy_``
+after every read.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import ConvGeometry, check_conv_args
+from ._checks import check_conv_args
 
 __all__ = ["dilated_conv"]
+
+# fp32 elements of one block's accumulator ([B, C]); ~1 MiB keeps a block in L2.
+_BLOCK_ELEMENTS = 1 << 18
 
 
 def dilated_conv(
@@ -33,54 +37,58 @@ def dilated_conv(
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ops.conv.reference.dilated_conv`; returns ``[T, C]`` in ``c.dtype``."""
     geo = check_conv_args(
-        c,
-        weight,
-        dilation,
-        query_start_loc,
-        conv_state,
-        state_indices,
-        has_initial_state,
-        num_rejected,
-        residual,
-        validate,
+        c, weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state, num_rejected,
+        residual, validate,
     )
-    num_requests, state_len = geo.num_requests, geo.state_len
+    num_requests, state_len, channels = geo.num_requests, geo.state_len, geo.channels
     starts = query_start_loc.long()
     lengths = starts[1:] - starts[:-1]
     slots = state_indices.long()
     active = slots >= 0
-    resumes = has_initial_state & active
+    resumes = has_initial_state.bool() & active
     rejected = torch.zeros_like(slots) if num_rejected is None else num_rejected.long() * resumes
     history_end = state_len - rejected  # [R] column of the slot where the accepted history ends
 
-    # The only read of the pool: [R, C, L], zero for rows that do not resume (their slot may hold anything).
-    # (Advanced indexing: index_select on a 3-d pool is far slower on the CPU.)
-    old = conv_state[slots.clamp(min=0)]
+    # The only read of the pool: whole slot rows, [R, C, L]; zero for rows that do not resume.
+    pool = conv_state.reshape(geo.num_slots, channels * state_len) if conv_state.is_contiguous() else None
+    if pool is not None:
+        old = pool.index_select(0, slots.clamp(min=0)).view(num_requests, channels, state_len)
+    else:
+        old = conv_state[slots.clamp(min=0)]
     fresh = ~resumes
-    if bool(fresh.any()):
+    any_fresh = bool(fresh.any())
+    if any_fresh:
         old[fresh] = 0
     w = weight.float()
+    out = torch.empty_like(c)
+    all_active = bool(active.all())
 
-    if geo.tokens == num_requests and bool(torch.all(lengths == 1)):
+    decode = geo.tokens == num_requests and bool(torch.all(lengths == 1))
+    if decode:
         acc = _decode_conv(c, w, dilation, old, history_end)
-        token_active = active
+        F.silu(acc, inplace=True)
+        if residual is not None:
+            acc += residual
+        out.copy_(acc)
     else:
-        acc, token_request = _packed_conv(c, w, dilation, geo, starts, lengths, old, history_end)
-        token_active = active[token_request]
-    out = F.silu(acc, inplace=True)
-    inactive = ~token_active
-    if bool(inactive.any()):
-        out[inactive] = 0.0
-    if residual is not None:
-        out += residual
-    out = out.to(c.dtype)
+        _blocked_conv(c, w, dilation, geo, starts, lengths, old, history_end, residual, out)
+    if not all_active:
+        token_active = active if decode else torch.repeat_interleave(active, lengths, output_size=geo.tokens)
+        dead = ~token_active
+        out[dead] = residual[dead] if residual is not None else 0
 
     if state_len > 0 and bool(active.any()):
-        new_states = _new_states(c, old, starts, lengths, resumes, history_end)
-        if not bool(active.all()):
+        if decode and not bool(rejected.any()):
+            new_states = torch.cat([old[:, :, 1:], c.unsqueeze(2).to(old.dtype)], dim=2)
+        else:
+            new_states = _new_states(c, old, starts, lengths, resumes, history_end)
+        if not all_active:
             rows = torch.nonzero(active).flatten()
             slots, new_states = slots[rows], new_states[rows]
-        conv_state.index_copy_(0, slots, new_states)
+        if pool is not None:
+            pool.index_copy_(0, slots, new_states.reshape(slots.shape[0], channels * state_len))
+        else:
+            conv_state.index_copy_(0, slots, new_states)
     return out
 
 
@@ -89,52 +97,58 @@ def _decode_conv(
 ) -> torch.Tensor:
     """One row per request: taps ``0..K-2`` come from the slot, tap ``K-1`` is the row itself. ``[R, C]`` fp32."""
     taps = w.shape[1]
-    acc = c.float() * w[:, taps - 1]
+    acc = torch.mul(c, w[:, taps - 1])
     if taps > 1:
         back = (taps - 1 - torch.arange(taps - 1, device=c.device)) * dilation  # [K-1] distance of tap k
         cols = history_end.unsqueeze(1) - back  # [R, K-1]
-        history = old[torch.arange(old.shape[0], device=c.device).unsqueeze(1), :, cols]  # [R, K-1, C]
-        for k in range(taps - 1):
-            acc.addcmul_(history[:, k], w[:, k])
+        history = torch.gather(old, 2, cols.unsqueeze(1).expand(-1, old.shape[1], -1))  # [R, C, K-1]
+        acc += torch.linalg.vecdot(history.float(), w[:, : taps - 1])
     return acc
 
 
-def _packed_conv(
-    c: torch.Tensor,
-    w: torch.Tensor,
-    dilation: int,
-    geo: ConvGeometry,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    old: torch.Tensor,
-    history_end: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Any mix of row counts. Returns the pre-activation conv ``[T, C]`` fp32 and each row's request ``[T]``.
-
-    Works on ``ext [R*W + T, C]`` = window_0 ++ rows_0 ++ window_1 ++ rows_1 ++ ...: there every tap of
-    every row is the same fixed shift, so each tap is one fused multiply-add over a shifted view.
-    """
+def _blocked_conv(c, w, dilation, geo, starts, lengths, old, history_end, residual, out) -> None:
+    """Any mix of row counts; writes ``residual + silu(conv)`` into ``out`` block by block."""
     device = c.device
-    num_requests, window, tokens = geo.num_requests, geo.window, geo.tokens
+    num_requests, window, tokens, taps, channels = geo.num_requests, geo.window, geo.tokens, geo.taps, geo.channels
+    if tokens == 0:
+        return
     token_request = torch.repeat_interleave(torch.arange(num_requests, device=device), lengths, output_size=tokens)
-    row_in_ext = torch.arange(tokens, device=device) + (token_request + 1) * window  # [T]
+    local = torch.arange(tokens, device=device) - starts[token_request]  # position inside its chunk
     if window > 0:
-        ext = torch.empty(num_requests * window + tokens, geo.channels, dtype=torch.float32, device=device)
-        ext[row_in_ext] = c.float()
         cols = (history_end - window).unsqueeze(1) + torch.arange(window, device=device)  # [R, W]
-        windows = torch.gather(old, 2, cols.unsqueeze(1).expand(-1, geo.channels, -1))  # [R, C, W]
-        first = (starts[:-1] + torch.arange(num_requests, device=device) * window).unsqueeze(1)  # [R, 1]
-        ext[(first + torch.arange(window, device=device)).flatten()] = windows.transpose(1, 2).flatten(0, 1).float()
+        windows = torch.gather(old, 2, cols.unsqueeze(1).expand(-1, channels, -1))  # [R, C, W]
+        dtype = torch.promote_types(c.dtype, old.dtype)
+        ext = torch.cat([windows.transpose(1, 2).reshape(num_requests * window, channels).to(dtype), c.to(dtype)])
     else:
-        ext = c.float()
-    taps = geo.taps
-    acc = ext * w[:, taps - 1]
-    for k in range(taps - 1):
+        ext = c
+    base = num_requests * window
+    # source row in `ext` of tap k for every token: its own chunk when far enough in, else its window
+    src = torch.empty(taps, tokens, dtype=torch.int64, device=device)
+    for k in range(taps):
         back = (taps - 1 - k) * dilation
-        acc[back:].addcmul_(ext[:-back], w[:, k])
-    if window > 0:
-        acc = acc[row_in_ext]
-    return acc, token_request
+        in_chunk = local >= back
+        src[k] = torch.where(in_chunk, base + torch.arange(tokens, device=device) - back, token_request * window + window + local - back)
+    deep = (local >= window).to(torch.int64)
+    deep_prefix = torch.cat([deep.new_zeros(1), deep.cumsum(0)]).tolist()
+    block = max(1, min(tokens, _BLOCK_ELEMENTS // max(channels, 1)))
+    acc_buf = torch.empty(block, channels, dtype=torch.float32, device=device)
+    wk = [w[:, k] for k in range(taps)]
+    for a in range(0, tokens, block):
+        b = min(tokens, a + block)
+        n = b - a
+        acc = acc_buf[:n]
+        all_deep = deep_prefix[b] - deep_prefix[a] == n
+        for k in range(taps):
+            back = (taps - 1 - k) * dilation
+            rows = ext[base + a - back : base + b - back] if all_deep else ext.index_select(0, src[k, a:b])
+            if k == 0:
+                torch.mul(rows, wk[0], out=acc)
+            else:
+                acc.addcmul_(rows, wk[k])
+        F.silu(acc, inplace=True)
+        if residual is not None:
+            acc += residual[a:b]
+        out[a:b].copy_(acc)
 
 
 def _new_states(

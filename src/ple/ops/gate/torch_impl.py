@@ -1,8 +1,10 @@
-"""PLE gate, CPU fast path: fp32 throughout, reductions fused, one rounding per output.
+"""PLE gate, CPU fast path: fp32 arithmetic on token blocks that stay in cache, one rounding per output.
 
 Uses ``rms(g * value) = g * rms(value)`` (the gate ``g`` is a positive scalar per stream), so the
 conv input is ``value * g * rsqrt(g^2 * mean(value^2) + eps) * (1 + w_conv)`` without a second pass
-over the gated value.
+over the gated value, and ``d = rsqrt(ms_k) rsqrt(ms_q) sum(k * q * (1 + w_k)(1 + w_q)) / sqrt(H)``
+without materializing the normed key and query. Tokens are processed in blocks whose fp32
+temporaries fit in the CPU cache, so each input is read from memory once and each output written once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch
 from ._checks import check_gate_args
 
 __all__ = ["ngram_gate"]
+
+# fp32 elements of one block's widest temporary ([B, HC*H]); ~1 MiB keeps a block in L2.
+_BLOCK_ELEMENTS = 1 << 18
 
 
 def ngram_gate(
@@ -31,22 +36,37 @@ def ngram_gate(
         key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, hc_count
     )
     dtype = value.dtype
-    shape = (tokens, hc_count, hidden_size)
-    k = key.reshape(shape).float()
-    q = hidden.reshape(shape).float()
-    val = value.float()
+    width = hc_count * hidden_size
+    v = torch.empty(tokens, width, dtype=dtype, device=value.device)
+    c = torch.empty(tokens, width, dtype=dtype, device=value.device)
+    if tokens == 0:
+        return v, c
     wkq = ((1.0 + norm_key_weight.float()) * (1.0 + norm_query_weight.float())).view(hc_count, hidden_size)
     wc = (1.0 + norm_conv_weight.float()).view(hc_count, hidden_size)
-
-    # [T, HC] reductions in fp32: mean squares (no temporaries) and the weighted key-query dot.
-    ms_k = torch.linalg.vector_norm(k, dim=-1).square_().div_(hidden_size)
-    ms_q = torch.linalg.vector_norm(q, dim=-1).square_().div_(hidden_size)
-    dot = (k * wkq).mul_(q).sum(dim=-1)
-    d = dot.mul_(torch.rsqrt(ms_k.add_(eps)).mul_(torch.rsqrt(ms_q.add_(eps)))).div_(math.sqrt(hidden_size))
-    g = torch.sigmoid(d.abs().clamp_min_(1e-6).sqrt_().mul_(d.sign()))
-
-    ms_v = torch.mean(val * val, dim=-1, keepdim=True)  # [T, 1]
-    conv_scale = g * torch.rsqrt(g * g * ms_v + eps)  # [T, HC]
-    v = (g.unsqueeze(-1) * val.unsqueeze(1)).to(dtype)
-    c = (val.unsqueeze(1) * conv_scale.unsqueeze(-1)).mul_(wc).to(dtype)
-    return v.view(tokens, hc_count * hidden_size), c.view(tokens, hc_count * hidden_size)
+    block = max(1, min(tokens, _BLOCK_ELEMENTS // width))
+    kf = torch.empty(block, hc_count, hidden_size)
+    qf = torch.empty(block, hc_count, hidden_size)
+    vf = torch.empty(block, hidden_size)
+    inv_sqrt_h = 1.0 / math.sqrt(hidden_size)
+    for a in range(0, tokens, block):
+        b = min(tokens, a + block)
+        n = b - a
+        k, q, val = kf[:n], qf[:n], vf[:n]
+        k.copy_(key[a:b].view(n, hc_count, hidden_size))
+        q.copy_(hidden[a:b].view(n, hc_count, hidden_size))
+        val.copy_(value[a:b])
+        # [n, HC] reductions: mean squares and the weighted key-query dot
+        ms_k = torch.linalg.vector_norm(k, dim=-1).square_().mul_(1.0 / hidden_size).add_(eps).rsqrt_()
+        ms_q = torch.linalg.vector_norm(q, dim=-1).square_().mul_(1.0 / hidden_size).add_(eps).rsqrt_()
+        dot = torch.linalg.vecdot(k.mul_(wkq), q)
+        d = dot.mul_(ms_k).mul_(ms_q).mul_(inv_sqrt_h)
+        g = torch.sigmoid(d.abs().clamp_min_(1e-6).sqrt_().mul_(d.sign()))
+        ms_v = torch.linalg.vector_norm(val, dim=-1, keepdim=True).square_().mul_(1.0 / hidden_size)  # [n, 1]
+        conv_scale = g * torch.rsqrt(g * g * ms_v + eps)  # [n, HC]
+        vb = val.unsqueeze(1)
+        # k's storage is free again: build the outputs there before the single rounding
+        torch.mul(vb, g.unsqueeze(-1), out=k)
+        v[a:b].view(n, hc_count, hidden_size).copy_(k)
+        torch.mul(vb, conv_scale.unsqueeze(-1), out=q)
+        c[a:b].view(n, hc_count, hidden_size).copy_(q.mul_(wc))
+    return v, c
