@@ -4,10 +4,13 @@ Levels: n-gram semantics (:mod:`ple.ngram`), table storage and lookup (:mod:`ple
 layer and its streaming runtime (:mod:`ple.layer`, :mod:`ple.runtime`).
 """
 
-from .checkpoint import CheckpointError, load_ple_weights, scan_checkpoint
+from .checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
 from .config import ConfigError, PLEConfig
+from .layer import PLELayer
 from .layout import Layout
 from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
+from .runtime import Batch, BatchError, Checkpoint, Session, SessionError, tune_host_allocator
+from .table import MemoryTable, MmapTable, PinnedHostTable, Table
 
 __version__ = "0.1.0"
 
@@ -21,5 +24,17 @@ __all__ = [
     "NgramInputError",
     "load_ple_weights",
     "scan_checkpoint",
+    "PLEWeights",
     "CheckpointError",
+    "PLELayer",
+    "Batch",
+    "BatchError",
+    "Session",
+    "SessionError",
+    "Checkpoint",
+    "tune_host_allocator",
+    "Table",
+    "MemoryTable",
+    "MmapTable",
+    "PinnedHostTable",
 ]

@@ -211,8 +211,10 @@ def _check(layer, r: _Request) -> float:
 def run(args) -> int:
     from .commands import layout_fields
     from .layer import PLELayer
+    from .runtime import tune_host_allocator
     from .table import MmapTable, convert_layer
 
+    tune_host_allocator()
     progress = not args.no_progress
     t_start = time.perf_counter()
     tmp = None
