@@ -1,0 +1,465 @@
+"""The benchmark runner: check, then time side by side, then report (markdown, JSON, PNG).
+
+For every selected case the runner builds the inputs, calls ``ple`` and ``transformers`` once
+and checks ple's output; a case whose check fails (or raises) is reported as refused, with no
+timings. Then each repetition runs ``ple``, ``transformers`` and ``floor`` in rotating order (so
+drift on a shared machine hits all three alike), each after the case's untimed ``reset``; the
+report gives medians and their ratios. ``--profile CASE`` instead splits ple's time into stages.
+
+Exit status: 0 when every selected case passed its check, 1 when one was refused, 2 for bad
+arguments. Targets that are not met are reported, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import cases as bench_cases
+from .cases import Case, Fixture, Geometry, Prepared
+
+__all__ = ["SCHEMA", "add_arguments", "main", "run", "run_case", "machine_info", "versions", "markdown_table"]
+
+SCHEMA = "ple-bench/1"
+DEFAULT_REPEAT = 3
+DEFAULT_MAX_REPEAT = 5
+QUICK_REPEAT = 2
+NOISY = 1.5  # a series whose max / min exceeds this gets extra rounds (up to --max-repeat)
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the benchmark's options to ``parser`` (used by ``ple bench`` and ``python -m ple.bench``)."""
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated case names, prefixes or globs (default: all). Known: "
+        + ", ".join(c.name for c in bench_cases.CASES),
+    )
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help=f"timed runs per implementation (default {DEFAULT_REPEAT}; {QUICK_REPEAT} with --quick)",
+    )
+    parser.add_argument(
+        "--max-repeat",
+        type=int,
+        default=None,
+        help=f"extra rounds while a series is noisy (max/min > {NOISY}), up to this many samples "
+        f"(default {DEFAULT_MAX_REPEAT}; --repeat with --quick)",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    parser.add_argument("--quick", action="store_true", help="tiny geometry and few repeats: a smoke run")
+    parser.add_argument("--table-base", type=int, default=None, help="ngram_vocab_size_base of the reduced table")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write a chart of the medians")
+    parser.add_argument("--markdown", default=None, metavar="PATH", help="also write the table to a file")
+    parser.add_argument("--profile", default=None, metavar="CASE", help="split ple's time in CASE into stages")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only print the table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ple.bench", description="Benchmark the PLE layer against transformers' qwen4_exp module."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """CPU model, cores, torch threads, memory and (for CUDA) the accelerator."""
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = list(os.getloadavg())  # other work on the machine makes timings noisy
+    try:
+        import psutil
+
+        info["physical_cores"] = psutil.cpu_count(logical=False)
+        info["memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    dev = torch.device(device)
+    info["device"] = str(dev)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info["accelerator"] = props.name
+        info["accelerator_memory_bytes"] = props.total_memory
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    from .. import __version__ as ple_version
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "ple": ple_version,
+    }
+    if torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _timed(fn: Callable[[], Any], reset: Callable[[], None] | None, sync: Callable[[], None]) -> float:
+    if reset is not None:
+        reset()
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    dt = time.perf_counter() - t0
+    del out
+    return dt
+
+
+def measure(
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    warmup: int,
+    reset: Callable[[], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+    max_repeat: int | None = None,
+    noisy: float = NOISY,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, interleaved in rotating order: ``repeat`` samples each,
+    then more rounds (up to ``max_repeat``) while some series is noisy (max / min > ``noisy``)."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    limit = max(repeat, max_repeat or repeat)
+    i = 0
+    while True:
+        done = i - warmup
+        if done >= repeat and (done >= limit or not any(_spread(v) > noisy for v in samples.values())):
+            return samples
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            dt = _timed(fns[name], reset, sync)
+            if i >= warmup:
+                samples[name].append(dt)
+        i += 1
+
+
+def _spread(xs: list[float]) -> float:
+    """max / min of a series of timings (1.0 = no noise)."""
+    return max(xs) / min(xs) if xs and min(xs) > 0 else 1.0
+
+
+def _median_ms(xs: list[float] | None) -> float | None:
+    return None if not xs else statistics.median(xs) * 1e3
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def run_case(
+    case: Case,
+    fixture: Fixture,
+    repeat: int,
+    warmup: int,
+    log: Callable[[str], None] = lambda s: None,
+    prepared: Prepared | None = None,
+    max_repeat: int | None = None,
+) -> dict[str, Any]:
+    """Build (unless ``prepared`` is given), check, then time one case; returns its JSON record.
+
+    A failed or raising check gives ``status`` "check_failed" / "error" and no timings at all.
+    """
+    rec: dict[str, Any] = {
+        "name": case.name,
+        "kind": case.kind,
+        "dtype": bench_cases._dtype_name(case.dtype),
+        "description": case.description,
+        "targets": {"speedup_min": case.targets.speedup_min, "floor_max": case.targets.floor_max},
+        "status": None,
+        "shape": None,
+        "tokens": None,
+        "check": None,
+        "median_ms": {"ple": None, "transformers": None, "floor": None},
+        "ratios": {"speedup_vs_transformers": None, "ple_over_floor": None, "transformers_over_floor": None},
+        "target_met": None,
+        "min_ms": {},
+        "spread": {},
+        "samples_ms": {},
+        "aux_median_ms": {},
+        "notes": "",
+    }
+    sync = _sync(fixture.device)
+    t0 = time.perf_counter()
+    try:
+        prep = prepared if prepared is not None else case.build(fixture)
+    except Exception as e:  # a case that cannot be built is refused, the others still run
+        rec["status"] = "error"
+        rec["check"] = {"passed": False, "detail": f"build failed: {type(e).__name__}: {e}", "metrics": {}}
+        log(traceback.format_exc())
+        return rec
+    rec.update(shape=prep.shape, tokens=prep.tokens, notes=prep.notes)
+    log(f"[{case.name}] built in {time.perf_counter() - t0:.1f}s; checking")
+    try:
+        if prep.reset is not None:
+            prep.reset()
+        ple_out = prep.ple()
+        sync()
+        if prep.reset is not None:
+            prep.reset()
+        tf_out = prep.transformers()
+        sync()
+        result = prep.check(ple_out, tf_out)
+        del ple_out, tf_out
+    except Exception as e:
+        rec["status"] = "error"
+        rec["check"] = {"passed": False, "detail": f"check raised {type(e).__name__}: {e}", "metrics": {}}
+        log(traceback.format_exc())
+        return rec
+    rec["check"] = {"passed": bool(result.passed), "detail": result.detail, "metrics": result.metrics}
+    if not result.passed:
+        rec["status"] = "check_failed"
+        log(f"[{case.name}] CHECK FAILED, not timed: {result.detail}")
+        return rec
+    log(f"[{case.name}] check passed ({result.detail}); timing {repeat} x")
+    fns = {"ple": prep.ple, "transformers": prep.transformers}
+    if prep.floor is not None:
+        fns["floor"] = prep.floor
+    samples = measure(fns, repeat, warmup, prep.reset, sync, max_repeat)
+    aux = measure(prep.aux, repeat, warmup, prep.reset, sync, max_repeat) if prep.aux else {}
+    med = {k: _median_ms(samples.get(k)) for k in ("ple", "transformers", "floor")}
+    speedup = _ratio(med["transformers"], med["ple"])
+    over_floor = _ratio(med["ple"], med["floor"])
+    rec.update(
+        status="ok",
+        median_ms=med,
+        ratios={
+            "speedup_vs_transformers": speedup,
+            "ple_over_floor": over_floor,
+            "transformers_over_floor": _ratio(med["transformers"], med["floor"]),
+        },
+        target_met=case.targets.met(speedup, over_floor),
+        min_ms={k: min(v) * 1e3 for k, v in samples.items()},
+        spread={k: _spread(v) for k, v in samples.items()},
+        samples_ms={k: [x * 1e3 for x in v] for k, v in samples.items()},
+        aux_median_ms={k: _median_ms(v) for k, v in aux.items()},
+    )
+    log(
+        f"[{case.name}] ple {_fmt(med['ple'])} ms, transformers {_fmt(med['transformers'])} ms, floor {_fmt(med['floor'])} ms"
+    )
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """One row per case: medians (ms), ratios, target, whether it is met (refused cases say why),
+    and the noise: the largest max / min among the case's timing series (1.00 = steady)."""
+    head = (
+        "| case | shape | tokens | ple ms | transformers ms | floor ms | speedup vs tf | ple / floor | target | met "
+        "| noise |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|\n"
+    )
+    rows = []
+    for r in records:
+        t = bench_cases.Targets(r["targets"]["speedup_min"], r["targets"]["floor_max"])
+        if r["status"] != "ok":
+            detail = (r.get("check") or {}).get("detail", "")
+            rows.append(
+                f"| {r['name']} | {r['shape'] or '-'} | {r['tokens'] or '-'} | REFUSED ({r['status']}: "
+                f"{detail.replace('|', '/')}) | - | - | - | - | {t.describe()} | - | - |"
+            )
+            continue
+        m, q = r["median_ms"], r["ratios"]
+        met = {True: "yes", False: "NO", None: "-"}[r["target_met"]]
+        sp = "-" if q["speedup_vs_transformers"] is None else f"{q['speedup_vs_transformers']:.2f}x"
+        fl = "-" if q["ple_over_floor"] is None else f"{q['ple_over_floor']:.2f}"
+        spreads = list(r.get("spread", {}).values())
+        noise = f"{max(spreads):.2f}" if spreads else "-"
+        rows.append(
+            f"| {r['name']} | {r['shape']} | {r['tokens']} | {_fmt(m['ple'])} | {_fmt(m['transformers'])} | "
+            f"{_fmt(m['floor'])} | {sp} | {fl} | {t.describe()} | {met} | {noise} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _report(
+    args, geometry: Geometry, records: list[dict[str, Any]], repeat: int, device: torch.device, load_start=None
+) -> dict:
+    machine = machine_info(device)
+    if load_start is not None:
+        machine["load_average_start"] = load_start
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "versions": versions(),
+        "settings": {
+            "repeat": repeat,
+            "warmup": args.warmup,
+            "quick": bool(args.quick),
+            "device": str(device),
+            "seed": args.seed,
+            "geometry": geometry.to_dict(),
+            "checks": {"fp32_tol": bench_cases.FP32_TOL, "bf16_atol": bench_cases.BF16_ATOL},
+        },
+        "cases": records,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def _geometry(args) -> Geometry:
+    import dataclasses
+
+    geo = bench_cases.QUICK if args.quick else bench_cases.PUBLISHED
+    if args.table_base is not None:
+        if args.table_base < 2:
+            raise ValueError(f"--table-base must be >= 2, got {args.table_base}")
+        geo = dataclasses.replace(geo, table_base=args.table_base)
+    return geo
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (or ``--list`` / ``--profile``) as ``args`` say; returns the exit status."""
+    out = sys.stdout
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    if args.list:
+        for c in bench_cases.CASES:
+            print(
+                f"{c.name:22s} {c.kind:8s} {bench_cases._dtype_name(c.dtype):6s} {c.targets.describe():28s} "
+                f"{c.description}",
+                file=out,
+            )
+        return 0
+    repeat = args.repeat if args.repeat is not None else (QUICK_REPEAT if args.quick else DEFAULT_REPEAT)
+    max_repeat = args.max_repeat
+    if max_repeat is None:
+        max_repeat = repeat if args.quick else max(repeat, DEFAULT_MAX_REPEAT)
+    try:
+        if repeat < 1 or args.warmup < 0 or max_repeat < repeat:
+            raise ValueError(
+                f"need --repeat >= 1, --warmup >= 0 and --max-repeat >= --repeat, got {repeat}, {args.warmup} "
+                f"and {max_repeat}"
+            )
+        selected = bench_cases.select_cases(args.profile if args.profile else args.cases)
+        geometry = _geometry(args)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+    except ValueError as e:
+        print(f"ple bench: {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    fixture = Fixture(geometry, device, seed=args.seed)
+
+    if args.profile:
+        from .profile import profile_case
+
+        if len(selected) != 1:
+            print(
+                f"ple bench: --profile needs one case, {args.profile!r} matches {', '.join(c.name for c in selected)}",
+                file=sys.stderr,
+            )
+            return 2
+        return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log)
+
+    log(
+        f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, "
+        f"{'quick geometry' if args.quick else 'published geometry'} (table base {geometry.table_base})"
+    )
+    t0 = time.perf_counter()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    records = [run_case(c, fixture, repeat, args.warmup, log=log, max_repeat=max_repeat) for c in selected]
+    log(f"ple bench: done in {time.perf_counter() - t0:.1f}s")
+    report = _report(args, geometry, records, repeat, device, load_start)
+    report["settings"]["max_repeat"] = max_repeat
+    report["elapsed_s"] = time.perf_counter() - t0
+    table = markdown_table(records)
+    print(table, file=out, end="")
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"ple bench: wrote {args.json_path}")
+    if args.plot:
+        from .plot import plot_report
+
+        plot_report(report, args.plot)
+        log(f"ple bench: wrote {args.plot}")
+    refused = [r["name"] for r in records if r["status"] != "ok"]
+    if refused:
+        print(f"ple bench: refused (check failed or errored): {', '.join(refused)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,339 @@
+"""The benchmark runner: correctness gate, JSON report, quick smoke run, profile mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ple.ngram
+from ple.bench import cases as bench_cases
+from ple.bench import runner
+from ple.layer import PLELayer
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _run(*argv: str) -> int:
+    return runner.run(_args(*argv))
+
+
+# ---------------------------------------------------------------------------------------------- smoke run + schema
+
+
+def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
+    out_json, out_png, out_md = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "b.md"
+    t0 = time.perf_counter()
+    rc = _run(
+        "--quick",
+        "--cases",
+        "ids,prefill-long-bf16,decode-fp32",
+        "--repeat",
+        "2",
+        "--quiet",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        "--markdown",
+        str(out_md),
+    )
+    elapsed = time.perf_counter() - t0
+    assert rc == 0
+    assert elapsed < 30, f"quick run took {elapsed:.1f}s"
+    table = capsys.readouterr().out
+    assert table.startswith("| case | shape |")
+    assert out_md.read_text() == table
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rep = json.loads(out_json.read_text())
+    assert rep["schema"] == runner.SCHEMA
+    assert set(rep) >= {"schema", "created", "machine", "versions", "settings", "cases", "elapsed_s"}
+    m = rep["machine"]
+    assert len(m["load_average"]) == 3 and len(m["load_average_start"]) == 3
+    assert isinstance(m["cpu_model"], str) and m["cpu_model"]
+    assert isinstance(m["cores"], int) and m["cores"] >= 1
+    assert m["device"] == "cpu"
+    v = rep["versions"]
+    assert v["torch"] == torch.__version__
+    assert v["ple"] == ple.__version__
+    assert v["python"].count(".") == 2
+    assert isinstance(v["transformers"], str)
+    s = rep["settings"]
+    assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
+    assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size
+
+    names = [c["name"] for c in rep["cases"]]
+    assert names == ["ids", "prefill-long-bf16", "decode-fp32"]
+    for c in rep["cases"]:
+        assert c["status"] == "ok", c
+        assert c["check"]["passed"] is True
+        assert c["name"] in table
+        med = c["median_ms"]
+        assert med["ple"] > 0 and med["transformers"] > 0
+        for key in ("ple", "transformers"):
+            assert len(c["samples_ms"][key]) == 2
+            xs = sorted(c["samples_ms"][key])
+            assert med[key] == pytest.approx((xs[0] + xs[1]) / 2)
+            assert c["min_ms"][key] == pytest.approx(xs[0])
+            assert c["spread"][key] == pytest.approx(xs[1] / xs[0])
+        r = c["ratios"]
+        assert r["speedup_vs_transformers"] == pytest.approx(med["transformers"] / med["ple"])
+        if c["name"] == "ids":
+            assert med["floor"] is None and r["ple_over_floor"] is None
+            assert c["aux_median_ms"]["ple_ids_unchecked"] > 0
+            assert c["check"]["metrics"]["ids_differing"] == 0
+        else:
+            assert med["floor"] > 0
+            assert r["ple_over_floor"] == pytest.approx(med["ple"] / med["floor"])
+        assert c["target_met"] in (True, False, None)
+    bf16 = rep["cases"][1]
+    assert bf16["dtype"] == "bf16" and bf16["targets"] == {"speedup_min": 3, "floor_max": 1.3}
+    assert bf16["check"]["metrics"]["max_abs_err_ple_vs_fp32"] <= bf16["check"]["metrics"]["bound"]
+    decode = rep["cases"][2]
+    assert decode["tokens"] == bench_cases.QUICK.decode_requests * bench_cases.QUICK.decode_steps
+    assert decode["aux_median_ms"]["ple_step_metadata"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+
+
+def test_broken_layer_is_refused_and_never_timed(tmp_path, monkeypatch, capsys):
+    calls = []
+    original = PLELayer.forward
+
+    def broken(self, *args, **kwargs):
+        calls.append(1)
+        out = original(self, *args, **kwargs)
+        out[-1, 0] += 0.5  # one wrong element, well inside the tolerance of nothing
+        return out
+
+    monkeypatch.setattr(PLELayer, "forward", broken)
+    out_json = tmp_path / "b.json"
+    rc = _run("--quick", "--cases", "prefill-long-fp32,mixed-bf16", "--quiet", "--json", str(out_json))
+    assert rc == 1
+    assert len(calls) == 3  # the check's one call per case (+ mixed's warm-up history), no timed calls
+    rep = json.loads(out_json.read_text())
+    for c in rep["cases"]:
+        assert c["status"] == "check_failed"
+        assert c["check"]["passed"] is False
+        assert c["median_ms"] == {"ple": None, "transformers": None, "floor": None}
+        assert c["samples_ms"] == {} and c["min_ms"] == {}
+        assert c["ratios"]["speedup_vs_transformers"] is None
+        assert c["target_met"] is None
+    table = capsys.readouterr().out
+    assert table.count("REFUSED (check_failed") == 2
+
+
+def test_broken_ids_are_refused(monkeypatch, capsys):
+    original = ple.ngram.ngram_ids
+
+    def off_by_one(*args, **kwargs):
+        ids = original(*args, **kwargs)
+        ids[ids.shape[0] // 2, 3] += 1
+        return ids
+
+    monkeypatch.setattr(ple.ngram, "ngram_ids", off_by_one)
+    rc = _run("--quick", "--cases", "ids", "--quiet")
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "REFUSED (check_failed: 1 ids differ)" in out
+
+
+def test_run_case_times_nothing_after_a_failed_or_raising_check():
+    counts = {"ple": 0, "transformers": 0, "floor": 0, "aux": 0}
+
+    def counter(name):
+        def fn():
+            counts[name] += 1
+            return torch.zeros(3)
+
+        return fn
+
+    def prepared(check):
+        return bench_cases.Prepared(
+            shape="3",
+            tokens=3,
+            ple=counter("ple"),
+            transformers=counter("transformers"),
+            check=check,
+            floor=counter("floor"),
+            aux={"x": counter("aux")},
+        )
+
+    case = bench_cases.CASES[1]
+    fx = bench_cases.Fixture(bench_cases.QUICK)
+    rec = runner.run_case(case, fx, 3, 1, prepared=prepared(lambda p, t: bench_cases.CheckResult(False, "no")))
+    assert rec["status"] == "check_failed"
+    assert counts == {"ple": 1, "transformers": 1, "floor": 0, "aux": 0}
+
+    def boom(p, t):
+        raise RuntimeError("kaput")
+
+    rec = runner.run_case(case, fx, 3, 1, prepared=prepared(boom))
+    assert rec["status"] == "error" and "kaput" in rec["check"]["detail"]
+    assert counts == {"ple": 2, "transformers": 2, "floor": 0, "aux": 0}
+
+    rec = runner.run_case(case, fx, 3, 1, prepared=prepared(lambda p, t: bench_cases.CheckResult(True, "ok")))
+    assert rec["status"] == "ok"
+    assert counts == {"ple": 3 + 4, "transformers": 3 + 4, "floor": 4, "aux": 4}  # check + warmup + repeat
+
+
+def test_measure_rotates_and_adds_rounds_only_while_noisy(monkeypatch):
+    script = {"a": iter([5.0, 1.0, 1.0, 1.0, 1.0, 1.0]), "b": iter([1.0] * 6)}
+    order = []
+
+    def fake_timed(fn, reset, sync):
+        name = fn()
+        order.append(name)
+        return next(script[name])
+
+    monkeypatch.setattr(runner, "_timed", fake_timed)
+    fns = {"a": lambda: "a", "b": lambda: "b"}
+    # a's first sample is 5x the others: noisy, so rounds are added up to max_repeat
+    got = runner.measure(fns, repeat=2, warmup=0, max_repeat=4)
+    assert got == {"a": [5.0, 1.0, 1.0, 1.0], "b": [1.0] * 4}
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    # steady series stop at repeat; warm-up rounds are not kept
+    script = {"a": iter([9.0, 1.0, 1.1]), "b": iter([9.0, 1.0, 1.0])}
+    assert runner.measure(fns, repeat=2, warmup=1, max_repeat=5) == {"a": [1.0, 1.1], "b": [1.0, 1.0]}
+
+
+def test_compare_outputs_rules():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(50, 33, generator=g, dtype=torch.float64).float()
+    tf16 = ref.bfloat16()
+    # fp32: tiny differences pass, a real one fails, NaN fails
+    assert bench_cases.compare_outputs(ref + 1e-6, ref, torch.float32, None).passed
+    bad = ref.clone()
+    bad[7, 3] += 1e-2
+    assert not bench_cases.compare_outputs(bad, ref, torch.float32, None).passed
+    nan = ref.clone()
+    nan[0, 0] = float("nan")
+    res = bench_cases.compare_outputs(nan, ref, torch.float32, None)
+    assert not res.passed and "non-finite" in res.detail
+    # bf16: judged against the fp32 reference; rounding like transformers passes, 3 ulps off fails
+    assert bench_cases.compare_outputs(ref.bfloat16(), tf16, torch.bfloat16, lambda: ref).passed
+    err_tf = float((tf16.float() - ref).abs().max())
+    wrong = ref.clone()
+    wrong[1, 1] += 3 * err_tf + 2e-3
+    res = bench_cases.compare_outputs(wrong.bfloat16(), tf16, torch.bfloat16, lambda: ref)
+    assert not res.passed, res.detail
+    # shapes must agree
+    assert not bench_cases.compare_outputs(ref[:-1], ref, torch.float32, None).passed
+
+
+def test_targets():
+    t = bench_cases.Targets(speedup_min=3, floor_max=1.3)
+    assert t.met(3.0, 1.3) is True
+    assert t.met(2.99, 1.0) is False
+    assert t.met(5.0, 1.31) is False
+    assert t.met(None, 1.0) is False
+    assert bench_cases.Targets().met(1.0, 1.0) is None
+    assert bench_cases.Targets(speedup_min=20).met(25.0, None) is True
+
+
+# ---------------------------------------------------------------------------------------------- selection, cli
+
+
+def test_select_cases():
+    names = lambda spec: [c.name for c in bench_cases.select_cases(spec)]  # noqa: E731
+    assert names(None) == names("all") == [c.name for c in bench_cases.CASES]
+    assert names("prefill") == ["prefill-long-bf16", "prefill-batch-bf16", "prefill-long-fp32", "prefill-batch-fp32"]
+    assert names("*-bf16") == ["prefill-long-bf16", "prefill-batch-bf16", "decode-bf16", "mixed-bf16"]
+    assert names("decode-fp32,ids,decode-fp32") == ["decode-fp32", "ids"]
+    with pytest.raises(ValueError, match="no benchmark case matches 'prefil'.*known cases: ids"):
+        bench_cases.select_cases("prefil")
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert _run("--quick", "--cases", "nope") == 2
+    assert "no benchmark case matches 'nope'" in capsys.readouterr().err
+    assert _run("--quick", "--repeat", "0") == 2
+    assert _run("--quick", "--repeat", "3", "--max-repeat", "2") == 2
+    assert _run("--quick", "--profile", "prefill") == 2  # matches four cases
+
+
+def test_python_dash_m_lists_cases():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ple.bench", "--list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "PYTHONPATH": str(_REPO / "src")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for c in bench_cases.CASES:
+        assert c.name in proc.stdout
+
+
+def test_published_geometry_matches_the_spec():
+    g = bench_cases.PUBLISHED
+    assert (g.hidden_size, g.hc_count, g.embed_dim, g.num_heads, g.head_dim) == (2560, 4, 2560, 16, 160)
+    assert (g.conv_kernel_size, g.vocab_size, g.eos_token_id) == (4, 248320, 248044)
+    assert g.ids_shape == (64, 1024) and g.prefill_long == (1, 2048) and g.prefill_batch == (8, 512)
+    assert (g.decode_requests, g.decode_steps) == (64, 32)
+    assert g.mixed_decode + g.mixed_prefill[0] == 64 and g.mixed_prefill[1] == 256
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def test_profile_quick_prints_stages(capsys):
+    rc = _run("--quick", "--profile", "prefill-long-fp32", "--repeat", "1", "--warmup", "0", "--quiet")
+    assert rc == 0
+    out = capsys.readouterr().out
+    for stage in ("ids", "lookup", "gemm", "gate", "conv", "other", "ple total", "floor (projections)"):
+        assert f"\n{stage} " in out, stage
+    assert "torch.profiler" in out
+    # the timers are gone afterwards
+    import ple.layer
+
+    assert not hasattr(ple.layer.ngram_gate, "__wrapped__")
+    assert ple.layer.F is torch.nn.functional
+
+
+def test_profile_refuses_a_failing_case(monkeypatch, capsys):
+    original = PLELayer.forward
+    monkeypatch.setattr(PLELayer, "forward", lambda self, *a, **k: original(self, *a, **k) * 2)
+    assert _run("--quick", "--profile", "decode-fp32", "--quiet") == 1
+    assert "check failed, not profiled" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the GPU check script
+
+
+def test_gpu_check_script_parses_and_its_python_part_runs_on_cpu(tmp_path, monkeypatch):
+    import importlib.util
+    import shutil
+
+    if shutil.which("bash"):
+        proc = subprocess.run(["bash", "-n", str(_REPO / "bench" / "gpu_check.sh")], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    spec = importlib.util.spec_from_file_location("gpu_check", _REPO / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--device", "cpu", "--tiny", "--repeat", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    assert rep["schema"] == mod.SCHEMA and not rep["errors"]
+    kernels = {r["kernel"] for r in rep["records"]}
+    assert kernels == {"ngram_ids", "gather", "gate", "conv"}
+    for r in rep["records"]:
+        assert r["passed"], r
+        assert r["median_us"] > 0 and r["bytes_moved"] > 0
+        assert r["fraction_of_peak_bw"] == pytest.approx(r["bytes_moved"] / (r["median_us"] * 1e-6) / 4.8e12)
+    assert "| gather |" in (tmp_path / "gpu_kernels.md").read_text()
