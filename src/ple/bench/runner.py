@@ -89,6 +89,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------- environment
 
 
+_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def _cpu_flags() -> list[str]:
+    """The instruction-set flags that decide GEMM speed (bf16 needs avx512_bf16 / amx_bf16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in _FLAGS_OF_NOTE if x in have]
+    except OSError:
+        pass
+    return []
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -105,6 +121,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
+        "cpu_flags": _cpu_flags(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
     }
@@ -388,6 +405,10 @@ def _geometry(args) -> Geometry:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--list`` / ``--profile``) as ``args`` say; returns the exit status."""
+    from ..runtime import tune_host_allocator
+
+    # process-wide, so ple and transformers run on the same allocator (see docs/PERFORMANCE.md)
+    tune_host_allocator()
     out = sys.stdout
 
     def log(msg: str) -> None:
