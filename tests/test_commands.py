@@ -128,3 +128,24 @@ def test_demo_runs_and_checks(tier, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["tier"] == tier and res["checked_tokens"] > 0
     assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
+
+
+def test_layer_from_checkpoint_with_a_table_file(small_checkpoint, tmp_path):
+    from ple.checkpoint import load_ple_weights
+    from ple.layer import PLELayer
+    from ple.runtime import Batch
+
+    cfg, ckpt = small_checkpoint
+    assert load_ple_weights(ckpt, cfg, with_table=False)[1].table is None
+    assert main(["convert", str(ckpt), str(tmp_path), "--layers", "1"]) == 0
+    (f,) = tmp_path.glob("*.pletable")
+    in_memory = PLELayer.from_checkpoint(ckpt, cfg, ple_layer_index=1)
+    mapped = PLELayer.from_checkpoint(ckpt, cfg, ple_layer_index=1, table=MmapTable.open(f))
+    assert isinstance(mapped.table, MmapTable)
+    tokens = torch.tensor([5, 9, 2, 7, 7, 11])
+    hidden = torch.randn(6, cfg.hc_hidden_size)
+    outs = []
+    for layer in (in_memory, mapped):
+        batch = Batch.build([4, 2], [0, 1], torch.full((2, 2), cfg.eos_token_id), layer.new_state_pool(2))
+        outs.append(layer(hidden, tokens, batch))
+    assert torch.equal(outs[0], outs[1])

@@ -344,7 +344,7 @@ class PLEWeights:
     norm_query: torch.Tensor  # [HC*H]
     norm_conv: torch.Tensor  # [HC*H]
     conv1d: torch.Tensor  # [HC*H, K]
-    table: object
+    table: object  # None when loaded with ``with_table=False``
 
 
 class _Reader:
@@ -449,6 +449,7 @@ def load_ple_weights(
     device: str | torch.device = "cpu",
     strict: bool = True,
     progress: bool = False,
+    with_table: bool = True,
 ) -> dict[int, PLEWeights]:
     """Load PLE layers (``{ple_layer_index: PLEWeights}``) from a safetensors file or directory.
 
@@ -460,6 +461,8 @@ def load_ple_weights(
     Args:
         layers: ``ple_layer_index`` values to load (default: all).
         strict: unexpected tensor names under a PLE prefix are an error (else ignored).
+        with_table: False reads everything but the table (``PLEWeights.table`` is None), for
+            tables served from another tier (e.g. a table file made by ``ple convert``).
     """
     from .table import MemoryTable
 
@@ -484,8 +487,8 @@ def load_ple_weights(
         for e in wanted:
             lay = e.layout
             dense = {n: _read_checked(reader, i, e.prefix + n, i.shape).to(device) for n, i in e.dense.items()}
-            table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device)
-            shard_iter = iter_table_shards(e, reader)
+            table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device) if with_table else None
+            shard_iter = iter_table_shards(e, reader) if with_table else iter(())
             if progress:
                 from tqdm.auto import tqdm
 
@@ -507,7 +510,7 @@ def load_ple_weights(
                         )
                     table.scale[a:b].copy_(scale)
                 del rows, scale
-            if e.table_format == "fp8":
+            if with_table and e.table_format == "fp8":
                 table.scale.copy_(reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float())
             out[e.ple_layer_index] = PLEWeights(
                 ple_layer_index=e.ple_layer_index,

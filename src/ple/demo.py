@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config.json to use instead of the embedded default")
     p.add_argument("--checkpoint", help="a real qwen4_exp model directory (PLE layers only are read)")
     p.add_argument("--layer", type=int, default=0, help="ple_layer_index to serve (default 0)")
-    p.add_argument("--requests", type=int, default=24, help="requests in the workload")
-    p.add_argument("--slots", type=int, default=8, help="concurrent requests (state slots)")
+    p.add_argument("--requests", type=int, default=64, help="requests in the workload")
+    p.add_argument("--slots", type=int, default=16, help="concurrent requests (state slots)")
     p.add_argument("--num-spec", type=int, default=3, help="speculative tokens per verify chunk")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk size")
     p.add_argument("--seed", type=int, default=0)
@@ -234,25 +234,25 @@ def run(args) -> int:
             ckpt = synthesize_checkpoint(config, work / "checkpoint", seed=args.seed)
             source = "synthesized checkpoint (published format, fp8 + global scale)"
         t0 = time.perf_counter()
-        layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress)
-        load_s = time.perf_counter() - t0
-        lay = layer.layout
-        if args.tier == "mmap":
+        table = None
+        if args.tier == "mmap":  # the table goes straight from the checkpoint to a table file, never to memory
             from .checkpoint import _Reader
-
-            scan_entry = _layer_entry(ckpt, config, args.layer)
-            path = work / f"ple_layer_{args.layer}.pletable"
             from .commands import shards_for_convert
 
+            lay = config.layout(args.layer)
+            path = work / f"ple_layer_{args.layer}.pletable"
             reader = _Reader()
             try:
                 convert_layer(
-                    shards_for_convert(scan_entry, reader), path, layout_fields(config, args.layer),
-                    lay.padded_rows, lay.head_dim, lay.shard_rows, force=True, progress=progress,
+                    shards_for_convert(_layer_entry(ckpt, config, args.layer), reader), path,
+                    layout_fields(config, args.layer), lay.padded_rows, lay.head_dim, lay.shard_rows,
+                    force=True, progress=progress,
                 )
             finally:
                 reader.close()
-            layer.set_table(MmapTable.open(path, expected_layout_hash=layout_fields(config, args.layer)))
+            table = MmapTable.open(path, expected_layout_hash=layout_fields(config, args.layer))
+        layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
+        load_s = time.perf_counter() - t0
         table = layer.table
         res = serve(layer, args, progress)
         res.update(
@@ -286,7 +286,7 @@ def _layer_entry(ckpt, config, idx):
 
 def _print(res: dict) -> None:
     print(f"\nsource : {res['source']}\ntable  : {res['table']} ({res['tier']})")
-    print(f"load   : {res['load_seconds']:.2f} s through the checkpoint loader\n")
+    print(f"load   : {res['load_seconds']:.2f} s through the checkpoint loader (and ple convert for mmap)\n")
     print("| phase   | steps | tokens | seconds | tokens/s |")
     print("|---------|------:|-------:|--------:|---------:|")
     for name, p in res["phases"].items():

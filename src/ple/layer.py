@@ -100,15 +100,24 @@ class PLELayer(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         progress: bool = False,
+        table=None,
     ) -> PLELayer:
-        """Load one PLE layer from a safetensors checkpoint (file, directory or index)."""
+        """Load one PLE layer from a safetensors checkpoint (file, directory or index).
+
+        ``table``: a table of any tier to use instead of reading the checkpoint's table into
+        memory (e.g. ``MmapTable.open(...)`` of a file made by ``ple convert``).
+        """
         from .checkpoint import load_ple_weights
 
         if config is None:
             config = PLEConfig.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
-        weights = load_ple_weights(path, config, layers=[ple_layer_index], device=device, progress=progress)
+        weights = load_ple_weights(
+            path, config, layers=[ple_layer_index], device=device, progress=progress, with_table=table is None
+        )[ple_layer_index]
         layer = cls(config, ple_layer_index, dtype=dtype, device=device)
-        layer.load_weights(weights[ple_layer_index])
+        if table is not None:
+            weights.table = table
+        layer.load_weights(weights)
         return layer
 
     @classmethod
