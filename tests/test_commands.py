@@ -149,3 +149,11 @@ def test_layer_from_checkpoint_with_a_table_file(small_checkpoint, tmp_path):
         batch = Batch.build([4, 2], [0, 1], torch.full((2, 2), cfg.eos_token_id), layer.new_state_pool(2))
         outs.append(layer(hidden, tokens, batch))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_demo_on_an_existing_checkpoint(small_checkpoint, capsys):
+    cfg, ckpt = small_checkpoint
+    rc = main(["demo", "--checkpoint", str(ckpt), "--layer", "1", "--requests", "4", "--slots", "2", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert f"checkpoint {ckpt}" in text and "every kept output equals the one-shot reference" in text
