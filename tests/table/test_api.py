@@ -4,6 +4,7 @@ import ple.table as table
 def test_public_api_is_pinned():
     assert sorted(table.__all__) == sorted(
         [
+            "CachedTable",
             "FORMATS",
             "IdOutOfRangeError",
             "MemoryTable",

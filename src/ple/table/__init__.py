@@ -5,10 +5,12 @@ Tiers share the :class:`Table` interface (``lookup``, ``start_prefetch``):
 
 - :class:`MemoryTable` — one tensor on the CPU or an accelerator;
 - :class:`PinnedHostTable` — page-locked host memory read by the accelerator (needs CUDA);
-- :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.file`).
+- :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.file`);
+- :class:`CachedTable` — the hottest rows of another table held in memory (see :mod:`ple.table.cache`).
 """
 
 from .base import Prefetch, PrefetchError, Table
+from .cache import CachedTable
 from .convert import compare_with_source, convert_layer
 from .file import (
     MmapTable,
@@ -25,6 +27,7 @@ from .memory import MemoryTable, PinnedHostTable
 from .quantize import QuantError, dequantize, quantization_error, quantize_global, quantize_rows
 
 __all__ = [
+    "CachedTable",
     "FORMATS",
     "IdOutOfRangeError",
     "MemoryTable",
