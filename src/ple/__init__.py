@@ -10,7 +10,7 @@ from .layer import PLELayer
 from .layout import Layout
 from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
 from .runtime import Batch, BatchError, Checkpoint, Session, SessionError, tune_host_allocator
-from .table import MemoryTable, MmapTable, PinnedHostTable, Table
+from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, Table
 
 __version__ = "0.1.0"
 
@@ -37,4 +37,5 @@ __all__ = [
     "MemoryTable",
     "MmapTable",
     "PinnedHostTable",
+    "CachedTable",
 ]
