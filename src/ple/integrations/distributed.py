@@ -42,7 +42,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..table import MemoryTable, MmapTable, PrefetchError, Table, check_ids, hash_layout
+from ..table import MemoryTable, MmapTable, Table, check_ids, hash_layout
+from ..table.base import check_wait
 from ..table.formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype
 
 __all__ = [
@@ -352,17 +353,7 @@ class ShardedPrefetch:
     def wait(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Block until the rows are ready; ``ids``, when given, must be the tensor the prefetch was started for."""
         with self._lock:
-            if self._pending is None:
-                raise PrefetchError(f"prefetch #{self.seq} was released: its rows may already be reused")
-            if self._waited:
-                raise PrefetchError(f"prefetch #{self.seq} was already waited: a handle is waited once")
-            if ids is not None and ids is not self.ids:
-                raise PrefetchError(
-                    f"prefetch #{self.seq} was started for another ids tensor "
-                    f"(shape {tuple(self.ids.shape)}), not the one given (shape {tuple(ids.shape)})"
-                )
-            if ids is not None and ids._version != self._ids_version:
-                raise PrefetchError(f"prefetch #{self.seq}: its ids tensor was modified in place after the start")
+            check_wait(self.seq, self._pending is not None, self._waited, self.ids, self._ids_version, ids)
             self._waited = True
             pending = self._pending
         return pending.complete()

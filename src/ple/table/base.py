@@ -40,6 +40,24 @@ class PrefetchError(RuntimeError):
     """A prefetch handle was misused: waited twice, waited after release, or for other ids."""
 
 
+def check_wait(
+    seq: int, live: bool, waited: bool, started_ids: torch.Tensor, ids_version: int, ids: torch.Tensor | None
+) -> None:
+    """Raise :class:`PrefetchError` unless a prefetch handle may be waited now (the rules every
+    handle shares: once, before release, for the very ids tensor it started with, unmodified)."""
+    if not live:
+        raise PrefetchError(f"prefetch #{seq} was released: its rows may already be reused")
+    if waited:
+        raise PrefetchError(f"prefetch #{seq} was already waited: a handle is waited once")
+    if ids is not None and ids is not started_ids:
+        raise PrefetchError(
+            f"prefetch #{seq} was started for another ids tensor "
+            f"(shape {tuple(started_ids.shape)}), not the one given (shape {tuple(ids.shape)})"
+        )
+    if ids is not None and ids._version != ids_version:
+        raise PrefetchError(f"prefetch #{seq}: its ids tensor was modified in place after the start")
+
+
 class _Buffer:
     __slots__ = ("tensor", "release_event")
 
@@ -89,17 +107,7 @@ class Prefetch:
         The returned tensor is a pooled buffer owned by this handle until ``release()``.
         """
         with self._lock:
-            if self._buf is None:
-                raise PrefetchError(f"prefetch #{self.seq} was released: its rows may already be reused")
-            if self._waited:
-                raise PrefetchError(f"prefetch #{self.seq} was already waited: a handle is waited once")
-            if ids is not None and ids is not self.ids:
-                raise PrefetchError(
-                    f"prefetch #{self.seq} was started for another ids tensor "
-                    f"(shape {tuple(self.ids.shape)}), not the one given (shape {tuple(ids.shape)})"
-                )
-            if ids is not None and ids._version != self._ids_version:
-                raise PrefetchError(f"prefetch #{self.seq}: its ids tensor was modified in place after the start")
+            check_wait(self.seq, self._buf is not None, self._waited, self.ids, self._ids_version, ids)
             self._waited = True
             buf = self._buf
         if self._future is not None:
