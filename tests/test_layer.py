@@ -210,3 +210,43 @@ def test_engine_call_is_inference_only():
         layer(h, torch.tensor([1, 2, 3]), batch)
     out = layer(h.detach(), torch.tensor([1, 2, 3]), batch)  # parameters require grad: still fine
     assert not out.requires_grad
+
+
+def test_engine_verify_then_accepted_count_selects_the_window():
+    """Driving the engine call directly: prefill, a verify row of 1+3 tokens of which 2 are
+    accepted, then a decode row whose batch carries the accepted count: outputs of kept tokens equal
+    the one-shot computation over the kept history."""
+    hf, mod, rng = _random_hf(21)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    num_spec = 3
+    pool = layer.new_state_pool(2, num_spec=num_spec)
+    pool[1].normal_()  # another request's slot: must stay untouched
+    other = pool[1].clone()
+    eos = cfg.eos_token_id
+    prompt = _stream(rng, 7, cfg.vocab_size, eos)
+    draft = _stream(rng, 4, cfg.vocab_size, eos)
+    nxt = _stream(rng, 1, cfg.vocab_size, eos)
+    h_prompt, h_draft, h_next = (torch.randn(n, cfg.hc_hidden_size) for n in (7, 4, 1))
+    kw = dict(num_spec=num_spec, conv_window=cfg.conv_window)
+    ctx = torch.full((1, cfg.ngram_size - 1), eos)
+    out1 = layer(h_prompt, prompt, Batch.build([7], [0], ctx, pool, **kw))
+    ctx = ple_next_context(prompt, ctx)
+    out2 = layer(h_draft, draft, Batch.build([4], [0], ctx, pool, kinds=["verify"], **kw))
+    kept = 2
+    ctx = ple_next_context(draft[:kept], ctx)
+    batch = Batch.build([1], [0], ctx, pool, kinds=["decode"], num_accepted=[kept], prev_query_lens=[4], **kw)
+    assert batch.num_rejected.tolist() == [2]
+    out3 = layer(h_next, nxt, batch)
+    hist_h = torch.cat([h_prompt, h_draft[:kept], h_next])
+    hist_t = torch.cat([prompt, draft[:kept], nxt])
+    want = _hf_oneshot(mod, hist_h, hist_t)
+    got = torch.cat([out1, out2[:kept], out3])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[1], other)
+
+
+def ple_next_context(tokens, ctx):
+    from ple import next_ngram_context
+
+    return next_ngram_context(tokens, torch.tensor([0, len(tokens)]), ctx)
