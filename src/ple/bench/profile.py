@@ -76,8 +76,10 @@ def _patched(timer: StageTimer, layer) -> Any:
     try:
         for mod_name, attr, stage, parent in _HOOKS:
             mod = sys.modules.get(mod_name)
-            if mod is None or not hasattr(mod, attr):
+            if mod is None:  # e.g. the Triton twins on a CPU run
                 continue
+            if not hasattr(mod, attr):
+                raise RuntimeError(f"profile hook {mod_name}.{attr} no longer exists: update _HOOKS")
             fn = getattr(mod, attr)
             saved.append((mod, attr, fn))
             setattr(mod, attr, timer.wrap(stage, fn, parent))

@@ -56,8 +56,7 @@ def dilated_conv(
     else:
         old = conv_state[slots.clamp(min=0)]
     fresh = ~resumes
-    any_fresh = bool(fresh.any())
-    if any_fresh:
+    if bool(fresh.any()):
         old[fresh] = 0
     w = weight.float()
     out = torch.empty_like(c)
