@@ -295,13 +295,15 @@ def test_profile_quick_prints_stages(capsys):
     rc = _run("--quick", "--profile", "prefill-long-fp32", "--repeat", "1", "--warmup", "0", "--quiet")
     assert rc == 0
     out = capsys.readouterr().out
-    for stage in ("ids", "lookup", "gemm", "gate", "conv", "other", "ple total", "floor (projections)"):
+    for stage in ("ids", "lookup", "gemm", "gate+conv", "  C kernel", "other", "ple total", "floor (projections)"):
         assert f"\n{stage} " in out, stage
     assert "torch.profiler" in out
     # the timers are gone afterwards
     import ple.layer
+    import ple.ops.fused.native
 
-    assert not hasattr(ple.layer.ngram_gate, "__wrapped__")
+    assert not hasattr(ple.layer.gate_conv, "__wrapped__")
+    assert not hasattr(ple.ops.fused.native.gate_conv, "__wrapped__")
     assert ple.layer.F is torch.nn.functional
 
 

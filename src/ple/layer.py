@@ -17,8 +17,7 @@ from torch import nn
 
 from .config import PLEConfig
 from .ngram import ngram_ids
-from .ops.conv import dilated_conv
-from .ops.gate import ngram_gate
+from .ops.fused import gate_conv
 from .ops.gate import reference as gate_reference
 from .runtime.batch import Batch
 
@@ -241,25 +240,12 @@ class PLELayer(nn.Module):
             emb = self._require_table().lookup(self.ngram_ids(input_ids, batch), self.dtype)
             kv = F.linear(emb, self._kv_weight())
         key, value = kv.split([cfg.hc_hidden_size, cfg.hidden_size], dim=1)
-        v, c = ngram_gate(
-            key, value, hidden, self.norm_key, self.norm_query, self.norm_conv, cfg.rms_norm_eps, cfg.hc_count
+        return gate_conv(
+            key, value, hidden, self.norm_key, self.norm_query, self.norm_conv, cfg.rms_norm_eps, cfg.hc_count,
+            self.conv_weight, cfg.ngram_size, batch.query_start_loc, batch.conv_state, batch.slot_indices,
+            batch.has_initial_state, batch.num_rejected,
+            token_mask=token_mask, add_hidden=add_hidden, return_conv_input=return_conv_input,
         )
-        if token_mask is not None:
-            m = token_mask.to(v.dtype).unsqueeze(1)
-            v = v * m
-            c = c * m
-        out = dilated_conv(
-            c,
-            self.conv_weight,
-            cfg.ngram_size,
-            batch.query_start_loc,
-            batch.conv_state,
-            batch.slot_indices,
-            batch.has_initial_state,
-            batch.num_rejected,
-            residual=v.add_(hidden) if add_hidden else v,
-        )
-        return (out, c) if return_conv_input else out
 
     def _kv_weight(self) -> torch.Tensor:
         """``[HC*H + H, E]``: key and value projections as one GEMM (cached until weights change)."""

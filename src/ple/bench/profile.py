@@ -1,9 +1,9 @@
 """``--profile CASE``: where ple's time goes, stage by stage.
 
 The stages are timed where the layer calls them: for the duration of the profile the functions
-the layer reaches through module attributes (``ngram_ids``, ``F.linear``, ``ngram_gate``,
-``dilated_conv``, the table's ``lookup``) are wrapped by timers (synchronizing the device around
-each call), and restored afterwards. Sub-stages (input validation, the conv's state write) are
+the layer reaches through module attributes (``ngram_ids``, ``F.linear``, ``gate_conv``, the
+table's ``lookup``) are wrapped by timers (synchronizing the device around
+each call), and restored afterwards. Sub-stages (input validation; the C kernel, or the PyTorch gate and conv) are
 shown indented and are already counted in their stage. "other" is what the layer spends outside
 the stages (argument checks, splits, the residual add). A ``torch.profiler`` table of one run
 follows, for the operator-level view.
@@ -24,22 +24,21 @@ from .cases import Case, Fixture
 
 __all__ = ["StageTimer", "profile_case"]
 
-STAGES = ("ids", "lookup", "gemm", "gate", "conv")
+STAGES = ("ids", "lookup", "gemm", "gate+conv")
 
 # (module, attribute, stage, parent stage or None): what the timers wrap when the module is loaded.
 _HOOKS = (
     ("ple.layer", "ngram_ids", "ids", None),
     ("ple.ngram", "ngram_ids", "ids", None),
-    ("ple.layer", "ngram_gate", "gate", None),
-    ("ple.layer", "dilated_conv", "conv", None),
+    ("ple.layer", "gate_conv", "gate+conv", None),
     ("ple.ngram", "check_ngram_inputs", "ids: validate", "ids"),
     ("ple.ngram.torch_impl", "ngram_ids", "ids: compute", "ids"),
     ("ple.ngram.triton_impl", "ngram_ids", "ids: compute", "ids"),
-    ("ple.ops.gate.torch_impl", "check_gate_args", "gate: validate", "gate"),
-    ("ple.ops.gate.triton_impl", "check_gate_args", "gate: validate", "gate"),
-    ("ple.ops.conv.torch_impl", "check_conv_args", "conv: validate", "conv"),
-    ("ple.ops.conv.triton_impl", "check_conv_args", "conv: validate", "conv"),
-    ("ple.ops.conv.torch_impl", "_new_states", "conv: state write", "conv"),
+    ("ple.ops.fused.native", "gate_conv", "C kernel", "gate+conv"),
+    ("ple.ops.gate.torch_impl", "ngram_gate", "gate (PyTorch)", "gate+conv"),
+    ("ple.ops.conv.torch_impl", "dilated_conv", "conv (PyTorch)", "gate+conv"),
+    ("ple.ops.gate.triton_impl", "ngram_gate", "gate (Triton)", "gate+conv"),
+    ("ple.ops.conv.triton_impl", "dilated_conv", "conv (Triton)", "gate+conv"),
 )
 
 

@@ -1,0 +1,147 @@
+"""The fused CPU kernels (``ple_cpu.c``): compiled on first use with the system C compiler, then cached.
+
+The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native`` for this machine
+and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``), keyed by the source, the flags and
+the compiler's version, so later processes load it without compiling (a build takes about a second).
+The build writes a temporary file and renames it into place: a crash never leaves a half-written
+library behind. ``PLE_NATIVE=0`` turns the kernels off (ple then uses its PyTorch fast path).
+
+:func:`library` returns the loaded library or raises :class:`NativeUnavailable` with the reason;
+:func:`available` is the non-raising check (it warns once, with the reason, when the build fails).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["NativeUnavailable", "available", "cache_dir", "library"]
+
+_SOURCE = Path(__file__).with_name("ple_cpu.c")
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=gnu11",
+]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_warned = False
+
+
+class NativeUnavailable(RuntimeError):
+    """The fused CPU kernels cannot be used here (disabled, no compiler, or the build failed)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$PLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/ple``, else ``~/.cache/ple``."""
+    env = os.environ.get("PLE_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ple"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "cc")
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeUnavailable(f"no C compiler: {cc!r} is not on PATH (set CC, or PLE_NATIVE=0 to silence this)")
+    return path
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(
+        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"ple_cpu-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run(
+                [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            )
+            if proc.returncode != 0:
+                raise NativeUnavailable(
+                    f"building {_SOURCE.name} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    fn = lib.ple_gate_conv
+    fn.restype = i32
+    fn.argtypes = [
+        i32, i64, i64, i64, i64, i64,  # bf16?, tokens, hidden_size, hc, taps, dilation
+        i64, i64, i64, f32,  # state_len, num_slots, requests, eps
+        ptr, i64, ptr, i64, ptr, i64,  # key, stride, value, stride, hidden, stride
+        ptr, ptr, ptr,  # wkq, wc, conv_w [K, C]
+        ptr, ptr, ptr, ptr, ptr,  # starts, slots, resumes, history_end, mask
+        ptr, i32, ptr, ptr, i32,  # state, add_hidden, out, c_out, c_all
+        i64, i32,  # unit_tokens, threads
+    ]
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use); raises :class:`NativeUnavailable` with the reason."""
+    global _lib, _error
+    if os.environ.get("PLE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        raise NativeUnavailable("the fused CPU kernels are turned off (PLE_NATIVE=0)")
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            if _error is not None:
+                raise NativeUnavailable(_error)
+            try:
+                _lib = _build()
+            except NativeUnavailable as e:
+                _error = str(e)
+                raise
+            except OSError as e:
+                _error = f"loading the fused CPU kernels failed: {e}"
+                raise NativeUnavailable(_error) from e
+    return _lib
+
+
+def available() -> bool:
+    """True when :func:`library` works; warns once with the reason when the kernels were wanted but failed."""
+    global _warned
+    try:
+        library()
+        return True
+    except NativeUnavailable as e:
+        if not _warned and os.environ.get("PLE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off"):
+            _warned = True
+            warnings.warn(f"ple: using the PyTorch CPU path: {e}", RuntimeWarning, stacklevel=2)
+        return False

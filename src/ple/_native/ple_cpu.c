@@ -1,0 +1,443 @@
+/* Fused CPU kernels of the PLE layer, compiled on first use by ple._native (plain C, no Python API).
+ *
+ * ple_gate_conv: gate (three grouped RMS norms, key/query match, gated value, conv input), the
+ * dilated causal depthwise conv over a packed batch with its state pool, SiLU and the residual, in
+ * one pass over each token's row. Each work unit is a token range of one request; it keeps the conv
+ * inputs of its last W+1 rows in an fp32 ring (rounded to the activation dtype, so every value equals
+ * the one stored in the state), and recomputes the W rows before its range. The state slot of a
+ * request is rewritten by whichever unit of that request finishes last, after all of its reads.
+ *
+ * Rounding follows ple.ops.gate.torch_impl + ple.ops.conv.torch_impl: fp32 arithmetic, one rounding
+ * of v, of c, of the residual v + hidden, and of the output.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r;
+}
+
+ALWAYS_INLINE float ld(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+ALWAYS_INLINE void st(void *p, int64_t i, float x, int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+ALWAYS_INLINE float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+/* exp(x) within 2 ulp on [-87, 88] (clamped outside): 2^n * p(r), r = x - n ln2, Taylor degree 7.
+ * The clamps are written as min/max selects: other spellings make gcc compute both sides under
+ * masks, and the discarded lanes hit denormal assists (ten times slower). */
+ALWAYS_INLINE float exp_vec(float x) {
+    x = x < 88.0f ? x : 88.0f;
+    x = x > -87.0f ? x : -87.0f;
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+#define LANES 16
+#define MAX_TAPS 64 /* taps per channel the kernel takes (the published model has 4) */
+
+ALWAYS_INLINE float lane_sum(const float *p) {
+    float a[LANES / 2];
+    for (int j = 0; j < LANES / 2; j++) a[j] = p[j] + p[j + LANES / 2];
+    float b0 = (a[0] + a[4]) + (a[2] + a[6]), b1 = (a[1] + a[5]) + (a[3] + a[7]);
+    return b0 + b1;
+}
+
+typedef struct {
+    int64_t tokens, hidden_size, hc, channels, taps, dilation, window, state_len, requests;
+    float eps;
+    const void *key, *value, *hidden;
+    int64_t key_stride, value_stride, hidden_stride;
+    const float *wkq, *wc, *conv_w; /* [C], [C], [K, C] */
+    const int64_t *starts, *slots, *history_end;
+    const uint8_t *resumes, *mask;
+    void *state;
+    int add_hidden;
+    void *out, *c_out;
+    int c_all;
+    /* work partition */
+    int64_t num_units;
+    int64_t *unit_request, *unit_begin, *unit_end;
+    int64_t *remaining; /* per request: units not yet finished */
+    int64_t next_unit;
+    int failed;
+} job_t;
+
+typedef struct {
+    float *ring, *vrow, *res, *acc;
+    float *hist;   /* [W, C] the slot's last W history columns that a request's first unit reads */
+    uint8_t *need; /* [W] which of them */
+    float *zero;   /* [C] zeros: the taps of a fresh request's history */
+} scratch_t;
+
+/* Conv input of row t for all streams into `c_row`; the residual into `res` when non-null. */
+ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, int bf) {
+    const int64_t H = J->hidden_size, HC = J->hc;
+    const void *vp = (const char *)J->value + t * J->value_stride * (bf ? 2 : 4);
+    const void *kp = (const char *)J->key + t * J->key_stride * (bf ? 2 : 4);
+    const void *qp = (const char *)J->hidden + t * J->hidden_stride * (bf ? 2 : 4);
+    /* Sums run in LANES independent partial sums (vectorizable without reassociation), then a fixed tree. */
+    float pv[LANES] = {0};
+    int64_t i0 = 0;
+    for (; i0 + LANES <= H; i0 += LANES)
+        for (int j = 0; j < LANES; j++) {
+            float x = ld(vp, i0 + j, bf);
+            vrow[i0 + j] = x;
+            pv[j] += x * x;
+        }
+    for (int64_t i = i0; i < H; i++) {
+        float x = ld(vp, i, bf);
+        vrow[i] = x;
+        pv[i - i0] += x * x;
+    }
+    const float ss_v = lane_sum(pv);
+    const float ms_v = ss_v / (float)H;
+    const float inv_sqrt_h = 1.0f / sqrtf((float)H);
+    const int masked = J->mask != 0 && J->mask[t] == 0;
+    for (int64_t h = 0; h < HC; h++) {
+        const int64_t o = h * H;
+        const float *wkq = J->wkq + o;
+        float pk[LANES] = {0}, pq[LANES] = {0}, pd[LANES] = {0};
+        int64_t i1 = 0;
+        for (; i1 + LANES <= H; i1 += LANES)
+            for (int j = 0; j < LANES; j++) {
+                float k = ld(kp, o + i1 + j, bf), q = ld(qp, o + i1 + j, bf);
+                pk[j] += k * k;
+                pq[j] += q * q;
+                pd[j] += k * wkq[i1 + j] * q;
+            }
+        for (int64_t i = i1; i < H; i++) {
+            float k = ld(kp, o + i, bf), q = ld(qp, o + i, bf);
+            pk[i - i1] += k * k;
+            pq[i - i1] += q * q;
+            pd[i - i1] += k * wkq[i] * q;
+        }
+        const float ss_k = lane_sum(pk), ss_q = lane_sum(pq), dot = lane_sum(pd);
+        float rk = 1.0f / sqrtf(ss_k / (float)H + J->eps);
+        float rq = 1.0f / sqrtf(ss_q / (float)H + J->eps);
+        float d = dot * rk * rq * inv_sqrt_h;
+        float s = d > 0.0f ? sqrtf(fmaxf(d, 1e-6f)) : (d < 0.0f ? -sqrtf(fmaxf(-d, 1e-6f)) : d);
+        float g = 1.0f / (1.0f + expf(-s));
+        float cs = g * (1.0f / sqrtf(g * g * ms_v + J->eps));
+        const float *wc = J->wc + o;
+        float *cr = c_row + o;
+        if (masked) {
+            for (int64_t i = 0; i < H; i++) cr[i] = 0.0f;
+            if (res) {
+                float *rr = res + o;
+                if (J->add_hidden)
+                    for (int64_t i = 0; i < H; i++) rr[i] = ld(qp, o + i, bf);
+                else
+                    for (int64_t i = 0; i < H; i++) rr[i] = 0.0f;
+            }
+            continue;
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) cr[i] = rnd(vrow[i] * cs * wc[i], bf);
+        if (res) {
+            float *rr = res + o;
+            if (J->add_hidden) {
+#pragma omp simd
+                for (int64_t i = 0; i < H; i++) rr[i] = rnd(rnd(vrow[i] * g, bf) + ld(qp, o + i, bf), bf);
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < H; i++) rr[i] = rnd(vrow[i] * g, bf);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
+    const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
+    const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
+    const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
+    const int64_t slot = J->slots[r];
+    const int resumes = J->resumes[r] != 0;
+    const int64_t hist = J->history_end[r];
+    const int active = slot >= 0;
+    const void *state_row = active ? (const char *)J->state + slot * C * L * (bf ? 2 : 4) : 0;
+    const int64_t warm = p0 > W ? p0 - W : 0;
+    if (active && resumes && p0 == 0 && W > 0) {
+        /* The slot columns hist-W .. hist-1 that this unit's taps read, token-major into S->hist. */
+        const int64_t first = hist - W, rows = p1 < W ? p1 : W;
+        for (int64_t col = 0; col < W; col++) S->need[col] = 0;
+        for (int64_t p = 0; p < rows; p++)
+            for (int64_t k = 0; k < K - 1; k++) {
+                const int64_t q = p - (K - 1 - k) * J->dilation;
+                if (q < 0) S->need[q + W] = 1;
+            }
+        for (int64_t col = 0; col < W; col++)
+            if (S->need[col]) {
+                float *dst = S->hist + col * C;
+                for (int64_t i = 0; i < C; i++) dst[i] = ld(state_row, i * L + first + col, bf);
+            }
+    }
+    for (int64_t p = warm; p < p1; p++) {
+        const int64_t t = start + p;
+        float *c_row = S->ring + (p % ring_rows) * C;
+        gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, bf);
+        if (p < p0) continue;
+        if (J->c_out && (J->c_all || p >= n - L)) {
+            void *co = (char *)J->c_out + t * C * (bf ? 2 : 4);
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) st(co, i, c_row[i], bf);
+        }
+        void *op = (char *)J->out + t * C * (bf ? 2 : 4);
+        if (!active) {
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) st(op, i, S->res[i], bf);
+            continue;
+        }
+        const float *src[MAX_TAPS];
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t q = p - (K - 1 - k) * J->dilation;
+            if (q >= 0)
+                src[k] = S->ring + (q % ring_rows) * C;
+            else if (resumes)
+                src[k] = S->hist + (q + W) * C; /* p < W here, so this unit began at p0 = 0 and gathered */
+            else
+                src[k] = S->zero; /* a fresh request's history is zero */
+        }
+        const float *res = S->res, *w = J->conv_w;
+        if (K == 4) { /* the published geometry: taps, SiLU, residual and the store in one loop */
+            const float *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) {
+                float a = 0.0f;
+                a += s0[i] * w[i];
+                a += s1[i] * w[C + i];
+                a += s2[i] * w[2 * C + i];
+                a += s3[i] * w[3 * C + i];
+                st(op, i, a / (1.0f + exp_vec(-a)) + res[i], bf);
+            }
+            continue;
+        }
+        float *acc = S->acc;
+        for (int64_t i = 0; i < C; i++) acc[i] = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float *sk = src[k], *wk = w + k * C;
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) acc[i] += sk[i] * wk[i];
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < C; i++) {
+            float a = acc[i];
+            st(op, i, a / (1.0f + exp_vec(-a)) + res[i], bf);
+        }
+    }
+}
+
+/* New state of request r: the last L columns of (kept history ++ its c rows), zeros on the left.
+ * In the flat [C * L] slot, keeping old columns is one shift by `kept + n - L` elements (a memmove;
+ * columns that cross into the next channel are the ones overwritten by c rows or zeroed). */
+ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
+    const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4;
+    const int64_t slot = J->slots[r];
+    if (slot < 0 || L == 0) return;
+    const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
+    const int resumes = J->resumes[r] != 0;
+    const int64_t kept = resumes ? J->history_end[r] : L;
+    const int64_t shift = kept + n - L, flat = C * L;
+    char *base = (char *)J->state + slot * flat * esz;
+    if (!resumes) {
+        if (n < L) memset(base, 0, (size_t)(flat * esz));
+    } else if (shift > 0) {
+        memmove(base, base + shift * esz, (size_t)((flat - shift) * esz));
+    } else if (shift < 0) {
+        memmove(base - shift * esz, base, (size_t)((flat + shift) * esz));
+        for (int64_t i = 0; i < C; i++) memset(base + i * L * esz, 0, (size_t)(-shift * esz));
+    }
+    for (int64_t j = L - n > 0 ? L - n : 0; j < L; j++) {
+        const char *src = (const char *)J->c_out + (start + n - L + j) * C * esz;
+        if (bf)
+            for (int64_t i = 0; i < C; i++) ((uint16_t *)base)[i * L + j] = ((const uint16_t *)src)[i];
+        else
+            for (int64_t i = 0; i < C; i++) ((float *)base)[i * L + j] = ((const float *)src)[i];
+    }
+}
+
+ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf) {
+    for (;;) {
+        int64_t u = __atomic_fetch_add(&J->next_unit, 1, __ATOMIC_RELAXED);
+        if (u >= J->num_units) break;
+        run_unit(J, u, S, bf);
+        int64_t r = J->unit_request[u];
+        if (__atomic_sub_fetch(&J->remaining[r], 1, __ATOMIC_ACQ_REL) == 0)
+            write_state(J, r, bf);
+    }
+}
+
+static void work_bf16(job_t *J, scratch_t *S) { work(J, S, 1); }
+static void work_f32(job_t *J, scratch_t *S) { work(J, S, 0); }
+
+static int alloc_scratch(const job_t *J, scratch_t *S) {
+    const int64_t C = J->channels;
+    S->ring = malloc(sizeof(float) * (size_t)((J->window + 1) * C));
+    S->vrow = malloc(sizeof(float) * (size_t)J->hidden_size);
+    S->res = malloc(sizeof(float) * (size_t)C);
+    S->acc = malloc(sizeof(float) * (size_t)C);
+    S->hist = malloc(sizeof(float) * (size_t)((J->window + 1) * C));
+    S->need = malloc((size_t)(J->window + 1));
+    S->zero = calloc((size_t)C, sizeof(float));
+    return S->ring && S->vrow && S->res && S->acc && S->hist && S->need && S->zero;
+}
+
+static void free_scratch(scratch_t *S) {
+    free(S->ring);
+    free(S->vrow);
+    free(S->res);
+    free(S->acc);
+    free(S->hist);
+    free(S->need);
+    free(S->zero);
+}
+
+typedef struct {
+    job_t *job;
+    int bf;
+} thread_arg_t;
+
+static void *thread_main(void *arg) {
+    thread_arg_t *a = (thread_arg_t *)arg;
+    scratch_t S;
+    if (!alloc_scratch(a->job, &S)) {
+        __atomic_store_n(&a->job->failed, 1, __ATOMIC_RELAXED);
+        free_scratch(&S);
+        return 0;
+    }
+    if (a->bf)
+        work_bf16(a->job, &S);
+    else
+        work_f32(a->job, &S);
+    free_scratch(&S);
+    return 0;
+}
+
+/* Returns 0 on success; -1 bad geometry, -2 out of memory, -3 thread start failed,
+ * 1000 + r: request r has an out-of-range history (its slot cannot hold the window). */
+int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64_t taps, int64_t dilation,
+                  int64_t state_len, int64_t num_slots, int64_t requests, float eps, const void *key,
+                  int64_t key_stride, const void *value, int64_t value_stride, const void *hidden,
+                  int64_t hidden_stride, const float *wkq, const float *wc, const float *conv_w,
+                  const int64_t *starts, const int64_t *slots, const uint8_t *resumes,
+                  const int64_t *history_end, const uint8_t *mask, void *state, int add_hidden, void *out,
+                  void *c_out, int c_all, int64_t unit_tokens, int threads) {
+    job_t J;
+    memset(&J, 0, sizeof J);
+    J.tokens = tokens;
+    J.hidden_size = hidden_size;
+    J.hc = hc;
+    J.channels = hc * hidden_size;
+    J.taps = taps;
+    J.dilation = dilation;
+    J.window = (taps - 1) * dilation;
+    J.state_len = state_len;
+    J.requests = requests;
+    J.eps = eps;
+    J.key = key;
+    J.value = value;
+    J.hidden = hidden;
+    J.key_stride = key_stride;
+    J.value_stride = value_stride;
+    J.hidden_stride = hidden_stride;
+    J.wkq = wkq;
+    J.wc = wc;
+    J.conv_w = conv_w;
+    J.starts = starts;
+    J.slots = slots;
+    J.resumes = resumes;
+    J.history_end = history_end;
+    J.mask = mask;
+    J.state = state;
+    J.add_hidden = add_hidden;
+    J.out = out;
+    J.c_out = c_out;
+    J.c_all = c_all;
+    if (hidden_size < 1 || hc < 1 || taps < 1 || taps > MAX_TAPS || dilation < 1 || requests < 0 || unit_tokens < 1 ||
+        state_len < J.window || (c_out == 0 && tokens > 0) || starts[0] != 0 || starts[requests] != tokens)
+        return -1;
+    int64_t units = 0;
+    for (int64_t r = 0; r < requests; r++) {
+        int64_t n = starts[r + 1] - starts[r];
+        if (n < 0 || slots[r] < -1 || slots[r] >= num_slots) return -1;
+        if (slots[r] >= 0 && resumes[r] && (history_end[r] < J.window || history_end[r] > state_len))
+            return (int)(1000 + r);
+        units += n == 0 ? 1 : (n + unit_tokens - 1) / unit_tokens;
+    }
+    J.num_units = units;
+    J.unit_request = malloc(sizeof(int64_t) * (size_t)(units + 1));
+    J.unit_begin = malloc(sizeof(int64_t) * (size_t)(units + 1));
+    J.unit_end = malloc(sizeof(int64_t) * (size_t)(units + 1));
+    J.remaining = malloc(sizeof(int64_t) * (size_t)(requests + 1));
+    int rc = 0;
+    if (!J.unit_request || !J.unit_begin || !J.unit_end || !J.remaining) {
+        rc = -2;
+        goto done;
+    }
+    int64_t u = 0;
+    for (int64_t r = 0; r < requests; r++) {
+        int64_t n = starts[r + 1] - starts[r];
+        int64_t parts = n == 0 ? 1 : (n + unit_tokens - 1) / unit_tokens;
+        J.remaining[r] = parts;
+        for (int64_t k = 0; k < parts; k++, u++) {
+            J.unit_request[u] = r;
+            J.unit_begin[u] = n * k / parts;
+            J.unit_end[u] = n * (k + 1) / parts;
+        }
+    }
+    if (threads < 1) threads = 1;
+    if (threads > units) threads = (int)(units > 0 ? units : 1);
+    pthread_t tid[256];
+    thread_arg_t arg = {&J, bf};
+    if (threads > 256) threads = 256;
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[started], 0, thread_main, &arg) != 0) break;
+        started++;
+    }
+    thread_main(&arg);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
+    if (J.failed) rc = -2;
+    else if (J.next_unit < J.num_units) rc = -3;
+done:
+    free(J.unit_request);
+    free(J.unit_begin);
+    free(J.unit_end);
+    free(J.remaining);
+    return rc;
+}

@@ -1,0 +1,236 @@
+"""The fused gate + conv step: the C kernel against the composed PyTorch and reference ops."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import ple._native as native_build
+from ple.ops import fused
+from ple.ops.conv import reference as conv_reference
+from ple.ops.fused import native, reference, torch_impl
+
+from ._helpers import DTYPE_TOL, random_conv_batch
+
+pytestmark = pytest.mark.skipif(not native_build.available(), reason="no C compiler for the fused CPU kernel")
+
+
+def random_step(seed, *, dtype, hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False):
+    """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections)."""
+    channels = hc * hidden_size
+    conv = random_conv_batch(
+        seed, channels=channels, taps=taps, dilation=dilation, num_spec=num_spec, dtype=dtype, decode=decode
+    )
+    qsl = conv["query_start_loc"]
+    if long:  # chunks long enough to be split into several work units
+        lens = [random.Random(seed).choice([0, 1, 40, 97, 300]) for _ in range(qsl.numel() - 1)]
+        qsl = torch.tensor([0, *lens]).cumsum(0)
+    tokens = int(qsl[-1])
+    g = torch.Generator().manual_seed(1000 + seed)
+    kv = torch.randn(tokens, channels + hidden_size, generator=g).to(dtype)  # key and value as views, like the layer
+    key, value = kv.split([channels, hidden_size], dim=1)
+    mask = None
+    if seed % 3 == 0 and tokens:
+        mask = torch.rand(tokens, generator=g) > 0.25
+    return dict(
+        key=key,
+        value=value,
+        hidden=torch.randn(tokens, channels, generator=g).to(dtype),
+        norm_key_weight=0.3 * torch.randn(channels, generator=g),
+        norm_query_weight=0.3 * torch.randn(channels, generator=g),
+        norm_conv_weight=0.3 * torch.randn(channels, generator=g),
+        eps=1e-6,
+        hc_count=hc,
+        conv_weight=conv["weight"],
+        dilation=dilation,
+        query_start_loc=qsl.to(torch.int32) if seed % 2 else qsl,
+        conv_state=conv["conv_state"],
+        state_indices=conv["state_indices"],
+        has_initial_state=conv["has_initial_state"],
+        num_rejected=conv["num_rejected"],
+        token_mask=mask,
+        add_hidden=seed % 4 != 1,
+        return_conv_input=True,
+    )
+
+
+def run(fn, step, **extra):
+    s = dict(step)
+    s["conv_state"] = s["conv_state"].clone()
+    out, c = fn(**s, **extra)
+    return out, c, s["conv_state"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_native_matches_composed_ops(seed, decode, dtype):
+    step = random_step(seed, dtype=dtype, decode=decode)
+    got = run(native.gate_conv, step)
+    fast = run(torch_impl.gate_conv, step)
+    ref = run(reference.gate_conv, step)
+    tol = DTYPE_TOL[dtype]
+    for name, a, b, r in zip(("out", "c", "state"), got, fast, ref):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name} vs torch path: {m}")
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name: f"{name} vs reference: {m}")
+        elif a.numel():
+            # Same rounding points as the PyTorch path: only sum-order ties may flip a last bit; against the
+            # literal reference (transformers' rounding points) no worse than the PyTorch path.
+            assert (a != b).float().mean().item() < 2e-3, name
+            err, err_fast = ((x.double() - r.double()).abs().max().item() for x in (a, b))
+            assert err <= 2 * err_fast + 1e-2, (name, err, err_fast)
+
+
+@pytest.mark.parametrize("taps,dilation,num_spec", [(1, 1, 0), (2, 1, 2), (3, 2, 0), (5, 2, 1)])
+@pytest.mark.parametrize("seed", range(3))
+def test_other_conv_geometries(seed, taps, dilation, num_spec):
+    """K other than the published 4 takes the kernel's generic tap loop."""
+    step = random_step(seed, dtype=torch.float32, taps=taps, dilation=dilation, num_spec=num_spec)
+    for a, b in zip(run(native.gate_conv, step), run(reference.gate_conv, step)):
+        torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
+    """The new slots hold exactly what the literal conv writes for the kernel's own conv inputs."""
+    step = random_step(seed, dtype=dtype)
+    _, c, state = run(native.gate_conv, step)
+    want = step["conv_state"].clone()
+    conv_reference.dilated_conv(
+        c, step["conv_weight"], step["dilation"], step["query_start_loc"], want, step["state_indices"],
+        step["has_initial_state"], step["num_rejected"],
+    )
+    assert torch.equal(state, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_work_split_does_not_change_results(seed, dtype):
+    """Long chunks are split into token ranges (each recomputes the W rows before it): any split, same bits."""
+    step = random_step(seed, dtype=dtype, long=True)
+    one = run(native.gate_conv, step, threads=1)
+    for threads in (2, 3, 7):
+        other = run(native.gate_conv, step, threads=threads)
+        for a, b in zip(one, other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_stream_equals_one_shot_bitwise(dtype):
+    """A request fed in chunks (shorter than the window too), then decoded, equals one whole prefill."""
+    hc, h, taps, dilation = 2, 16, 4, 3
+    channels = hc * h
+    window = (taps - 1) * dilation
+    g = torch.Generator().manual_seed(7)
+    n = 60
+    kv = torch.randn(n, channels + h, generator=g).to(dtype)
+    hidden = torch.randn(n, channels, generator=g).to(dtype)
+    ws = [0.3 * torch.randn(channels, generator=g) for _ in range(3)]
+    conv_w = torch.randn(channels, taps, generator=g)
+
+    def step(a, b, pool, resume):
+        key, value = kv[a:b].split([channels, h], dim=1)
+        return native.gate_conv(
+            key, value, hidden[a:b], *ws, 1e-6, hc, conv_w, dilation, torch.tensor([0, b - a]), pool,
+            torch.tensor([1]), torch.tensor([resume]),
+        )
+
+    whole = step(0, n, torch.zeros(2, channels, window, dtype=dtype), False)
+    pool = torch.full((2, channels, window), float("nan"), dtype=dtype)
+    cuts = [0, 1, 3, 13, 20, 41, 50] + list(range(51, n + 1))
+    parts = [step(a, b, pool, a > 0) for a, b in zip(cuts[:-1], cuts[1:])]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_dispatch_picks_the_kernel_on_cpu(monkeypatch):
+    calls = []
+    real = native.gate_conv
+    monkeypatch.setattr(native, "gate_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = random_step(1, dtype=torch.bfloat16)
+    fused.gate_conv(**step)
+    assert calls == [1]
+    step16 = random_step(1, dtype=torch.float16)  # fp16 runs the PyTorch path
+    out, c = fused.gate_conv(**step16)
+    assert calls == [1] and out.dtype == torch.float16
+
+
+def test_unsupported_inputs_are_refused_by_name():
+    step = random_step(2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        native.gate_conv(**step)
+    step = random_step(2, dtype=torch.float32)
+    step["conv_state"] = step["conv_state"].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="state pool dtype"):
+        native.gate_conv(**step)
+    assert "not contiguous" in native.unsupported_reason(
+        step["key"], step["value"], step["hidden"], torch.zeros(2, 3, 4).transpose(1, 2), step["conv_weight"]
+    )
+    assert "65 conv taps" in native.unsupported_reason(
+        step["key"], step["value"], step["hidden"], step["conv_state"], torch.zeros(48, 65)
+    )
+
+
+def test_rejection_beyond_the_slot_is_caught_without_validation():
+    for seed in range(50):  # the first random batch with a request that resumes from its slot
+        step = random_step(seed, dtype=torch.float32)
+        active = (step["state_indices"] >= 0) & step["has_initial_state"]
+        if bool(active.any()):
+            break
+    r = int(torch.nonzero(active)[0])
+    bad = torch.zeros_like(step["state_indices"])
+    bad[r] = step["conv_state"].shape[-1]  # more than L - W
+    step["num_rejected"] = bad
+    with pytest.raises(ValueError, match=f"request {r}"):
+        native.gate_conv(**step, validate=False)
+    with pytest.raises(ValueError, match="num_rejected"):
+        native.gate_conv(**step)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A clean build state with its own cache folder."""
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_lib", None)
+    monkeypatch.setattr(native_build, "_error", None)
+    monkeypatch.setattr(native_build, "_warned", False)
+    return tmp_path
+
+
+def test_build_is_cached_and_atomic(fresh_build):
+    lib = native_build.library()
+    built = sorted(p.name for p in fresh_build.iterdir())
+    assert len(built) == 1 and built[0].startswith("ple_cpu-") and built[0].endswith(".so"), built
+    assert lib is native_build.library()
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    with pytest.warns(RuntimeWarning, match="failed"):
+        assert not native_build.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native_build.available()  # once
+        step = random_step(4, dtype=torch.float32)
+        out, _ = fused.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})  # the PyTorch path
+    want, _ = torch_impl.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})
+    torch.testing.assert_close(out, want)
+    assert not list(fresh_build.glob("*.partial"))
+    with pytest.raises(native_build.NativeUnavailable, match="failed"):
+        native_build.library()
+
+
+def test_missing_compiler_and_switch_off(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-ple")
+    with pytest.raises(native_build.NativeUnavailable, match="no-such-compiler-ple"):
+        native_build.library()
+    monkeypatch.setenv("PLE_NATIVE", "0")
+    with pytest.raises(native_build.NativeUnavailable, match="PLE_NATIVE=0"):
+        native_build.library()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native_build.available()  # turned off on purpose: no warning
