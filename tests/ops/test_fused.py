@@ -201,11 +201,17 @@ def fresh_build(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_build_is_cached_and_atomic(fresh_build):
+def test_build_is_cached_and_atomic(fresh_build, monkeypatch):
     lib = native_build.library()
     built = sorted(p.name for p in fresh_build.iterdir())
     assert len(built) == 1 and built[0].startswith("ple_cpu-") and built[0].endswith(".so"), built
     assert lib is native_build.library()
+    # another CPU (a cache folder shared between machines) gets its own -march=native build
+    monkeypatch.setattr(native_build, "_lib", None)
+    monkeypatch.setattr(native_build, "_cpu_signature", lambda: b"flags: none")
+    native_build.library()
+    assert len(list(fresh_build.glob("ple_cpu-*.so"))) == 2
+    assert not list(fresh_build.glob("*.partial"))
 
 
 def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):

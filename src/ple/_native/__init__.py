@@ -1,8 +1,8 @@
 """The fused CPU kernels (``ple_cpu.c``): compiled on first use with the system C compiler, then cached.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native`` for this machine
-and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``), keyed by the source, the flags and
-the compiler's version, so later processes load it without compiling (a build takes about a second).
+and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``), keyed by the source, the flags, the
+compiler's version and the CPU's model and flags (a cache shared between machines stays correct), so later processes load it without compiling (a build takes about a second).
 The build writes a temporary file and renames it into place: a crash never leaves a half-written
 library behind. ``PLE_NATIVE=0`` turns the kernels off (ple then uses its PyTorch fast path).
 
@@ -65,6 +65,16 @@ def _compiler() -> str:
     return path
 
 
+def _cpu_signature() -> bytes:
+    """What ``-march=native`` depends on: the CPU's model and feature flags (Linux), else the platform."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith((b"model name", b"flags", b"Features"))]
+        return b"\n".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     try:
@@ -73,7 +83,7 @@ def _build() -> ctypes.CDLL:
         raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), platform.machine().encode()])
+        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]
     target = cache_dir() / f"ple_cpu-{digest}.so"
     if not target.exists():
