@@ -94,6 +94,22 @@ def test_other_conv_geometries(seed, taps, dilation, num_spec):
         torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
 
 
+def test_chunk_longer_than_the_whole_slot():
+    """More new rows than the slot has elements (tiny C and L): the slot is rebuilt from the rows alone."""
+    g = torch.Generator().manual_seed(3)
+    hc, h, taps, n = 2, 1, 2, 50
+    kv = torch.randn(n, hc * h + h, generator=g)
+    key, value = kv.split([hc * h, h], dim=1)
+    args = (key, value, torch.randn(n, hc * h, generator=g), *[torch.randn(hc * h, generator=g) for _ in range(3)])
+    step = (1e-6, hc, torch.randn(hc * h, taps, generator=g), 1, torch.tensor([0, n]))
+    pool = torch.randn(1, hc * h, 2, generator=g)  # C * L = 4 elements
+    want_pool = pool.clone()
+    got = native.gate_conv(*args, *step, pool, torch.tensor([0]), torch.tensor([True]), torch.tensor([1]))
+    want = reference.gate_conv(*args, *step, want_pool, torch.tensor([0]), torch.tensor([True]), torch.tensor([1]))
+    torch.testing.assert_close(got, want, **DTYPE_TOL[torch.float32])
+    assert torch.equal(pool, want_pool)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(6))
 def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):

@@ -274,9 +274,11 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
     const int64_t kept = resumes ? J->history_end[r] : L;
     const int64_t shift = kept + n - L, flat = C * L;
     char *base = (char *)J->state + slot * flat * esz;
-    if (!resumes) {
-        if (n < L) memset(base, 0, (size_t)(flat * esz));
-    } else if (shift > 0) {
+    if (n >= L) {
+        /* every column comes from the chunk's rows */
+    } else if (!resumes) {
+        memset(base, 0, (size_t)(flat * esz));
+    } else if (shift > 0) { /* 0 < shift < kept <= L <= flat here */
         memmove(base, base + shift * esz, (size_t)((flat - shift) * esz));
     } else if (shift < 0) {
         memmove(base - shift * esz, base, (size_t)((flat + shift) * esz));
