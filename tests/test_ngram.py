@@ -3,8 +3,10 @@ import random
 import pytest
 import torch
 
+import ple._native as native_build
+import ple.ngram as ngram_pkg
 from ple.config import PLEConfig
-from ple.ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids, reference, torch_impl
+from ple.ngram import NgramInputError, fresh_context, native, next_ngram_context, ngram_ids, reference, torch_impl
 
 from .conftest import hf_config, load_golden, ple_config_from_hf
 
@@ -16,7 +18,7 @@ def _golden_cases():
 
 
 @pytest.mark.parametrize("case, request_", list(_golden_cases()))
-@pytest.mark.parametrize("impl", ["checked", "reference"])
+@pytest.mark.parametrize("impl", ["checked", "reference", "torch", "native"])
 def test_golden_ids(case, request_, impl):
     c = dict(case["config"])
     idx = c.pop("ple_layer_index")
@@ -26,7 +28,11 @@ def test_golden_ids(case, request_, impl):
     x = torch.tensor(request_["tokens"])
     q = torch.tensor([0, len(x)])
     ctx = fresh_context(1, lay, cfg.eos_token_id)
-    fn = ngram_ids if impl == "checked" else reference.ngram_ids
+    fn = {"checked": ngram_ids, "reference": reference.ngram_ids, "torch": torch_impl.ngram_ids}.get(impl)
+    if impl == "native":
+        if not native_build.available():
+            pytest.fail("the C kernel does not build here")
+        fn = native.ngram_ids
     assert torch.equal(fn(x, q, ctx, lay, cfg.eos_token_id), torch.tensor(request_["ids"], dtype=torch.int64))
     # the same request split into every two-chunk split gives the same ids
     for cut in range(1, len(x)):
@@ -172,3 +178,64 @@ def test_checked_entry_refuses(mutate, match):
     c = fresh_context(3, lay, 1)
     with pytest.raises(NgramInputError, match=match):
         ngram_ids(*mutate(x, q, c), lay, 1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_kernel_matches_torch_and_reference(seed):
+    """Random geometries (N 2-4), packed batches crossing the kernel's 4096-token work chunks, empty
+    requests, EOS in tokens and contexts, int32 and int64 inputs, any thread count."""
+    rng = random.Random(seed)
+    n = rng.choice([2, 3, 4])
+    cfg = PLEConfig(
+        hidden_size=8 * (n - 1) * 2, eos_token_id=3, vocab_size=rng.choice([50, 70000, 248320]),
+        ngram_size=n, heads_per_ngram=rng.choice([1, 2, 3]), ngram_vocab_size_base=rng.choice([97, 20_000_000]),
+        ple_embed_dim=(n - 1) * 6,
+    )
+    lay = cfg.layout(rng.randrange(2))
+    lens = [rng.choice([0, 1, 2, 5, 700, 3000]) for _ in range(rng.randint(1, 7))]
+    q = torch.tensor([0, *lens]).cumsum(0)
+    x = torch.tensor(_random_stream(rng, sum(lens), cfg.vocab_size, 3), dtype=torch.int64)
+    ctx = torch.tensor([[rng.choice([3, rng.randrange(cfg.vocab_size)]) for _ in range(n - 1)] for _ in lens])
+    if seed % 2:
+        x, q, ctx = x.int(), q.int(), ctx.int()
+    want = torch_impl.ngram_ids(x, q, ctx, lay, 3)
+    for threads in (1, 2, 5):
+        assert torch.equal(native.ngram_ids(x, q, ctx, lay, 3, threads=threads), want)
+    small = min(len(x), 40)
+    q_small = torch.tensor([0, small])
+    assert torch.equal(
+        native.ngram_ids(x[:small], q_small, ctx[:1], lay, 3), reference.ngram_ids(x[:small], q_small, ctx[:1], lay, 3)
+    )
+
+
+def test_native_kernel_extreme_hashes():
+    """Tokens 0 and vocab-1 with the published multipliers: hashes of both signs near the int64 limits."""
+    cfg = PLEConfig(hidden_size=2560, hc_count=4, eos_token_id=248044, split_ngram_parts=128)
+    lay = cfg.layout(0)
+    x = torch.tensor([0, 248319, 248319, 0, 0, 248319, 248044, 248318, 1, 248319] * 50)
+    q = torch.tensor([0, len(x)])
+    ctx = torch.tensor([[248319, 0]])
+    assert torch.equal(native.ngram_ids(x, q, ctx, lay, 248044), reference.ngram_ids(x, q, ctx, lay, 248044))
+
+
+def test_checked_entry_runs_the_kernel_on_cpu(monkeypatch):
+    calls = []
+    real = native.ngram_ids
+    monkeypatch.setattr(native, "ngram_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = PLEConfig(hidden_size=8, eos_token_id=1, vocab_size=50, heads_per_ngram=2, ngram_vocab_size_base=100)
+    lay = cfg.layout(0)
+    x, q, ctx = torch.tensor([5, 6, 7]), torch.tensor([0, 3]), torch.tensor([[2, 3]])
+    assert torch.equal(ngram_pkg.ngram_ids(x, q, ctx, lay, 1), reference.ngram_ids(x, q, ctx, lay, 1))
+    assert calls == [1]
+    monkeypatch.setenv("PLE_NATIVE", "0")  # turned off: the torch path, same ids
+    assert torch.equal(ngram_pkg.ngram_ids(x, q, ctx, lay, 1), reference.ngram_ids(x, q, ctx, lay, 1))
+    assert calls == [1]
+
+
+def test_native_kernel_refuses_bad_offsets_even_unchecked():
+    cfg = PLEConfig(hidden_size=8, eos_token_id=1, vocab_size=50, heads_per_ngram=2, ngram_vocab_size_base=100)
+    lay = cfg.layout(0)
+    x, ctx = torch.tensor([5, 6, 7]), torch.tensor([[2, 3], [2, 3]])
+    for q in (torch.tensor([0, 2, 1]), torch.tensor([0, 1, 5]), torch.tensor([1, 2, 3])):
+        with pytest.raises(ValueError, match="query_start_loc is not 0 .. T=3"):
+            native.ngram_ids(x, q, ctx, lay, 1)

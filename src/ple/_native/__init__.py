@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``ple_cpu.c``): compiled on first use with the system C compiler, then cached.
+"""The CPU kernels (``ple_cpu.c``: the fused gate + conv step, n-gram ids): compiled on first use with the system C compiler, then cached.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native`` for this machine
 and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``), keyed by the source, the flags, the
@@ -57,6 +57,13 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "ple"
 
 
+def _flags() -> list[str]:
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
+        # 512-bit vectors where the CPU has them (about 13 % faster than gcc's 256-bit default here)
+        return [*_FLAGS, "-mprefer-vector-width=512"]
+    return list(_FLAGS)
+
+
 def _compiler() -> str:
     cc = os.environ.get("CC", "cc")
     path = shutil.which(cc)
@@ -83,7 +90,7 @@ def _build() -> ctypes.CDLL:
         raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
     source = _SOURCE.read_bytes()
     digest = hashlib.sha256(
-        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()])
+        b"\0".join([source, " ".join(_flags()).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]
     target = cache_dir() / f"ple_cpu-{digest}.so"
     if not target.exists():
@@ -92,7 +99,7 @@ def _build() -> ctypes.CDLL:
         os.close(fd)
         try:
             proc = subprocess.run(
-                [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+                [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
             )
             if proc.returncode != 0:
                 raise NativeUnavailable(
@@ -119,6 +126,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, ptr, ptr, ptr, ptr,  # starts, slots, resumes, history_end, mask
         ptr, i32, ptr, ptr, i32,  # state, add_hidden, out, c_out, c_all
         i64, i32,  # unit_tokens, threads
+    ]
+    ids = lib.ple_ngram_ids
+    ids.restype = i32
+    ids.argtypes = [
+        ptr, i64, ptr, i64,  # tokens, total, starts, requests
+        ptr, i64, i64, ptr,  # context [R, N-1], order N, heads per order, multipliers [N]
+        ptr, ptr, i64, ptr, i32,  # sizes [G], offsets [G], eos, out [T, G], threads
     ]
 
 

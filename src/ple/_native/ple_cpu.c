@@ -443,3 +443,119 @@ done:
     free(J.remaining);
     return rc;
 }
+
+/* ---------------------------------------------------------------------------------------------------
+ * ple_ngram_ids: row ids [T, G] int64 of a packed batch (SPEC section 4), one token per iteration.
+ * h = XOR_s (y_s * m_s) with wrapping multiplication; id = off_g + floor_mod(h, P_g). The modulo by
+ * each head's prime uses a precomputed 128-bit reciprocal (exact for every 64-bit dividend), so no
+ * hardware division runs per id.
+ */
+
+typedef struct {
+    __uint128_t inverse; /* 2^128 / P rounded up */
+    uint64_t prime;
+    int64_t offset;
+} head_t;
+
+ALWAYS_INLINE uint64_t mod_u64(uint64_t a, const head_t *h) {
+    __uint128_t low = h->inverse * a; /* the fractional part of a / P, scaled by 2^128 */
+    __uint128_t hi = (__uint128_t)(uint64_t)(low >> 64) * h->prime;
+    __uint128_t lo = (__uint128_t)(uint64_t)low * h->prime;
+    return (uint64_t)((hi + (lo >> 64)) >> 64);
+}
+
+/* floor modulo of the signed value with bits `u`, in [0, P) */
+ALWAYS_INLINE uint64_t floor_mod(uint64_t u, const head_t *h) {
+    return (int64_t)u >= 0 ? mod_u64(u, h) : h->prime - 1 - mod_u64(~u, h);
+}
+
+typedef struct {
+    const int64_t *tokens, *starts, *context, *multipliers;
+    int64_t total, requests, order, per_order, heads, eos, chunk;
+    const head_t *head;
+    int64_t *out;
+    int64_t next;
+} ids_job_t;
+
+static void *ids_worker(void *arg) {
+    ids_job_t *J = (ids_job_t *)arg;
+    const int64_t N = J->order, k = N - 1, G = J->heads, hpn = J->per_order;
+    int64_t y[64];
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&J->next, J->chunk, __ATOMIC_RELAXED);
+        if (a >= J->total) break;
+        const int64_t b = a + J->chunk < J->total ? a + J->chunk : J->total;
+        /* the request of token a: the last start <= a among requests with tokens */
+        int64_t lo = 0, hi = J->requests - 1;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (J->starts[mid] <= a)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        int64_t r = lo;
+        for (int64_t t = a; t < b; t++) {
+            while (J->starts[r + 1] <= t) r++;
+            const int64_t p = t - J->starts[r];
+            const int64_t *ctx = J->context + r * k;
+            y[0] = J->tokens[t];
+            int alive = 1;
+            for (int64_t s = 1; s < N; s++) {
+                if (s >= 2 && y[s - 1] == J->eos) alive = 0;
+                const int64_t raw = p - s >= 0 ? J->tokens[t - s] : ctx[k + p - s];
+                y[s] = alive ? raw : J->eos;
+            }
+            int64_t *o = J->out + t * G;
+            uint64_t h = (uint64_t)y[0] * (uint64_t)J->multipliers[0];
+            for (int64_t s = 1; s < N; s++) {
+                h ^= (uint64_t)y[s] * (uint64_t)J->multipliers[s];
+                const int64_t g0 = (s - 1) * hpn;
+                for (int64_t j = 0; j < hpn; j++) {
+                    const head_t *hd = J->head + g0 + j;
+                    o[g0 + j] = hd->offset + (int64_t)floor_mod(h, hd);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Returns 0, or -1 for a bad geometry (N outside 2..64, no heads), -2 out of memory, -3 offsets that
+ * are not 0 .. total, non-decreasing. Token values are trusted (the checked entry point
+ * ple.ngram.ngram_ids validates them first). */
+int ple_ngram_ids(const int64_t *tokens, int64_t total, const int64_t *starts, int64_t requests,
+                  const int64_t *context, int64_t order, int64_t per_order, const int64_t *multipliers,
+                  const int64_t *sizes, const int64_t *offsets, int64_t eos, int64_t *out, int threads) {
+    if (order < 2 || order > 64 || per_order < 1 || requests < 0) return -1;
+    if (starts[0] != 0 || starts[requests] != total) return -3;
+    for (int64_t r = 0; r < requests; r++)
+        if (starts[r + 1] < starts[r]) return -3;
+    const int64_t heads = (order - 1) * per_order;
+    head_t *head = malloc(sizeof(head_t) * (size_t)heads);
+    if (!head) return -2;
+    for (int64_t g = 0; g < heads; g++) {
+        if (sizes[g] < 1) {
+            free(head);
+            return -1;
+        }
+        head[g].prime = (uint64_t)sizes[g];
+        head[g].inverse = ~(__uint128_t)0 / (uint64_t)sizes[g] + 1;
+        head[g].offset = offsets[g];
+    }
+    ids_job_t J = {tokens, starts, context, multipliers, total, requests, order, per_order, heads, eos,
+                   4096, head, out, 0};
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    if ((int64_t)threads > (total + J.chunk - 1) / J.chunk) threads = (int)((total + J.chunk - 1) / J.chunk);
+    pthread_t tid[256];
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[started], 0, ids_worker, &J) != 0) break;
+        started++;
+    }
+    if (total > 0) ids_worker(&J);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
+    free(head);
+    return 0;
+}

@@ -1,7 +1,8 @@
 """N-gram semantics: which table rows each token reads, and the per-request context contract.
 
 ``ngram_ids`` is the checked entry point (validates everything, then dispatches on device:
-CUDA -> Triton kernel, otherwise the vectorized torch path). ``reference`` holds the literal
+CUDA -> Triton kernel, CPU -> the C kernel of :mod:`.native` when it can be built, otherwise the
+vectorized torch path). ``reference`` holds the literal
 definition the fast paths are tested against.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import _native
 from ..layout import Layout
-from . import reference, torch_impl
+from . import native, reference, torch_impl
 
 __all__ = ["ngram_ids", "next_ngram_context", "fresh_context", "check_ngram_inputs", "NgramInputError"]
 
@@ -65,7 +67,7 @@ def check_ngram_inputs(
     if int(qsl[-1]) != t_total:
         raise NgramInputError(f"query_start_loc must end at T={t_total} (len(input_ids)), got {int(qsl[-1])}")
     ids = input_ids.detach()
-    bad_tok = torch.nonzero((ids < 0) | (ids >= layout.vocab_size))
+    bad_tok = _out_of_range(ids, layout.vocab_size)
     if bad_tok.numel():
         t = int(bad_tok[0])
         r = int(torch.searchsorted(qsl[1:], torch.tensor(t), right=True))
@@ -74,7 +76,7 @@ def check_ngram_inputs(
             f"is outside [0, vocab_size={layout.vocab_size})"
         )
     ctx = ngram_context.detach()
-    bad_ctx = torch.nonzero((ctx < 0) | (ctx >= layout.vocab_size))
+    bad_ctx = _out_of_range(ctx, layout.vocab_size)
     if bad_ctx.numel():
         r, j = (int(v) for v in bad_ctx[0])
         raise NgramInputError(
@@ -83,6 +85,23 @@ def check_ngram_inputs(
     devices = {input_ids.device, query_start_loc.device, ngram_context.device}
     if len(devices) > 1 and input_ids.device.type == "cuda":
         raise NgramInputError(f"input_ids, query_start_loc and ngram_context must share a device, got {devices}")
+
+
+def _out_of_range(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Indices of values outside ``[0, vocab_size)`` (one min/max pass when there are none).
+
+    On the CPU the pass runs in numpy, on the calling thread: a torch reduction would wake torch's
+    OpenMP workers, which then spin for a while on the cores the id kernel is about to use."""
+    if t.numel() == 0:
+        return torch.zeros(0, t.dim(), dtype=torch.int64)
+    if t.device.type == "cpu":
+        a = t.numpy()
+        lo, hi = a.min(), a.max()
+    else:
+        lo, hi = torch.aminmax(t)
+    if int(lo) >= 0 and int(hi) < vocab_size:
+        return torch.zeros(0, t.dim(), dtype=torch.int64)
+    return torch.nonzero((t < 0) | (t >= vocab_size))
 
 
 def ngram_ids(
@@ -112,6 +131,8 @@ def ngram_ids(
         from . import triton_impl
 
         return triton_impl.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
+    if input_ids.device.type == "cpu" and _native.available():
+        return native.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
     return torch_impl.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
 
 

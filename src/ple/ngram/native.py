@@ -1,0 +1,55 @@
+"""N-gram ids on the CPU with the C kernel of :mod:`ple._native`: one pass over the tokens, threads
+over token ranges, and the per-head modulo as a multiplication by a precomputed 128-bit reciprocal
+(exact for every 64-bit hash) instead of a hardware division."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _native
+from ..layout import Layout
+from .torch_impl import _layout_tensors
+
+__all__ = ["ngram_ids"]
+
+
+def ngram_ids(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    layout: Layout,
+    eos_token_id: int,
+    *,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`ple.ngram.reference.ngram_ids` (inputs already checked); ``[T, G]`` int64 on the CPU.
+
+    Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built.
+    """
+    if input_ids.device.type != "cpu":
+        raise ValueError(f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU")
+    lib = _native.library()
+    tokens = input_ids.to(torch.int64).contiguous()
+    starts = query_start_loc.to(torch.int64).contiguous()
+    context = ngram_context.to(torch.int64).contiguous()
+    mult, sizes, offs = _layout_tensors(layout, torch.device("cpu"))
+    out = torch.empty(tokens.shape[0], layout.num_heads, dtype=torch.int64)
+    nthreads = torch.get_num_threads() if threads is None else int(threads)
+    rc = lib.ple_ngram_ids(
+        tokens.data_ptr(), tokens.shape[0], starts.data_ptr(), starts.shape[0] - 1,
+        context.data_ptr(), layout.ngram_size, layout.heads_per_ngram, mult.data_ptr(),
+        sizes.data_ptr(), offs.data_ptr(), int(eos_token_id), out.data_ptr(), nthreads,
+    )
+    if rc == -3:
+        raise ValueError(
+            f"ngram_ids (C kernel): query_start_loc is not 0 .. T={tokens.shape[0]} non-decreasing "
+            "(the checked entry point ple.ngram.ngram_ids says where)"
+        )
+    if rc == -2:
+        raise MemoryError("ngram_ids: the C kernel could not allocate its head table")
+    if rc != 0:
+        raise ValueError(
+            f"ngram_ids (C kernel): unsupported layout (ngram_size={layout.ngram_size}, "
+            f"heads_per_ngram={layout.heads_per_ngram}; the kernel takes ngram_size 2..64)"
+        )
+    return out
