@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from table_bench import build_file, drop_page_cache
+from table_bench import build_file, drop_page_cache, write_report
 
 from ple import PLEConfig, fresh_context, ngram_ids
 from ple.table import CachedTable, MmapTable
@@ -228,23 +226,12 @@ def main(argv=None) -> int:
         )
     print("\n".join(lines))
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0],
-        },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
         "config": {**vars(args), "rows": lay.padded_rows, "head_dim": lay.head_dim, "heads": lay.num_heads},
         "stream": {"warm_rows_distinct": warm_distinct, "measured_rows_seen_in_warmup": float(seen.float().mean())},
         "build_s": build_s,
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out}", file=sys.stderr)
+    write_report(args.out, report, load_before)
     return 0 if all(r["correct"] for r in results.values()) else 1
 
 

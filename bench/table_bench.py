@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ple.bench.runner import machine_info, versions
 from ple.table import MemoryTable, MmapTable, TableFileWriter, gather_dequant_reference
 
 HEAD_DIM, HEADS, E, HCH = 160, 16, 2560, 10240
@@ -226,24 +226,22 @@ def main(argv=None) -> int:
         )
     print("\n".join(lines))
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg()[0],
-        },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "config": {**vars(args), "head_dim": HEAD_DIM, "heads": HEADS, "cold_eviction": cold_works},
         "build_s": build_s,
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out}", file=sys.stderr)
+    write_report(args.out, report, load_before)
     return 0 if all(r["correct"] for r in results.values()) else 1
+
+
+def write_report(out: str | Path, report: dict, load_before: float) -> None:
+    """Write ``report`` as JSON with the machine (ple bench's description, plus the load average before
+    and after the run) and the versions."""
+    machine = {**machine_info(), "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "versions": versions(), **report}, indent=2))
+    print(f"\nwrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

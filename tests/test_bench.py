@@ -281,11 +281,22 @@ def test_python_dash_m_lists_cases():
 
 def test_published_geometry_matches_the_spec():
     g = bench_cases.PUBLISHED
-    assert (g.hidden_size, g.hc_count, g.embed_dim, g.num_heads, g.head_dim) == (2560, 4, 2560, 16, 160)
+    assert (g.hidden_size, g.hc_count, g.embed_dim, g.config.num_heads, g.config.head_dim) == (2560, 4, 2560, 16, 160)
     assert (g.conv_kernel_size, g.vocab_size, g.eos_token_id) == (4, 248320, 248044)
     assert g.ids_shape == (64, 1024) and g.prefill_long == (1, 2048) and g.prefill_batch == (8, 512)
     assert (g.decode_requests, g.decode_steps) == (64, 32)
     assert g.mixed_decode + g.mixed_prefill[0] == 64 and g.mixed_prefill[1] == 256
+
+
+@pytest.mark.parametrize("geometry", [bench_cases.PUBLISHED, bench_cases.QUICK])
+def test_geometry_config_is_what_transformers_is_built_with(geometry):
+    """ple's side of every case reads the same config and layout as the transformers modules."""
+    from ple.config import PLEConfig
+
+    fx = bench_cases.Fixture(geometry)
+    from_hf = PLEConfig.from_dict(fx.hf_config.to_dict())
+    assert fx.ple_config == from_hf
+    assert fx.ple_config.layout(0) == from_hf.layout(0)
 
 
 # ---------------------------------------------------------------------------------------------- profile

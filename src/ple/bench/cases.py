@@ -80,16 +80,22 @@ class Geometry:
     mixed_prefill: tuple[int, int] = (8, 256)  # continuation chunks: requests x tokens
 
     @property
-    def hc_hidden_size(self) -> int:
-        return self.hidden_size * self.hc_count
-
-    @property
-    def num_heads(self) -> int:
-        return (self.ngram_size - 1) * self.heads_per_ngram
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+    def config(self) -> PLEConfig:
+        """The model's PLE fields as ple reads them (derived sizes: ``hc_hidden_size``, ``num_heads``, ...)."""
+        return PLEConfig(
+            hidden_size=self.hidden_size,
+            hc_count=self.hc_count,
+            ple_layer_ids=[2],
+            ple_embed_dim=self.embed_dim,
+            ngram_size=self.ngram_size,
+            heads_per_ngram=self.heads_per_ngram,
+            ple_conv_kernel_size=self.conv_kernel_size,
+            ngram_vocab_size_base=self.table_base,
+            make_ngram_vocab_size_divisible_by=self.table_divisor,
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            seed=self.seed,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -256,7 +262,7 @@ class Fixture:
 
     @property
     def ple_config(self) -> PLEConfig:
-        return PLEConfig.from_dict(self.hf_config.to_dict())
+        return self.geometry.config
 
     @property
     def layer_idx(self) -> int:
@@ -319,7 +325,7 @@ class Fixture:
         """The projections alone: ``F.linear([n, E], [HC*H + H, E])`` for each ``n`` in ``rows``."""
         geo = self.geometry
         g = self._gen(99)
-        w = (torch.randn(geo.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5).to(
+        w = (torch.randn(geo.config.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5).to(
             device=self.device, dtype=dtype
         )
         xs = [torch.randn(n, geo.embed_dim, generator=g).to(device=self.device, dtype=dtype) for n in rows]
@@ -429,7 +435,7 @@ def _build_ids(fx: Fixture) -> Prepared:
             return emb(tokens, None)
 
     def check(p, t):
-        t = t.reshape(-1, geo.num_heads)
+        t = t.reshape(-1, geo.config.num_heads)
         if p.shape != t.shape or p.dtype != t.dtype:
             return CheckResult(False, f"ple ids {tuple(p.shape)} {p.dtype}, transformers {tuple(t.shape)} {t.dtype}")
         diff = int((p != t).sum())
@@ -453,7 +459,7 @@ def _prefill_builder(which: str, dtype: torch.dtype) -> Callable[[Fixture], Prep
 
         geo = fx.geometry
         r, s = geo.prefill_long if which == "long" else geo.prefill_batch
-        c = geo.hc_hidden_size
+        c = geo.config.hc_hidden_size
         layer, mod = fx.layer(dtype), fx.module(dtype)
         tokens = fx.tokens((r, s), salt=10 + r)
         hidden = fx.hidden((r, s, c), dtype, salt=20 + r)
@@ -538,7 +544,7 @@ def _decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
         from ..runtime import Batch
 
         geo = fx.geometry
-        r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.hc_hidden_size
+        r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.config.hc_hidden_size
         layer, mod = fx.layer(dtype), fx.module(dtype)
         hist_t = fx.tokens((r, p), salt=30)
         hist_h = fx.hidden((r, p, c), dtype, salt=31)
@@ -601,7 +607,7 @@ def _mixed_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
         from ..runtime import DECODE, PREFILL, Batch
 
         geo = fx.geometry
-        rd, (rp, chunk), p, c = geo.mixed_decode, geo.mixed_prefill, geo.history, geo.hc_hidden_size
+        rd, (rp, chunk), p, c = geo.mixed_decode, geo.mixed_prefill, geo.history, geo.config.hc_hidden_size
         r = rd + rp
         layer, mod = fx.layer(dtype), fx.module(dtype)
         hist_t = fx.tokens((r, p), salt=40)
