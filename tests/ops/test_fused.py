@@ -68,7 +68,8 @@ def run(fn, step, **extra):
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("seed", range(8))
 def test_native_matches_composed_ops(seed, decode, dtype):
-    step = random_step(seed, dtype=dtype, decode=decode)
+    # H around the kernel's 16-lane partial sums: below, equal, and with a remainder
+    step = random_step(seed, dtype=dtype, decode=decode, hidden_size=(16, 37, 5, 48)[seed % 4])
     got = run(native.gate_conv, step)
     fast = run(torch_impl.gate_conv, step)
     ref = run(reference.gate_conv, step)
