@@ -71,6 +71,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     assert v["ple"] == ple.__version__
     assert v["python"].count(".") == 2
     assert isinstance(v["transformers"], str)
+    assert v["cpu_kernels"] == "C (ple._native)"
     s = rep["settings"]
     assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size

@@ -160,6 +160,10 @@ def versions() -> dict[str, str | None]:
     }
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
+    from .. import _native
+
+    # which CPU path the layer and the ids ran: the C kernels, or (no compiler, PLE_NATIVE=0) PyTorch
+    out["cpu_kernels"] = "C (ple._native)" if _native.available() else "PyTorch"
     try:
         import triton
 
