@@ -231,6 +231,20 @@ def test_build_is_cached_and_atomic(fresh_build, monkeypatch):
     assert not list(fresh_build.glob("*.partial"))
 
 
+def test_unwritable_cache_folder(fresh_build, monkeypatch, tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("PLE_CACHE_DIR", str(blocked / "ple"))  # explicit: refused with the reason
+    with pytest.raises(native_build.NativeUnavailable, match="PLE_CACHE_DIR=.*cannot be created"):
+        native_build.library()
+    monkeypatch.setattr(native_build, "_error", None)
+    monkeypatch.delenv("PLE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # the default folder: a per-user temp folder instead
+    monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    native_build.library()
+    assert len(list((tmp_path / "tmp").glob("ple-*/ple_cpu-*.so"))) == 1
+
+
 def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", "false")
     with pytest.warns(RuntimeWarning, match="failed"):

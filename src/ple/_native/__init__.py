@@ -1,10 +1,12 @@
-"""The CPU kernels (``ple_cpu.c``: the fused gate + conv step, n-gram ids): compiled on first use with the system C compiler, then cached.
+"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native`` for this machine
-and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``), keyed by the source, the flags, the
-compiler's version and the CPU's model and flags (a cache shared between machines stays correct), so later processes load it without compiling (a build takes about a second).
-The build writes a temporary file and renames it into place: a crash never leaves a half-written
-library behind. ``PLE_NATIVE=0`` turns the kernels off (ple then uses its PyTorch fast path).
+and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
+default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
+model and flags (a cache shared between machines stays correct), so later processes load it
+without compiling (a build takes about a second). The build writes a temporary file and renames it
+into place: a crash never leaves a half-written library behind. ``PLE_NATIVE=0`` turns the kernels
+off (ple then uses its PyTorch fast paths).
 
 :func:`library` returns the loaded library or raises :class:`NativeUnavailable` with the reason;
 :func:`available` is the non-raising check (it warns once, with the reason, when the build fails).
@@ -82,6 +84,24 @@ def _cpu_signature() -> bytes:
         return f"{platform.machine()} {platform.processor()}".encode()
 
 
+def _writable_cache(name: str) -> Path:
+    """The cache folder, created if needed. A default folder that cannot be written (a read-only home)
+    falls back to a per-user folder in the temporary directory; an explicit ``$PLE_CACHE_DIR`` does not."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if (folder / name).exists() or os.access(folder, os.W_OK):
+            return folder
+        problem = "is not writable"
+    except OSError as e:
+        problem = f"cannot be created ({e})"
+    if os.environ.get("PLE_CACHE_DIR"):
+        raise NativeUnavailable(f"PLE_CACHE_DIR={folder} {problem}")
+    fallback = Path(tempfile.gettempdir()) / f"ple-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return fallback
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     try:
@@ -92,10 +112,11 @@ def _build() -> ctypes.CDLL:
     digest = hashlib.sha256(
         b"\0".join([source, " ".join(_flags()).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]
-    target = cache_dir() / f"ple_cpu-{digest}.so"
+    name = f"ple_cpu-{digest}.so"
+    folder = _writable_cache(name)
+    target = folder / name
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
         os.close(fd)
         try:
             proc = subprocess.run(
