@@ -234,3 +234,51 @@ def simulate_streaming(
             got = pools[name][req.slot, :, end - window : end].cpu()
             assert torch.equal(got, tail), f"{name}: final window of slot {req.slot}"
     return counts
+
+
+def random_fused_step(seed, *, dtype, device="cpu", hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False):
+    """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections)."""
+    channels = hc * hidden_size
+    conv = random_conv_batch(
+        seed, channels=channels, taps=taps, dilation=dilation, num_spec=num_spec, dtype=dtype, decode=decode
+    )
+    qsl = conv["query_start_loc"]
+    if long:  # chunks long enough to be split into several work units
+        lens = [random.Random(seed).choice([0, 1, 40, 97, 300]) for _ in range(qsl.numel() - 1)]
+        qsl = torch.tensor([0, *lens]).cumsum(0)
+    tokens = int(qsl[-1])
+    g = torch.Generator().manual_seed(1000 + seed)
+    kv = torch.randn(tokens, channels + hidden_size, generator=g).to(dtype)  # key and value as views, like the layer
+    key, value = kv.split([channels, hidden_size], dim=1)
+    mask = None
+    if seed % 3 == 0 and tokens:
+        mask = torch.rand(tokens, generator=g) > 0.25
+    step = dict(
+        key=key,
+        value=value,
+        hidden=torch.randn(tokens, channels, generator=g).to(dtype),
+        norm_key_weight=0.3 * torch.randn(channels, generator=g),
+        norm_query_weight=0.3 * torch.randn(channels, generator=g),
+        norm_conv_weight=0.3 * torch.randn(channels, generator=g),
+        eps=1e-6,
+        hc_count=hc,
+        conv_weight=conv["weight"],
+        dilation=dilation,
+        query_start_loc=qsl.to(torch.int32) if seed % 2 else qsl,
+        conv_state=conv["conv_state"],
+        state_indices=conv["state_indices"],
+        has_initial_state=conv["has_initial_state"],
+        num_rejected=conv["num_rejected"],
+        token_mask=mask,
+        add_hidden=seed % 4 != 1,
+        return_conv_input=True,
+    )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in step.items()}
+
+
+def run_fused(fn, step, **extra):
+    """Run a ``gate_conv`` twin on a copy of the step's state pool; returns ``(out, c, new_state)``."""
+    s = dict(step)
+    s["conv_state"] = s["conv_state"].clone()
+    out, c = fn(**s, **extra)
+    return out.cpu(), c.cpu(), s["conv_state"].cpu()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
@@ -13,55 +12,9 @@ from ple.ops import fused
 from ple.ops.conv import reference as conv_reference
 from ple.ops.fused import native, reference, torch_impl
 
-from ._helpers import DTYPE_TOL, random_conv_batch
+from ._helpers import DTYPE_TOL, random_fused_step, run_fused
 
 pytestmark = pytest.mark.skipif(not native_build.available(), reason="no C compiler for the fused CPU kernel")
-
-
-def random_step(seed, *, dtype, hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False):
-    """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections)."""
-    channels = hc * hidden_size
-    conv = random_conv_batch(
-        seed, channels=channels, taps=taps, dilation=dilation, num_spec=num_spec, dtype=dtype, decode=decode
-    )
-    qsl = conv["query_start_loc"]
-    if long:  # chunks long enough to be split into several work units
-        lens = [random.Random(seed).choice([0, 1, 40, 97, 300]) for _ in range(qsl.numel() - 1)]
-        qsl = torch.tensor([0, *lens]).cumsum(0)
-    tokens = int(qsl[-1])
-    g = torch.Generator().manual_seed(1000 + seed)
-    kv = torch.randn(tokens, channels + hidden_size, generator=g).to(dtype)  # key and value as views, like the layer
-    key, value = kv.split([channels, hidden_size], dim=1)
-    mask = None
-    if seed % 3 == 0 and tokens:
-        mask = torch.rand(tokens, generator=g) > 0.25
-    return dict(
-        key=key,
-        value=value,
-        hidden=torch.randn(tokens, channels, generator=g).to(dtype),
-        norm_key_weight=0.3 * torch.randn(channels, generator=g),
-        norm_query_weight=0.3 * torch.randn(channels, generator=g),
-        norm_conv_weight=0.3 * torch.randn(channels, generator=g),
-        eps=1e-6,
-        hc_count=hc,
-        conv_weight=conv["weight"],
-        dilation=dilation,
-        query_start_loc=qsl.to(torch.int32) if seed % 2 else qsl,
-        conv_state=conv["conv_state"],
-        state_indices=conv["state_indices"],
-        has_initial_state=conv["has_initial_state"],
-        num_rejected=conv["num_rejected"],
-        token_mask=mask,
-        add_hidden=seed % 4 != 1,
-        return_conv_input=True,
-    )
-
-
-def run(fn, step, **extra):
-    s = dict(step)
-    s["conv_state"] = s["conv_state"].clone()
-    out, c = fn(**s, **extra)
-    return out, c, s["conv_state"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,10 +22,10 @@ def run(fn, step, **extra):
 @pytest.mark.parametrize("seed", range(8))
 def test_native_matches_composed_ops(seed, decode, dtype):
     # H around the kernel's 16-lane partial sums: below, equal, and with a remainder
-    step = random_step(seed, dtype=dtype, decode=decode, hidden_size=(16, 37, 5, 48)[seed % 4])
-    got = run(native.gate_conv, step)
-    fast = run(torch_impl.gate_conv, step)
-    ref = run(reference.gate_conv, step)
+    step = random_fused_step(seed, dtype=dtype, decode=decode, hidden_size=(16, 37, 5, 48)[seed % 4])
+    got = run_fused(native.gate_conv, step)
+    fast = run_fused(torch_impl.gate_conv, step)
+    ref = run_fused(reference.gate_conv, step)
     tol = DTYPE_TOL[dtype]
     for name, a, b, r in zip(("out", "c", "state"), got, fast, ref):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{name} vs torch path: {m}")
@@ -90,8 +43,8 @@ def test_native_matches_composed_ops(seed, decode, dtype):
 @pytest.mark.parametrize("seed", range(3))
 def test_other_conv_geometries(seed, taps, dilation, num_spec):
     """K other than the published 4 takes the kernel's generic tap loop."""
-    step = random_step(seed, dtype=torch.float32, taps=taps, dilation=dilation, num_spec=num_spec)
-    for a, b in zip(run(native.gate_conv, step), run(reference.gate_conv, step)):
+    step = random_fused_step(seed, dtype=torch.float32, taps=taps, dilation=dilation, num_spec=num_spec)
+    for a, b in zip(run_fused(native.gate_conv, step), run_fused(reference.gate_conv, step)):
         torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
 
 
@@ -115,8 +68,8 @@ def test_chunk_longer_than_the_whole_slot():
 @pytest.mark.parametrize("seed", range(6))
 def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
     """The new slots hold exactly what the literal conv writes for the kernel's own conv inputs."""
-    step = random_step(seed, dtype=dtype)
-    _, c, state = run(native.gate_conv, step)
+    step = random_fused_step(seed, dtype=dtype)
+    _, c, state = run_fused(native.gate_conv, step)
     want = step["conv_state"].clone()
     conv_reference.dilated_conv(
         c, step["conv_weight"], step["dilation"], step["query_start_loc"], want, step["state_indices"],
@@ -129,10 +82,10 @@ def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
 @pytest.mark.parametrize("seed", range(4))
 def test_work_split_does_not_change_results(seed, dtype):
     """Long chunks are split into token ranges (each recomputes the W rows before it): any split, same bits."""
-    step = random_step(seed, dtype=dtype, long=True)
-    one = run(native.gate_conv, step, threads=1)
+    step = random_fused_step(seed, dtype=dtype, long=True)
+    one = run_fused(native.gate_conv, step, threads=1)
     for threads in (2, 3, 7):
-        other = run(native.gate_conv, step, threads=threads)
+        other = run_fused(native.gate_conv, step, threads=threads)
         for a, b in zip(one, other):
             assert torch.equal(a, b)
 
@@ -168,19 +121,19 @@ def test_dispatch_picks_the_kernel_on_cpu(monkeypatch):
     calls = []
     real = native.gate_conv
     monkeypatch.setattr(native, "gate_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = random_step(1, dtype=torch.bfloat16)
+    step = random_fused_step(1, dtype=torch.bfloat16)
     fused.gate_conv(**step)
     assert calls == [1]
-    step16 = random_step(1, dtype=torch.float16)  # fp16 runs the PyTorch path
+    step16 = random_fused_step(1, dtype=torch.float16)  # fp16 runs the PyTorch path
     out, c = fused.gate_conv(**step16)
     assert calls == [1] and out.dtype == torch.float16
 
 
 def test_unsupported_inputs_are_refused_by_name():
-    step = random_step(2, dtype=torch.float16)
+    step = random_fused_step(2, dtype=torch.float16)
     with pytest.raises(ValueError, match="float16"):
         native.gate_conv(**step)
-    step = random_step(2, dtype=torch.float32)
+    step = random_fused_step(2, dtype=torch.float32)
     step["conv_state"] = step["conv_state"].to(torch.bfloat16)
     with pytest.raises(ValueError, match="state pool dtype"):
         native.gate_conv(**step)
@@ -194,7 +147,7 @@ def test_unsupported_inputs_are_refused_by_name():
 
 def test_rejection_beyond_the_slot_is_caught_without_validation():
     for seed in range(50):  # the first random batch with a request that resumes from its slot
-        step = random_step(seed, dtype=torch.float32)
+        step = random_fused_step(seed, dtype=torch.float32)
         active = (step["state_indices"] >= 0) & step["has_initial_state"]
         if bool(active.any()):
             break
@@ -252,7 +205,7 @@ def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not native_build.available()  # once
-        step = random_step(4, dtype=torch.float32)
+        step = random_fused_step(4, dtype=torch.float32)
         out, _ = fused.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})  # the PyTorch path
     want, _ = torch_impl.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})
     torch.testing.assert_close(out, want)

@@ -17,6 +17,9 @@ triton = pytest.importorskip("triton")
 
 from ple.ops.conv import reference as conv_ref  # noqa: E402
 from ple.ops.conv import triton_impl as conv_triton  # noqa: E402
+from ple.ops.fused import reference as fused_ref  # noqa: E402
+from ple.ops.fused import torch_impl as fused_torch  # noqa: E402
+from ple.ops.fused import triton_impl as fused_triton  # noqa: E402
 from ple.ops.gate import reference as gate_ref  # noqa: E402
 from ple.ops.gate import triton_impl as gate_triton  # noqa: E402
 from ple.ops.norm import reference as norm_ref  # noqa: E402
@@ -27,7 +30,9 @@ from ._helpers import (  # noqa: E402
     FP32_TOL,
     assert_no_worse_than_reference,
     random_conv_batch,
+    random_fused_step,
     run_conv,
+    run_fused,
     simulate_streaming,
 )
 
@@ -152,3 +157,19 @@ def test_conv_null_rows_and_empty_batch():
     assert torch.equal(out, res) and torch.equal(state, before)
     empty = conv_triton.dilated_conv(c[:0], w, 2, qsl[:1], state, slots[:0], init[:0], None, None)
     assert empty.shape == (0, 3) and torch.equal(state, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_step(seed, dtype):
+    """What the layer runs on CUDA: the Triton gate and conv composed, against the literal reference."""
+    step = random_fused_step(seed, dtype=dtype, hidden_size=8, hc=2, device=DEVICE)
+    got = run_fused(fused_triton.gate_conv, step)
+    want = run_fused(fused_ref.gate_conv, step)
+    fast = run_fused(fused_torch.gate_conv, step)  # the CPU fast path: same rounding points as the kernels
+    for a, b, f in zip(got, want, fast):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, **DTYPE_TOL[dtype])
+        else:  # against transformers' rounding points, no worse than the PyTorch fast path
+            err, err_fast = ((x.double() - b.double()).abs().max().item() for x in (a, f))
+            assert err <= 2 * err_fast + 1e-2, (err, err_fast)
