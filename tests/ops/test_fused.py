@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -46,6 +47,42 @@ def test_other_conv_geometries(seed, taps, dilation, num_spec):
     step = random_fused_step(seed, dtype=torch.float32, taps=taps, dilation=dilation, num_spec=num_spec)
     for a, b in zip(run_fused(native.gate_conv, step), run_fused(reference.gate_conv, step)):
         torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("taps,dilation", [(2, 50), (4, 6), (3, 20)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_work_units_inside_the_window_read_the_slot(taps, dilation, threads):
+    """A window W longer than a work unit: units that start at 0 < p0 < W also read history taps."""
+    hc, h = 1, 4
+    window = (taps - 1) * dilation
+    g = torch.Generator().manual_seed(taps * 100 + dilation)
+    lens = [40, 33, 33, 1, 70, 33]
+    q = torch.tensor([0, *lens]).cumsum(0)
+    t = int(q[-1])
+    kv = torch.randn(t, hc * h + h, generator=g)
+    key, value = kv.split([hc * h, h], dim=1)
+    step = dict(
+        key=key, value=value, hidden=torch.randn(t, hc * h, generator=g),
+        norm_key_weight=torch.zeros(hc * h), norm_query_weight=torch.zeros(hc * h),
+        norm_conv_weight=torch.zeros(hc * h), eps=1e-6, hc_count=hc,
+        conv_weight=torch.randn(hc * h, taps, generator=g), dilation=dilation, query_start_loc=q,
+        conv_state=torch.randn(len(lens) + 1, hc * h, window + 2, generator=g),
+        state_indices=torch.arange(len(lens)), has_initial_state=torch.tensor([True, True, True, True, False, True]),
+        num_rejected=torch.tensor([0, 1, 2, 0, 0, 2]), return_conv_input=True,
+    )
+    for a, b in zip(run_fused(native.gate_conv, step, threads=threads), run_fused(reference.gate_conv, step)):
+        torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
+
+
+def test_masked_non_finite_values_propagate_like_the_torch_path():
+    step = random_fused_step(0, dtype=torch.float32)  # seed 0 carries a token mask
+    mask = step["token_mask"]
+    masked = int(torch.nonzero(~mask)[0])
+    step["value"][masked, 0] = float("nan")
+    step["key"][masked, 1] = float("inf")
+    got, fast = run_fused(native.gate_conv, step), run_fused(torch_impl.gate_conv, step)
+    for a, b in zip(got, fast):
+        torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32], equal_nan=True)
 
 
 def test_chunk_longer_than_the_whole_slot():
@@ -196,6 +233,33 @@ def test_unwritable_cache_folder(fresh_build, monkeypatch, tmp_path):
     monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     native_build.library()
     assert len(list((tmp_path / "tmp").glob("ple-*/ple_cpu-*.so"))) == 1
+
+
+def test_shared_fallback_cache_folder_is_refused(fresh_build, monkeypatch, tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.delenv("PLE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / f"ple-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could plant a library here
+    with pytest.raises(native_build.NativeUnavailable, match="not private"):
+        native_build.library()
+
+
+def test_compiler_timeout_is_a_failed_build(fresh_build, monkeypatch):
+    real = native_build.subprocess.run
+
+    def slow(cmd, *a, **k):
+        if "-o" in cmd:
+            raise native_build.subprocess.TimeoutExpired(cmd, 300)
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(native_build.subprocess, "run", slow)
+    with pytest.raises(native_build.NativeUnavailable, match="timed out"):
+        native_build.library()
+    assert not list(fresh_build.glob("*"))
 
 
 def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):

@@ -99,6 +99,13 @@ def _writable_cache(name: str) -> Path:
         raise NativeUnavailable(f"PLE_CACHE_DIR={folder} {problem}")
     fallback = Path(tempfile.gettempdir()) / f"ple-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
     fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = fallback.stat()
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        # a shared folder: someone else could place a library there that this process would load
+        raise NativeUnavailable(
+            f"the cache folder {cache_dir()} {problem}, and the fallback {fallback} is not private to this "
+            "user (set PLE_CACHE_DIR)"
+        )
     return fallback
 
 
@@ -119,9 +126,12 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
         os.close(fd)
         try:
-            proc = subprocess.run(
-                [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-            )
+            try:
+                proc = subprocess.run(
+                    [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+                )
+            except (OSError, subprocess.SubprocessError) as e:  # includes a compile that ran past 300 s
+                raise NativeUnavailable(f"building {_SOURCE.name} with {cc} failed: {e}") from e
             if proc.returncode != 0:
                 raise NativeUnavailable(
                     f"building {_SOURCE.name} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"

@@ -156,27 +156,18 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
         float cs = g * (1.0f / sqrtf(g * g * ms_v + J->eps));
         const float *wc = J->wc + o;
         float *cr = c_row + o;
-        if (masked) {
-            for (int64_t i = 0; i < H; i++) cr[i] = 0.0f;
-            if (res) {
-                float *rr = res + o;
-                if (J->add_hidden)
-                    for (int64_t i = 0; i < H; i++) rr[i] = ld(qp, o + i, bf);
-                else
-                    for (int64_t i = 0; i < H; i++) rr[i] = 0.0f;
-            }
-            continue;
-        }
+        /* a masked token's v and c are multiplied by 0, as the PyTorch path does (NaN stays NaN) */
+        const float m = masked ? 0.0f : 1.0f;
 #pragma omp simd
-        for (int64_t i = 0; i < H; i++) cr[i] = rnd(vrow[i] * cs * wc[i], bf);
+        for (int64_t i = 0; i < H; i++) cr[i] = rnd(vrow[i] * cs * wc[i], bf) * m;
         if (res) {
             float *rr = res + o;
             if (J->add_hidden) {
 #pragma omp simd
-                for (int64_t i = 0; i < H; i++) rr[i] = rnd(rnd(vrow[i] * g, bf) + ld(qp, o + i, bf), bf);
+                for (int64_t i = 0; i < H; i++) rr[i] = rnd(rnd(vrow[i] * g, bf) * m + ld(qp, o + i, bf), bf);
             } else {
 #pragma omp simd
-                for (int64_t i = 0; i < H; i++) rr[i] = rnd(vrow[i] * g, bf);
+                for (int64_t i = 0; i < H; i++) rr[i] = rnd(vrow[i] * g, bf) * m;
             }
         }
     }
@@ -192,11 +183,12 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     const int active = slot >= 0;
     const void *state_row = active ? (const char *)J->state + slot * C * L * (bf ? 2 : 4) : 0;
     const int64_t warm = p0 > W ? p0 - W : 0;
-    if (active && resumes && p0 == 0 && W > 0) {
-        /* The slot columns hist-W .. hist-1 that this unit's taps read, token-major into S->hist. */
+    if (active && resumes && p0 < W) {
+        /* The slot columns hist-W .. hist-1 that this unit's taps read (rows p0 .. W-1 reach before the
+         * chunk), token-major into S->hist. No unit writes the slot before all of them have run. */
         const int64_t first = hist - W, rows = p1 < W ? p1 : W;
         for (int64_t col = 0; col < W; col++) S->need[col] = 0;
-        for (int64_t p = 0; p < rows; p++)
+        for (int64_t p = p0; p < rows; p++)
             for (int64_t k = 0; k < K - 1; k++) {
                 const int64_t q = p - (K - 1 - k) * J->dilation;
                 if (q < 0) S->need[q + W] = 1;
@@ -229,7 +221,7 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
             if (q >= 0)
                 src[k] = S->ring + (q % ring_rows) * C;
             else if (resumes)
-                src[k] = S->hist + (q + W) * C; /* p < W here, so this unit began at p0 = 0 and gathered */
+                src[k] = S->hist + (q + W) * C; /* p < W here: gathered above for this unit */
             else
                 src[k] = S->zero; /* a fresh request's history is zero */
         }
@@ -434,8 +426,8 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     }
     thread_main(&arg);
     for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
-    if (J.failed) rc = -2;
-    else if (J.next_unit < J.num_units) rc = -3;
+    /* a thread that could not allocate its scratch takes no unit; the others finish them all */
+    if (J.next_unit < J.num_units) rc = J.failed ? -2 : -3;
 done:
     free(J.unit_request);
     free(J.unit_begin);
