@@ -64,6 +64,9 @@ def gate_conv(
 ):
     """Same contract as :func:`ple.ops.fused.reference.gate_conv`; ``threads`` defaults to torch's.
 
+    ``validate=False`` skips the index checks: the offsets and history bounds are still checked in
+    the kernel (memory safety), but two requests sharing a slot give undefined results.
+
     Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built, and ``ValueError``
     for tensors it does not take (see :func:`unsupported_reason`).
     """
