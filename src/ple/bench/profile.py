@@ -32,6 +32,7 @@ _HOOKS = (
     ("ple.ngram", "ngram_ids", "ids", None),
     ("ple.layer", "gate_conv", "gate+conv", None),
     ("ple.ngram", "check_ngram_inputs", "ids: validate", "ids"),
+    ("ple.ngram.native", "ngram_ids", "ids: compute", "ids"),
     ("ple.ngram.torch_impl", "ngram_ids", "ids: compute", "ids"),
     ("ple.ngram.triton_impl", "ngram_ids", "ids: compute", "ids"),
     ("ple.ops.fused.native", "gate_conv", "C kernel", "gate+conv"),
