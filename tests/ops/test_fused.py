@@ -15,8 +15,6 @@ from ple.ops.fused import native, reference, torch_impl
 
 from ._helpers import DTYPE_TOL, random_fused_step, run_fused
 
-pytestmark = pytest.mark.skipif(not native_build.available(), reason="no C compiler for the fused CPU kernel")
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [False, True])
@@ -164,6 +162,14 @@ def test_dispatch_picks_the_kernel_on_cpu(monkeypatch):
     step16 = random_fused_step(1, dtype=torch.float16)  # fp16 runs the PyTorch path
     out, c = fused.gate_conv(**step16)
     assert calls == [1] and out.dtype == torch.float16
+
+
+def test_token_mask_of_the_wrong_length_is_refused():
+    step = random_fused_step(0, dtype=torch.float32)
+    step["token_mask"] = torch.ones(step["value"].shape[0] + 1, dtype=torch.bool)
+    for impl in (native, torch_impl, reference):
+        with pytest.raises(ValueError, match=r"token_mask.shape=.*expected \[T\]"):
+            run_fused(impl.gate_conv, step)
 
 
 def test_unsupported_inputs_are_refused_by_name():

@@ -242,22 +242,10 @@ class Fixture:
         if self._hf_config is None:
             from transformers import Qwen4ExpTextConfig
 
-            g = self.geometry
-            self._hf_config = Qwen4ExpTextConfig(
-                hidden_size=g.hidden_size,
-                hc_count=g.hc_count,
-                ple_layer_ids=[2],
-                ple_embed_dim=g.embed_dim,
-                ngram_size=g.ngram_size,
-                heads_per_ngram=g.heads_per_ngram,
-                ple_conv_kernel_size=g.conv_kernel_size,
-                ngram_vocab_size_base=g.table_base,
-                make_ngram_vocab_size_divisible_by=g.table_divisor,
-                vocab_size=g.vocab_size,
-                eos_token_id=g.eos_token_id,
-                seed=g.seed,
-                num_hidden_layers=2,
-            )
+            # the same fields under the same names as ple's config (checked in the tests)
+            fields = dataclasses.asdict(self.geometry.config)
+            fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}
+            self._hf_config = Qwen4ExpTextConfig(**fields, num_hidden_layers=2)
         return self._hf_config
 
     @property

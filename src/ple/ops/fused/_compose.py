@@ -6,8 +6,7 @@ from __future__ import annotations
 def compose(gate_fn, conv_fn, key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
             hc_count, conv_weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state,
             num_rejected=None, *, token_mask=None, add_hidden=True, return_conv_input=False, validate=True):
-    if token_mask is not None and tuple(token_mask.shape) != (value.shape[0],):
-        raise ValueError(f"gate_conv: token_mask.shape={tuple(token_mask.shape)}, expected [T]=({value.shape[0]},)")
+    check_token_mask(token_mask, value.shape[0])
     v, c = gate_fn(key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count)
     if token_mask is not None:
         m = token_mask.to(v.dtype).unsqueeze(1)
@@ -19,3 +18,7 @@ def compose(gate_fn, conv_fn, key, value, hidden, norm_key_weight, norm_query_we
     )
     return (out, c) if return_conv_input else out
 
+
+def check_token_mask(token_mask, tokens: int) -> None:
+    if token_mask is not None and tuple(token_mask.shape) != (tokens,):
+        raise ValueError(f"gate_conv: token_mask.shape={tuple(token_mask.shape)}, expected [T]=({tokens},)")

@@ -14,6 +14,7 @@ import torch
 from ... import _native
 from ..conv._checks import check_conv_args
 from ..gate._checks import check_gate_args
+from ._compose import check_token_mask
 
 __all__ = ["gate_conv", "unsupported_reason"]
 
@@ -81,8 +82,7 @@ def gate_conv(
     reason = unsupported_reason(key, value, hidden, conv_state, conv_weight)
     if reason is not None:
         raise ValueError(f"gate_conv (C kernel): {reason}")
-    if token_mask is not None and tuple(token_mask.shape) != (tokens,):
-        raise ValueError(f"gate_conv: token_mask.shape={tuple(token_mask.shape)}, expected [T]=({tokens},)")
+    check_token_mask(token_mask, tokens)
     lib = _native.library()
 
     f32 = torch.float32
