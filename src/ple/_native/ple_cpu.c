@@ -71,6 +71,8 @@ ALWAYS_INLINE float exp_vec(float x) {
 #define LANES 16
 #define MAX_TAPS 64 /* taps per channel the kernel takes (the published model has 4) */
 
+_Static_assert(LANES == 16, "lane_sum adds 16 partial sums in a fixed tree");
+
 ALWAYS_INLINE float lane_sum(const float *p) {
     float a[LANES / 2];
     for (int j = 0; j < LANES / 2; j++) a[j] = p[j] + p[j + LANES / 2];
@@ -79,7 +81,7 @@ ALWAYS_INLINE float lane_sum(const float *p) {
 }
 
 typedef struct {
-    int64_t tokens, hidden_size, hc, channels, taps, dilation, window, state_len, requests;
+    int64_t hidden_size, hc, channels, taps, dilation, window, state_len;
     float eps;
     const void *key, *value, *hidden;
     int64_t key_stride, value_stride, hidden_stride;
@@ -100,7 +102,7 @@ typedef struct {
 
 typedef struct {
     float *ring, *vrow, *res, *acc;
-    float *hist;   /* [W, C] the slot's last W history columns that a request's first unit reads */
+    float *hist;   /* [W, C] the slot's last W history columns, read by units that start inside the window */
     uint8_t *need; /* [W] which of them */
     float *zero;   /* [C] zeros: the taps of a fresh request's history */
 } scratch_t;
@@ -353,7 +355,6 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
                   void *c_out, int c_all, int64_t unit_tokens, int threads) {
     job_t J;
     memset(&J, 0, sizeof J);
-    J.tokens = tokens;
     J.hidden_size = hidden_size;
     J.hc = hc;
     J.channels = hc * hidden_size;
@@ -361,7 +362,6 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     J.dilation = dilation;
     J.window = (taps - 1) * dilation;
     J.state_len = state_len;
-    J.requests = requests;
     J.eps = eps;
     J.key = key;
     J.value = value;
