@@ -4,10 +4,29 @@ import ple
 def test_public_api_is_pinned():
     assert sorted(ple.__all__) == sorted(
         [
-            "PLEConfig", "ConfigError", "Layout", "ngram_ids", "next_ngram_context", "fresh_context",
-            "NgramInputError", "load_ple_weights", "scan_checkpoint", "PLEWeights", "CheckpointError",
-            "PLELayer", "Batch", "BatchError", "Session", "SessionError", "Checkpoint",
-            "tune_host_allocator", "Table", "MemoryTable", "MmapTable", "PinnedHostTable", "CachedTable",
+            "PLEConfig",
+            "ConfigError",
+            "Layout",
+            "ngram_ids",
+            "next_ngram_context",
+            "fresh_context",
+            "NgramInputError",
+            "load_ple_weights",
+            "scan_checkpoint",
+            "PLEWeights",
+            "CheckpointError",
+            "PLELayer",
+            "Batch",
+            "BatchError",
+            "Session",
+            "SessionError",
+            "Checkpoint",
+            "tune_host_allocator",
+            "Table",
+            "MemoryTable",
+            "MmapTable",
+            "PinnedHostTable",
+            "CachedTable",
         ]
     )
     for name in ple.__all__:

@@ -307,19 +307,31 @@ BROKEN = {
         ["shard 3 is I8 with per-row scales elsewhere but has no weight_scale"],
     ),
     "row_scale_shape": (
-        lambda t: (_to_format(t, torch.float8_e4m3fn, row_scale=True), t.__setitem__(_shard(0, "weight_scale"), torch.ones(413))),
+        lambda t: (
+            _to_format(t, torch.float8_e4m3fn, row_scale=True),
+            t.__setitem__(_shard(0, "weight_scale"), torch.ones(413)),
+        ),
         [f"{_shard(0, 'weight_scale')}: shape [413], expected [413, 1]"],
     ),
     "row_scale_int": (
-        lambda t: (_to_format(t, torch.int8, row_scale=True), t.__setitem__(_shard(2, "weight_scale"), torch.ones(413, 1, dtype=torch.int32))),
+        lambda t: (
+            _to_format(t, torch.int8, row_scale=True),
+            t.__setitem__(_shard(2, "weight_scale"), torch.ones(413, 1, dtype=torch.int32)),
+        ),
         ["weight_scale dtype(s) ['I32']"],
     ),
     "orphan_scale": (_set(_shard(7, "weight_scale"), torch.ones(3, 1)), ["weight_scale for shard(s) [7] without"]),
     "unsupported_dtype": (lambda t: _to_format(t, torch.float8_e5m2), ["unsupported table dtype F8_E5M2"]),
     "unexpected_name": (_set(P0 + "extra_proj.weight", torch.zeros(2)), [f"unexpected tensor {P0}extra_proj.weight"]),
     "missing_dense": (_drop(P0 + "value_proj.weight"), [f"missing {P0}value_proj.weight"]),
-    "dense_shape": (_set(P0 + "key_proj.weight", torch.zeros(48, 23)), ["key_proj.weight: shape [48, 23], expected [48, 24]"]),
-    "conv_shape": (_set(P0 + "conv1d.weight", torch.zeros(48, 4)), ["conv1d.weight: shape [48, 4], expected [48, 1, 4]"]),
+    "dense_shape": (
+        _set(P0 + "key_proj.weight", torch.zeros(48, 23)),
+        ["key_proj.weight: shape [48, 23], expected [48, 24]"],
+    ),
+    "conv_shape": (
+        _set(P0 + "conv1d.weight", torch.zeros(48, 4)),
+        ["conv1d.weight: shape [48, 4], expected [48, 1, 4]"],
+    ),
     "buffer_shape": (
         _set(P0 + "ple_embedding.layer_multipliers", torch.ones(2, dtype=torch.int64)),
         ["ple_embedding.layer_multipliers: shape [2], expected [3]"],
@@ -609,7 +621,9 @@ def test_wrong_seed_is_named(tmp_path):
         load_ple_weights(tmp_path, cfg)
     (problem,) = err.value.problems
     want = list(cfg.layout(0).multipliers)
-    assert problem.startswith(f"{P0}ple_embedding.layer_multipliers = {list(mod.ple_embedding.layer_multipliers.tolist())}")
+    assert problem.startswith(
+        f"{P0}ple_embedding.layer_multipliers = {list(mod.ple_embedding.layer_multipliers.tolist())}"
+    )
     assert f"the config implies {want}" in problem and "wrong or missing `seed`" in problem
     # with the right seed the same checkpoint loads
     _assert_matches_module(load_ple_weights(tmp_path, PLEConfig.from_dict({**d, "seed": 99}))[0], mod, cfg)
@@ -622,7 +636,9 @@ def test_wrong_vocab_base_names_buffers_and_shapes(tmp_path):
     with pytest.raises(CheckpointError) as err:
         load_ple_weights(tmp_path, other)
     problems = err.value.problems
-    assert_problem(problems, "ngram_heads_vocab_sizes = [503, 509, 521, 523]", "[601, 607, 613, 617]", "ngram_vocab_size_base")
+    assert_problem(
+        problems, "ngram_heads_vocab_sizes = [503, 509, 521, 523]", "[601, 607, 613, 617]", "ngram_vocab_size_base"
+    )
     assert_problem(problems, "ngram_heads_offsets = [0, 503, 1012, 1533]")
     assert_problem(problems, "shard_0.weight: shape [413, 6], expected")
     assert not any("layer_multipliers" in p for p in problems)

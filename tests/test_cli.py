@@ -271,7 +271,9 @@ def test_module_entry_point(tmp_path, capsys):
     model_dir(tmp_path, "short_last", mutate=_break)
     args = ["inspect", str(tmp_path), "--json"]
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    proc = subprocess.run([sys.executable, "-m", "ple.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ple.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr
     assert main(args) == 1
     assert json.loads(proc.stdout) == json.loads(capsys.readouterr().out)

@@ -56,7 +56,10 @@ def test_packed_prefill_matches_transformers_fp32(seed):
     hid = [torch.randn(n, cfg.hc_hidden_size) for n in lens]
     pool = layer.new_state_pool(len(lens) + 2)
     batch = Batch.build(
-        lens, list(range(len(lens))), torch.full((len(lens), cfg.ngram_size - 1), cfg.eos_token_id), pool,
+        lens,
+        list(range(len(lens))),
+        torch.full((len(lens), cfg.ngram_size - 1), cfg.eos_token_id),
+        pool,
         conv_window=cfg.conv_window,
     )
     out = layer(torch.cat(hid), torch.cat(toks), batch)

@@ -81,7 +81,9 @@ def test_config_defaults_and_forms(tmp_path):
     assert cfg.seed == 1234 and cfg.eos_token_id == 5 and cfg.ple_embed_dim == 64 and cfg.ngram_size == 3
     nested = {"model_type": "qwen4_exp", "text_config": dict(flat, seed=None)}
     assert PLEConfig.from_dict(nested) == cfg
-    (tmp_path / "config.json").write_text('{"text_config": {"hidden_size": 64, "eos_token_id": 5, "heads_per_ngram": 4}}')
+    (tmp_path / "config.json").write_text(
+        '{"text_config": {"hidden_size": 64, "eos_token_id": 5, "heads_per_ngram": 4}}'
+    )
     assert PLEConfig.from_pretrained(tmp_path).hidden_size == 64
     assert PLEConfig.from_pretrained(tmp_path / "config.json").eos_token_id == 5
 

@@ -165,8 +165,14 @@ def test_published_geometry_wraps_like_int64():
         (lambda x, q, c: (x, torch.tensor([0, 2, 4, 5]), c), "must end at T=6"),
         (lambda x, q, c: (x, q, c[:, :1]), r"shape \[R, N-1\] = \[3, 2\]"),
         (lambda x, q, c: (x, q, c[:2]), r"shape \[R, N-1\] = \[3, 2\]"),
-        (lambda x, q, c: (torch.tensor([1, 2, 3, 50, 4, 5]), q, c), r"token id 50 at position 3 \(request 1, offset 1\)"),
-        (lambda x, q, c: (torch.tensor([1, 2, 3, 4, 5, -1]), q, c), r"token id -1 at position 5 \(request 2, offset 1\)"),
+        (
+            lambda x, q, c: (torch.tensor([1, 2, 3, 50, 4, 5]), q, c),
+            r"token id 50 at position 3 \(request 1, offset 1\)",
+        ),
+        (
+            lambda x, q, c: (torch.tensor([1, 2, 3, 4, 5, -1]), q, c),
+            r"token id -1 at position 5 \(request 2, offset 1\)",
+        ),
         (lambda x, q, c: (x, q, torch.tensor([[1, 1], [1, 99], [1, 1]])), r"ngram_context\[1, 1\] = 99 \(request 1\)"),
     ],
 )
@@ -187,8 +193,12 @@ def test_native_kernel_matches_torch_and_reference(seed):
     rng = random.Random(seed)
     n = rng.choice([2, 3, 4])
     cfg = PLEConfig(
-        hidden_size=8 * (n - 1) * 2, eos_token_id=3, vocab_size=rng.choice([50, 70000, 248320]),
-        ngram_size=n, heads_per_ngram=rng.choice([1, 2, 3]), ngram_vocab_size_base=rng.choice([97, 20_000_000]),
+        hidden_size=8 * (n - 1) * 2,
+        eos_token_id=3,
+        vocab_size=rng.choice([50, 70000, 248320]),
+        ngram_size=n,
+        heads_per_ngram=rng.choice([1, 2, 3]),
+        ngram_vocab_size_base=rng.choice([97, 20_000_000]),
         ple_embed_dim=(n - 1) * 6,
     )
     lay = cfg.layout(rng.randrange(2))

@@ -39,7 +39,14 @@ _SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(?P<k>\d+)\.(?P<
 _TABLE = "ple_embedding.ngram_embedding.weight"
 _TABLE_SCALE = "ple_embedding.ngram_embedding.weight_scale"
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-_DENSE = ("key_proj.weight", "value_proj.weight", "norm_key.weight", "norm_query.weight", "norm_conv.weight", "conv1d.weight")
+_DENSE = (
+    "key_proj.weight",
+    "value_proj.weight",
+    "norm_key.weight",
+    "norm_query.weight",
+    "norm_conv.weight",
+    "conv1d.weight",
+)
 
 _ST_DTYPES = {
     "F64": torch.float64,
@@ -197,7 +204,9 @@ def scan_checkpoint(path: str | os.PathLike, config: PLEConfig) -> CheckpointSca
             layer = int(m["layer"])
             prefix, group = by_layer.setdefault(layer, (m["prefix"], {}))
             if m["prefix"] != prefix:
-                problems.append(f"decoder layer {layer} has PLE tensors under two prefixes: {prefix!r}, {m['prefix']!r}")
+                problems.append(
+                    f"decoder layer {layer} has PLE tensors under two prefixes: {prefix!r}, {m['prefix']!r}"
+                )
                 continue
             group[m["rest"]] = info
     ids = list(config.ple_layer_ids) or [k + 1 for k in sorted(by_layer)]
@@ -257,7 +266,11 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
             p(f"missing {prefix}{name}")
         elif info.shape != shape:
             p(f"{prefix}{name}: shape {list(info.shape)}, expected {list(shape)}")
-    nbuf = {"layer_multipliers": lay.ngram_size, "ngram_heads_vocab_sizes": lay.num_heads, "ngram_heads_offsets": lay.num_heads}
+    nbuf = {
+        "layer_multipliers": lay.ngram_size,
+        "ngram_heads_vocab_sizes": lay.num_heads,
+        "ngram_heads_offsets": lay.num_heads,
+    }
     for name, info in e.buffers.items():
         if info.shape != (nbuf[name],):
             p(f"{prefix}ple_embedding.{name}: shape {list(info.shape)}, expected [{nbuf[name]}]")
@@ -365,7 +378,9 @@ class _Reader:
         self._handles.clear()
 
 
-def iter_table_shards(entry: LayerEntry, reader: _Reader | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+def iter_table_shards(
+    entry: LayerEntry, reader: _Reader | None = None
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
     """Yield ``(k, rows [n_k, head_dim], per_row_scale [n_k, 1] | None)`` shard by shard, in order.
 
     An unsharded table is yielded in slices of ``shard_rows`` rows (so memory stays bounded by one shard).
@@ -487,12 +502,16 @@ def load_ple_weights(
         for e in wanted:
             lay = e.layout
             dense = {n: _read_checked(reader, i, e.prefix + n, i.shape).to(device) for n, i in e.dense.items()}
-            table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device) if with_table else None
+            table = (
+                MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device) if with_table else None
+            )
             shard_iter = iter_table_shards(e, reader) if with_table else iter(())
             if progress:
                 from tqdm.auto import tqdm
 
-                shard_iter = tqdm(shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard")
+                shard_iter = tqdm(
+                    shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard"
+                )
             for sk, rows, scale in shard_iter:
                 a, b = lay.shard_range(sk)
                 name = f"{e.prefix}ple_embedding.ngram_embedding.shard_{sk}"

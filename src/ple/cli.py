@@ -77,9 +77,11 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps({"layers": layers, "problems": scan.problems if scan else []}, indent=1))
     else:
-        print(f"config: {args.path}   hidden {cfg.hidden_size} x hc {cfg.hc_count}, E {cfg.ple_embed_dim}, "
-              f"N {cfg.ngram_size}, {cfg.num_heads} heads of {cfg.head_dim}, K {cfg.ple_conv_kernel_size}, "
-              f"eos {cfg.eos_token_id}, seed {cfg.seed}")
+        print(
+            f"config: {args.path}   hidden {cfg.hidden_size} x hc {cfg.hc_count}, E {cfg.ple_embed_dim}, "
+            f"N {cfg.ngram_size}, {cfg.num_heads} heads of {cfg.head_dim}, K {cfg.ple_conv_kernel_size}, "
+            f"eos {cfg.eos_token_id}, seed {cfg.seed}"
+        )
         for d in layers:
             print(f"\nPLE layer {d['ple_layer_index']}  prefix {d['prefix']}")
             print(f"  multipliers  {d['multipliers']}")
@@ -88,7 +90,9 @@ def cmd_inspect(args) -> int:
             print(f"  shards       {d['split_parts']} x {d['shard_rows']:,} rows")
             print("  size         " + ", ".join(f"{f} {_human(b)}" for f, b in d["bytes"].items()))
             if ckpt is not None:
-                print(f"  checkpoint   table {d['table_format'] or '-'}; " + ("OK" if not d["problems"] else "PROBLEMS:"))
+                print(
+                    f"  checkpoint   table {d['table_format'] or '-'}; " + ("OK" if not d["problems"] else "PROBLEMS:")
+                )
                 for q in d["problems"]:
                     print(f"    - {q}")
         for q in scan.problems if scan else []:
@@ -126,9 +130,7 @@ def cmd_ids(args) -> int:
         print(f"token {t}: {tok}")
         for order in range(2, cfg.ngram_size + 1):
             gram = list(reversed(ys[t][:order]))
-            heads = ", ".join(
-                f"h{(order - 2) * hpn + j}:{int(ids[t, (order - 2) * hpn + j])}" for j in range(hpn)
-            )
+            heads = ", ".join(f"h{(order - 2) * hpn + j}:{int(ids[t, (order - 2) * hpn + j])}" for j in range(hpn))
             print(f"  {order}-gram {gram}: {heads}")
     return 0
 

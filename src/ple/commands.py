@@ -162,11 +162,15 @@ def cmd_stats(args) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    print(f"{res['tokens']} tokens, {res['lookups']} lookups, {res['total']['distinct_rows']} distinct rows; "
-          f"top 1% of rows serve {res['total']['top1_share']:.1%}, top 10% serve {res['total']['top10_share']:.1%}")
+    print(
+        f"{res['tokens']} tokens, {res['lookups']} lookups, {res['total']['distinct_rows']} distinct rows; "
+        f"top 1% of rows serve {res['total']['top1_share']:.1%}, top 10% serve {res['total']['top10_share']:.1%}"
+    )
     print("head order  distinct rows  top1%   top10%  distinct n-grams  shared rows  max load")
     for h in res["heads"]:
-        print(f"{h['head']:4d} {h['order']:5d} {h['distinct_rows']:14d} {h['top1_share']:6.1%} {h['top10_share']:7.1%} "
-              f"{h['distinct_ngrams']:17d} {h['shared_rows']:12d} {h['max_bucket_load']:9d}")
+        print(
+            f"{h['head']:4d} {h['order']:5d} {h['distinct_rows']:14d} {h['top1_share']:6.1%} {h['top10_share']:7.1%} "
+            f"{h['distinct_ngrams']:17d} {h['shared_rows']:12d} {h['max_bucket_load']:9d}"
+        )
     sys.stdout.flush()
     return 0

@@ -244,9 +244,14 @@ def run(args) -> int:
             reader = _Reader()
             try:
                 convert_layer(
-                    shards_for_convert(_layer_entry(ckpt, config, args.layer), reader), path,
-                    layout_fields(config, args.layer), lay.padded_rows, lay.head_dim, lay.shard_rows,
-                    force=True, progress=progress,
+                    shards_for_convert(_layer_entry(ckpt, config, args.layer), reader),
+                    path,
+                    layout_fields(config, args.layer),
+                    lay.padded_rows,
+                    lay.head_dim,
+                    lay.shard_rows,
+                    force=True,
+                    progress=progress,
                 )
             finally:
                 reader.close()
@@ -269,8 +274,11 @@ def run(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         ok = res["worst_error_vs_tolerance"] <= 1.0
-        print("check: every kept output equals the one-shot reference (fp32, rtol = atol = 1e-5)" if ok else
-              f"check FAILED: an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference")
+        print(
+            "check: every kept output equals the one-shot reference (fp32, rtol = atol = 1e-5)"
+            if ok
+            else f"check FAILED: an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference"
+        )
         return 0 if ok else 1
     finally:
         if tmp is not None:
@@ -295,5 +303,7 @@ def _print(res: dict) -> None:
     print(f"\nrows read        : {res['lookups']:,}")
     print(f"bytes moved      : {res['bytes_moved'] / 1e6:.2f} MB from the table")
     print(f"peak resident    : {res['peak_rss_bytes'] / 1e6:.0f} MB")
-    print(f"tokens checked   : {res['checked_tokens']:,} (worst error {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance)")
+    print(
+        f"tokens checked   : {res['checked_tokens']:,} (worst error {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance)"
+    )
     print(f"wall time        : {res['wall_seconds']:.1f} s")

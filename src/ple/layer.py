@@ -178,9 +178,7 @@ class PLELayer(nn.Module):
     # ------------------------------------------------------------------ engine call
     def _require_table(self):
         if self.table is None:
-            raise RuntimeError(
-                f"PLE layer {self.ple_layer_index} has no table: load a checkpoint or call set_table()"
-            )
+            raise RuntimeError(f"PLE layer {self.ple_layer_index} has no table: load a checkpoint or call set_table()")
         return self.table
 
     def ngram_ids(self, input_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -241,10 +239,24 @@ class PLELayer(nn.Module):
             kv = F.linear(emb, self._kv_weight())
         key, value = kv.split([cfg.hc_hidden_size, cfg.hidden_size], dim=1)
         return gate_conv(
-            key, value, hidden, self.norm_key, self.norm_query, self.norm_conv, cfg.rms_norm_eps, cfg.hc_count,
-            self.conv_weight, cfg.ngram_size, batch.query_start_loc, batch.conv_state, batch.slot_indices,
-            batch.has_initial_state, batch.num_rejected,
-            token_mask=token_mask, add_hidden=add_hidden, return_conv_input=return_conv_input,
+            key,
+            value,
+            hidden,
+            self.norm_key,
+            self.norm_query,
+            self.norm_conv,
+            cfg.rms_norm_eps,
+            cfg.hc_count,
+            self.conv_weight,
+            cfg.ngram_size,
+            batch.query_start_loc,
+            batch.conv_state,
+            batch.slot_indices,
+            batch.has_initial_state,
+            batch.num_rejected,
+            token_mask=token_mask,
+            add_hidden=add_hidden,
+            return_conv_input=return_conv_input,
         )
 
     def _kv_weight(self) -> torch.Tensor:
@@ -297,8 +309,14 @@ class PLELayer(nn.Module):
         key = F.linear(emb, self.key_proj)
         value = F.linear(emb, self.value_proj)
         v, c = gate_reference.ngram_gate(
-            key, value, hidden.reshape(b * s, -1), self.norm_key, self.norm_query, self.norm_conv,
-            cfg.rms_norm_eps, cfg.hc_count,
+            key,
+            value,
+            hidden.reshape(b * s, -1),
+            self.norm_key,
+            self.norm_query,
+            self.norm_conv,
+            cfg.rms_norm_eps,
+            cfg.hc_count,
         )
         v = v.reshape(b, s, -1)
         c = c.reshape(b, s, -1)

@@ -236,7 +236,9 @@ def simulate_streaming(
     return counts
 
 
-def random_fused_step(seed, *, dtype, device="cpu", hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False):
+def random_fused_step(
+    seed, *, dtype, device="cpu", hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False
+):
     """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections)."""
     channels = hc * hidden_size
     conv = random_conv_batch(

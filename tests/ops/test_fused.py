@@ -60,13 +60,22 @@ def test_work_units_inside_the_window_read_the_slot(taps, dilation, threads):
     kv = torch.randn(t, hc * h + h, generator=g)
     key, value = kv.split([hc * h, h], dim=1)
     step = dict(
-        key=key, value=value, hidden=torch.randn(t, hc * h, generator=g),
-        norm_key_weight=torch.zeros(hc * h), norm_query_weight=torch.zeros(hc * h),
-        norm_conv_weight=torch.zeros(hc * h), eps=1e-6, hc_count=hc,
-        conv_weight=torch.randn(hc * h, taps, generator=g), dilation=dilation, query_start_loc=q,
+        key=key,
+        value=value,
+        hidden=torch.randn(t, hc * h, generator=g),
+        norm_key_weight=torch.zeros(hc * h),
+        norm_query_weight=torch.zeros(hc * h),
+        norm_conv_weight=torch.zeros(hc * h),
+        eps=1e-6,
+        hc_count=hc,
+        conv_weight=torch.randn(hc * h, taps, generator=g),
+        dilation=dilation,
+        query_start_loc=q,
         conv_state=torch.randn(len(lens) + 1, hc * h, window + 2, generator=g),
-        state_indices=torch.arange(len(lens)), has_initial_state=torch.tensor([True, True, True, True, False, True]),
-        num_rejected=torch.tensor([0, 1, 2, 0, 0, 2]), return_conv_input=True,
+        state_indices=torch.arange(len(lens)),
+        has_initial_state=torch.tensor([True, True, True, True, False, True]),
+        num_rejected=torch.tensor([0, 1, 2, 0, 0, 2]),
+        return_conv_input=True,
     )
     for a, b in zip(run_fused(native.gate_conv, step, threads=threads), run_fused(reference.gate_conv, step)):
         torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32])
@@ -107,8 +116,14 @@ def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
     _, c, state = run_fused(native.gate_conv, step)
     want = step["conv_state"].clone()
     conv_reference.dilated_conv(
-        c, step["conv_weight"], step["dilation"], step["query_start_loc"], want, step["state_indices"],
-        step["has_initial_state"], step["num_rejected"],
+        c,
+        step["conv_weight"],
+        step["dilation"],
+        step["query_start_loc"],
+        want,
+        step["state_indices"],
+        step["has_initial_state"],
+        step["num_rejected"],
     )
     assert torch.equal(state, want)
 
@@ -141,8 +156,18 @@ def test_chunked_stream_equals_one_shot_bitwise(dtype):
     def step(a, b, pool, resume):
         key, value = kv[a:b].split([channels, h], dim=1)
         return native.gate_conv(
-            key, value, hidden[a:b], *ws, 1e-6, hc, conv_w, dilation, torch.tensor([0, b - a]), pool,
-            torch.tensor([1]), torch.tensor([resume]),
+            key,
+            value,
+            hidden[a:b],
+            *ws,
+            1e-6,
+            hc,
+            conv_w,
+            dilation,
+            torch.tensor([0, b - a]),
+            pool,
+            torch.tensor([1]),
+            torch.tensor([resume]),
         )
 
     whole = step(0, n, torch.zeros(2, channels, window, dtype=dtype), False)

@@ -56,7 +56,9 @@ class _Sim:
         self.cfg = cfg
         self.num_spec = rng.randint(0, 3)
         self.every = rng.choice([None, 1, 2, 3, 5, 8])
-        self.session = Session(layer, max_requests=rng.randint(1, 4), num_spec=self.num_spec, checkpoint_every=self.every)
+        self.session = Session(
+            layer, max_requests=rng.randint(1, 4), num_spec=self.num_spec, checkpoint_every=self.every
+        )
         self.live: dict[int, dict] = {}
         self.done: list[dict] = []
         self.saved: list[tuple[Checkpoint, dict]] = []  # checkpoints to resume from, with the history behind them

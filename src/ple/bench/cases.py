@@ -313,9 +313,9 @@ class Fixture:
         """The projections alone: ``F.linear([n, E], [HC*H + H, E])`` for each ``n`` in ``rows``."""
         geo = self.geometry
         g = self._gen(99)
-        w = (torch.randn(geo.config.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5).to(
-            device=self.device, dtype=dtype
-        )
+        w = (
+            torch.randn(geo.config.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5
+        ).to(device=self.device, dtype=dtype)
         xs = [torch.randn(n, geo.embed_dim, generator=g).to(device=self.device, dtype=dtype) for n in rows]
 
         def run():

@@ -61,9 +61,7 @@ def check_ngram_inputs(
     bad = torch.nonzero(diffs < 0)
     if bad.numel():
         r = int(bad[0])
-        raise NgramInputError(
-            f"query_start_loc decreases at request {r}: {int(qsl[r])} -> {int(qsl[r + 1])}"
-        )
+        raise NgramInputError(f"query_start_loc decreases at request {r}: {int(qsl[r])} -> {int(qsl[r + 1])}")
     if int(qsl[-1]) != t_total:
         raise NgramInputError(f"query_start_loc must end at T={t_total} (len(input_ids)), got {int(qsl[-1])}")
     ids = input_ids.detach()

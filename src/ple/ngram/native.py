@@ -36,9 +36,19 @@ def ngram_ids(
     out = torch.empty(tokens.shape[0], layout.num_heads, dtype=torch.int64)
     nthreads = torch.get_num_threads() if threads is None else int(threads)
     rc = lib.ple_ngram_ids(
-        tokens.data_ptr(), tokens.shape[0], starts.data_ptr(), starts.shape[0] - 1,
-        context.data_ptr(), layout.ngram_size, layout.heads_per_ngram, mult.data_ptr(),
-        sizes.data_ptr(), offs.data_ptr(), int(eos_token_id), out.data_ptr(), nthreads,
+        tokens.data_ptr(),
+        tokens.shape[0],
+        starts.data_ptr(),
+        starts.shape[0] - 1,
+        context.data_ptr(),
+        layout.ngram_size,
+        layout.heads_per_ngram,
+        mult.data_ptr(),
+        sizes.data_ptr(),
+        offs.data_ptr(),
+        int(eos_token_id),
+        out.data_ptr(),
+        nthreads,
     )
     if rc == -3:
         raise ValueError(

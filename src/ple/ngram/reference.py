@@ -53,7 +53,9 @@ def ngram_ids(
     qsl = [int(v) for v in query_start_loc.tolist()]
     out = torch.empty(len(input_ids), layout.num_heads, dtype=torch.int64)
     for r in range(len(qsl) - 1):
-        history = [int(v) for v in ngram_context[r].tolist()] + [int(v) for v in input_ids[qsl[r] : qsl[r + 1]].tolist()]
+        history = [int(v) for v in ngram_context[r].tolist()] + [
+            int(v) for v in input_ids[qsl[r] : qsl[r + 1]].tolist()
+        ]
         for t in range(n - 1, len(history)):
             # most recent EOS strictly before t; everything at or before it reads as EOS
             last_eos = max((p for p in range(t) if history[p] == eos_token_id), default=-1)

@@ -4,4 +4,14 @@ from .batch import DECODE, PREFILL, VERIFY, Batch, BatchError
 from .host import tune_host_allocator
 from .session import Checkpoint, Session, SessionError
 
-__all__ = ["Batch", "BatchError", "Session", "SessionError", "Checkpoint", "PREFILL", "DECODE", "VERIFY", "tune_host_allocator"]
+__all__ = [
+    "Batch",
+    "BatchError",
+    "Session",
+    "SessionError",
+    "Checkpoint",
+    "PREFILL",
+    "DECODE",
+    "VERIFY",
+    "tune_host_allocator",
+]

@@ -158,7 +158,13 @@ class Session:
             req.checkpoints[ck.length] = ck
 
     def _checkpoints_inside(
-        self, req_len: int, n: int, prev_window: torch.Tensor, prev_ctx: torch.Tensor, tokens: torch.Tensor, c: torch.Tensor
+        self,
+        req_len: int,
+        n: int,
+        prev_window: torch.Tensor,
+        prev_ctx: torch.Tensor,
+        tokens: torch.Tensor,
+        c: torch.Tensor,
     ) -> list[Checkpoint]:
         """Checkpoints at multiples of ``checkpoint_every`` in ``(req_len, req_len + n]``."""
         b = self.checkpoint_every
@@ -267,7 +273,9 @@ class Session:
                 req.context = new_ctx[i].clone()
                 continue
             if rid in prev_windows:
-                for ck in self._checkpoints_inside(req.length, e - a, prev_windows[rid], req.context, toks[i], conv_in[a:e].detach()):
+                for ck in self._checkpoints_inside(
+                    req.length, e - a, prev_windows[rid], req.context, toks[i], conv_in[a:e].detach()
+                ):
                     req.checkpoints[ck.length] = ck
             req.length += e - a
             req.context = new_ctx[i].clone()
@@ -287,7 +295,9 @@ class Session:
         if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= n:
             raise SessionError(f"request {request_id!r}: kept={kept!r} outside 1..{n} (the chunk's length)")
         if p.prev_window is not None and self.checkpoint_every:
-            for ck in self._checkpoints_inside(p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input):
+            for ck in self._checkpoints_inside(
+                p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input
+            ):
                 req.checkpoints[ck.length] = ck
         req.context = next_ngram_context(p.tokens[:kept], torch.tensor([0, kept]), p.prev_context.view(1, -1))[0]
         req.length = p.prev_length + kept

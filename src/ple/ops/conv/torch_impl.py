@@ -37,8 +37,16 @@ def dilated_conv(
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ops.conv.reference.dilated_conv`; returns ``[T, C]`` in ``c.dtype``."""
     geo = check_conv_args(
-        c, weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state, num_rejected,
-        residual, validate,
+        c,
+        weight,
+        dilation,
+        query_start_loc,
+        conv_state,
+        state_indices,
+        has_initial_state,
+        num_rejected,
+        residual,
+        validate,
     )
     num_requests, state_len, channels = geo.num_requests, geo.state_len, geo.channels
     starts = query_start_loc.long()
@@ -154,7 +162,9 @@ def _blocked_conv(c, w, dilation, geo, starts, lengths, old, history_end, residu
                 if back and bool(before.any()):
                     idx = torch.nonzero(before).flatten()
                     t = a + idx
-                    rows[idx] = windows.index_select(0, token_request[t] * window + window + local[t] - back).to(rows.dtype)
+                    rows[idx] = windows.index_select(0, token_request[t] * window + window + local[t] - back).to(
+                        rows.dtype
+                    )
             if k == 0:
                 torch.mul(rows, wk[0], out=acc)
             else:

@@ -43,8 +43,21 @@ def gate_conv(
     See :func:`ple.ops.fused.reference.gate_conv` for the arguments.
     """
     args = (
-        key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count,
-        conv_weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state, num_rejected,
+        key,
+        value,
+        hidden,
+        norm_key_weight,
+        norm_query_weight,
+        norm_conv_weight,
+        eps,
+        hc_count,
+        conv_weight,
+        dilation,
+        query_start_loc,
+        conv_state,
+        state_indices,
+        has_initial_state,
+        num_rejected,
     )
     kwargs = dict(token_mask=token_mask, add_hidden=add_hidden, return_conv_input=return_conv_input, validate=validate)
     if value.is_cuda:

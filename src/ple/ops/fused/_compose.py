@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 
-def compose(gate_fn, conv_fn, key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-            hc_count, conv_weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state,
-            num_rejected=None, *, token_mask=None, add_hidden=True, return_conv_input=False, validate=True):
+def compose(
+    gate_fn,
+    conv_fn,
+    key,
+    value,
+    hidden,
+    norm_key_weight,
+    norm_query_weight,
+    norm_conv_weight,
+    eps,
+    hc_count,
+    conv_weight,
+    dilation,
+    query_start_loc,
+    conv_state,
+    state_indices,
+    has_initial_state,
+    num_rejected=None,
+    *,
+    token_mask=None,
+    add_hidden=True,
+    return_conv_input=False,
+    validate=True,
+):
     check_token_mask(token_mask, value.shape[0])
     v, c = gate_fn(key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count)
     if token_mask is not None:
@@ -13,8 +34,16 @@ def compose(gate_fn, conv_fn, key, value, hidden, norm_key_weight, norm_query_we
         v = v * m
         c = c * m
     out = conv_fn(
-        c, conv_weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state, num_rejected,
-        residual=v.add_(hidden) if add_hidden else v, validate=validate,
+        c,
+        conv_weight,
+        dilation,
+        query_start_loc,
+        conv_state,
+        state_indices,
+        has_initial_state,
+        num_rejected,
+        residual=v.add_(hidden) if add_hidden else v,
+        validate=validate,
     )
     return (out, c) if return_conv_input else out
 

@@ -76,8 +76,16 @@ def gate_conv(
     )
     channels = hc_count * hidden_size
     geo = check_conv_args(
-        value.new_empty(1).expand(tokens, channels), conv_weight, dilation, query_start_loc, conv_state,
-        state_indices, has_initial_state, num_rejected, None, validate,
+        value.new_empty(1).expand(tokens, channels),
+        conv_weight,
+        dilation,
+        query_start_loc,
+        conv_state,
+        state_indices,
+        has_initial_state,
+        num_rejected,
+        None,
+        validate,
     )
     reason = unsupported_reason(key, value, hidden, conv_state, conv_weight)
     if reason is not None:
@@ -107,13 +115,37 @@ def gate_conv(
         return None if t is None else t.data_ptr()
 
     rc = lib.ple_gate_conv(
-        _DTYPES[value.dtype], tokens, hidden_size, hc_count, geo.taps, dilation,
-        geo.state_len, geo.num_slots, geo.num_requests, float(eps),
-        ptr(key), key.stride(0), ptr(value), value.stride(0), ptr(hidden), hidden.stride(0),
-        ptr(wkq), ptr(wc), ptr(conv_w),
-        ptr(starts), ptr(slots), ptr(resumes_u8), ptr(history_end), ptr(mask),
-        ptr(conv_state), int(bool(add_hidden)), ptr(out), ptr(c), int(bool(return_conv_input)),
-        unit_tokens, nthreads,
+        _DTYPES[value.dtype],
+        tokens,
+        hidden_size,
+        hc_count,
+        geo.taps,
+        dilation,
+        geo.state_len,
+        geo.num_slots,
+        geo.num_requests,
+        float(eps),
+        ptr(key),
+        key.stride(0),
+        ptr(value),
+        value.stride(0),
+        ptr(hidden),
+        hidden.stride(0),
+        ptr(wkq),
+        ptr(wc),
+        ptr(conv_w),
+        ptr(starts),
+        ptr(slots),
+        ptr(resumes_u8),
+        ptr(history_end),
+        ptr(mask),
+        ptr(conv_state),
+        int(bool(add_hidden)),
+        ptr(out),
+        ptr(c),
+        int(bool(return_conv_input)),
+        unit_tokens,
+        nthreads,
     )
     if rc != 0:
         if rc >= 1000:
