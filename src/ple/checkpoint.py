@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import PLEConfig
+from .errors import PLEError
 from .layout import Layout
 
 __all__ = [
@@ -65,7 +66,7 @@ _ST_DTYPES = {
 _PLAIN = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PLEError, ValueError):
     """A checkpoint cannot be loaded; ``problems`` lists every reason found."""
 
     def __init__(self, problems: list[str] | str):

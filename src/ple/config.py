@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .errors import PLEError
 from .layout import Layout, compute_layout
 
 __all__ = ["PLEConfig", "ConfigError"]
 
 
-class ConfigError(ValueError):
+class ConfigError(PLEError, ValueError):
     """A configuration field has a value ple cannot use; the message names field and value."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import PLEConfig
+from .errors import InvalidArgumentError
 
 # The published geometry scaled down 10x in width (same H : HC : E : heads ratios), small table.
 DEMO_CONFIG = {
@@ -203,7 +204,7 @@ def _check(layer, r: _Request) -> float:
         want = hidden + layer.forward_padded(hidden[None], tokens[None])[0]
     got = torch.cat(r.out)
     if layer.dtype != torch.float32:
-        raise ValueError("the demo checks exactness in fp32")
+        raise InvalidArgumentError("the demo checks exactness in fp32")
     return ((got.double() - want.double()).abs() / (ATOL + RTOL * want.double().abs())).max().item()
 
 

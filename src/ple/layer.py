@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PLEConfig
+from .errors import InvalidArgumentError, UsageError
 from .ngram import ngram_ids
 from .ops.fused import gate_conv
 from .ops.gate import reference as gate_reference
@@ -71,7 +72,7 @@ class PLELayer(nn.Module):
     def set_table(self, table) -> None:
         """Attach a table of any tier; its geometry must match the layout."""
         if table.rows != self.layout.padded_rows or table.head_dim != self.layout.head_dim:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"table is [{table.rows}, {table.head_dim}] but PLE layer {self.ple_layer_index} needs "
                 f"[{self.layout.padded_rows}, {self.layout.head_dim}]"
             )
@@ -80,7 +81,7 @@ class PLELayer(nn.Module):
     def load_weights(self, weights) -> None:
         """Take a :class:`ple.checkpoint.PLEWeights` (all tensors already validated)."""
         if weights.layout != self.layout:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"weights are for PLE layer {weights.ple_layer_index} with a different layout than this layer's "
                 f"(ple_layer_index={self.ple_layer_index})"
             )
@@ -154,7 +155,9 @@ class PLELayer(nn.Module):
             ("ngram_heads_offsets", emb.ngram_heads_offsets, lay.head_offsets),
         ):
             if tuple(buf.tolist()) != tuple(want):
-                raise ValueError(f"module buffer {name} = {buf.tolist()} differs from the layout's {list(want)}")
+                raise InvalidArgumentError(
+                    f"module buffer {name} = {buf.tolist()} differs from the layout's {list(want)}"
+                )
         with torch.no_grad():
             layer.key_proj.copy_(module.key_proj.weight)
             layer.value_proj.copy_(module.value_proj.weight)
@@ -178,7 +181,7 @@ class PLELayer(nn.Module):
     # ------------------------------------------------------------------ engine call
     def _require_table(self):
         if self.table is None:
-            raise RuntimeError(f"PLE layer {self.ple_layer_index} has no table: load a checkpoint or call set_table()")
+            raise UsageError(f"PLE layer {self.ple_layer_index} has no table: load a checkpoint or call set_table()")
         return self.table
 
     def ngram_ids(self, input_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -213,7 +216,7 @@ class PLELayer(nn.Module):
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
         """
         if torch.is_grad_enabled() and hidden.requires_grad:
-            raise RuntimeError(
+            raise UsageError(
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
@@ -223,13 +226,13 @@ class PLELayer(nn.Module):
     def _forward(self, hidden, input_ids, batch, prefetched, return_conv_input, token_mask, add_hidden):
         cfg = self.config
         if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_hidden_size:
-            raise ValueError(f"hidden must be [T, HC*H={cfg.hc_hidden_size}], got {tuple(hidden.shape)}")
+            raise InvalidArgumentError(f"hidden must be [T, HC*H={cfg.hc_hidden_size}], got {tuple(hidden.shape)}")
         if input_ids.shape != (hidden.shape[0],):
-            raise ValueError(f"input_ids must be [T={hidden.shape[0]}], got {tuple(input_ids.shape)}")
+            raise InvalidArgumentError(f"input_ids must be [T={hidden.shape[0]}], got {tuple(input_ids.shape)}")
         if hidden.dtype != self.dtype:
-            raise ValueError(f"hidden is {hidden.dtype} but the layer computes in {self.dtype}")
+            raise InvalidArgumentError(f"hidden is {hidden.dtype} but the layer computes in {self.dtype}")
         if batch.num_tokens != hidden.shape[0]:
-            raise ValueError(f"batch covers {batch.num_tokens} tokens, hidden has {hidden.shape[0]}")
+            raise InvalidArgumentError(f"batch covers {batch.num_tokens} tokens, hidden has {hidden.shape[0]}")
         if prefetched is not None:
             emb = prefetched.wait()
             kv = F.linear(emb, self._kv_weight())
@@ -289,7 +292,7 @@ class PLELayer(nn.Module):
         cfg = self.config
         b, s, width = hidden.shape
         if width != cfg.hc_hidden_size or input_ids.shape != (b, s):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"hidden must be [B, S, {cfg.hc_hidden_size}] and input_ids [B, S]; got {tuple(hidden.shape)}, "
                 f"{tuple(input_ids.shape)}"
             )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import InvalidArgumentError
+
 __all__ = ["Layout", "splitmix64", "is_prime", "nth_prime_after", "layer_multipliers", "compute_layout"]
 
 _MASK64 = (1 << 64) - 1
@@ -55,7 +57,7 @@ def is_prime(n: int) -> bool:
 def nth_prime_after(start: int, count: int) -> int:
     """The ``count``-th prime strictly greater than ``start`` (count >= 1)."""
     if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
+        raise InvalidArgumentError(f"count must be >= 1, got {count}")
     n = start
     for _ in range(count):
         n += 1
@@ -115,7 +117,7 @@ class Layout:
     def shard_range(self, k: int) -> tuple[int, int]:
         """Row range ``[start, stop)`` of checkpoint shard ``k`` (empty when past the end)."""
         if not 0 <= k < self.split_parts:
-            raise ValueError(f"shard index {k} out of range [0, {self.split_parts})")
+            raise InvalidArgumentError(f"shard index {k} out of range [0, {self.split_parts})")
         start = min(k * self.shard_rows, self.padded_rows)
         return start, min(start + self.shard_rows, self.padded_rows)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .config import PLEConfig
+from .errors import InvalidArgumentError
 from .ngram import fresh_context, ngram_ids
 from .ngram.torch_impl import ngram_windows
 
@@ -29,7 +30,7 @@ def read_token_file(path: str | os.PathLike) -> torch.Tensor:
     try:
         return torch.tensor([int(t) for t in text], dtype=torch.int64)
     except ValueError as e:
-        raise ValueError(f"{p}: token files hold integers only ({e})") from None
+        raise InvalidArgumentError(f"{p}: token files hold integers only ({e})") from None
 
 
 def _top_share(counts: torch.Tensor, fraction: float) -> float:

@@ -649,7 +649,7 @@ def test_bad_id_on_one_rank_raises_everywhere(world):
         if r == w - 1:
             assert typ == "IdOutOfRangeError" and f"row id {ROWS} at (token 4, head 1)" in msg
         else:
-            assert typ == "ValueError" and f"rank {w - 1} looked up row ids outside [0, {ROWS})" in msg
+            assert typ == "InvalidArgumentError" and f"rank {w - 1} looked up row ids outside [0, {ROWS})" in msg
 
 
 def test_verify_ids_catches_unreplicated_batch(world):
@@ -664,7 +664,7 @@ def test_verify_ids_catches_unreplicated_batch(world):
 def test_dtype_mismatch_raises_everywhere(world):
     w, results = world
     for r, (typ, msg) in enumerate(errors(results, "errors/dtype_differs")):
-        assert typ == "ValueError" and "different lookup dtypes" in msg and f"rank {w - 1}: torch.bfloat16" in msg
+        assert typ == "InvalidArgumentError" and "different lookup dtypes" in msg and f"rank {w - 1}: torch.bfloat16" in msg
         assert f"this is rank {r}" in msg
 
 

@@ -25,6 +25,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from ..errors import PLEError
+
 __all__ = ["NativeUnavailable", "available", "cache_dir", "library"]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
@@ -46,7 +48,7 @@ _error: str | None = None
 _warned = False
 
 
-class NativeUnavailable(RuntimeError):
+class NativeUnavailable(PLEError, RuntimeError):
     """The fused CPU kernels cannot be used here (disabled, no compiler, or the build failed)."""
 
 

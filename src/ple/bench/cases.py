@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import ngram as ple_ngram
 from ..config import PLEConfig
+from ..errors import InvalidArgumentError
 
 __all__ = [
     "CASES",
@@ -721,6 +722,8 @@ def select_cases(spec: str | None) -> list[Case]:
             continue
         hits = [c for c in CASES if c.name == part or c.name.startswith(part + "-") or fnmatch.fnmatch(c.name, part)]
         if not hits:
-            raise ValueError(f"no benchmark case matches {part!r}; known cases: {', '.join(c.name for c in CASES)}")
+            raise InvalidArgumentError(
+                f"no benchmark case matches {part!r}; known cases: {', '.join(c.name for c in CASES)}"
+            )
         chosen.extend(c for c in hits if c not in chosen)
     return chosen

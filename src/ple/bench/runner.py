@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidArgumentError
 from . import cases as bench_cases
 from .cases import Case, Fixture, Geometry, Prepared
 
@@ -402,7 +403,7 @@ def _geometry(args) -> Geometry:
     geo = bench_cases.QUICK if args.quick else bench_cases.PUBLISHED
     if args.table_base is not None:
         if args.table_base < 2:
-            raise ValueError(f"--table-base must be >= 2, got {args.table_base}")
+            raise InvalidArgumentError(f"--table-base must be >= 2, got {args.table_base}")
         geo = dataclasses.replace(geo, table_base=args.table_base)
     return geo
 
@@ -433,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
         max_repeat = repeat if args.quick else max(repeat, DEFAULT_MAX_REPEAT)
     try:
         if repeat < 1 or args.warmup < 0 or max_repeat < repeat:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"need --repeat >= 1, --warmup >= 0 and --max-repeat >= --repeat, got {repeat}, {args.warmup} "
                 f"and {max_repeat}"
             )
@@ -441,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         geometry = _geometry(args)
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
+            raise InvalidArgumentError(f"--device {args.device}: CUDA is not available on this machine")
     except ValueError as e:
         print(f"ple bench: {e}", file=sys.stderr)
         return 2

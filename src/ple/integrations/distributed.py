@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..errors import InvalidArgumentError, PLEError, UsageError
 from ..table import MemoryTable, MmapTable, Table, check_ids, hash_layout
 from ..table.base import check_wait
 from ..table.formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype
@@ -63,7 +64,7 @@ DEFAULT_METHOD = "allreduce"
 """The method :class:`ShardedTable` uses unless told otherwise (measured in docs/DISTRIBUTED.md)."""
 
 
-class ShardGeometryError(ValueError):
+class ShardGeometryError(PLEError, ValueError):
     """The ranks of a :class:`ShardedTable` disagree on the table, or their row ranges do not tile it.
 
     Raised on every rank, with the same list of problems (``problems``), each naming ranks and values.
@@ -90,9 +91,9 @@ def shard_rows(total_rows: int, world_size: int, rank: int, *, align: int = 1) -
     """
     for name, v, lo in (("total_rows", total_rows, 0), ("world_size", world_size, 1), ("align", align, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"shard_rows: {name} must be an integer >= {lo}, got {v!r}")
+            raise InvalidArgumentError(f"shard_rows: {name} must be an integer >= {lo}, got {v!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"shard_rows: rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+        raise InvalidArgumentError(f"shard_rows: rank must be an integer in [0, world_size={world_size}), got {rank!r}")
     blocks = -(-total_rows // align)
     base, extra = divmod(blocks, world_size)
     start = rank * base + min(rank, extra)
@@ -409,7 +410,7 @@ class ShardedTable(Table):
         verify_ids: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ShardedTable needs an initialized torch.distributed process group")
+            raise UsageError("ShardedTable needs an initialized torch.distributed process group")
         method = DEFAULT_METHOD if method is None else method
         if layout_hash is None:
             layout_hash = getattr(local_table, "layout_hash", None)
@@ -525,7 +526,7 @@ class ShardedTable(Table):
     def _start(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
         check_activation_dtype(dtype)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
-            raise ValueError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
+            raise InvalidArgumentError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
         if self.verify_ids:
             self._verify_same_ids(ids, dtype)
         if self.method == "allreduce":
@@ -548,7 +549,7 @@ class ShardedTable(Table):
                 f"rank {r}: ids [{t}, {g}], dtype {ACTIVATION_DTYPES[d]}, ids digest {h}"
                 for r, (t, g, d, h) in enumerate(rows)
             )
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ShardedTable (verify_ids=True): ranks looked up different ids or dtypes "
                 f"(raised on every rank; this is rank {self.rank}): {desc}"
             )
@@ -612,12 +613,12 @@ class ShardedTable(Table):
             if self.rank in bad_ranks:
                 check_ids(ids, self.rows)  # raises with the id and its position
             if bad_ranks:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"ShardedTable: {_ranks(bad_ranks)} looked up row ids outside [0, {self.rows}) "
                     f"(raised on every rank; this is rank {self.rank})"
                 )
             desc = "; ".join(f"rank {r}: {ACTIVATION_DTYPES[int(recv_meta[r, 2])]}" for r in range(W))
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ShardedTable: ranks asked for different lookup dtypes ({desc}) (raised on every rank; "
                 f"this is rank {self.rank})"
             )
@@ -652,7 +653,7 @@ class ShardedTable(Table):
 # ---------------------------------------------------------------------- building local shards
 def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTable:
     if not 0 <= a <= b <= table.rows:
-        raise ValueError(f"row range [{a}, {b}) is not within the table's [0, {table.rows})")
+        raise InvalidArgumentError(f"row range [{a}, {b}) is not within the table's [0, {table.rows})")
     data, scale = table.data[a:b], table.scale
     if scale is not None and scale.dim() == 2:
         scale = scale[a:b]

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, PLEConfig
+from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
 from ..table import MmapTable, Table, convert_layer
@@ -97,15 +98,15 @@ class PatchedPLELayer(nn.Module):
         layer = self.layer
         cfg = layer.config
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != cfg.hc_hidden_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"hidden_states must be [B, S, HC*H={cfg.hc_hidden_size}], got {tuple(hidden_states.shape)}"
             )
         b, s, width = hidden_states.shape
         if input_ids is None or tuple(input_ids.shape) != (b, s):
             got = None if input_ids is None else tuple(input_ids.shape)
-            raise ValueError(f"input_ids must be [B, S] = [{b}, {s}] (the PLE token ids), got {got}")
+            raise InvalidArgumentError(f"input_ids must be [B, S] = [{b}, {s}] (the PLE token ids), got {got}")
         if conv_mask is not None and tuple(conv_mask.shape) != (b, s):
-            raise ValueError(f"conv_mask must be [B, S] = [{b}, {s}], got {tuple(conv_mask.shape)}")
+            raise InvalidArgumentError(f"conv_mask must be [B, S] = [{b}, {s}], got {tuple(conv_mask.shape)}")
         if s == 0:
             return hidden_states.new_zeros(b, 0, width)
         device = hidden_states.device
@@ -119,7 +120,7 @@ class PatchedPLELayer(nn.Module):
             hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
         ):
             if cached_ctx is not None or cached_conv is not None:
-                raise RuntimeError(
+                raise UsageError(
                     f"PLE layer {self.layer_idx}: continuing a cache with autograd is not supported by the patched "
                     "module; run under torch.no_grad() (generate() does) or unpatch the model"
                 )
@@ -246,7 +247,7 @@ def _write_mmap_table(layer: PLELayer, weight: torch.Tensor, path: Path) -> Mmap
 
 def _check_lossless(table: Table, weight: torch.Tensor, what: str) -> None:
     if table.scale is not None or table.storage_dtype != weight.dtype:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what}: release_weight needs a table that stores the module's rows exactly "
             f"({weight.dtype}, no scale), got a {table.format!r} table; the original could not be restored"
         )
@@ -278,16 +279,18 @@ def patch(
     """
     if isinstance(table_tier, str):
         if table_tier not in TABLE_TIERS:
-            raise ValueError(f"table_tier must be one of {list(TABLE_TIERS)} or a Table factory, got {table_tier!r}")
+            raise InvalidArgumentError(
+                f"table_tier must be one of {list(TABLE_TIERS)} or a Table factory, got {table_tier!r}"
+            )
     elif not callable(table_tier):
-        raise TypeError(f"table_tier must be a str or a callable (weight, layer) -> Table, got {table_tier!r}")
+        raise ArgumentTypeError(f"table_tier must be a str or a callable (weight, layer) -> Table, got {table_tier!r}")
     if table_dir is not None and table_tier != "mmap":
-        raise ValueError(f"table_dir is for table_tier='mmap', got table_tier={table_tier!r}")
+        raise InvalidArgumentError(f"table_dir is for table_tier='mmap', got table_tier={table_tier!r}")
     if patched_layers(model):
-        raise ValueError("model is already patched: call unpatch(model) first")
+        raise InvalidArgumentError("model is already patched: call unpatch(model) first")
     found = _children_of_type(model, _hf_ple_class())
     if not found:
-        raise ValueError(f"{type(model).__name__} has no Qwen4ExpTextPLELayer module (ple_layer_ids empty?)")
+        raise InvalidArgumentError(f"{type(model).__name__} has no Qwen4ExpTextPLELayer module (ple_layer_ids empty?)")
     release = table_tier == "mmap" if release_weight is None else bool(release_weight)
     config = _model_ple_config(model)
 
@@ -316,7 +319,7 @@ def patch(
             else:
                 table = table_tier(weight, layer)
                 if not isinstance(table, Table):
-                    raise TypeError(f"the table factory returned {type(table).__name__}, expected a ple Table")
+                    raise ArgumentTypeError(f"the table factory returned {type(table).__name__}, expected a ple Table")
                 layer.set_table(table)
             wrapper = PatchedPLELayer(layer, module.layer_idx, module, table_path=path)
             if release:
@@ -344,7 +347,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     kept; a temporary directory is removed. Returns ``model``."""
     found = _children_of_type(model, PatchedPLELayer)
     if not found:
-        raise ValueError(f"{type(model).__name__} has no patched PLE layer: nothing to unpatch")
+        raise InvalidArgumentError(f"{type(model).__name__} has no patched PLE layer: nothing to unpatch")
     for _, parent, attr, wrapper in found:
         setattr(parent, attr, wrapper._restore_original())
     return model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from ..errors import PLEError
 from ..layout import Layout
 from . import native, reference, torch_impl
 
@@ -19,7 +20,7 @@ __all__ = ["ngram_ids", "next_ngram_context", "fresh_context", "check_ngram_inpu
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-class NgramInputError(ValueError):
+class NgramInputError(PLEError, ValueError):
     """Bad inputs to the n-gram id computation; the message says what and where."""
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _native
+from ..errors import InvalidArgumentError
 from ..layout import Layout
 from .torch_impl import _layout_tensors
 
@@ -27,7 +28,9 @@ def ngram_ids(
     Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built.
     """
     if input_ids.device.type != "cpu":
-        raise ValueError(f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU")
+        raise InvalidArgumentError(
+            f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU"
+        )
     lib = _native.library()
     tokens = input_ids.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
@@ -51,14 +54,14 @@ def ngram_ids(
         nthreads,
     )
     if rc == -3:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ngram_ids (C kernel): query_start_loc is not 0 .. T={tokens.shape[0]} non-decreasing "
             "(the checked entry point ple.ngram.ngram_ids says where)"
         )
     if rc == -2:
         raise MemoryError("ngram_ids: the C kernel could not allocate its head table")
     if rc != 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ngram_ids (C kernel): unsupported layout (ngram_size={layout.ngram_size}, "
             f"heads_per_ngram={layout.heads_per_ngram}; the kernel takes ngram_size 2..64)"
         )

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InvalidArgumentError
 from ..layout import Layout
 
 __all__ = ["ngram_ids", "next_ngram_context"]
@@ -154,11 +155,11 @@ def _next_context_kernel(
 
 def _check_shapes(input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor) -> None:
     if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
+        raise InvalidArgumentError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
     if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
-        raise ValueError(f"query_start_loc must be 1-D [R+1], got shape {tuple(query_start_loc.shape)}")
+        raise InvalidArgumentError(f"query_start_loc must be 1-D [R+1], got shape {tuple(query_start_loc.shape)}")
     if ngram_context.dim() != 2 or ngram_context.shape[0] != query_start_loc.numel() - 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ngram_context must be [R, N-1] with R={query_start_loc.numel() - 1}, got {tuple(ngram_context.shape)}"
         )
 
@@ -187,7 +188,7 @@ def ngram_ids(
     hpn = layout.heads_per_ngram
     g = layout.num_heads
     if ngram_context.shape[1] != n - 1:
-        raise ValueError(f"ngram_context must be [R, N-1] with N-1={n - 1}, got {tuple(ngram_context.shape)}")
+        raise InvalidArgumentError(f"ngram_context must be [R, N-1] with N-1={n - 1}, got {tuple(ngram_context.shape)}")
     t_total = input_ids.shape[0]
     num_requests = query_start_loc.numel() - 1
     device = input_ids.device

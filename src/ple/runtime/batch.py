@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import PLEError
+
 __all__ = ["Batch", "BatchError", "PREFILL", "DECODE", "VERIFY"]
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 _KINDS = (PREFILL, DECODE, VERIFY)
 
 
-class BatchError(ValueError):
+class BatchError(PLEError, ValueError):
     """Inconsistent step metadata; the message names the request and the value."""
 
 

@@ -13,13 +13,14 @@ from collections.abc import Hashable, Iterable, Mapping
 
 import torch
 
+from ..errors import PLEError
 from ..ngram import next_ngram_context
 from .batch import DECODE, PREFILL, VERIFY, Batch
 
 __all__ = ["Session", "Checkpoint", "SessionError"]
 
 
-class SessionError(ValueError):
+class SessionError(PLEError, ValueError):
     """A request id, chunk or acceptance the session cannot take; nothing was changed."""
 
 

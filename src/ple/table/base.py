@@ -29,6 +29,7 @@ import threading
 
 import torch
 
+from ..errors import InvalidArgumentError, PLEError
 from .formats import check_activation_dtype, check_ids, format_info
 from .lookup import dequantize_rows_into, gather_dequant
 from .lookup.torch_impl import gather_rows
@@ -36,7 +37,7 @@ from .lookup.torch_impl import gather_rows
 __all__ = ["Table", "Prefetch", "PrefetchError"]
 
 
-class PrefetchError(RuntimeError):
+class PrefetchError(PLEError, RuntimeError):
     """A prefetch handle was misused: waited twice, waited after release, or for other ids."""
 
 
@@ -331,7 +332,7 @@ class Table(abc.ABC):
         if check:
             check_ids(ids, self.rows)
         elif not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
-            raise ValueError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
+            raise InvalidArgumentError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
 
     def _gathers_on_device(self, device: torch.device) -> bool:
         """Whether a lookup for ids on ``device`` runs there (a CUDA kernel) rather than on the host."""

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from .base import Table
 from .formats import format_info
 from .lookup import dequantize_rows_into
@@ -140,31 +141,31 @@ class CachedTable(Table):
         device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(backing, Table):
-            raise TypeError(f"backing must be a ple.table.Table, got {type(backing).__name__}")
+            raise ArgumentTypeError(f"backing must be a ple.table.Table, got {type(backing).__name__}")
         try:
             _ = (backing.data, backing.scale)
         except AttributeError as e:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CachedTable reads the backing table's rows (data/scale), which {type(backing).__name__} "
                 f"does not expose: {e}"
             ) from None
         if isinstance(capacity_rows, bool) or not isinstance(capacity_rows, int) or capacity_rows < 0:
-            raise ValueError(f"capacity_rows must be an integer >= 0, got {capacity_rows!r}")
+            raise InvalidArgumentError(f"capacity_rows must be an integer >= 0, got {capacity_rows!r}")
         if policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}: expected one of {list(POLICIES)}")
+            raise InvalidArgumentError(f"unknown cache policy {policy!r}: expected one of {list(POLICIES)}")
         if refresh_every is not None and (
             isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1
         ):
-            raise ValueError(f"refresh_every must be an integer >= 1 or None, got {refresh_every!r}")
+            raise InvalidArgumentError(f"refresh_every must be an integer >= 1 or None, got {refresh_every!r}")
         if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+            raise InvalidArgumentError(f"decay must be a number in (0, 1], got {decay!r}")
         super().__init__(backing.format, backing.rows, backing.head_dim)
         self.backing = backing
         self.capacity_rows = min(capacity_rows, backing.rows)
         if max_tracked is None:
             max_tracked = max(4 * self.capacity_rows, 1 << 16)
         if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < self.capacity_rows:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"max_tracked must be an integer >= capacity_rows ({self.capacity_rows}), got {max_tracked!r}"
             )
         self.policy = policy
@@ -277,11 +278,15 @@ class CachedTable(Table):
         chunks = [ids] if isinstance(ids, torch.Tensor) else list(ids)
         for c in chunks:
             if not isinstance(c, torch.Tensor) or c.dtype != torch.int64:
-                raise ValueError(f"warm() takes int64 id tensors, got {getattr(c, 'dtype', type(c).__name__)}")
+                raise InvalidArgumentError(
+                    f"warm() takes int64 id tensors, got {getattr(c, 'dtype', type(c).__name__)}"
+                )
             flat = c.reshape(-1)
             if flat.numel() and (bool((flat < 0).any()) or bool((flat >= self.rows).any())):
                 bad = flat[(flat < 0) | (flat >= self.rows)][0]
-                raise ValueError(f"warm(): row id {int(bad)} is out of range: the table has rows [0, {self.rows})")
+                raise InvalidArgumentError(
+                    f"warm(): row id {int(bad)} is out of range: the table has rows [0, {self.rows})"
+                )
             with self._lock:
                 self._count_locked(flat)
         return self.refresh()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
 from .file import MmapTable, TableFileWriter, _tensor_bytes
 from .formats import format_info, infer_format
 from .quantize import QuantError, RowErrors, dequantize, quantize_rows
@@ -30,7 +31,7 @@ def _source_format(k: int, rows: torch.Tensor, scale: torch.Tensor | None) -> st
     try:
         return infer_format(rows, scale)
     except ValueError as e:
-        raise ValueError(f"source shard {k}: {e}") from None
+        raise InvalidArgumentError(f"source shard {k}: {e}") from None
 
 
 def _scale_chunk(scale: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor | None:
@@ -76,16 +77,16 @@ def convert_layer(
         fp32 dequantized source (see :mod:`ple.table.quantize`); zero when ``to`` is None.
     """
     if to not in _TARGETS:
-        raise ValueError(f"convert_layer: to must be one of {list(_TARGETS)}, got {to!r}")
+        raise InvalidArgumentError(f"convert_layer: to must be one of {list(_TARGETS)}, got {to!r}")
     heads = [(int(a), int(b)) for a, b in (head_ranges or [])]
     for a, b in heads:
         if not 0 <= a <= b <= rows:
-            raise ValueError(f"head range ({a}, {b}) is not inside the table's rows [0, {rows})")
+            raise InvalidArgumentError(f"head range ({a}, {b}) is not inside the table's rows [0, {rows})")
     it = iter(shard_iter)
     try:
         first = next(it)
     except StopIteration:
-        raise ValueError("convert_layer: the source yielded no shards") from None
+        raise InvalidArgumentError("convert_layer: the source yielded no shards") from None
     src_fmt = _source_format(first[0], first[1], first[2])
     out_fmt = src_fmt if to is None else to
     head_err = [QuantError() for _ in heads]
@@ -101,7 +102,7 @@ def convert_layer(
                 k, src, scale = item
                 fmt = _source_format(k, src, scale)
                 if fmt != src_fmt:
-                    raise ValueError(f"source shard {k} is {fmt!r}, but shard {first[0]} was {src_fmt!r}")
+                    raise InvalidArgumentError(f"source shard {k} is {fmt!r}, but shard {first[0]} was {src_fmt!r}")
                 start, stop = w.shard_range(k)
                 if to is None:
                     w.write_shard(k, src, scale)
@@ -135,7 +136,9 @@ def _chain(first, rest):
 
 def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, total_err):
     if tuple(src.shape) != (n, head_dim):
-        raise ValueError(f"source shard {k}: expected rows of shape [{n}, {head_dim}], got {tuple(src.shape)}")
+        raise InvalidArgumentError(
+            f"source shard {k}: expected rows of shape [{n}, {head_dim}], got {tuple(src.shape)}"
+        )
     q = torch.empty(n, head_dim, dtype=format_info(to).storage_dtype)
     qs = torch.empty(n, 1, dtype=torch.float32)
     for c0 in range(0, n, _CHUNK_ROWS):

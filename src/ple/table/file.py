@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
 from .base import Table
 from .formats import format_info
 
@@ -72,7 +73,7 @@ _NP_STORAGE = {
 }
 
 
-class TableFileError(ValueError):
+class TableFileError(PLEError, ValueError):
     """A table file is malformed, unfinished, or does not match what the caller expects."""
 
 
@@ -80,7 +81,7 @@ def hash_layout(fields: dict[str, Any]) -> str:
     """Stable hash (sha256 hex) of the layout-defining config fields, e.g. ``PLEConfig.layout_key()``
     plus the layer index. Keys are sorted, so dict order does not matter."""
     if not isinstance(fields, dict):
-        raise TypeError(f"layout fields must be a dict, got {type(fields).__name__}")
+        raise ArgumentTypeError(f"layout fields must be a dict, got {type(fields).__name__}")
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -90,7 +91,7 @@ def _as_layout_hash(layout_hash: str | dict) -> tuple[str, dict | None]:
         return hash_layout(layout_hash), layout_hash
     if isinstance(layout_hash, str) and layout_hash:
         return layout_hash, None
-    raise TypeError(f"layout_hash must be a non-empty str or a dict of layout fields, got {layout_hash!r}")
+    raise ArgumentTypeError(f"layout_hash must be a non-empty str or a dict of layout fields, got {layout_hash!r}")
 
 
 def _align(n: int) -> int:
@@ -142,7 +143,7 @@ def _fsync_dir(path: Path) -> None:
 def _geometry(rows: int, head_dim: int, format: str, shard_rows: int) -> dict[str, Any]:
     for name, v in (("rows", rows), ("head_dim", head_dim), ("shard_rows", shard_rows)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be an integer >= 1, got {v!r}")
     info = format_info(format)
     row_nbytes = head_dim * info.itemsize
     num_shards = -(-rows // shard_rows)
@@ -190,7 +191,7 @@ class TableFileWriter:
     ) -> None:
         self.path = Path(path)
         if self.path.name.endswith(PARTIAL_SUFFIX):
-            raise ValueError(f"a table file name must not end with {PARTIAL_SUFFIX!r}: {self.path}")
+            raise InvalidArgumentError(f"a table file name must not end with {PARTIAL_SUFFIX!r}: {self.path}")
         self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
         self.force = force
         self.sparse = sparse
@@ -288,21 +289,21 @@ class TableFileWriter:
     # ------------------------------------------------------------------ writing
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"table file writer for {self.path} is closed")
+            raise InvalidArgumentError(f"table file writer for {self.path} is closed")
 
     def shard_range(self, k: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of shard ``k`` (empty past the end)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"shard index must be an integer >= 0, got {k!r}")
+            raise InvalidArgumentError(f"shard index must be an integer >= 0, got {k!r}")
         start = min(k * self.shard_rows, self.rows)
         return start, min(start + self.shard_rows, self.rows)
 
     def _check_rows(self, rows: torch.Tensor, n: int, what: str) -> None:
         if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n, self.head_dim):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise ValueError(f"{what}: expected rows of shape [{n}, {self.head_dim}], got {shape}")
+            raise InvalidArgumentError(f"{what}: expected rows of shape [{n}, {self.head_dim}], got {shape}")
         if rows.dtype != self._info.storage_dtype:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{what}: format {self.format!r} stores {self._info.storage_dtype}, got rows of dtype {rows.dtype}"
             )
 
@@ -310,7 +311,9 @@ class TableFileWriter:
         kind = self._info.scale_kind
         if kind == "none":
             if scale is not None:
-                raise ValueError(f"{what}: format {self.format!r} has no scale, got one of shape {tuple(scale.shape)}")
+                raise InvalidArgumentError(
+                    f"{what}: format {self.format!r} has no scale, got one of shape {tuple(scale.shape)}"
+                )
             return None
         if kind == "global":
             if scale is not None:
@@ -318,21 +321,27 @@ class TableFileWriter:
             return None
         if scale is None or tuple(scale.shape) != (n, 1) or not scale.is_floating_point():
             got = None if scale is None else f"{tuple(scale.shape)} {scale.dtype}"
-            raise ValueError(f"{what}: format {self.format!r} needs a float per-row scale [{n}, 1], got {got}")
+            raise InvalidArgumentError(
+                f"{what}: format {self.format!r} needs a float per-row scale [{n}, 1], got {got}"
+            )
         return _tensor_bytes(scale.to(torch.float32))
 
     def set_global_scale(self, scale: torch.Tensor | float) -> None:
         """Set the global scale of an "fp8" table (one value; setting it again must agree)."""
         self._check_open()
         if self._info.scale_kind != "global":
-            raise ValueError(f"format {self.format!r} has no global scale")
+            raise InvalidArgumentError(f"format {self.format!r} has no global scale")
         t = torch.as_tensor(scale, dtype=torch.float32).reshape(-1)
         if t.numel() != 1:
-            raise ValueError(f"a global scale has one element, got shape {tuple(torch.as_tensor(scale).shape)}")
+            raise InvalidArgumentError(
+                f"a global scale has one element, got shape {tuple(torch.as_tensor(scale).shape)}"
+            )
         value = float(t[0])
         if self._global_scale is not None:
             if not (value == self._global_scale or (value != value and self._global_scale != self._global_scale)):
-                raise ValueError(f"global scale {value} disagrees with the one already set, {self._global_scale}")
+                raise InvalidArgumentError(
+                    f"global scale {value} disagrees with the one already set, {self._global_scale}"
+                )
             return
         b = _tensor_bytes(t)
         _pwrite_all(self._fd, b, self._scale_offset)
@@ -350,14 +359,14 @@ class TableFileWriter:
         what = f"shard {k} (rows [{start}, {stop}))"
         if start == stop:
             if rows.shape[0] != 0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"shard {k} lies past the table's {self.rows} rows, but {rows.shape[0]} rows were given"
                 )
             if self._info.scale_kind == "global":
                 self._row_scale(scale, 0, what)
             return
         if self._written[k]:
-            raise ValueError(f"{what} was already written")
+            raise InvalidArgumentError(f"{what} was already written")
         self._check_rows(rows, stop - start, what)
         scale_bytes = self._row_scale(scale, stop - start, what)
         row_bytes = _tensor_bytes(rows)
@@ -377,10 +386,12 @@ class TableFileWriter:
         repeated id keeps its last row). ``scale``: per-row ``[n, 1]``, or the global scale."""
         self._check_open()
         if not self.sparse:
-            raise ValueError("write_rows is for sparse files (sparse=True); complete files are written by shard")
+            raise InvalidArgumentError(
+                "write_rows is for sparse files (sparse=True); complete files are written by shard"
+            )
         ids = torch.as_tensor(row_ids).reshape(-1).cpu()
         if ids.dtype != torch.int64:
-            raise ValueError(f"row ids must be int64, got {ids.dtype}")
+            raise InvalidArgumentError(f"row ids must be int64, got {ids.dtype}")
         n = ids.numel()
         self._check_rows(rows, n, "write_rows")
         scale_bytes = self._row_scale(scale, n, "write_rows")
@@ -389,7 +400,7 @@ class TableFileWriter:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.rows:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"row id {bad} is out of range: the table has rows [0, {self.rows})")
+            raise InvalidArgumentError(f"row id {bad} is out of range: the table has rows [0, {self.rows})")
         row_bytes = _tensor_bytes(rows).reshape(n, -1)
         srow = None if scale_bytes is None else scale_bytes.reshape(n, 4)
         rn = self._geo["row_nbytes"]
@@ -408,11 +419,13 @@ class TableFileWriter:
                 missing = [k for k in range(self.num_shards) if not self._written[k]]
                 if missing:
                     shown = ", ".join(str(k) for k in missing[:8]) + (" ..." if len(missing) > 8 else "")
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"table file {self.path}: {len(missing)} of {self.num_shards} shards were never written ({shown})"
                     )
             if self._info.scale_kind == "global" and self._global_scale is None:
-                raise ValueError(f"table file {self.path}: format {self.format!r} needs a global scale, none was set")
+                raise InvalidArgumentError(
+                    f"table file {self.path}: format {self.format!r} needs a global scale, none was set"
+                )
             os.fsync(self._fd)
             self._write_header(complete=True)
             os.fsync(self._fd)
@@ -489,7 +502,7 @@ def write_sparse_table_file(
     with TableFileWriter(path, rows, head_dim, format, shard_rows or rows, layout_hash, force=force, sparse=True) as w:
         if format_info(format).scale_kind == "global":
             if scale is None:
-                raise ValueError(f"format {format!r} needs a global scale")
+                raise InvalidArgumentError(f"format {format!r} needs a global scale")
             w.set_global_scale(scale)
             w.write_rows(row_ids, row_data)
         else:

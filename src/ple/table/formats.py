@@ -22,6 +22,8 @@ import dataclasses
 
 import torch
 
+from ..errors import InvalidArgumentError, PLEError
+
 __all__ = [
     "FORMATS",
     "ACTIVATION_DTYPES",
@@ -70,7 +72,7 @@ def format_info(format: str) -> FormatInfo:
     try:
         return _INFOS[format]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown table format {format!r}: expected one of {list(FORMATS)}") from None
+        raise InvalidArgumentError(f"unknown table format {format!r}: expected one of {list(FORMATS)}") from None
 
 
 def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
@@ -81,7 +83,7 @@ def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
     if scale is None:
         if data.dtype in _PLAIN_BY_DTYPE:
             return _PLAIN_BY_DTYPE[data.dtype]
-        raise ValueError(
+        raise InvalidArgumentError(
             f"table data of dtype {data.dtype} needs a scale: plain tables are one of {list(_PLAIN_BY_DTYPE)}"
         )
     per_row = scale.dim() == 2
@@ -89,7 +91,7 @@ def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
         return "fp8_row" if per_row else "fp8"
     if data.dtype == torch.int8 and per_row:
         return "int8_row"
-    raise ValueError(
+    raise InvalidArgumentError(
         f"no table format stores data of dtype {data.dtype} with a scale of shape {tuple(scale.shape)}: "
         f"expected float8_e4m3fn with [1] or [rows, 1], or int8 with [rows, 1]"
     )
@@ -103,25 +105,25 @@ def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: 
     """
     if not isinstance(data, torch.Tensor) or data.dim() != 2:
         shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
-        raise ValueError(f"table data must be a 2-D tensor [rows, head_dim], got {shape}")
+        raise InvalidArgumentError(f"table data must be a 2-D tensor [rows, head_dim], got {shape}")
     if scale is not None and not scale.is_floating_point():
-        raise ValueError(f"table scale must be a floating point tensor, got dtype {scale.dtype}")
+        raise InvalidArgumentError(f"table scale must be a floating point tensor, got dtype {scale.dtype}")
     fmt = infer_format(data, scale) if format is None else format
     info = format_info(fmt)
     if data.dtype != info.storage_dtype:
-        raise ValueError(f"format {fmt!r} stores {info.storage_dtype}, but the data is {data.dtype}")
+        raise InvalidArgumentError(f"format {fmt!r} stores {info.storage_dtype}, but the data is {data.dtype}")
     if info.scale_kind == "none" and scale is not None:
-        raise ValueError(f"format {fmt!r} has no scale, but a scale of shape {tuple(scale.shape)} was given")
+        raise InvalidArgumentError(f"format {fmt!r} has no scale, but a scale of shape {tuple(scale.shape)} was given")
     if info.scale_kind == "global" and (scale is None or scale.numel() != 1 or scale.dim() > 1):
         got = None if scale is None else tuple(scale.shape)
-        raise ValueError(f"format {fmt!r} needs one global scale of shape [1], got {got}")
+        raise InvalidArgumentError(f"format {fmt!r} needs one global scale of shape [1], got {got}")
     if info.scale_kind == "row" and (scale is None or tuple(scale.shape) != (data.shape[0], 1)):
         got = None if scale is None else tuple(scale.shape)
-        raise ValueError(f"format {fmt!r} needs a per-row scale of shape [{data.shape[0]}, 1], got {got}")
+        raise InvalidArgumentError(f"format {fmt!r} needs a per-row scale of shape [{data.shape[0]}, 1], got {got}")
     return fmt
 
 
-class IdOutOfRangeError(IndexError):
+class IdOutOfRangeError(PLEError, IndexError):
     """A row id lies outside ``[0, rows)``; the message names the id and its (token, head)."""
 
 
@@ -133,9 +135,9 @@ def check_ids(ids: torch.Tensor, rows: int) -> None:
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"row ids must be a 2-D tensor [T, G], got {shape}")
+        raise InvalidArgumentError(f"row ids must be a 2-D tensor [T, G], got {shape}")
     if ids.dtype != torch.int64:
-        raise ValueError(f"row ids must be int64, got {ids.dtype}")
+        raise InvalidArgumentError(f"row ids must be int64, got {ids.dtype}")
     if ids.numel() == 0:
         return
     bad = (ids < 0) | (ids >= rows)
@@ -148,4 +150,4 @@ def check_ids(ids: torch.Tensor, rows: int) -> None:
 
 def check_activation_dtype(dtype: torch.dtype) -> None:
     if dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"lookup dtype must be one of {list(ACTIVATION_DTYPES)}, got {dtype}")
+        raise InvalidArgumentError(f"lookup dtype must be one of {list(ACTIVATION_DTYPES)}, got {dtype}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgumentError, UsageError
 from .base import Table
 from .formats import check_table_tensors, format_info
 
@@ -21,9 +22,9 @@ def _normalize_scale(data: torch.Tensor, scale: torch.Tensor | None, fmt: str) -
 def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bool = False):
     info = format_info(format)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+        raise InvalidArgumentError(f"rows must be an integer >= 1, got {rows!r}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+        raise InvalidArgumentError(f"head_dim must be an integer >= 1, got {head_dim!r}")
     data = torch.empty(rows, head_dim, dtype=info.storage_dtype, device=device, pin_memory=pin_memory)
     shape = {"none": None, "global": (1,), "row": (rows, 1)}[info.scale_kind]
     # Scales start as NaN: a scale the loader forgot to fill shows up as NaN rows, never as
@@ -106,7 +107,7 @@ class PinnedHostTable(Table):
 
 def _require_cuda() -> None:
     if not torch.cuda.is_available():
-        raise RuntimeError(
+        raise UsageError(
             "PinnedHostTable needs CUDA (pinned host memory read by the accelerator), but "
             f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
             "use MemoryTable or MmapTable on this machine"

@@ -17,6 +17,8 @@ import dataclasses
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["quantize_rows", "quantize_global", "dequantize", "quantization_error", "QuantError", "RowErrors"]
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -25,12 +27,12 @@ _QMAX = {"fp8": 448.0, "int8": 127.0}
 def _check_input(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"expected a floating point [n, D] tensor to quantize, got {shape}")
+        raise InvalidArgumentError(f"expected a floating point [n, D] tensor to quantize, got {shape}")
     xf = x.float()
     finite = torch.isfinite(xf)
     if not bool(finite.all()):
         r, c = (int(v) for v in (~finite).nonzero()[0])
-        raise ValueError(f"cannot quantize a non-finite value {float(xf[r, c])} at row {r}, column {c}")
+        raise InvalidArgumentError(f"cannot quantize a non-finite value {float(xf[r, c])} at row {r}, column {c}")
     return xf
 
 
@@ -51,7 +53,7 @@ def quantize_rows(x: torch.Tensor, to: str = "fp8_row") -> tuple[torch.Tensor, t
         ``(q [n, D], scale [n, 1] fp32)`` with ``x ~= q.float() * scale``.
     """
     if to not in ("fp8_row", "int8_row"):
-        raise ValueError(f"quantize_rows: to must be 'fp8_row' or 'int8_row', got {to!r}")
+        raise InvalidArgumentError(f"quantize_rows: to must be 'fp8_row' or 'int8_row', got {to!r}")
     kind = "fp8" if to == "fp8_row" else "int8"
     xf = _check_input(x)
     amax = xf.abs().amax(dim=1, keepdim=True) if xf.shape[1] else xf.new_zeros(xf.shape[0], 1)
@@ -62,7 +64,7 @@ def quantize_rows(x: torch.Tensor, to: str = "fp8_row") -> tuple[torch.Tensor, t
 def quantize_global(x: torch.Tensor, to: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
     """Global absmax quantization to float8 e4m3: ``(q [n, D], scale [1] fp32)``."""
     if to != "fp8":
-        raise ValueError(f"quantize_global: to must be 'fp8', got {to!r}")
+        raise InvalidArgumentError(f"quantize_global: to must be 'fp8', got {to!r}")
     xf = _check_input(x)
     amax = xf.abs().max() if xf.numel() else xf.new_zeros(())
     scale = (amax / 448.0 if amax > 0 else torch.ones_like(amax)).reshape(1)

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from ...errors import ArgumentTypeError
+
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -41,12 +43,12 @@ def check_conv_args(
     if c.dim() != 2:
         raise _fail(f"c.shape={tuple(c.shape)}, expected [T, C]")
     if c.dtype not in _ACT_DTYPES:
-        raise TypeError(f"dilated_conv: c.dtype={c.dtype}, expected one of float16, bfloat16, float32")
+        raise ArgumentTypeError(f"dilated_conv: c.dtype={c.dtype}, expected one of float16, bfloat16, float32")
     tokens, channels = c.shape
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
         raise _fail(f"weight.shape={tuple(weight.shape)}, expected [C, K] with C={channels} and K >= 1")
     if not weight.is_floating_point():
-        raise TypeError(f"dilated_conv: weight.dtype={weight.dtype}, expected a floating dtype")
+        raise ArgumentTypeError(f"dilated_conv: weight.dtype={weight.dtype}, expected a floating dtype")
     if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
         raise _fail(f"dilation={dilation!r}, expected a positive int")
     taps = weight.shape[1]
@@ -54,14 +56,14 @@ def check_conv_args(
     if conv_state.dim() != 3 or conv_state.shape[1] != channels:
         raise _fail(f"conv_state.shape={tuple(conv_state.shape)}, expected [S, C, L] with C={channels}")
     if not conv_state.is_floating_point():
-        raise TypeError(f"dilated_conv: conv_state.dtype={conv_state.dtype}, expected a floating dtype")
+        raise ArgumentTypeError(f"dilated_conv: conv_state.dtype={conv_state.dtype}, expected a floating dtype")
     num_slots, _, state_len = conv_state.shape
     if state_len < window:
         raise _fail(f"conv_state.shape[-1]={state_len} is shorter than the window W=(K-1)*dilation={window}")
     if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
         raise _fail(f"query_start_loc.shape={tuple(query_start_loc.shape)}, expected [R+1]")
     if query_start_loc.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"dilated_conv: query_start_loc.dtype={query_start_loc.dtype}, expected int32 or int64")
+        raise ArgumentTypeError(f"dilated_conv: query_start_loc.dtype={query_start_loc.dtype}, expected int32 or int64")
     num_requests = query_start_loc.numel() - 1
     if tuple(state_indices.shape) != (num_requests,) or state_indices.dtype not in _INDEX_DTYPES:
         raise _fail(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ...errors import InvalidArgumentError
+
 
 def compose(
     gate_fn,
@@ -50,4 +52,4 @@ def compose(
 
 def check_token_mask(token_mask, tokens: int) -> None:
     if token_mask is not None and tuple(token_mask.shape) != (tokens,):
-        raise ValueError(f"gate_conv: token_mask.shape={tuple(token_mask.shape)}, expected [T]=({tokens},)")
+        raise InvalidArgumentError(f"gate_conv: token_mask.shape={tuple(token_mask.shape)}, expected [T]=({tokens},)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import _native
+from ...errors import InvalidArgumentError
 from ..conv._checks import check_conv_args
 from ..gate._checks import check_gate_args
 from ._compose import check_token_mask
@@ -89,7 +90,7 @@ def gate_conv(
     )
     reason = unsupported_reason(key, value, hidden, conv_state, conv_weight)
     if reason is not None:
-        raise ValueError(f"gate_conv (C kernel): {reason}")
+        raise InvalidArgumentError(f"gate_conv (C kernel): {reason}")
     check_token_mask(token_mask, tokens)
     lib = _native.library()
 
@@ -150,11 +151,11 @@ def gate_conv(
     if rc != 0:
         if rc >= 1000:
             r = rc - 1000
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"gate_conv: request {r} resumes from slot {int(slots[r])} with its history ending at column "
                 f"{int(history_end[r])}, outside [W={geo.window}, L={geo.state_len}] (num_rejected too large)"
             )
         if rc == -2:
             raise MemoryError("gate_conv: the C kernel could not allocate its scratch buffers")
-        raise ValueError(f"gate_conv: the C kernel refused the arguments (code {rc}); run with validate=True")
+        raise InvalidArgumentError(f"gate_conv: the C kernel refused the arguments (code {rc}); run with validate=True")
     return (out, c) if return_conv_input else out

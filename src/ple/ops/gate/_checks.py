@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentTypeError, InvalidArgumentError
+
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -18,14 +20,14 @@ def check_gate_args(
 ) -> tuple[int, int]:
     """Validate shapes, dtypes and devices; return ``(T, H)``."""
     if not isinstance(hc_count, int) or hc_count < 1:
-        raise ValueError(f"gate: hc_count={hc_count!r}, expected a positive int")
+        raise InvalidArgumentError(f"gate: hc_count={hc_count!r}, expected a positive int")
     if value.dim() != 2:
-        raise ValueError(f"gate: value.shape={tuple(value.shape)}, expected [T, H]")
+        raise InvalidArgumentError(f"gate: value.shape={tuple(value.shape)}, expected [T, H]")
     tokens, hidden_size = value.shape
     width = hc_count * hidden_size
     for name, t in (("key", key), ("hidden", hidden)):
         if tuple(t.shape) != (tokens, width):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"gate: {name}.shape={tuple(t.shape)}, expected [T, HC*H] = ({tokens}, {width}) "
                 f"(T={tokens}, H={hidden_size} from value, hc_count={hc_count})"
             )
@@ -35,16 +37,18 @@ def check_gate_args(
         ("norm_conv_weight", norm_conv_weight),
     ):
         if tuple(t.shape) != (width,):
-            raise ValueError(f"gate: {name}.shape={tuple(t.shape)}, expected [HC*H] = ({width},)")
+            raise InvalidArgumentError(f"gate: {name}.shape={tuple(t.shape)}, expected [HC*H] = ({width},)")
         if not t.is_floating_point():
-            raise TypeError(f"gate: {name}.dtype={t.dtype}, expected a floating dtype")
+            raise ArgumentTypeError(f"gate: {name}.dtype={t.dtype}, expected a floating dtype")
         if t.device != value.device:
-            raise ValueError(f"gate: {name} on {t.device}, value on {value.device}; expected one device")
+            raise InvalidArgumentError(f"gate: {name} on {t.device}, value on {value.device}; expected one device")
     if value.dtype not in _ACT_DTYPES:
-        raise TypeError(f"gate: value.dtype={value.dtype}, expected one of float16, bfloat16, float32")
+        raise ArgumentTypeError(f"gate: value.dtype={value.dtype}, expected one of float16, bfloat16, float32")
     for name, t in (("key", key), ("hidden", hidden)):
         if t.dtype != value.dtype:
-            raise TypeError(f"gate: {name}.dtype={t.dtype}, expected the activation dtype {value.dtype} of value")
+            raise ArgumentTypeError(
+                f"gate: {name}.dtype={t.dtype}, expected the activation dtype {value.dtype} of value"
+            )
         if t.device != value.device:
-            raise ValueError(f"gate: {name} on {t.device}, value on {value.device}; expected one device")
+            raise InvalidArgumentError(f"gate: {name} on {t.device}, value on {value.device}; expected one device")
     return tokens, hidden_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import InvalidArgumentError
 from .reference import gather_dequant_reference
 from .torch_impl import dequantize_rows_into, gather_dequant_torch
 
@@ -34,7 +35,7 @@ def gather_dequant(
     """
     if ids.device.type == "cuda":
         if data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ids on {ids.device} need the table data on that device or in pinned host memory, "
                 f"got data on {data.device}"
             )
@@ -42,5 +43,5 @@ def gather_dequant(
 
         return gather_dequant_triton(data, scale, ids, dtype, out=out, check=check)
     if data.device.type != "cpu":
-        raise ValueError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
+        raise InvalidArgumentError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
     return gather_dequant_torch(data, scale, ids, dtype, out=out, check=check)

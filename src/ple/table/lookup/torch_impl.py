@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import InvalidArgumentError
 from ..formats import check_activation_dtype, check_ids
 
 __all__ = ["gather_dequant_torch", "dequantize_rows_into", "gather_rows"]
@@ -13,7 +14,7 @@ def _result(out: torch.Tensor | None, T: int, width: int, dtype: torch.dtype, de
     if out is None:
         return torch.empty(T, width, dtype=dtype, device=device)
     if tuple(out.shape) != (T, width) or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out must be a contiguous [{T}, {width}] {dtype} tensor on {device}, got "
             f"{tuple(out.shape)} {out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
         )

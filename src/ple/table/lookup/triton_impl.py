@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import InvalidArgumentError, UsageError
 from ..formats import check_activation_dtype, check_ids
 
 try:
@@ -131,7 +132,7 @@ def gather_dequant_triton(
     ``check=False`` out-of-range ids give zero rows.
     """
     if not HAS_TRITON:
-        raise RuntimeError("gather_dequant_triton needs the triton package, which is not installed")
+        raise UsageError("gather_dequant_triton needs the triton package, which is not installed")
     check_activation_dtype(dtype)
     if check:
         check_ids(ids, data.shape[0])
@@ -141,7 +142,7 @@ def gather_dequant_triton(
     if out is None:
         out = torch.empty(T, G * D, dtype=dtype, device=device)
     elif tuple(out.shape) != (T, G * D) or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out must be a contiguous [{T}, {G * D}] {dtype} tensor on {device}, got "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )

@@ -1,0 +1,29 @@
+"""The exceptions ple raises on purpose: one base, :class:`PLEError`, so callers (and the ``ple``
+command) can tell a refused input from a bug.
+
+Every class also derives from the built-in exception it refines (``ValueError``, ``TypeError``,
+``IndexError``, ``RuntimeError``), so ``except ValueError`` keeps working. The specific errors live
+beside the code that raises them (``ConfigError`` in :mod:`ple.config`, ``TableFileError`` in
+:mod:`ple.table.file`, ...) and derive from one of these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PLEError", "InvalidArgumentError", "ArgumentTypeError", "UsageError"]
+
+
+class PLEError(Exception):
+    """Base of every exception ple raises on purpose; the message names the value and what was expected."""
+
+
+class InvalidArgumentError(PLEError, ValueError):
+    """An argument has a value ple cannot use (a shape, a range, a format name, a geometry)."""
+
+
+class ArgumentTypeError(PLEError, TypeError):
+    """An argument has a type ple cannot use."""
+
+
+class UsageError(PLEError, RuntimeError):
+    """An object was used in a state that does not allow the call (a closed table, a layer without a
+    table, a handle already released)."""
