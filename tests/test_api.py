@@ -4,6 +4,7 @@ import ple
 def test_public_api_is_pinned():
     assert sorted(ple.__all__) == sorted(
         [
+            "PLEError",
             "PLEConfig",
             "ConfigError",
             "Layout",
@@ -20,13 +21,15 @@ def test_public_api_is_pinned():
             "BatchError",
             "Session",
             "SessionError",
-            "Checkpoint",
+            "PrefixState",
             "tune_host_allocator",
             "Table",
+            "StoredTable",
             "MemoryTable",
             "MmapTable",
             "PinnedHostTable",
             "CachedTable",
+            "ShardedTable",
         ]
     )
     for name in ple.__all__:

@@ -14,7 +14,7 @@ import torch
 
 import ple.ngram
 from ple.bench import cases as bench_cases
-from ple.bench import runner
+from ple.bench import runner, timing
 from ple.layer import PLELayer
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
         "--repeat",
         "2",
         "--quiet",
-        "--json",
+        "--output",
         str(out_json),
         "--plot",
         str(out_png),
@@ -123,7 +123,7 @@ def test_broken_layer_is_refused_and_never_timed(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(PLELayer, "forward", broken)
     out_json = tmp_path / "b.json"
-    rc = _run("--quick", "--cases", "prefill-long-fp32,mixed-bf16", "--quiet", "--json", str(out_json))
+    rc = _run("--quick", "--cases", "prefill-long-fp32,mixed-bf16", "--quiet", "--output", str(out_json))
     assert rc == 1
     assert len(calls) == 3  # the check's one call per case (+ mixed's warm-up history), no timed calls
     rep = json.loads(out_json.read_text())
@@ -201,15 +201,15 @@ def test_measure_rotates_and_adds_rounds_only_while_noisy(monkeypatch):
         order.append(name)
         return next(script[name])
 
-    monkeypatch.setattr(runner, "_timed", fake_timed)
+    monkeypatch.setattr(timing, "_timed", fake_timed)
     fns = {"a": lambda: "a", "b": lambda: "b"}
     # a's first sample is 5x the others: noisy, so rounds are added up to max_repeat
-    got = runner.measure(fns, repeat=2, warmup=0, max_repeat=4)
+    got = timing.measure(fns, repeat=2, warmup=0, max_repeat=4)
     assert got == {"a": [5.0, 1.0, 1.0, 1.0], "b": [1.0] * 4}
     assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
     # steady series stop at repeat; warm-up rounds are not kept
     script = {"a": iter([9.0, 1.0, 1.1]), "b": iter([9.0, 1.0, 1.0])}
-    assert runner.measure(fns, repeat=2, warmup=1, max_repeat=5) == {"a": [1.0, 1.1], "b": [1.0, 1.0]}
+    assert timing.measure(fns, repeat=2, warmup=1, max_repeat=5) == {"a": [1.0, 1.1], "b": [1.0, 1.0]}
 
 
 def test_compare_outputs_rules():
@@ -259,12 +259,17 @@ def test_select_cases():
         bench_cases.select_cases("prefil")
 
 
-def test_bad_arguments_exit_2(capsys):
-    assert _run("--quick", "--cases", "nope") == 2
+def test_bad_arguments(capsys):
+    # values argparse can judge alone are usage errors (exit 2), the rest bad input (exit 1)
+    for argv in (("--repeat", "0"), ("--threads", "0"), ("--device", "bogus"), ("--warmup", "-1")):
+        with pytest.raises(SystemExit) as e:
+            _args("--quick", *argv)
+        assert e.value.code == 2
+        assert argv[0] in capsys.readouterr().err
+    assert _run("--quick", "--cases", "nope") == 1
     assert "no benchmark case matches 'nope'" in capsys.readouterr().err
-    assert _run("--quick", "--repeat", "0") == 2
-    assert _run("--quick", "--repeat", "3", "--max-repeat", "2") == 2
-    assert _run("--quick", "--profile", "prefill") == 2  # matches four cases
+    assert _run("--quick", "--repeat", "3", "--max-repeat", "2") == 1
+    assert _run("--quick", "--profile", "prefill") == 1  # matches four cases
 
 
 def test_python_dash_m_lists_cases():

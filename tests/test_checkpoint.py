@@ -1,4 +1,4 @@
-"""Checkpoint scanning and loading: published naming, sharded tables, formats, broken files, pickles.
+"""PrefixState scanning and loading: published naming, sharded tables, formats, broken files, pickles.
 
 Checkpoints are written here from transformers' ``Qwen4ExpTextPLELayer`` state dicts under the
 published prefix (``model.language_model.layers.{i}.ple.``), the table split into
@@ -659,14 +659,14 @@ def test_reads_one_tensor_at_a_time(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, model_tensors(cfg, [mod]), files=3)
     lay = cfg.layout(0)
     reads = []
-    orig = ckpt._Reader.get
+    orig = ckpt.TensorReader.get
 
     def spy(self, info, name):
         t = orig(self, info, name)
         reads.append((name, t.numel()))
         return t
 
-    monkeypatch.setattr(ckpt._Reader, "get", spy)
+    monkeypatch.setattr(ckpt.TensorReader, "get", spy)
     load_ple_weights(tmp_path, cfg)
     names = [n for n, _ in reads]
     assert len(names) == len(set(names))
@@ -715,8 +715,8 @@ def test_failure_mid_way_returns_nothing(tmp_path, monkeypatch, damage):
 
     _break_after_scan(monkeypatch, act)
     reads = []
-    orig_get = ckpt._Reader.get
-    monkeypatch.setattr(ckpt._Reader, "get", lambda self, i, n: reads.append(n) or orig_get(self, i, n))
+    orig_get = ckpt.TensorReader.get
+    monkeypatch.setattr(ckpt.TensorReader, "get", lambda self, i, n: reads.append(n) or orig_get(self, i, n))
     result = "untouched"
     with pytest.raises(CheckpointError) as err:
         result = load_ple_weights(tmp_path, cfg)

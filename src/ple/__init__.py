@@ -6,15 +6,18 @@ layer and its streaming runtime (:mod:`ple.layer`, :mod:`ple.runtime`).
 
 from .checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
 from .config import ConfigError, PLEConfig
+from .errors import PLEError
 from .layer import PLELayer
 from .layout import Layout
 from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
-from .runtime import Batch, BatchError, Checkpoint, Session, SessionError, tune_host_allocator
-from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, Table
+from .runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
+from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, ShardedTable, StoredTable, Table
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+"""The package version (the only place it is written; ``pyproject.toml`` reads it from here)."""
 
 __all__ = [
+    "PLEError",
     "PLEConfig",
     "ConfigError",
     "Layout",
@@ -31,11 +34,13 @@ __all__ = [
     "BatchError",
     "Session",
     "SessionError",
-    "Checkpoint",
+    "PrefixState",
     "tune_host_allocator",
     "Table",
+    "StoredTable",
     "MemoryTable",
     "MmapTable",
     "PinnedHostTable",
     "CachedTable",
+    "ShardedTable",
 ]

@@ -13,14 +13,15 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from .config import PLEConfig
+from .config import ConfigError, PLEConfig
 from .errors import PLEError
 from .layout import Layout
+from .table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +32,12 @@ __all__ = [
     "load_ple_weights",
     "iter_table_shards",
     "read_safetensors_header",
+    "resolve_model",
+    "table_shards",
+    "table_file_name",
+    "write_layer_table",
+    "open_layer_table",
+    "TensorReader",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -361,8 +368,8 @@ class PLEWeights:
     table: object  # None when loaded with ``with_table=False``
 
 
-class _Reader:
-    """One open safetensors handle per file, reused; tensors read one at a time."""
+class TensorReader:
+    """Reads checkpoint tensors one at a time, keeping one open safetensors handle per file."""
 
     def __init__(self):
         self._handles = {}
@@ -378,16 +385,22 @@ class _Reader:
     def close(self):
         self._handles.clear()
 
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def iter_table_shards(
-    entry: LayerEntry, reader: _Reader | None = None
+    entry: LayerEntry, reader: TensorReader | None = None
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
     """Yield ``(k, rows [n_k, head_dim], per_row_scale [n_k, 1] | None)`` shard by shard, in order.
 
     An unsharded table is yielded in slices of ``shard_rows`` rows (so memory stays bounded by one shard).
     """
     own = reader is None
-    reader = reader or _Reader()
+    reader = reader or TensorReader()
     try:
         lay = entry.layout
         if entry.whole_table is not None:
@@ -417,7 +430,7 @@ def _buffer_problem(name: str, got: list[int], want: list[int], prefix: str) -> 
     )
 
 
-def _check_buffers(e: LayerEntry, reader: _Reader) -> list[str]:
+def _check_buffers(e: LayerEntry, reader: TensorReader) -> list[str]:
     """Compare the layer's hash buffers (a few integers each) with the values the config implies.
 
     Buffers whose header shape is already reported as wrong are skipped; a buffer that cannot be
@@ -444,7 +457,7 @@ def _check_buffers(e: LayerEntry, reader: _Reader) -> list[str]:
     return out
 
 
-def _read_checked(reader: _Reader, info: TensorInfo, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Read one tensor and insist on the shape and dtype its header promised (the file may have
     changed since the scan; ``copy_`` would otherwise broadcast or convert silently)."""
     t = reader.get(info, name)
@@ -480,8 +493,6 @@ def load_ple_weights(
         with_table: False reads everything but the table (``PLEWeights.table`` is None), for
             tables served from another tier (e.g. a table file made by ``ple convert``).
     """
-    from .table import MemoryTable
-
     scan = scan_checkpoint(path, config)
     problems = list(scan.problems)
     wanted = [e for e in scan.layers if layers is None or e.ple_layer_index in layers]
@@ -490,7 +501,7 @@ def load_ple_weights(
         problems += [f"PLE layer {i} requested but not in the checkpoint" for i in layers if i not in have]
     for e in wanted:
         problems += [q for q in e.problems if strict or not q.startswith("unexpected tensor")]
-    reader = _Reader()
+    reader = TensorReader()
     out: dict[int, PLEWeights] = {}
     try:
         # Buffers first, even when the headers already show problems: a wrong seed or
@@ -551,3 +562,90 @@ def load_ple_weights(
     finally:
         reader.close()
     return out
+
+
+# ---------------------------------------------------------------------------------------------- paths and table files
+
+
+def resolve_model(path: str | os.PathLike) -> tuple[PLEConfig, Path | None]:
+    """``(config, checkpoint or None)`` for a ``config.json``, a model directory or an index file.
+
+    The checkpoint is None when the folder holds a config but no weights. Pickled weights count as
+    weights, so that the reader refuses them by name instead of the folder reading as config-only.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no such file or directory: {p}")
+    if p.is_file() and p.name.endswith(".json") and p.name != INDEX_NAME:
+        return PLEConfig.from_pretrained(p), None
+    root = p.parent if p.is_file() else p
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"{root} has no config.json")
+    cfg = PLEConfig.from_pretrained(root)
+    has_weights = (
+        p.is_file()
+        or any(root.glob("*.safetensors"))
+        or (root / INDEX_NAME).exists()
+        or any(q.suffix in _PICKLE_SUFFIXES for q in root.iterdir())
+    )
+    return cfg, (p if has_weights else None)
+
+
+def table_shards(
+    entry: LayerEntry, reader: TensorReader | None = None
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """A layer's table shard by shard as :func:`ple.table.convert_layer` takes them: ``(k, rows
+    [n_k, head_dim], scale)`` where ``scale`` is the shard's per-row scale or, for an fp8 table, the
+    global scale ``[1]`` (None for plain tables)."""
+    own = reader is None
+    reader = reader or TensorReader()
+    try:
+        gscale = None
+        if entry.table_format == "fp8":
+            gscale = reader.get(entry.global_scale, entry.prefix + _TABLE_SCALE).reshape(1).float()
+        for k, rows, scale in iter_table_shards(entry, reader):
+            yield k, rows, (gscale if scale is None else scale)
+    finally:
+        if own:
+            reader.close()
+
+
+def table_file_name(prefix: str) -> str:
+    """The table file name ``ple convert`` gives a PLE layer with this checkpoint prefix."""
+    return prefix.rstrip(".").replace("/", "_") + TABLE_SUFFIX
+
+
+def write_layer_table(
+    shards: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]],
+    path: str | os.PathLike,
+    config: PLEConfig,
+    ple_layer_index: int,
+    *,
+    to: str | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Write PLE layer ``ple_layer_index``'s table, from ``(k, rows, scale)`` shards (any source: a
+    checkpoint's :func:`table_shards`, slices of an in-memory weight), as a table file carrying the
+    layer's layout fields. Returns :func:`ple.table.convert_layer`'s statistics."""
+    lay = config.layout(ple_layer_index)
+    return convert_layer(
+        shards,
+        path,
+        config.layout_fields(ple_layer_index),
+        lay.padded_rows,
+        lay.head_dim,
+        lay.shard_rows,
+        to=to,
+        force=force,
+        progress=progress,
+        head_ranges=[(o, o + n) for o, n in zip(lay.head_offsets, lay.head_sizes)],
+    )
+
+
+def open_layer_table(
+    path: str | os.PathLike, config: PLEConfig, ple_layer_index: int, *, random_access: bool = True
+) -> MmapTable:
+    """Map a table file, refusing one made for another layer or layout than ``config``'s layer
+    ``ple_layer_index``."""
+    return MmapTable.open(path, config.layout_fields(ple_layer_index), random_access=random_access)

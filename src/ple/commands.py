@@ -1,166 +1,300 @@
-"""``ple convert``, ``verify``, ``stats``, ``bench`` and ``demo``: the commands of the higher levels."""
+"""What the ``ple`` subcommands ``inspect``, ``ids``, ``convert``, ``verify`` and ``stats`` do.
+
+Each function takes the parsed arguments (see :mod:`ple.cli`), prints its result (text, or one
+JSON document on stdout with ``--json``) and returns the exit status: 0 when all is well, 1 when the
+input has problems (listed). Errors ple raises on purpose propagate to :func:`ple.cli.main`, which
+prints them as one line.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
-TABLE_SUFFIX = ".pletable"
+from .checkpoint import (
+    CheckpointError,
+    open_layer_table,
+    resolve_model,
+    scan_checkpoint,
+    table_file_name,
+    table_shards,
+    write_layer_table,
+)
+from .config import PLEConfig
+from .errors import InvalidArgumentError
+from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
 
-
-def register(sub) -> None:
-    p = sub.add_parser("convert", help="write each PLE layer's table as one memory-mappable file")
-    p.add_argument("checkpoint", help="model directory (config.json + safetensors) or index file")
-    p.add_argument("out", help="output directory (one <prefix>.pletable file per PLE layer)")
-    p.add_argument("--to", choices=["fp8", "int8"], help="requantize with one scale per row")
-    p.add_argument("--layers", help="comma-separated ple_layer_index values (default: all)")
-    p.add_argument("--force", action="store_true", help="replace existing table files")
-    p.add_argument("--config", help="config.json (default: the checkpoint's)")
-    p.set_defaults(fn=cmd_convert)
-
-    p = sub.add_parser("verify", help="recompute a table file's checksums (and compare with its checkpoint)")
-    p.add_argument("file", help="a .pletable file")
-    p.add_argument("--checkpoint", help="the model directory it was converted from")
-    p.set_defaults(fn=cmd_verify)
-
-    p = sub.add_parser("stats", help="row traffic of a token stream: distinct rows, reuse, bucket load")
-    p.add_argument("path", help="config.json or model directory")
-    p.add_argument("--tokens", required=True, help="token file: .npy, or text with integers")
-    p.add_argument("--layer", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_stats)
-
-    from .bench import runner
-
-    p = sub.add_parser("bench", help="benchmarks against transformers, side by side")
-    runner.add_arguments(p)
-    p.set_defaults(fn=runner.run)
-
-    from . import demo
-
-    p = sub.add_parser("demo", help="end-to-end run: synthesize, load, serve, check against the reference")
-    demo.add_arguments(p)
-    p.set_defaults(fn=demo.run)
+__all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
 
-def layout_fields(config, ple_layer_index: int) -> dict:
-    """The fields a table file's layout hash covers."""
-    return {**config.layout_key(), "ple_layer_index": ple_layer_index}
+def show_progress() -> bool:
+    """Progress bars only when someone watches: stderr is a terminal."""
+    return sys.stderr.isatty()
 
 
-def shards_for_convert(entry, reader=None):
-    """Checkpoint shards as ``convert_layer`` takes them (fp8 shards carry the global scale)."""
-    from .checkpoint import _TABLE_SCALE, _Reader, iter_table_shards
+def _emit_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=1))
 
-    own = reader is None
-    reader = reader or _Reader()
-    try:
-        gscale = None
-        if entry.table_format == "fp8":
-            gscale = reader.get(entry.global_scale, entry.prefix + _TABLE_SCALE).reshape(1).float()
-        for k, rows, scale in iter_table_shards(entry, reader):
-            yield k, rows, (gscale if scale is None else scale)
-    finally:
-        if own:
-            reader.close()
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def table_bytes(layout, fmt: str) -> int:
+    """Bytes of a layer's table in format ``fmt``: rows plus scales (one global, or one per row)."""
+    info = format_info(fmt)
+    n = layout.padded_rows * layout.head_dim * info.itemsize
+    return n + {"none": 0, "global": 4, "row": 4 * layout.padded_rows}[info.scale_kind]
+
+
+def _layer_index_help(cfg: PLEConfig) -> str:
+    ids = list(cfg.ple_layer_ids)
+    if not ids:
+        return "the config has no ple_layer_ids"
+    pairs = ", ".join(f"{i} (decoder layer {d - 1}, ple_layer_ids[{i}] = {d})" for i, d in enumerate(ids))
+    return f"PLE layer indexes are positions in ple_layer_ids: {pairs}"
+
+
+def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
+    if not 0 <= idx < cfg.num_ple_layers:
+        raise InvalidArgumentError(f"--layer {idx}: no such PLE layer; {_layer_index_help(cfg)}")
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """Layout of every PLE layer; for a checkpoint, the header-only check (exit 1 on problems)."""
+    cfg, ckpt = resolve_model(args.path)
+    if not cfg.ple_layer_ids:
+        raise InvalidArgumentError(
+            f"{args.path}: the config has no PLE layers (ple_layer_ids is empty or missing); "
+            "is it a qwen4_exp model with PLE?"
+        )
+    scan = scan_checkpoint(ckpt, cfg) if ckpt is not None else None
+    entries = {e.ple_layer_index: e for e in scan.layers} if scan else {}
+    layers = []
+    for idx in range(cfg.num_ple_layers):
+        lay = cfg.layout(idx)
+        e = entries.get(idx)
+        layers.append(
+            {
+                "ple_layer_index": idx,
+                "decoder_layer": cfg.ple_layer_ids[idx] - 1,
+                "prefix": e.prefix if e else cfg.layer_prefix(idx),
+                **{k: v for k, v in lay.to_dict().items() if k != "ple_layer_index"},
+                "table_format": e.table_format if e else None,
+                "bytes": {f: table_bytes(lay, f) for f in FORMATS},
+                "problems": list(e.problems) if e else [],
+            }
+        )
+    problems = (scan.problems if scan else []) + [q for d in layers for q in d["problems"]]
+    if args.json:
+        _emit_json({"path": str(args.path), "layers": layers, "problems": scan.problems if scan else []})
+        return 1 if problems else 0
+    print(
+        f"config: {args.path}   hidden {cfg.hidden_size} x hc {cfg.hc_count}, E {cfg.ple_embed_dim}, "
+        f"N {cfg.ngram_size}, {cfg.num_heads} heads of {cfg.head_dim}, K {cfg.ple_conv_kernel_size}, "
+        f"eos {cfg.eos_token_id}, seed {cfg.seed}"
+    )
+    for d in layers:
+        print(f"\nPLE layer {d['ple_layer_index']} (decoder layer {d['decoder_layer']})  prefix {d['prefix']}")
+        print(f"  multipliers  {d['multipliers']}")
+        print(f"  head sizes   {d['head_sizes'][0]} .. {d['head_sizes'][-1]} ({len(d['head_sizes'])} primes)")
+        print(f"  rows         {d['rows']:,} (padded {d['padded_rows']:,}) x {d['head_dim']}")
+        print(f"  shards       {d['split_parts']} x {d['shard_rows']:,} rows")
+        print("  size         " + ", ".join(f"{f} {_human(b)}" for f, b in d["bytes"].items()))
+        if ckpt is not None:
+            print(f"  checkpoint   table {d['table_format'] or '-'}; " + ("OK" if not d["problems"] else "PROBLEMS:"))
+            for q in d["problems"]:
+                print(f"    - {q}")
+    for q in scan.problems if scan else []:
+        print(f"problem: {q}")
+    return 1 if problems else 0
+
+
+# ---------------------------------------------------------------------------------------------- ids
+
+_TOKEN_SEP = re.compile(r"[,\s]+")
+
+
+def parse_tokens(text: str) -> list[int]:
+    """Token ids from ``"3,17,248044"`` or ``"3 17 248044"``; refuses empty lists, non-integers and
+    negative ids, naming the offending entry."""
+    parts = [t for t in _TOKEN_SEP.split(text.strip()) if t]
+    if not parts:
+        raise InvalidArgumentError(f"--tokens: no token ids in {text!r} (expected e.g. 3,17,248044,9)")
+    out = []
+    for i, t in enumerate(parts):
+        try:
+            v = int(t)
+        except ValueError:
+            raise InvalidArgumentError(f"--tokens: entry {i} is {t!r}, not an integer token id") from None
+        if v < 0:
+            raise InvalidArgumentError(f"--tokens: entry {i} is {v}; token ids are >= 0")
+        out.append(v)
+    return out
+
+
+def ids(args: argparse.Namespace) -> int:
+    """The table rows each token of a fresh request reads, per n-gram order and head."""
+    import torch
+
+    from .ngram import fresh_context, ngram_ids, reference
+
+    cfg, _ = resolve_model(args.path)
+    tokens = parse_tokens(args.tokens)
+    _check_layer_index(cfg, args.layer)
+    lay = cfg.layout(args.layer)
+    bad = [(i, t) for i, t in enumerate(tokens) if t >= cfg.vocab_size]
+    if bad:
+        i, t = bad[0]
+        raise InvalidArgumentError(f"--tokens: entry {i} is {t}, outside [0, vocab_size={cfg.vocab_size})")
+    x = torch.tensor(tokens, dtype=torch.int64)
+    rows = ngram_ids(x, torch.tensor([0, len(tokens)]), fresh_context(1, lay, cfg.eos_token_id), lay, cfg.eos_token_id)
+    if args.json:
+        _emit_json({"ple_layer_index": args.layer, "tokens": tokens, "ids": rows.tolist()})
+        return 0
+    ys = reference.ngram_tokens(tokens, cfg.ngram_size, cfg.eos_token_id)
+    hpn = cfg.heads_per_ngram
+    for t, tok in enumerate(tokens):
+        print(f"token {t}: {tok}")
+        for order in range(2, cfg.ngram_size + 1):
+            gram = list(reversed(ys[t][:order]))
+            heads = ", ".join(f"h{(order - 2) * hpn + j}:{int(rows[t, (order - 2) * hpn + j])}" for j in range(hpn))
+            print(f"  {order}-gram {gram}: {heads}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- convert
 
 
 def _checked_scan(checkpoint: str, config_path: str | None):
-    from .checkpoint import CheckpointError, scan_checkpoint
-    from .cli import _config_and_checkpoint
-    from .config import PLEConfig
-
-    cfg, ckpt = _config_and_checkpoint(checkpoint)
+    cfg, ckpt = resolve_model(checkpoint)
     if config_path:
         cfg = PLEConfig.from_pretrained(config_path)
     if ckpt is None:
         raise CheckpointError(f"{checkpoint}: no safetensors weights found")
     scan = scan_checkpoint(ckpt, cfg)
-    problems = scan.all_problems
-    if problems:
-        raise CheckpointError(problems)
+    if scan.all_problems:
+        raise CheckpointError(scan.all_problems)
     return cfg, scan
 
 
-def table_file_name(entry) -> str:
-    return entry.prefix.rstrip(".").replace("/", "_") + TABLE_SUFFIX
+def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
+    if text is None:
+        return None
+    out = []
+    for part in [p for p in _TOKEN_SEP.split(text.strip()) if p]:
+        try:
+            idx = int(part)
+        except ValueError:
+            raise InvalidArgumentError(f"--layers: {part!r} is not a PLE layer index") from None
+        if not 0 <= idx < cfg.num_ple_layers:
+            raise InvalidArgumentError(f"--layers: no PLE layer {idx}; {_layer_index_help(cfg)}")
+        out.append(idx)
+    if not out:
+        raise InvalidArgumentError(f"--layers: no index given; {_layer_index_help(cfg)}")
+    return out
 
 
-def cmd_convert(args) -> int:
-    from .table import convert_layer
-
+def convert(args: argparse.Namespace) -> int:
+    """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard."""
     cfg, scan = _checked_scan(args.checkpoint, args.config)
-    wanted = None if not args.layers else {int(x) for x in args.layers.split(",")}
+    wanted = _parse_layers(args.layers, cfg)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"output {out} exists and is not a folder")
     to = {"fp8": "fp8_row", "int8": "int8_row", None: None}[args.to]
-    for e in scan.layers:
-        if wanted is not None and e.ple_layer_index not in wanted:
-            continue
-        lay = e.layout
-        path = out / table_file_name(e)
-        stats = convert_layer(
-            shards_for_convert(e),
-            path,
-            layout_fields(cfg, e.ple_layer_index),
-            lay.padded_rows,
-            lay.head_dim,
-            lay.shard_rows,
-            to=to,
-            force=args.force,
-            progress=True,
-            head_ranges=[(o, o + n) for o, n in zip(lay.head_offsets, lay.head_sizes)],
+    entries = [e for e in scan.layers if wanted is None or e.ple_layer_index in wanted]
+    if not args.force:
+        taken = [out / table_file_name(e.prefix) for e in entries if (out / table_file_name(e.prefix)).exists()]
+        if taken:
+            raise FileExistsError(f"table file {taken[0]} exists: pass --force to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for e in entries:
+        path = out / table_file_name(e.prefix)
+        stats = write_layer_table(
+            table_shards(e), path, cfg, e.ple_layer_index, to=to, force=args.force, progress=show_progress()
         )
-        print(f"PLE layer {e.ple_layer_index}: wrote {path} ({e.table_format} -> {to or e.table_format})")
+        results.append({"ple_layer_index": e.ple_layer_index, **stats})
+        if args.json:
+            continue
+        print(f"PLE layer {e.ple_layer_index}: wrote {path} ({e.table_format} -> {stats['format']})")
         if to:
             tot = stats["error"]
             print(f"  quantization error (relative to the source): max {tot['max_rel']:.3e}, rms {tot['rms_rel']:.3e}")
             for h, row in enumerate(stats["per_head"]):
                 print(f"  head {h:2d}: max {row['max_rel']:.3e}  rms {row['rms_rel']:.3e}")
+    if args.json:
+        _emit_json({"checkpoint": str(args.checkpoint), "out": str(out), "layers": results})
     return 0
 
 
-def cmd_verify(args) -> int:
-    from .checkpoint import scan_checkpoint
-    from .cli import _config_and_checkpoint
-    from .table import compare_with_source, read_table_header, verify_table_file
+# ---------------------------------------------------------------------------------------------- verify
 
+
+def verify(args: argparse.Namespace) -> int:
+    """Recompute a table file's checksums; with ``--checkpoint``, compare it with its source."""
     problems = verify_table_file(args.file)
     if args.checkpoint and not problems:
-        header = read_table_header(args.file)
-        fields = header.get("layout") or {}
-        cfg, ckpt = _config_and_checkpoint(args.checkpoint)
-        if "ple_layer_index" not in fields:
-            problems.append("the file's header records no layout fields; cannot match it to a checkpoint layer")
-        else:
-            idx = fields["ple_layer_index"]
-            if layout_fields(cfg, idx) != fields:
-                problems.append(f"the file was made for another layout than {args.checkpoint}'s config (layer {idx})")
-            else:
-                scan = scan_checkpoint(ckpt, cfg)
-                entry = next((e for e in scan.layers if e.ple_layer_index == idx), None)
-                if entry is None:
-                    problems.append(f"checkpoint has no PLE layer {idx}")
-                else:
-                    problems += compare_with_source(args.file, shards_for_convert(entry))
-    if problems:
+        problems += _compare_with_checkpoint(args.file, args.checkpoint)
+    if args.json:
+        _emit_json({"file": str(args.file), "ok": not problems, "problems": problems})
+    elif problems:
         for q in problems:
             print(f"problem: {q}")
-        return 1
-    print(f"{args.file}: OK")
-    return 0
+    else:
+        print(f"{args.file}: OK")
+    return 1 if problems else 0
 
 
-def cmd_stats(args) -> int:
-    from .cli import _config_and_checkpoint
+def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
+    header = read_table_header(file)
+    fields = header.get("layout")
+    if not isinstance(fields, dict) or not isinstance(fields.get("ple_layer_index"), int):
+        return ["the file's header records no layout fields: it cannot be matched to a checkpoint layer"]
+    cfg, ckpt = resolve_model(checkpoint)
+    idx = fields["ple_layer_index"]
+    if not 0 <= idx < cfg.num_ple_layers:
+        return [f"the file is for PLE layer {idx}, which {checkpoint}'s config does not have"]
+    want = cfg.layout_fields(idx)
+    if fields != want or header.get("layout_hash") != hash_layout(want):
+        return [f"the file was made for another layout than {checkpoint}'s config (PLE layer {idx})"]
+    if ckpt is None:
+        return [f"{checkpoint}: no safetensors weights to compare with"]
+    scan = scan_checkpoint(ckpt, cfg)
+    entry = next((e for e in scan.layers if e.ple_layer_index == idx), None)
+    if entry is None:
+        return [f"the checkpoint has no PLE layer {idx}"]
+    if entry.problems:
+        return entry.problems
+    open_layer_table(file, cfg, idx).close()  # the layout hash as the loader checks it
+    return compare_with_source(file, table_shards(entry))
+
+
+# ---------------------------------------------------------------------------------------------- stats
+
+
+def stats(args: argparse.Namespace) -> int:
+    """Row traffic of a token stream: distinct rows, reuse, bucket load."""
     from .stats import read_token_file, row_traffic
 
-    cfg, _ = _config_and_checkpoint(args.path)
-    tokens = read_token_file(args.tokens)
+    cfg, _ = resolve_model(args.path)
+    _check_layer_index(cfg, args.layer)
+    tokens = read_token_file(args.tokens, cfg.vocab_size)
     res = row_traffic(tokens, cfg, args.layer)
     if args.json:
-        print(json.dumps(res, indent=1))
+        _emit_json(res)
         return 0
     print(
         f"{res['tokens']} tokens, {res['lookups']} lookups, {res['total']['distinct_rows']} distinct rows; "
@@ -172,5 +306,4 @@ def cmd_stats(args) -> int:
             f"{h['head']:4d} {h['order']:5d} {h['distinct_rows']:14d} {h['top1_share']:6.1%} {h['top10_share']:7.1%} "
             f"{h['distinct_ngrams']:17d} {h['shared_rows']:12d} {h['max_bucket_load']:9d}"
         )
-    sys.stdout.flush()
     return 0

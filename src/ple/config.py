@@ -12,7 +12,7 @@ from typing import Any
 from .errors import PLEError
 from .layout import Layout, compute_layout
 
-__all__ = ["PLEConfig", "ConfigError"]
+__all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES"]
 
 
 class ConfigError(PLEError, ValueError):
@@ -29,6 +29,9 @@ class PLEConfig:
 
     ``ple_layer_ids`` are ONE-indexed decoder layers, as in the model's ``config.json``.
     ``eos_token_id`` is the single id that resets n-gram history (the first of a list).
+    ``model_type`` is the top-level ``model_type`` of the ``config.json`` it was read from
+    (``"qwen4_exp"``, multimodal, or ``"qwen4_exp_text"``), None when unknown; it decides the
+    checkpoint key prefix of the PLE layers (:meth:`layer_prefix`), never the layout.
     """
 
     hidden_size: int
@@ -46,6 +49,7 @@ class PLEConfig:
     seed: int = 1234
     rms_norm_eps: float = 1e-6
     ple_embedding_dtype: str | None = None
+    model_type: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.ple_embed_dim is None:
@@ -60,6 +64,9 @@ class PLEConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"invalid PLE config: expected a dict, got {type(d).__name__}")
         src = dict(d)
+        model_type = src.get("model_type")
+        if model_type is not None and model_type not in MODEL_TYPES:
+            raise _bad("model_type", model_type, f"one of {list(MODEL_TYPES)}: ple reads qwen4_exp models")
         text = src.get("text_config")
         if isinstance(text, dict):
             merged = dict(text)
@@ -75,9 +82,9 @@ class PLEConfig:
             eos = eos[0]
         if eos is None:
             raise _bad("eos_token_id", None, "required: PLE resets its n-gram history at EOS")
-        kwargs: dict[str, Any] = {"eos_token_id": eos}
+        kwargs: dict[str, Any] = {"eos_token_id": eos, "model_type": model_type}
         for f in dataclasses.fields(cls):
-            if f.name == "eos_token_id" or f.name not in src:
+            if f.name in ("eos_token_id", "model_type") or f.name not in src:
                 continue
             value = src[f.name]
             if value is None and f.name in ("seed",):
@@ -130,6 +137,15 @@ class PLEConfig:
     def num_ple_layers(self) -> int:
         return max(1, len(self.ple_layer_ids))
 
+    def layer_prefix(self, ple_layer_index: int) -> str:
+        """The checkpoint key prefix of PLE layer ``ple_layer_index``: ``model.layers.{d}.ple.`` for a
+        text-only model (``qwen4_exp_text``), ``model.language_model.layers.{d}.ple.`` otherwise, where
+        ``d`` is its zero-based decoder layer."""
+        self.layout(ple_layer_index)
+        dec = self.ple_layer_ids[ple_layer_index] - 1 if self.ple_layer_ids else ple_layer_index
+        stem = "model." if self.model_type == "qwen4_exp_text" else "model.language_model."
+        return f"{stem}layers.{dec}.ple."
+
     def layout(self, ple_layer_index: int = 0) -> Layout:
         """Exact table layout of the ``ple_layer_index``-th PLE layer (0 = the first)."""
         if not isinstance(ple_layer_index, int) or ple_layer_index < 0:
@@ -153,7 +169,7 @@ class PLEConfig:
         )
 
     def layout_key(self) -> dict[str, Any]:
-        """The fields that define the table layout (for hashing table files)."""
+        """The config fields that define every PLE layer's table layout."""
         return {
             k: getattr(self, k)
             for k in (
@@ -167,6 +183,12 @@ class PLEConfig:
                 "ple_embed_dim",
             )
         }
+
+    def layout_fields(self, ple_layer_index: int) -> dict[str, Any]:
+        """What identifies the table of PLE layer ``ple_layer_index``: :meth:`layout_key` plus the
+        index. A table file records these fields and their hash (:func:`ple.table.hash_layout`)."""
+        self.layout(ple_layer_index)  # validates the index
+        return {**self.layout_key(), "ple_layer_index": ple_layer_index}
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
@@ -209,6 +231,9 @@ class PLEConfig:
         if self.ple_embedding_dtype is not None and self.ple_embedding_dtype not in _TABLE_DTYPES:
             raise _bad("ple_embedding_dtype", self.ple_embedding_dtype, f"one of {sorted(_TABLE_DTYPES)}")
 
+
+MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
+"""The ``model_type`` values of configs ple reads."""
 
 _TABLE_DTYPES = {"bfloat16", "float16", "float32", "fp8", "float8_e4m3fn", "fp8_e4m3", "int8"}
 

@@ -21,6 +21,7 @@ from .ngram import ngram_ids
 from .ops.fused import gate_conv
 from .ops.gate import reference as gate_reference
 from .runtime.batch import Batch
+from .table import StoredTable
 
 __all__ = ["PLELayer"]
 
@@ -304,9 +305,8 @@ class PLELayer(nn.Module):
         ctx = torch.full((b, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64, device=flat.device)
         ids = ngram_ids(flat, qsl, ctx, self.layout, cfg.eos_token_id)
         table = self._require_table()
-        data = getattr(table, "data", None)
-        if data is not None and getattr(table, "format", None) in ("bf16", "fp16", "fp32"):
-            emb = F.embedding(ids, data).to(self.dtype).reshape(b * s, -1)  # differentiable w.r.t. the table
+        if isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32"):
+            emb = F.embedding(ids, table.data).to(self.dtype).reshape(b * s, -1)  # differentiable w.r.t. the table
         else:
             emb = table.lookup(ids, self.dtype)
         key = F.linear(emb, self.key_proj)

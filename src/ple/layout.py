@@ -10,7 +10,15 @@ import dataclasses
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Layout", "splitmix64", "is_prime", "nth_prime_after", "layer_multipliers", "compute_layout"]
+__all__ = [
+    "Layout",
+    "splitmix64",
+    "is_prime",
+    "nth_prime_after",
+    "layer_multipliers",
+    "compute_layout",
+    "shard_bounds",
+]
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -83,6 +91,15 @@ def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int, se
     return [2 * (splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
 
 
+def shard_bounds(k: int, shard_rows: int, rows: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of shard ``k`` when ``rows`` rows are cut into shards of ``shard_rows``
+    (the checkpoint's and the table file's shard geometry); empty past the end."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise InvalidArgumentError(f"shard index must be an integer >= 0, got {k!r}")
+    start = min(k * shard_rows, rows)
+    return start, min(start + shard_rows, rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Geometry of one PLE layer's table.
@@ -116,10 +133,9 @@ class Layout:
 
     def shard_range(self, k: int) -> tuple[int, int]:
         """Row range ``[start, stop)`` of checkpoint shard ``k`` (empty when past the end)."""
-        if not 0 <= k < self.split_parts:
-            raise InvalidArgumentError(f"shard index {k} out of range [0, {self.split_parts})")
-        start = min(k * self.shard_rows, self.padded_rows)
-        return start, min(start + self.shard_rows, self.padded_rows)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.split_parts:
+            raise InvalidArgumentError(f"shard index {k!r} out of range [0, {self.split_parts})")
+        return shard_bounds(k, self.shard_rows, self.padded_rows)
 
     def to_dict(self) -> dict:
         return {

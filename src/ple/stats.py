@@ -20,17 +20,47 @@ from .ngram.torch_impl import ngram_windows
 __all__ = ["read_token_file", "row_traffic"]
 
 
-def read_token_file(path: str | os.PathLike) -> torch.Tensor:
-    """Token ids from a ``.npy`` file or a text file of integers (separated by spaces, commas or newlines)."""
+def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> torch.Tensor:
+    """Token ids ``[n]`` int64 from a ``.npy`` file (integers, any shape) or a text file of integers
+    separated by spaces, commas or newlines.
+
+    Refuses, naming the file and the first offending entry: a path that is not a regular file, an
+    empty stream, a ``.npy`` file that is truncated, pickled or not of an integer dtype, text that is
+    not an integer, negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
+    """
     p = Path(path)
+    if not p.is_file():
+        what = "a folder" if p.is_dir() else ("missing" if not p.exists() else "not a regular file")
+        raise InvalidArgumentError(f"token file {p} is {what}")
     if p.suffix == ".npy":
-        arr = np.load(p, allow_pickle=False)
-        return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64)))
-    text = p.read_text().replace(",", " ").split()
-    try:
-        return torch.tensor([int(t) for t in text], dtype=torch.int64)
-    except ValueError as e:
-        raise InvalidArgumentError(f"{p}: token files hold integers only ({e})") from None
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgumentError(f"token file {p}: dtype {arr.dtype}, expected integer token ids")
+        tokens = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64)))
+    else:
+        try:
+            words = p.read_text().replace(",", " ").split()
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(f"token file {p}: not text (use .npy for binary token arrays)") from None
+        values = []
+        for i, w in enumerate(words):
+            try:
+                values.append(int(w))
+            except ValueError:
+                raise InvalidArgumentError(f"token file {p}: entry {i} is {w!r}, not an integer token id") from None
+        tokens = torch.tensor(values, dtype=torch.int64)
+    if tokens.numel() == 0:
+        raise InvalidArgumentError(f"token file {p} holds no token ids")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bad = lo if lo < 0 else hi
+        i = int((tokens == bad).nonzero()[0, 0])
+        limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
+        raise InvalidArgumentError(f"token file {p}: entry {i} is {bad}, outside {limit}")
+    return tokens
 
 
 def _top_share(counts: torch.Tensor, fraction: float) -> float:

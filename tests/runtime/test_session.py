@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ple.layer import PLELayer
-from ple.runtime import Checkpoint, Session, SessionError
+from ple.runtime import PrefixState, Session, SessionError
 
 from ..conftest import hf_config, hf_ple_layer
 
@@ -32,15 +32,15 @@ def _oneshot(layer: PLELayer, hidden: torch.Tensor, tokens: torch.Tensor):
     return hidden + out[0], c[0]
 
 
-def _expected_checkpoint(layer, c_hist: torch.Tensor, tokens: torch.Tensor, pos: int) -> Checkpoint:
+def _expected_checkpoint(layer, c_hist: torch.Tensor, tokens: torch.Tensor, pos: int) -> PrefixState:
     cfg = layer.config
     w = cfg.conv_window
     padded = torch.cat([torch.zeros(w, c_hist.shape[1]), c_hist[:pos]])
     ctx = torch.cat([torch.full((cfg.ngram_size - 1,), cfg.eos_token_id), tokens[:pos]])
-    return Checkpoint(padded[-w:].t(), ctx[len(ctx) - (cfg.ngram_size - 1) :], pos)
+    return PrefixState(padded[-w:].t(), ctx[len(ctx) - (cfg.ngram_size - 1) :], pos)
 
 
-def _assert_checkpoint(got: Checkpoint, want: Checkpoint, what: str):
+def _assert_checkpoint(got: PrefixState, want: PrefixState, what: str):
     assert got.length == want.length, what
     assert torch.equal(got.ngram_context, want.ngram_context), what
     torch.testing.assert_close(got.conv_window, want.conv_window, rtol=1e-5, atol=1e-6, msg=what)
@@ -56,12 +56,10 @@ class _Sim:
         self.cfg = cfg
         self.num_spec = rng.randint(0, 3)
         self.every = rng.choice([None, 1, 2, 3, 5, 8])
-        self.session = Session(
-            layer, max_requests=rng.randint(1, 4), num_spec=self.num_spec, checkpoint_every=self.every
-        )
+        self.session = Session(layer, max_requests=rng.randint(1, 4), num_spec=self.num_spec, prefix_every=self.every)
         self.live: dict[int, dict] = {}
         self.done: list[dict] = []
-        self.saved: list[tuple[Checkpoint, dict]] = []  # checkpoints to resume from, with the history behind them
+        self.saved: list[tuple[PrefixState, dict]] = []  # checkpoints to resume from, with the history behind them
         self.next_id = 0
 
     def _token(self):
@@ -78,7 +76,7 @@ class _Sim:
         rec = {"tokens": [], "hidden": [], "out": [], "target": self.rng.randint(1, 30)}
         if self.saved and self.rng.random() < 0.4:
             ck, hist = self.rng.choice(self.saved)
-            self.session.add(rid, from_checkpoint=ck)
+            self.session.add(rid, from_state=ck)
             n = ck.length
             rec.update(tokens=list(hist["tokens"][:n]), hidden=list(hist["hidden"][:n]), out=[None] * n)
             rec["target"] = n + self.rng.randint(1, 20)
@@ -120,7 +118,7 @@ class _Sim:
                 self.session.finish(rid)
                 self.done.append(self.live.pop(rid))
             elif rng.random() < 0.08:  # preemption: checkpoint, finish, resume later under a new id
-                ck = self.session.checkpoint(rid)
+                ck = self.session.prefix_state(rid)
                 self.saved.append((ck, {"tokens": list(rec["tokens"]), "hidden": list(rec["hidden"])}))
                 self.check_request(rid)
                 self.session.finish(rid)
@@ -135,9 +133,9 @@ class _Sim:
         for p, row in enumerate(rec["out"]):
             if row is not None:
                 torch.testing.assert_close(row, want[p], rtol=1e-5, atol=1e-5, msg=f"request {rid} position {p}")
-        final = self.session.checkpoint(rid)
+        final = self.session.prefix_state(rid)
         _assert_checkpoint(final, _expected_checkpoint(self.layer, c_hist, toks, len(toks)), f"final state of {rid}")
-        for pos, ck in self.session.checkpoints(rid).items():
+        for pos, ck in self.session.prefix_states(rid).items():
             assert self.every and pos % self.every == 0
             _assert_checkpoint(ck, _expected_checkpoint(self.layer, c_hist, toks, pos), f"checkpoint {pos} of {rid}")
             if self.rng.random() < 0.3:
@@ -146,7 +144,7 @@ class _Sim:
             # every multiple reached after the request's own start is there
             start = next((i for i, o in enumerate(rec["out"]) if o is not None), len(rec["out"]))
             reached = {p for p in range(self.every, len(toks) + 1, self.every) if p > start}
-            assert reached <= set(self.session.checkpoints(rid)), (reached, sorted(self.session.checkpoints(rid)))
+            assert reached <= set(self.session.prefix_states(rid)), (reached, sorted(self.session.prefix_states(rid)))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -193,7 +191,7 @@ def test_session_errors_leave_others_unaffected():
     with pytest.raises(SessionError, match="call accept"):
         s.step({"b": (h[:1], t[:1])})
     with pytest.raises(SessionError, match="awaiting accept"):
-        s.checkpoint("b")
+        s.prefix_state("b")
     s.accept("b", 1)
     want, _ = _oneshot(layer, h, t)
     torch.testing.assert_close(out["a"], want, rtol=1e-5, atol=1e-5)

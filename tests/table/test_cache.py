@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from ple.errors import UsageError
 from ple.table import (
     FORMATS,
     CachedTable,
@@ -225,19 +226,19 @@ def test_rejects_bad_arguments():
         CachedTable(table, 5, decay=0)
     with pytest.raises(ValueError, match="max_tracked must be an integer >= capacity_rows"):
         CachedTable(table, 5, max_tracked=4)
-    with pytest.raises(TypeError, match="backing must be a ple.table.Table"):
+    with pytest.raises(TypeError, match="reads the table's rows directly, which a Tensor does not hold"):
         CachedTable(torch.zeros(3, 3), 5)
 
     class Remote(Table):
-        @property
-        def data(self):
-            raise AttributeError("rows live elsewhere")
+        """A lookup-only tier (rows elsewhere, as for a table sharded across ranks)."""
 
-        @property
-        def scale(self):
-            raise AttributeError("rows live elsewhere")
+        device = torch.device("cpu")
+        nbytes = 0
 
-    with pytest.raises(ValueError, match="does not expose: rows live elsewhere"):
+        def _lookup_into(self, ids, out):
+            out.zero_()
+
+    with pytest.raises(TypeError, match="which a Remote does not hold in this process"):
         CachedTable(Remote("fp8", 10, 4), 5)
 
 
@@ -249,7 +250,7 @@ def test_table_attributes_delegate_to_the_backing_table(tmp_path):
     assert cache.data is mm.data and cache.scale is mm.scale and cache.nbytes == mm.nbytes
     assert cache.device == torch.device("cpu") and "CachedTable(format='int8_row'" in repr(cache)
     cache.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(UsageError, match="closed"):
         _ = mm.data  # the backing table was closed with the cache
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ple.table
+from ple.errors import UsageError
 from ple.table import (
     FORMATS,
     MemoryTable,
@@ -271,5 +272,5 @@ def test_closed_mmap_table_refuses_lookups(tmp_path):
     table.lookup(ids, torch.float32)
     table.close()
     assert "MmapTable" in repr(table)
-    with pytest.raises(TableFileError, match="closed"):
+    with pytest.raises(UsageError, match="closed"):
         table.lookup(ids, torch.float32)

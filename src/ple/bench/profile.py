@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cases import Case, Fixture
+from .timing import measure, median_ms, sync_of
 
 __all__ = ["StageTimer", "profile_case"]
 
@@ -115,10 +116,9 @@ def profile_case(
     top: int = 15,
 ) -> int:
     """Print the stage breakdown of ple in ``case`` (after its correctness check); 1 if refused."""
-    from .runner import _median_ms, _sync, measure
 
     importlib.import_module("ple.layer")
-    sync = _sync(fixture.device)
+    sync = sync_of(fixture.device)
     log(f"[{case.name}] building")
     prep = case.build(fixture)
     if prep.reset is not None:
@@ -173,13 +173,13 @@ def profile_case(
     print(f"{'other':22s} {other:10.3f} {100 * other / total:8.1f}% {1e3 * other / prep.tokens:10.3f}", file=out)
     print(f"{'ple total':22s} {total:10.3f} {100.0:8.1f}% {1e3 * total / prep.tokens:10.3f}", file=out)
     for k, v in ref_samples.items():
-        m = _median_ms(v)
+        m = median_ms(v)
         label = "floor (projections)" if k == "floor" else k
         print(f"{label:22s} {m:10.3f} {100 * m / total:8.1f}% {1e3 * m / prep.tokens:10.3f}", file=out)
     if "gemm" in med and "floor" in ref_samples:
         print(
-            f"gemm / floor = {med['gemm'] / _median_ms(ref_samples['floor']):.2f}; "
-            f"ple / floor = {total / _median_ms(ref_samples['floor']):.2f}",
+            f"gemm / floor = {med['gemm'] / median_ms(ref_samples['floor']):.2f}; "
+            f"ple / floor = {total / median_ms(ref_samples['floor']):.2f}",
             file=out,
         )
 

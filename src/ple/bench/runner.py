@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -27,9 +26,11 @@ from typing import Any
 
 import torch
 
+from .. import argtypes
 from ..errors import InvalidArgumentError
 from . import cases as bench_cases
 from .cases import Case, Fixture, Geometry, Prepared
+from .timing import NOISY, measure, median_ms, spread, sync_of
 
 __all__ = ["SCHEMA", "add_arguments", "main", "run", "run_case", "machine_info", "versions", "markdown_table"]
 
@@ -37,7 +38,6 @@ SCHEMA = "ple-bench/1"
 DEFAULT_REPEAT = 3
 DEFAULT_MAX_REPEAT = 5
 QUICK_REPEAT = 2
-NOISY = 1.5  # a series whose max / min exceeds this gets extra rounds (up to --max-repeat)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -54,27 +54,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument(
         "--repeat",
-        type=int,
+        type=argtypes.positive_int,
         default=None,
         help=f"timed runs per implementation (default {DEFAULT_REPEAT}; {QUICK_REPEAT} with --quick)",
     )
     parser.add_argument(
         "--max-repeat",
-        type=int,
+        type=argtypes.positive_int,
         default=None,
         help=f"extra rounds while a series is noisy (max/min > {NOISY}), up to this many samples "
         f"(default {DEFAULT_MAX_REPEAT}; --repeat with --quick)",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    parser.add_argument(
+        "--warmup", type=argtypes.non_negative_int, default=1, help="untimed runs before timing (default 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny geometry and few repeats: a smoke run")
     parser.add_argument("--table-base", type=int, default=None, help="ngram_vocab_size_base of the reduced table")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--device", type=argtypes.device, default="cpu", help="torch device (default cpu)")
+    parser.add_argument(
+        "--threads", type=argtypes.positive_int, default=None, help="torch.set_num_threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as one JSON document on stdout instead of the table"
+    )
+    parser.add_argument("--output", default=None, metavar="PATH", help="also write the JSON report to this file")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write a chart of the medians")
     parser.add_argument("--markdown", default=None, metavar="PATH", help="also write the table to a file")
     parser.add_argument("--profile", default=None, metavar="CASE", help="split ple's time in CASE into stages")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
+    parser.add_argument("--seed", type=argtypes.non_negative_int, default=0, help="seed of the weights and inputs")
     parser.add_argument("-q", "--quiet", action="store_true", help="only print the table")
     return parser
 
@@ -174,63 +181,6 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- timing
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def _timed(fn: Callable[[], Any], reset: Callable[[], None] | None, sync: Callable[[], None]) -> float:
-    if reset is not None:
-        reset()
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    dt = time.perf_counter() - t0
-    del out
-    return dt
-
-
-def measure(
-    fns: dict[str, Callable[[], Any]],
-    repeat: int,
-    warmup: int,
-    reset: Callable[[], None] | None = None,
-    sync: Callable[[], None] = lambda: None,
-    max_repeat: int | None = None,
-    noisy: float = NOISY,
-) -> dict[str, list[float]]:
-    """Seconds per call of each function, interleaved in rotating order: ``repeat`` samples each,
-    then more rounds (up to ``max_repeat``) while some series is noisy (max / min > ``noisy``)."""
-    names = list(fns)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    limit = max(repeat, max_repeat or repeat)
-    i = 0
-    while True:
-        done = i - warmup
-        if done >= repeat and (done >= limit or not any(_spread(v) > noisy for v in samples.values())):
-            return samples
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            dt = _timed(fns[name], reset, sync)
-            if i >= warmup:
-                samples[name].append(dt)
-        i += 1
-
-
-def _spread(xs: list[float]) -> float:
-    """max / min of a series of timings (1.0 = no noise)."""
-    return max(xs) / min(xs) if xs and min(xs) > 0 else 1.0
-
-
-def _median_ms(xs: list[float] | None) -> float | None:
-    return None if not xs else statistics.median(xs) * 1e3
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
@@ -267,7 +217,7 @@ def run_case(
         "aux_median_ms": {},
         "notes": "",
     }
-    sync = _sync(fixture.device)
+    sync = sync_of(fixture.device)
     t0 = time.perf_counter()
     try:
         prep = prepared if prepared is not None else case.build(fixture)
@@ -305,7 +255,7 @@ def run_case(
         fns["floor"] = prep.floor
     samples = measure(fns, repeat, warmup, prep.reset, sync, max_repeat)
     aux = measure(prep.aux, repeat, warmup, prep.reset, sync, max_repeat) if prep.aux else {}
-    med = {k: _median_ms(samples.get(k)) for k in ("ple", "transformers", "floor")}
+    med = {k: median_ms(samples.get(k)) for k in ("ple", "transformers", "floor")}
     speedup = _ratio(med["transformers"], med["ple"])
     over_floor = _ratio(med["ple"], med["floor"])
     rec.update(
@@ -318,9 +268,9 @@ def run_case(
         },
         target_met=case.targets.met(speedup, over_floor),
         min_ms={k: min(v) * 1e3 for k, v in samples.items()},
-        spread={k: _spread(v) for k, v in samples.items()},
+        spread={k: spread(v) for k, v in samples.items()},
         samples_ms={k: [x * 1e3 for x in v] for k, v in samples.items()},
-        aux_median_ms={k: _median_ms(v) for k, v in aux.items()},
+        aux_median_ms={k: median_ms(v) for k, v in aux.items()},
     )
     log(
         f"[{case.name}] ple {_fmt(med['ple'])} ms, transformers {_fmt(med['transformers'])} ms, floor {_fmt(med['floor'])} ms"
@@ -441,11 +391,9 @@ def run(args: argparse.Namespace) -> int:
         selected = bench_cases.select_cases(args.profile if args.profile else args.cases)
         geometry = _geometry(args)
         device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidArgumentError(f"--device {args.device}: CUDA is not available on this machine")
     except ValueError as e:
         print(f"ple bench: {e}", file=sys.stderr)
-        return 2
+        return 1
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fixture = Fixture(geometry, device, seed=args.seed)
@@ -458,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
                 f"ple bench: --profile needs one case, {args.profile!r} matches {', '.join(c.name for c in selected)}",
                 file=sys.stderr,
             )
-            return 2
+            return 1
         return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log)
 
     log(
@@ -473,12 +421,15 @@ def run(args: argparse.Namespace) -> int:
     report["settings"]["max_repeat"] = max_repeat
     report["elapsed_s"] = time.perf_counter() - t0
     table = markdown_table(records)
-    print(table, file=out, end="")
+    if args.json:
+        print(json.dumps(report, indent=2), file=out)
+    else:
+        print(table, file=out, end="")
     if args.markdown:
         Path(args.markdown).write_text(table)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
-        log(f"ple bench: wrote {args.json_path}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"ple bench: wrote {args.output}")
     if args.plot:
         from .plot import plot_report
 

@@ -31,16 +31,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint import open_layer_table, write_layer_table
 from ..config import ConfigError, PLEConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
-from ..table import MmapTable, Table, convert_layer
+from ..table import TABLE_SUFFIX, MmapTable, Table
 
-__all__ = ["patch", "unpatch", "patched_layers", "PatchedPLELayer", "TABLE_TIERS", "TABLE_SUFFIX"]
+__all__ = ["patch", "unpatch", "patched_layers", "PatchedPLELayer", "TABLE_TIERS"]
 
 TABLE_TIERS = ("memory", "mmap")
-TABLE_SUFFIX = ".pletable"
 
 #: A table factory: ``(weight [R_pad, head_dim] (the module's table), layer) -> Table``.
 TableFactory = Callable[[torch.Tensor, PLELayer], Table]
@@ -226,14 +226,9 @@ def _model_ple_config(model: nn.Module) -> PLEConfig | None:
     return config if config.ple_layer_ids else None
 
 
-def _layout_fields(config: PLEConfig, ple_layer_index: int) -> dict:
-    """The fields a table file's layout hash covers (as ``ple convert`` writes them)."""
-    return {**config.layout_key(), "ple_layer_index": ple_layer_index}
-
-
 def _write_mmap_table(layer: PLELayer, weight: torch.Tensor, path: Path) -> MmapTable:
+    """The module's table as a table file at ``path`` (one shard at a time), mapped."""
     lay = layer.layout
-    fields = _layout_fields(layer.config, layer.ple_layer_index)
 
     def shards():
         for k in range(lay.split_parts):
@@ -241,8 +236,8 @@ def _write_mmap_table(layer: PLELayer, weight: torch.Tensor, path: Path) -> Mmap
             if start < stop:
                 yield k, weight[start:stop].detach().cpu(), None
 
-    convert_layer(shards(), path, fields, lay.padded_rows, lay.head_dim, lay.shard_rows, force=True, progress=False)
-    return MmapTable.open(path, expected_layout_hash=fields)
+    write_layer_table(shards(), path, layer.config, layer.ple_layer_index, force=True)
+    return open_layer_table(path, layer.config, layer.ple_layer_index)
 
 
 def _check_lossless(table: Table, weight: torch.Tensor, what: str) -> None:

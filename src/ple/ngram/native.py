@@ -9,7 +9,7 @@ import torch
 from .. import _native
 from ..errors import InvalidArgumentError
 from ..layout import Layout
-from .torch_impl import _layout_tensors
+from .torch_impl import layout_tensors
 
 __all__ = ["ngram_ids"]
 
@@ -35,7 +35,7 @@ def ngram_ids(
     tokens = input_ids.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
     context = ngram_context.to(torch.int64).contiguous()
-    mult, sizes, offs = _layout_tensors(layout, torch.device("cpu"))
+    mult, sizes, offs = layout_tensors(layout, torch.device("cpu"))
     out = torch.empty(tokens.shape[0], layout.num_heads, dtype=torch.int64)
     nthreads = torch.get_num_threads() if threads is None else int(threads)
     rc = lib.ple_ngram_ids(

@@ -15,7 +15,8 @@ from ..layout import Layout
 
 
 @functools.lru_cache(maxsize=32)
-def _layout_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layout_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``multipliers [N]``, ``head_sizes [G]``, ``head_offsets [G]`` as int64 tensors on ``device`` (cached)."""
     mult = torch.tensor(layout.multipliers, dtype=torch.int64, device=device)
     sizes = torch.tensor(layout.head_sizes, dtype=torch.int64, device=device)
     offs = torch.tensor(layout.head_offsets, dtype=torch.int64, device=device)
@@ -71,7 +72,7 @@ def ngram_ids(
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64."""
     hpn = layout.heads_per_ngram
-    mult, sizes, offs = _layout_tensors(layout, input_ids.device)
+    mult, sizes, offs = layout_tensors(layout, input_ids.device)
     y = ngram_windows(input_ids, query_start_loc, ngram_context, layout.ngram_size, eos_token_id)
     out = torch.empty(y.shape[0], layout.num_heads, dtype=torch.int64, device=input_ids.device)
     h = y[:, 0] * mult[0]

@@ -8,28 +8,18 @@ intermediate tensor is materialized; the output tile ``[BLOCK_T, G]`` is stored 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import InvalidArgumentError
 from ..layout import Layout
+from .torch_impl import layout_tensors
 
 __all__ = ["ngram_ids", "next_ngram_context"]
 
 _BLOCK_T = 128
 _BLOCK_R = 64
-
-
-@functools.lru_cache(maxsize=32)
-def _layout_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``multipliers [N]``, ``head_sizes [G]``, ``head_offsets [G]`` as int64 tensors on ``device``."""
-    mult = torch.tensor(layout.multipliers, dtype=torch.int64, device=device)
-    sizes = torch.tensor(layout.head_sizes, dtype=torch.int64, device=device)
-    offs = torch.tensor(layout.head_offsets, dtype=torch.int64, device=device)
-    return mult, sizes, offs
 
 
 def _search_steps(num_requests: int) -> int:
@@ -195,7 +185,7 @@ def ngram_ids(
     out = torch.empty(t_total, g, dtype=torch.int64, device=device)
     if t_total == 0:
         return out
-    mult, sizes, offs = _layout_tensors(layout, device)
+    mult, sizes, offs = layout_tensors(layout, device)
     grid = (triton.cdiv(t_total, _BLOCK_T),)
     _ngram_ids_kernel[grid](
         input_ids,

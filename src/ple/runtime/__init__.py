@@ -2,14 +2,14 @@
 
 from .batch import DECODE, PREFILL, VERIFY, Batch, BatchError
 from .host import tune_host_allocator
-from .session import Checkpoint, Session, SessionError
+from .session import PrefixState, Session, SessionError
 
 __all__ = [
     "Batch",
     "BatchError",
     "Session",
     "SessionError",
-    "Checkpoint",
+    "PrefixState",
     "PREFILL",
     "DECODE",
     "VERIFY",

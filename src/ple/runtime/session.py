@@ -1,7 +1,7 @@
 """``Session``: per-request streaming state for users who drive a :class:`PLELayer` themselves.
 
 The session owns everything that changes per request: a slot of the conv state pool, the n-gram
-context, the history length, a pending speculative chunk, and prefix checkpoints. Each
+context, the history length, a pending speculative chunk, and prefix states. Each
 :meth:`Session.step` is one packed batch, whatever the mix of first chunks, continuations, decode
 tokens and speculative chunks.
 """
@@ -17,7 +17,7 @@ from ..errors import PLEError
 from ..ngram import next_ngram_context
 from .batch import DECODE, PREFILL, VERIFY, Batch
 
-__all__ = ["Session", "Checkpoint", "SessionError"]
+__all__ = ["Session", "PrefixState", "SessionError"]
 
 
 class SessionError(PLEError, ValueError):
@@ -25,7 +25,7 @@ class SessionError(PLEError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Checkpoint:
+class PrefixState:
     """A request's state after ``length`` tokens: enough to resume it exactly.
 
     ``conv_window [HC*H, (K-1)*N]`` (the last conv inputs, zeros before the start),
@@ -44,7 +44,7 @@ class _Pending:
     tokens: torch.Tensor
     prev_context: torch.Tensor
     prev_length: int
-    prev_window: torch.Tensor | None  # only kept when checkpoints may fall inside the chunk
+    prev_window: torch.Tensor | None  # only kept when prefix states may fall inside the chunk
     conv_input: torch.Tensor | None
 
 
@@ -56,7 +56,7 @@ class _Request:
     has_state: bool = False
     rejected: int = 0
     pending: _Pending | None = None
-    checkpoints: dict[int, Checkpoint] = dataclasses.field(default_factory=dict)
+    prefix_states: dict[int, PrefixState] = dataclasses.field(default_factory=dict)
 
 
 class Session:
@@ -66,21 +66,21 @@ class Session:
         layer: the layer (weights + table); the session allocates the state pool beside it.
         max_requests: slots in the pool (live requests at once).
         num_spec: the most speculative tokens per verify chunk (a chunk holds 1 + num_spec).
-        checkpoint_every: keep a :class:`Checkpoint` at every multiple of this many tokens of each
+        prefix_every: keep a :class:`PrefixState` at every multiple of this many tokens of each
             request's (kept) history, positions inside prefill chunks included.
     """
 
-    def __init__(self, layer, max_requests: int, num_spec: int = 0, checkpoint_every: int | None = None):
+    def __init__(self, layer, max_requests: int, num_spec: int = 0, prefix_every: int | None = None):
         if max_requests < 1:
             raise SessionError(f"max_requests must be >= 1, got {max_requests}")
         if num_spec < 0:
             raise SessionError(f"num_spec must be >= 0, got {num_spec}")
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise SessionError(f"checkpoint_every must be >= 1 or None, got {checkpoint_every}")
+        if prefix_every is not None and prefix_every < 1:
+            raise SessionError(f"prefix_every must be >= 1 or None, got {prefix_every}")
         self.layer = layer
         self.max_requests = max_requests
         self.num_spec = num_spec
-        self.checkpoint_every = checkpoint_every
+        self.prefix_every = prefix_every
         cfg = layer.config
         self._window = cfg.conv_window
         self._eos = cfg.eos_token_id
@@ -100,35 +100,35 @@ class Session:
         except KeyError:
             raise SessionError(f"unknown request {request_id!r}") from None
 
-    def add(self, request_id: Hashable, from_checkpoint: Checkpoint | None = None) -> None:
-        """Start a request, fresh or resuming from a :class:`Checkpoint`."""
+    def add(self, request_id: Hashable, from_state: PrefixState | None = None) -> None:
+        """Start a request, fresh or resuming from a :class:`PrefixState`."""
         if request_id in self._requests:
             raise SessionError(f"request {request_id!r} is already active")
         if not self._free:
             raise SessionError(f"all {self.max_requests} slots are in use (max_requests); finish a request first")
         ctx = torch.full((self._ctx_len,), self._eos, dtype=torch.int64)
-        if from_checkpoint is not None:
-            ck = from_checkpoint
+        if from_state is not None:
+            ck = from_state
             want = (self.conv_state.shape[1], self._window)
             if tuple(ck.conv_window.shape) != want or tuple(ck.ngram_context.shape) != (self._ctx_len,):
                 raise SessionError(
-                    f"checkpoint has conv_window {tuple(ck.conv_window.shape)} and ngram_context "
+                    f"prefix state has conv_window {tuple(ck.conv_window.shape)} and ngram_context "
                     f"{tuple(ck.ngram_context.shape)}; this layer needs {want} and ({self._ctx_len},)"
                 )
         slot = self._free.pop()
         req = _Request(slot=slot, context=ctx)
-        if from_checkpoint is not None:
+        if from_state is not None:
             width = self.conv_state.shape[2]
             self.conv_state[slot].zero_()
-            self.conv_state[slot, :, width - self._window :] = from_checkpoint.conv_window.to(self.conv_state)
-            req.context = from_checkpoint.ngram_context.to(torch.int64).clone()
-            req.length = from_checkpoint.length
+            self.conv_state[slot, :, width - self._window :] = from_state.conv_window.to(self.conv_state)
+            req.context = from_state.ngram_context.to(torch.int64).clone()
+            req.length = from_state.length
             req.has_state = True
-            self._maybe_keep(req, from_checkpoint)
+            self._maybe_keep(req, from_state)
         self._requests[request_id] = req
 
     def finish(self, request_id: Hashable) -> None:
-        """End a request and free its slot (its checkpoints go with it: take them first)."""
+        """End a request and free its slot (its prefix states go with it: take them first)."""
         req = self._get(request_id)
         del self._requests[request_id]
         self._free.append(req.slot)
@@ -142,23 +142,23 @@ class Session:
         end = width - req.rejected
         return self.conv_state[req.slot, :, end - self._window : end].clone()
 
-    def checkpoint(self, request_id: Hashable) -> Checkpoint:
+    def prefix_state(self, request_id: Hashable) -> PrefixState:
         """The request's current state (after its kept history)."""
         req = self._get(request_id)
         if req.pending is not None:
             raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
-        return Checkpoint(self._window_of(req), req.context.clone(), req.length)
+        return PrefixState(self._window_of(req), req.context.clone(), req.length)
 
-    def checkpoints(self, request_id: Hashable) -> dict[int, Checkpoint]:
-        """``{position: Checkpoint}`` at every multiple of ``checkpoint_every`` reached so far."""
-        return dict(self._get(request_id).checkpoints)
+    def prefix_states(self, request_id: Hashable) -> dict[int, PrefixState]:
+        """``{position: PrefixState}`` at every multiple of ``prefix_every`` reached so far."""
+        return dict(self._get(request_id).prefix_states)
 
-    def _maybe_keep(self, req: _Request, ck: Checkpoint) -> None:
-        b = self.checkpoint_every
+    def _maybe_keep(self, req: _Request, ck: PrefixState) -> None:
+        b = self.prefix_every
         if b and ck.length > 0 and ck.length % b == 0:
-            req.checkpoints[ck.length] = ck
+            req.prefix_states[ck.length] = ck
 
-    def _checkpoints_inside(
+    def _states_inside(
         self,
         req_len: int,
         n: int,
@@ -166,9 +166,9 @@ class Session:
         prev_ctx: torch.Tensor,
         tokens: torch.Tensor,
         c: torch.Tensor,
-    ) -> list[Checkpoint]:
-        """Checkpoints at multiples of ``checkpoint_every`` in ``(req_len, req_len + n]``."""
-        b = self.checkpoint_every
+    ) -> list[PrefixState]:
+        """Prefix states at multiples of ``prefix_every`` in ``(req_len, req_len + n]``."""
+        b = self.prefix_every
         out = []
         first = (req_len // b + 1) * b
         for pos in range(first, req_len + n + 1, b):
@@ -176,7 +176,7 @@ class Session:
             hist = torch.cat([prev_window, c[:k].t().to(prev_window.dtype)], dim=1)
             window = hist[:, hist.shape[1] - self._window :].clone()
             ctx = next_ngram_context(tokens[:k], torch.tensor([0, k]), prev_ctx.view(1, -1))[0]
-            out.append(Checkpoint(window, ctx, pos))
+            out.append(PrefixState(window, ctx, pos))
         return out
 
     # ------------------------------------------------------------------ stepping
@@ -245,8 +245,8 @@ class Session:
             return {}
         tokens_all = torch.cat(toks)
         hidden_all = torch.cat(hs)
-        # windows before this step, for checkpoints that fall inside a chunk
-        b = self.checkpoint_every
+        # windows before this step, for prefix states that fall inside a chunk
+        b = self.prefix_every
         prev_windows = {}
         for rid, n in zip(order, lens):
             req = self._requests[rid]
@@ -274,10 +274,10 @@ class Session:
                 req.context = new_ctx[i].clone()
                 continue
             if rid in prev_windows:
-                for ck in self._checkpoints_inside(
+                for ck in self._states_inside(
                     req.length, e - a, prev_windows[rid], req.context, toks[i], conv_in[a:e].detach()
                 ):
-                    req.checkpoints[ck.length] = ck
+                    req.prefix_states[ck.length] = ck
             req.length += e - a
             req.context = new_ctx[i].clone()
         return results
@@ -295,11 +295,9 @@ class Session:
         n = int(p.tokens.shape[0])
         if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= n:
             raise SessionError(f"request {request_id!r}: kept={kept!r} outside 1..{n} (the chunk's length)")
-        if p.prev_window is not None and self.checkpoint_every:
-            for ck in self._checkpoints_inside(
-                p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input
-            ):
-                req.checkpoints[ck.length] = ck
+        if p.prev_window is not None and self.prefix_every:
+            for ck in self._states_inside(p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input):
+                req.prefix_states[ck.length] = ck
         req.context = next_ngram_context(p.tokens[:kept], torch.tensor([0, kept]), p.prev_context.view(1, -1))[0]
         req.length = p.prev_length + kept
         req.rejected = n - kept

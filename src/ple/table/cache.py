@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
-from .base import Table
+from ..errors import InvalidArgumentError
+from .base import StoredTable, require_stored
 from .formats import format_info
 from .lookup import dequantize_rows_into
 from .lookup.torch_impl import gather_rows
@@ -104,7 +104,7 @@ def _word_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return raw
 
 
-class CachedTable(Table):
+class CachedTable(StoredTable):
     """A bounded in-memory cache of the hottest rows in front of a slower table.
 
     Args:
@@ -131,7 +131,7 @@ class CachedTable(Table):
 
     def __init__(
         self,
-        backing: Table,
+        backing: StoredTable,
         capacity_rows: int,
         *,
         policy: str = "lfu",
@@ -140,15 +140,7 @@ class CachedTable(Table):
         max_tracked: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if not isinstance(backing, Table):
-            raise ArgumentTypeError(f"backing must be a ple.table.Table, got {type(backing).__name__}")
-        try:
-            _ = (backing.data, backing.scale)
-        except AttributeError as e:
-            raise InvalidArgumentError(
-                f"CachedTable reads the backing table's rows (data/scale), which {type(backing).__name__} "
-                f"does not expose: {e}"
-            ) from None
+        require_stored(backing, "CachedTable (misses and admissions)")
         if isinstance(capacity_rows, bool) or not isinstance(capacity_rows, int) or capacity_rows < 0:
             raise InvalidArgumentError(f"capacity_rows must be an integer >= 0, got {capacity_rows!r}")
         if policy not in POLICIES:

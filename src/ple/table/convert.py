@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from .file import MmapTable, TableFileWriter, _tensor_bytes
+from .file import TableFileWriter, tensor_bytes
 from .formats import format_info, infer_format
-from .quantize import QuantError, RowErrors, dequantize, quantize_rows
+from .mmap import MmapTable
+from .quantize import QuantStats, RowStats, dequantize, quantize_rows
 
 __all__ = ["convert_layer", "compare_with_source"]
 
@@ -89,8 +90,8 @@ def convert_layer(
         raise InvalidArgumentError("convert_layer: the source yielded no shards") from None
     src_fmt = _source_format(first[0], first[1], first[2])
     out_fmt = src_fmt if to is None else to
-    head_err = [QuantError() for _ in heads]
-    total_err = QuantError()
+    head_err = [QuantStats() for _ in heads]
+    total_err = QuantStats()
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -147,7 +148,7 @@ def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, to
         qc, sc = quantize_rows(x, to)
         q[c0:c1] = qc
         qs[c0:c1] = sc
-        errs = RowErrors.of(x, dequantize(qc, sc, torch.float32))
+        errs = RowStats.of(x, dequantize(qc, sc, torch.float32))
         total_err.add(errs)
         g0, g1 = start + c0, start + c1
         for (a, b), e in zip(heads, head_err):
@@ -196,12 +197,12 @@ def compare_with_source(
                 want_q, want_s = src[c0:c1], s
             else:
                 want_q, want_s = quantize_rows(_dequantized(src[c0:c1].cpu(), s), table.format)
-            got = _tensor_bytes(table.data[start + c0 : start + c1]).reshape(c1 - c0, rn)
-            want = _tensor_bytes(want_q).reshape(c1 - c0, rn)
+            got = tensor_bytes(table.data[start + c0 : start + c1]).reshape(c1 - c0, rn)
+            want = tensor_bytes(want_q).reshape(c1 - c0, rn)
             diff = _row_mismatch(got, want)
             if table.scale is not None and table.scale.dim() == 2:
-                got_s = _tensor_bytes(table.scale[start + c0 : start + c1]).reshape(c1 - c0, 4)
-                want_s_b = _tensor_bytes(want_s.float()).reshape(c1 - c0, 4)
+                got_s = tensor_bytes(table.scale[start + c0 : start + c1]).reshape(c1 - c0, 4)
+                want_s_b = tensor_bytes(want_s.float()).reshape(c1 - c0, 4)
                 diff = np.union1d(diff, _row_mismatch(got_s, want_s_b))
             if len(diff):
                 bad_rows += len(diff)

@@ -17,7 +17,7 @@ bytes (plus one for a global scale).
 Atomic publication: the writer fills ``path + ".partial"`` whose header says ``"complete": false``;
 ``close()`` checks every shard was written, writes the final header (``"complete": true``), fsyncs
 and renames the file to ``path`` (then fsyncs the directory). A crash at any point leaves at most a
-``.partial`` file, which :meth:`MmapTable.open` refuses (by name and by its header).
+``.partial`` file, which :func:`open_table_file` (and so :meth:`ple.table.MmapTable.open`) refuses (by name and by its header).
 
 Sparse files (``TableFileWriter(..., sparse=True)``, :func:`write_sparse_table_file`) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,37 +38,33 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from .base import Table
+from ..layout import shard_bounds
 from .formats import format_info
 
 __all__ = [
     "TableFileError",
     "TableFileWriter",
-    "MmapTable",
     "hash_layout",
+    "open_table_file",
+    "pread_file",
+    "tensor_bytes",
     "read_table_header",
     "verify_table_file",
     "write_sparse_table_file",
     "PARTIAL_SUFFIX",
+    "TABLE_SUFFIX",
 ]
 
 MAGIC = b"PLETABLE"
 VERSION = 1
 PARTIAL_SUFFIX = ".partial"
+TABLE_SUFFIX = ".pletable"
+"""The file name suffix of table files (``ple convert`` writes ``<layer prefix>.pletable``)."""
 _ALIGN = 4096
 _PREFIX = 16
 _DIGEST_SIZE = 16
 _CHECKSUM_ALGORITHM = "blake2b-128"
 _READ_CHUNK = 8 << 20
-
-# numpy dtype used to map each storage dtype (torch views the bytes as the real dtype).
-_NP_STORAGE = {
-    torch.bfloat16: np.int16,
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float8_e4m3fn: np.uint8,
-    torch.int8: np.int8,
-}
 
 
 class TableFileError(PLEError, ValueError):
@@ -98,7 +92,7 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's bytes (one copy only if it is not contiguous)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -293,10 +287,7 @@ class TableFileWriter:
 
     def shard_range(self, k: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of shard ``k`` (empty past the end)."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise InvalidArgumentError(f"shard index must be an integer >= 0, got {k!r}")
-        start = min(k * self.shard_rows, self.rows)
-        return start, min(start + self.shard_rows, self.rows)
+        return shard_bounds(k, self.shard_rows, self.rows)
 
     def _check_rows(self, rows: torch.Tensor, n: int, what: str) -> None:
         if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n, self.head_dim):
@@ -324,7 +315,7 @@ class TableFileWriter:
             raise InvalidArgumentError(
                 f"{what}: format {self.format!r} needs a float per-row scale [{n}, 1], got {got}"
             )
-        return _tensor_bytes(scale.to(torch.float32))
+        return tensor_bytes(scale.to(torch.float32))
 
     def set_global_scale(self, scale: torch.Tensor | float) -> None:
         """Set the global scale of an "fp8" table (one value; setting it again must agree)."""
@@ -343,7 +334,7 @@ class TableFileWriter:
                     f"global scale {value} disagrees with the one already set, {self._global_scale}"
                 )
             return
-        b = _tensor_bytes(t)
+        b = tensor_bytes(t)
         _pwrite_all(self._fd, b, self._scale_offset)
         self._global_scale = value
         self._scale_checksum = hashlib.blake2b(b.tobytes(), digest_size=_DIGEST_SIZE).hexdigest()
@@ -369,7 +360,7 @@ class TableFileWriter:
             raise InvalidArgumentError(f"{what} was already written")
         self._check_rows(rows, stop - start, what)
         scale_bytes = self._row_scale(scale, stop - start, what)
-        row_bytes = _tensor_bytes(rows)
+        row_bytes = tensor_bytes(rows)
         _pwrite_all(self._fd, row_bytes, self._data_offset + start * self._geo["row_nbytes"])
         if scale_bytes is not None:
             _pwrite_all(self._fd, scale_bytes, self._scale_offset + 4 * start)
@@ -401,7 +392,7 @@ class TableFileWriter:
         if lo < 0 or hi >= self.rows:
             bad = lo if lo < 0 else hi
             raise InvalidArgumentError(f"row id {bad} is out of range: the table has rows [0, {self.rows})")
-        row_bytes = _tensor_bytes(rows).reshape(n, -1)
+        row_bytes = tensor_bytes(rows).reshape(n, -1)
         srow = None if scale_bytes is None else scale_bytes.reshape(n, 4)
         rn = self._geo["row_nbytes"]
         for i, r in enumerate(ids.tolist()):
@@ -533,7 +524,10 @@ def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
-def _open_checked(path: Path, expected_layout_hash: str | dict | None) -> dict[str, Any]:
+def open_table_file(path: str | os.PathLike, expected_layout_hash: str | dict | None = None) -> dict[str, Any]:
+    """The header of a complete table file that may be mapped; raises :class:`TableFileError` otherwise
+    (unfinished, wrong size, inconsistent, or built for another layout than ``expected_layout_hash``)."""
+    path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise TableFileError(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
     header = read_table_header(path)
@@ -559,94 +553,7 @@ def _open_checked(path: Path, expected_layout_hash: str | dict | None) -> dict[s
     return header
 
 
-def _memmap(path: Path, np_dtype, offset: int, shape: tuple[int, ...], random_access: bool) -> torch.Tensor:
-    arr = np.memmap(path, dtype=np_dtype, mode="r", offset=offset, shape=shape)
-    mm = getattr(arr, "_mmap", None)
-    if random_access and mm is not None and hasattr(mmap, "MADV_RANDOM"):
-        # Lookups touch scattered rows: without this the kernel reads ahead around every fault,
-        # multiplying I/O and resident memory for no benefit.
-        mm.madvise(mmap.MADV_RANDOM)
-    with warnings.catch_warnings():
-        # torch warns that the array is not writable: the mapping is read-only on purpose.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
-
-
-class MmapTable(Table):
-    """A table backed by a read-only memory map of a table file (CPU).
-
-    Lookups gather only the addressed rows (the OS pages them in on demand); for ids on an
-    accelerator the stored rows are copied there and dequantized there. ``data`` is read-only:
-    writing into it faults.
-    """
-
-    def __init__(self, path: Path, header: dict[str, Any], random_access: bool = True) -> None:
-        super().__init__(header["format"], header["rows"], header["head_dim"])
-        self.path = path
-        self.header = header
-        info = format_info(self.format)
-        np_dtype = _NP_STORAGE[info.storage_dtype]
-        raw = _memmap(path, np_dtype, header["data_offset"], (self.rows, self.head_dim), random_access)
-        self._data = raw if raw.dtype == info.storage_dtype else raw.view(info.storage_dtype)
-        kind = header["scale"]["kind"]
-        if kind == "global":
-            b = _pread_file(path, header["scale"]["offset"], 4)
-            self._scale = torch.frombuffer(bytearray(b), dtype=torch.float32).clone()
-        elif kind == "row":
-            self._scale = _memmap(path, np.float32, header["scale"]["offset"], (self.rows, 1), random_access)
-        else:
-            self._scale = None
-
-    @classmethod
-    def open(
-        cls, path: str | os.PathLike, expected_layout_hash: str | dict | None = None, *, random_access: bool = True
-    ) -> MmapTable:
-        """Map a complete table file. Refuses ``.partial`` files, incomplete headers, a wrong file
-        size, and (when ``expected_layout_hash`` is given, as a hash or a fields dict) a file built
-        for another layout. Checksums are not computed here (see :func:`verify_table_file`).
-
-        ``random_access`` advises the kernel that reads are scattered (``MADV_RANDOM``): a page
-        fault then reads one page instead of a read-ahead window (a 160-byte row would otherwise
-        pull in up to 128 KiB). Pass False for sequential scans of the whole table."""
-        path = Path(path)
-        return cls(path, _open_checked(path, expected_layout_hash), random_access)
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self._data is None:
-            raise TableFileError(f"table file {self.path} was closed")
-        return self._data
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self._scale
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def close(self) -> None:
-        """Stop prefetching and drop the maps (unmapped once no returned view is referenced)."""
-        super().close()
-        self._data = None
-        self._scale = None
-
-    @property
-    def layout_hash(self) -> str:
-        return self.header["layout_hash"]
-
-    @property
-    def sparse(self) -> bool:
-        return bool(self.header.get("sparse"))
-
-    def shard_range(self, k: int) -> tuple[int, int]:
-        """Rows ``[start, stop)`` of shard ``k`` of the file's shard geometry."""
-        s = self.header["shard_rows"]
-        start = min(k * s, self.rows)
-        return start, min(start + s, self.rows)
-
-
-def _pread_file(path: Path, offset: int, n: int) -> bytes:
+def pread_file(path: Path, offset: int, n: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         return _pread_exact(fd, n, offset)
@@ -684,7 +591,7 @@ def verify_table_file(path: str | os.PathLike) -> list[str]:
     fd = os.open(path, os.O_RDONLY)
     try:
         for k, want in enumerate(checksums):
-            start, stop = min(k * s, rows), min((k + 1) * s, rows)
+            start, stop = shard_bounds(k, s, rows)
             h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
             _hash_range(fd, h, header["data_offset"] + start * rn, (stop - start) * rn)
             if per_row:

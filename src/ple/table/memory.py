@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidArgumentError, UsageError
-from .base import Table
+from .base import StoredTable
 from .formats import check_table_tensors, format_info
 
 __all__ = ["MemoryTable", "PinnedHostTable"]
@@ -35,7 +35,24 @@ def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bo
     return data, scale
 
 
-class MemoryTable(Table):
+class _TensorTable(StoredTable):
+    """A table held in one tensor (and its scale), the common part of the in-memory tiers."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, format: str) -> None:
+        super().__init__(format, data.shape[0], data.shape[1])
+        self._data = data
+        self._scale = scale
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale
+
+
+class MemoryTable(_TensorTable):
     """A table held in one tensor, on the CPU or an accelerator.
 
     Args:
@@ -48,9 +65,7 @@ class MemoryTable(Table):
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, format: str | None = None) -> None:
         fmt = check_table_tensors(data, scale, format)
-        super().__init__(fmt, data.shape[0], data.shape[1])
-        self._data = data
-        self._scale = _normalize_scale(data, scale, fmt)
+        super().__init__(data, _normalize_scale(data, scale, fmt), fmt)
 
     @classmethod
     def empty(cls, rows: int, head_dim: int, format: str, device: str | torch.device = "cpu") -> MemoryTable:
@@ -59,21 +74,13 @@ class MemoryTable(Table):
         data, scale = _empty_tensors(rows, head_dim, format, device)
         return cls(data, scale, format)
 
-    @property
-    def data(self) -> torch.Tensor:
-        return self._data
 
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self._scale
-
-
-class PinnedHostTable(Table):
+class PinnedHostTable(_TensorTable):
     """A table in page-locked host memory, read directly by the accelerator.
 
     Lookups for CUDA ids run the gather kernel on the GPU reading host rows over the bus (zero
     copy: only the addressed rows move), so the table can exceed GPU memory. Lookups for CPU ids
-    gather on the host. Needs CUDA: construction raises ``RuntimeError`` without it.
+    gather on the host. Needs CUDA: construction raises :class:`~ple.errors.UsageError` without it.
 
     Args:
         data, scale, format: as :class:`MemoryTable`; tensors not already pinned are copied into
@@ -83,11 +90,10 @@ class PinnedHostTable(Table):
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, format: str | None = None) -> None:
         _require_cuda()
         fmt = check_table_tensors(data, scale, format)
-        super().__init__(fmt, data.shape[0], data.shape[1])
         data = data.cpu() if data.device.type != "cpu" else data
-        self._data = data if data.is_pinned() else data.pin_memory()
-        scale = _normalize_scale(self._data, scale, fmt)
-        self._scale = scale if scale is None or scale.is_pinned() else scale.pin_memory()
+        data = data if data.is_pinned() else data.pin_memory()
+        scale = _normalize_scale(data, scale, fmt)
+        super().__init__(data, scale if scale is None or scale.is_pinned() else scale.pin_memory(), fmt)
 
     @classmethod
     def empty(cls, rows: int, head_dim: int, format: str) -> PinnedHostTable:
@@ -95,14 +101,6 @@ class PinnedHostTable(Table):
         _require_cuda()
         data, scale = _empty_tensors(rows, head_dim, format, "cpu", pin_memory=True)
         return cls(data, scale, format)
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self._data
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self._scale
 
 
 def _require_cuda() -> None:

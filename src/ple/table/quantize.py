@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["quantize_rows", "quantize_global", "dequantize", "quantization_error", "QuantError", "RowErrors"]
+__all__ = ["quantize_rows", "quantize_global", "dequantize", "quantization_error", "QuantStats", "RowStats"]
 
 _QMAX = {"fp8": 448.0, "int8": 127.0}
 
@@ -79,7 +79,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype =
 
 
 @dataclasses.dataclass
-class RowErrors:
+class RowStats:
     """Per-row error sums of one block of rows (fp64): ``err_sq``, ``ref_sq``, ``max_rel`` — all ``[n]``."""
 
     err_sq: torch.Tensor
@@ -87,7 +87,7 @@ class RowErrors:
     max_rel: torch.Tensor
 
     @classmethod
-    def of(cls, x: torch.Tensor, approx: torch.Tensor) -> RowErrors:
+    def of(cls, x: torch.Tensor, approx: torch.Tensor) -> RowStats:
         """Errors of ``approx`` against ``x`` (both ``[n, D]``)."""
         xf, af = x.double(), approx.double()
         err = af - xf
@@ -101,7 +101,7 @@ class RowErrors:
 
 
 @dataclasses.dataclass
-class QuantError:
+class QuantStats:
     """Relative quantization error: ``max_rel`` (max over rows of max|err|/max|x|), ``rms_rel``
     (sqrt(sum err^2 / sum x^2)), over ``rows`` rows."""
 
@@ -111,7 +111,7 @@ class QuantError:
     _err_sq: float = dataclasses.field(default=0.0, repr=False)
     _ref_sq: float = dataclasses.field(default=0.0, repr=False)
 
-    def add(self, e: RowErrors, start: int = 0, stop: int | None = None) -> None:
+    def add(self, e: RowStats, start: int = 0, stop: int | None = None) -> None:
         """Accumulate rows ``[start, stop)`` of ``e``."""
         stop = e.err_sq.shape[0] if stop is None else stop
         if stop <= start:
@@ -126,8 +126,8 @@ class QuantError:
         return {"max_rel": self.max_rel, "rms_rel": self.rms_rel, "rows": self.rows}
 
 
-def quantization_error(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> QuantError:
+def quantization_error(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> QuantStats:
     """Error of ``(q, scale)`` against ``x [n, D]``, dequantized in fp32."""
-    e = QuantError()
-    e.add(RowErrors.of(x, dequantize(q, scale, torch.float32)))
+    e = QuantStats()
+    e.add(RowStats.of(x, dequantize(q, scale, torch.float32)))
     return e

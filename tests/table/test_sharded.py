@@ -21,7 +21,11 @@ import pytest
 import torch
 
 from ple.config import PLEConfig
-from ple.integrations.distributed import (
+from ple.layer import PLELayer
+from ple.runtime import Batch
+from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
+from ple.table.quantize import quantize_global, quantize_rows
+from ple.table.sharded import (
     DEFAULT_METHOD,
     METHODS,
     ShardedTable,
@@ -31,10 +35,6 @@ from ple.integrations.distributed import (
     load_sharded,
     shard_rows,
 )
-from ple.layer import PLELayer
-from ple.runtime import Batch
-from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
-from ple.table.quantize import quantize_global, quantize_rows
 
 WORKER_TIMEOUT_S = 150
 PG_TIMEOUT_S = 30
@@ -664,7 +664,11 @@ def test_verify_ids_catches_unreplicated_batch(world):
 def test_dtype_mismatch_raises_everywhere(world):
     w, results = world
     for r, (typ, msg) in enumerate(errors(results, "errors/dtype_differs")):
-        assert typ == "InvalidArgumentError" and "different lookup dtypes" in msg and f"rank {w - 1}: torch.bfloat16" in msg
+        assert (
+            typ == "InvalidArgumentError"
+            and "different lookup dtypes" in msg
+            and f"rank {w - 1}: torch.bfloat16" in msg
+        )
         assert f"this is rank {r}" in msg
 
 

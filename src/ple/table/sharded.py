@@ -35,7 +35,6 @@ import dataclasses
 import hashlib
 import itertools
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -43,9 +42,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError, PLEError, UsageError
-from ..table import MemoryTable, MmapTable, Table, check_ids, hash_layout
-from ..table.base import check_wait
-from ..table.formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype
+from .base import Table, require_stored
+from .file import hash_layout
+from .formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype, check_ids
+from .memory import MemoryTable
+from .mmap import MmapTable
+from .prefetch import PrefetchHandle
 
 __all__ = [
     "METHODS",
@@ -323,54 +325,30 @@ class _Pending:
 
 
 # ---------------------------------------------------------------------- prefetch handle
-class ShardedPrefetch:
-    """Handle of one started sharded lookup (same interface and misuse rules as
-    :class:`ple.table.Prefetch`): ``wait(ids)`` returns the ``[T, G*head_dim]`` rows once the
-    collective finished; ``release()`` gives up the handle; waiting twice, after release, or for
-    another (or in-place modified) ids tensor raises :class:`~ple.table.PrefetchError`.
+class ShardedPrefetch(PrefetchHandle):
+    """Handle of one started sharded lookup (the rules of :class:`ple.table.PrefetchHandle`):
+    ``wait(ids)`` returns the ``[T, G*head_dim]`` rows once the collective finished.
 
     The collective was issued when the prefetch started (on the calling thread, so collectives
     keep program order across ranks); ``wait`` blocks until it completes.
     """
 
     def __init__(self, seq: int, ids: torch.Tensor, dtype: torch.dtype, pending: _Pending) -> None:
-        self.seq = seq
-        self.ids = ids
-        self.dtype = dtype
-        self._ids_version = ids._version
-        self._pending: _Pending | None = pending
-        self._waited = False
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        state = "released" if self._pending is None else ("waited" if self._waited else "pending")
-        return f"ShardedPrefetch(seq={self.seq}, ids={tuple(self.ids.shape)}, dtype={self.dtype}, {state})"
+        super().__init__(seq, ids, dtype)
+        self._pending = pending
 
     def done(self) -> bool:
         """Whether the collective finished (``wait`` would not block on communication)."""
         p = self._pending
-        return p is None or p.work is None or p.work.is_completed()
+        return p.work is None or p.work.is_completed()
 
-    def wait(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Block until the rows are ready; ``ids``, when given, must be the tensor the prefetch was started for."""
-        with self._lock:
-            check_wait(self.seq, self._pending is not None, self._waited, self.ids, self._ids_version, ids)
-            self._waited = True
-            pending = self._pending
-        return pending.complete()
+    def _collect(self) -> torch.Tensor:
+        return self._pending.complete()
 
-    def release(self) -> None:
-        """Drop the handle (idempotent); waits for the collective so no buffer is freed mid-write."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None and pending.work is not None:
-            pending.work.wait()
-
-    def __enter__(self) -> ShardedPrefetch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def _drop(self) -> None:
+        # wait for the collective, so no buffer is freed while it is written
+        if self._pending.work is not None:
+            self._pending.work.wait()
 
 
 # ---------------------------------------------------------------------- the table
@@ -391,9 +369,9 @@ class ShardedTable(Table):
             collective and a host synchronization per lookup; for debugging "allreduce" setups).
 
     Construction is a collective over ``group`` (see :class:`ShardGeometryError`). Lookups are
-    collectives too: see the module docstring for the calling contract. ``data`` and ``scale`` of
-    the full table exist nowhere, so those attributes raise ``AttributeError``; this rank's rows are
-    ``local_table.data``.
+    collectives too: see the module docstring for the calling contract. The full table's rows
+    exist nowhere, so a ``ShardedTable`` is a :class:`~ple.table.Table` (lookups) but not a
+    :class:`~ple.table.StoredTable`; this rank's rows are ``local_table``'s.
     """
 
     def __init__(
@@ -472,17 +450,6 @@ class ShardedTable(Table):
 
     # ------------------------------------------------------------------ Table interface
     @property
-    def data(self) -> torch.Tensor:
-        raise AttributeError(
-            f"ShardedTable holds only rows [{self.row_start}, {self.row_stop}) of the {self.rows}-row table on "
-            "this rank: the full table's data exists nowhere; use lookup(), or local_table.data for this rank's rows"
-        )
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        raise AttributeError("ShardedTable has no full-table scale; local_table.scale holds this rank's scales")
-
-    @property
     def device(self) -> torch.device:
         """Where this rank's rows are stored."""
         return self.local_table.device
@@ -501,6 +468,9 @@ class ShardedTable(Table):
 
     def _gathers_on_device(self, device: torch.device) -> bool:
         return self.local_table._gathers_on_device(device)
+
+    def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self._start(ids, out.dtype, False).complete())
 
     def close(self) -> None:
         super().close()
@@ -652,6 +622,7 @@ class ShardedTable(Table):
 
 # ---------------------------------------------------------------------- building local shards
 def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTable:
+    table = require_stored(table, "sharding a full table")
     if not 0 <= a <= b <= table.rows:
         raise InvalidArgumentError(f"row range [{a}, {b}) is not within the table's [0, {table.rows})")
     data, scale = table.data[a:b], table.scale

@@ -13,14 +13,17 @@ import argparse
 import json
 import random
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from .config import PLEConfig
-from .errors import InvalidArgumentError
+from ..argtypes import non_negative_int, positive_int
+from ..config import PLEConfig
+from ..errors import InvalidArgumentError
+from ..table import format_info
 
 # The published geometry scaled down 10x in width (same H : HC : E : heads ratios), small table.
 DEMO_CONFIG = {
@@ -49,15 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", choices=["memory", "mmap"], default="memory", help="where the table lives")
     p.add_argument("--config", help="config.json to use instead of the embedded default")
     p.add_argument("--checkpoint", help="a real qwen4_exp model directory (PLE layers only are read)")
-    p.add_argument("--layer", type=int, default=0, help="ple_layer_index to serve (default 0)")
-    p.add_argument("--requests", type=int, default=64, help="requests in the workload")
-    p.add_argument("--slots", type=int, default=16, help="concurrent requests (state slots)")
-    p.add_argument("--num-spec", type=int, default=3, help="speculative tokens per verify chunk")
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests in the workload")
+    p.add_argument("--slots", type=positive_int, default=16, help="concurrent requests (state slots)")
+    p.add_argument("--num-spec", type=non_negative_int, default=3, help="speculative tokens per verify chunk")
+    p.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk size")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--workdir", help="keep the synthesized checkpoint and table file here")
-    p.add_argument("--json", help="also write the results as JSON to this file")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+    p.add_argument("--output", metavar="PATH", help="also write the results as JSON to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when stderr is no terminal)")
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
@@ -127,7 +131,7 @@ def serve(layer, args, progress: bool = True) -> dict:
     """Stream the workload through a Session; check every kept row against the one-shot reference."""
     from tqdm.auto import tqdm
 
-    from .runtime import Session
+    from ..runtime import Session
 
     cfg = layer.config
     rng = random.Random(args.seed)
@@ -210,13 +214,12 @@ def _check(layer, r: _Request) -> float:
 
 # ---------------------------------------------------------------------------------------- main
 def run(args) -> int:
-    from .commands import layout_fields
-    from .layer import PLELayer
-    from .runtime import tune_host_allocator
-    from .table import MmapTable, convert_layer
+    from ..checkpoint import open_layer_table, resolve_model, scan_checkpoint, table_shards, write_layer_table
+    from ..layer import PLELayer
+    from ..runtime import tune_host_allocator
 
     tune_host_allocator()
-    progress = not args.no_progress
+    progress = not args.no_progress and sys.stderr.isatty()
     t_start = time.perf_counter()
     tmp = None
     if args.workdir:
@@ -227,36 +230,27 @@ def run(args) -> int:
         work = Path(tmp.name)
     try:
         if args.checkpoint:
-            ckpt = Path(args.checkpoint)
-            config = PLEConfig.from_pretrained(args.config or ckpt)
-            source = "checkpoint " + str(ckpt)
+            config, ckpt = resolve_model(args.checkpoint)
+            if args.config:
+                config = PLEConfig.from_pretrained(args.config)
+            if ckpt is None:
+                raise InvalidArgumentError(f"--checkpoint {args.checkpoint}: no safetensors weights there")
+            source = f"checkpoint {ckpt}"
         else:
             config = PLEConfig.from_pretrained(args.config) if args.config else PLEConfig.from_dict(DEMO_CONFIG)
             ckpt = synthesize_checkpoint(config, work / "checkpoint", seed=args.seed)
             source = "synthesized checkpoint (published format, fp8 + global scale)"
+        if not 0 <= args.layer < config.num_ple_layers:
+            raise InvalidArgumentError(
+                f"--layer {args.layer}: the config has {config.num_ple_layers} PLE layer(s) (indexes into ple_layer_ids)"
+            )
         t0 = time.perf_counter()
         table = None
         if args.tier == "mmap":  # the table goes straight from the checkpoint to a table file, never to memory
-            from .checkpoint import _Reader
-            from .commands import shards_for_convert
-
-            lay = config.layout(args.layer)
             path = work / f"ple_layer_{args.layer}.pletable"
-            reader = _Reader()
-            try:
-                convert_layer(
-                    shards_for_convert(_layer_entry(ckpt, config, args.layer), reader),
-                    path,
-                    layout_fields(config, args.layer),
-                    lay.padded_rows,
-                    lay.head_dim,
-                    lay.shard_rows,
-                    force=True,
-                    progress=progress,
-                )
-            finally:
-                reader.close()
-            table = MmapTable.open(path, expected_layout_hash=layout_fields(config, args.layer))
+            entry = next(e for e in scan_checkpoint(ckpt, config).layers if e.ple_layer_index == args.layer)
+            write_layer_table(table_shards(entry), path, config, args.layer, force=True, progress=progress)
+            table = open_layer_table(path, config, args.layer)
         layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
         load_s = time.perf_counter() - t0
         table = layer.table
@@ -269,14 +263,20 @@ def run(args) -> int:
             peak_rss_bytes=_peak_rss_bytes(),
             wall_seconds=time.perf_counter() - t_start,
         )
-        row_bytes = table.head_dim * table.data.element_size() + (4 if table.format.endswith("_row") else 0)
+        info = format_info(table.format)
+        row_bytes = table.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
         res["bytes_moved"] = res["lookups"] * row_bytes
-        _print(res)
+        ok = res["checked_tokens"] > 0 and res["worst_error_vs_tolerance"] <= 1.0
+        res["ok"] = ok
+        if args.output:
+            Path(args.output).write_text(json.dumps(res, indent=1))
         if args.json:
-            Path(args.json).write_text(json.dumps(res, indent=1))
-        ok = res["worst_error_vs_tolerance"] <= 1.0
+            print(json.dumps(res, indent=1))
+            return 0 if ok else 1
+        _print(res)
         print(
-            "check: every kept output equals the one-shot reference (fp32, rtol = atol = 1e-5)"
+            f"check: every kept output ({res['checked_tokens']:,} tokens) equals the one-shot reference "
+            "(fp32, rtol = atol = 1e-5)"
             if ok
             else f"check FAILED: an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference"
         )
@@ -284,13 +284,6 @@ def run(args) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-
-
-def _layer_entry(ckpt, config, idx):
-    from .checkpoint import scan_checkpoint
-
-    scan = scan_checkpoint(ckpt, config)
-    return next(e for e in scan.layers if e.ple_layer_index == idx)
 
 
 def _print(res: dict) -> None:
