@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,15 +10,13 @@ import torch
 
 from ple.config import PLEConfig
 
-SHARED = Path(os.environ.get("PLE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
-GOLDEN = SHARED / "golden"
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+"""Test vectors made by transformers' qwen4_exp: exact layouts (``layout.json``) and n-gram ids of
+token streams with EOS where it matters (``ngram_ids.json``)."""
 
 
 def load_golden(name: str):
-    path = GOLDEN / name
-    if not path.is_file():
-        pytest.fail(f"golden file missing: {path} (set PLE_SHARED to the shared/ folder)")
-    with open(path) as f:
+    with open(GOLDEN / name) as f:
         return json.load(f)
 
 

@@ -25,7 +25,7 @@ def _bad(field: str, value: Any, expected: str) -> ConfigError:
 
 @dataclasses.dataclass(frozen=True)
 class PLEConfig:
-    """PLE geometry and hashing parameters (SPEC section 1).
+    """PLE geometry and hashing parameters.
 
     ``ple_layer_ids`` are ONE-indexed decoder layers, as in the model's ``config.json``.
     ``eos_token_id`` is the single id that resets n-gram history (the first of a list).

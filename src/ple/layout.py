@@ -85,7 +85,7 @@ def _primes_after(start: int, count: int) -> list[int]:
 
 
 def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int, seed: int) -> list[int]:
-    """Odd hash multipliers ``m_0..m_{N-1}`` of one PLE layer (SPEC section 2)."""
+    """Odd hash multipliers ``m_0..m_{N-1}`` of one PLE layer."""
     half = max(1, (((1 << 63) - 1) // max(vocab_size, 1)) // 2)
     base = seed + _LAYER_PRIME * ple_layer_index
     return [2 * (splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
@@ -163,7 +163,7 @@ def compute_layout(
     split_parts: int,
     embed_dim: int,
 ) -> Layout:
-    """Exact layout of PLE layer ``ple_layer_index`` (SPEC section 2)."""
+    """Exact layout of PLE layer ``ple_layer_index``."""
     g = (ngram_size - 1) * heads_per_ngram
     sizes = _primes_after(ngram_vocab_size_base - 1, (ple_layer_index + 1) * g)[ple_layer_index * g :]
     offsets, acc = [], 0

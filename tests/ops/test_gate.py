@@ -45,7 +45,7 @@ def _weights(mod):
 
 
 def _exact(key, value, hidden, wk, wq, wc, eps, hc):
-    """fp64 evaluation of SPEC section 6 (gate part) on the given inputs."""
+    """fp64 evaluation of the gate's math on the given inputs."""
     h = value.shape[-1]
 
     def norm(x, w):

@@ -22,7 +22,7 @@ SHAPES = [(1, 1, 1), (2, 3, 7), (63, 16, 5), (129, 3, 160)]  # (T, G, head_dim)
 
 
 def literal(data, scale, ids, dtype):
-    """Element-by-element reading of SPEC section 5 (independent of the package's reference)."""
+    """Element-by-element reading of the lookup definition (independent of the package's reference)."""
     T, G = ids.shape
     D = data.shape[1]
     out = torch.empty(T, G * D, dtype=dtype)

@@ -17,7 +17,7 @@ from ple.table import MmapTable, gather_dequant_reference, hash_layout, write_sp
 
 pytestmark = pytest.mark.scale
 
-ROWS = 320_001_536  # R_pad of the published layout (SPEC section 2)
+ROWS = 320_001_536  # R_pad of the published layout
 HEAD_DIM = 160
 HEADS = 16
 SHARD_ROWS = 2_500_012

@@ -437,7 +437,7 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * ple_ngram_ids: row ids [T, G] int64 of a packed batch (SPEC section 4), one token per iteration.
+ * ple_ngram_ids: row ids [T, G] int64 of a packed batch, one token per iteration.
  * h = XOR_s (y_s * m_s) with wrapping multiplication; id = off_g + floor_mod(h, P_g). The modulo by
  * each head's prime uses a precomputed 128-bit reciprocal (exact for every 64-bit dividend), so no
  * hardware division runs per id.

@@ -112,7 +112,7 @@ def ngram_ids(
     *,
     check: bool = True,
 ) -> torch.Tensor:
-    """Row ids ``[T, G]`` int64 of a packed batch (SPEC section 4).
+    """Row ids ``[T, G]`` int64 of a packed batch.
 
     Args:
         input_ids: ``[T]`` int32/int64 tokens, requests packed back to back.

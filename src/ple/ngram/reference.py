@@ -1,4 +1,4 @@
-"""Literal n-gram id computation (SPEC section 4): one token at a time, readable, slow.
+"""Literal n-gram id computation: one token at a time, readable, slow.
 
 This is the executable specification the fast paths are tested against.
 """

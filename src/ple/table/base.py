@@ -26,7 +26,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from .formats import check_activation_dtype, check_ids, format_info
 from .lookup import dequantize_rows_into, gather_dequant
 from .lookup.torch_impl import gather_rows
-from .prefetch import PrefetchHandle, _PrefetchEngine
+from .prefetch import PrefetchHandle, PrefetchEngine
 
 __all__ = ["Table", "StoredTable", "require_stored"]
 
@@ -55,7 +55,7 @@ class Table(abc.ABC):
         self.format = format
         self.rows = int(rows)
         self.head_dim = int(head_dim)
-        self._engine: _PrefetchEngine | None = None
+        self._engine: PrefetchEngine | None = None
         self._engine_lock = threading.Lock()
         self._prefetch_seq = itertools.count()
 
@@ -101,7 +101,7 @@ class Table(abc.ABC):
         self._check_call(ids, dtype, check)
         with self._engine_lock:
             if self._engine is None:
-                self._engine = _PrefetchEngine(self, max(2, int(self.prefetch_depth)))
+                self._engine = PrefetchEngine(self, max(2, int(self.prefetch_depth)))
             engine = self._engine
         return engine.start(ids, dtype)
 

@@ -12,7 +12,7 @@ scale: one global value (``[1]``) or one value per row (``[rows, 1]``).
 | "fp8_row"  | torch.float8_e4m3fn   | per row, [rows, 1] |
 | "int8_row" | torch.int8            | per row, [rows, 1] |
 
-Dequantization (SPEC section 5) is ``row.to(dtype) * scale.to(dtype)`` in the activation dtype,
+Dequantization is ``row.to(dtype) * scale.to(dtype)`` in the activation dtype,
 ``row.to(dtype)`` for plain formats.
 """
 

@@ -126,7 +126,7 @@ class Prefetch(PrefetchHandle):
     CUDA stream); see the module docstring for the buffer rules. The tensor ``wait`` returns is a
     pooled buffer owned by this handle until ``release()``."""
 
-    def __init__(self, engine: _PrefetchEngine, seq: int, ids: torch.Tensor, dtype: torch.dtype, buf: _Buffer):
+    def __init__(self, engine: PrefetchEngine, seq: int, ids: torch.Tensor, dtype: torch.dtype, buf: _Buffer):
         super().__init__(seq, ids, dtype)
         self._engine = engine
         self._buf = buf
@@ -161,7 +161,7 @@ class Prefetch(PrefetchHandle):
         self._engine.give_back(buf)
 
 
-class _PrefetchEngine:
+class PrefetchEngine:
     """Worker thread, side streams and output-buffer pool of one table."""
 
     def __init__(self, table: Table, depth: int) -> None:

@@ -72,7 +72,7 @@ def quantize_global(x: torch.Tensor, to: str = "fp8") -> tuple[torch.Tensor, tor
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q.to(dtype) * scale.to(dtype)`` (SPEC section 5), ``q.to(dtype)`` when ``scale`` is None."""
+    """``q.to(dtype) * scale.to(dtype)``, ``q.to(dtype)`` when ``scale`` is None."""
     if scale is None:
         return q.to(dtype)
     return q.to(dtype) * scale.to(dtype)

@@ -63,7 +63,7 @@ METHODS: tuple[str, ...] = ("allreduce", "alltoall")
 """Ways of combining the ranks' rows (see the module docstring)."""
 
 DEFAULT_METHOD = "allreduce"
-"""The method :class:`ShardedTable` uses unless told otherwise (measured in docs/DISTRIBUTED.md)."""
+"""The method :class:`ShardedTable` uses unless told otherwise (the faster of the two where measured)."""
 
 
 class ShardGeometryError(PLEError, ValueError):

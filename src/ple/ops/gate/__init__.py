@@ -25,7 +25,7 @@ def ngram_gate(
     hc_count: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated value ``v`` and conv input ``c = norm_conv(v)``, both ``[T, HC*H]``, from ``key [T, HC*H]``,
-    ``value [T, H]`` and the layer input ``hidden [T, HC*H]`` (SPEC section 6).
+    ``value [T, H]`` and the layer input ``hidden [T, HC*H]``.
 
     See :func:`ple.ops.gate.reference.ngram_gate` for the exact definition.
     """

@@ -1,4 +1,4 @@
-"""Table lookup: gather rows by id and dequantize (SPEC section 5).
+"""Table lookup: gather rows by id and dequantize.
 
 ``gather_dequant`` is the dispatcher; its twins share one signature:
 

@@ -1,4 +1,4 @@
-"""Literal reference of the table lookup (SPEC section 5): gather rows, then dequantize."""
+"""Literal reference of the table lookup: gather rows, then dequantize."""
 
 from __future__ import annotations
 
