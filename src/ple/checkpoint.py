@@ -269,11 +269,11 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
         "conv1d.weight": (c, 1, k),
     }
     for name, shape in want.items():
-        info = e.dense.get(name)
-        if info is None:
+        dense_info = e.dense.get(name)
+        if dense_info is None:
             p(f"missing {prefix}{name}")
-        elif info.shape != shape:
-            p(f"{prefix}{name}: shape {list(info.shape)}, expected {list(shape)}")
+        elif dense_info.shape != shape:
+            p(f"{prefix}{name}: shape {list(dense_info.shape)}, expected {list(shape)}")
     nbuf = {
         "layer_multipliers": lay.ngram_size,
         "ngram_heads_vocab_sizes": lay.num_heads,
@@ -470,6 +470,39 @@ def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tupl
     return t
 
 
+def _load_table(e: LayerEntry, reader: TensorReader, device, progress: bool) -> MemoryTable:
+    """The layer's table, read shard by shard into a fresh :class:`~ple.table.MemoryTable`."""
+    lay = e.layout
+    assert e.table_format is not None  # a scan without problems found the format
+    table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device)
+    data, tscale = table.data, table.scale
+    shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] = iter_table_shards(e, reader)
+    if progress:
+        from tqdm.auto import tqdm
+
+        shard_iter = tqdm(shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard")
+    for sk, rows, scale in shard_iter:
+        a, b = lay.shard_range(sk)
+        name = f"{e.prefix}ple_embedding.ngram_embedding.shard_{sk}"
+        if tuple(rows.shape) != (b - a, lay.head_dim) or rows.dtype != data.dtype:
+            raise CheckpointError(
+                f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
+                f"{data.dtype} (the file changed after it was scanned)"
+            )
+        data[a:b].copy_(rows)
+        if scale is not None and tscale is not None:
+            if tuple(scale.shape) != (b - a, 1):
+                raise CheckpointError(
+                    f"{name}.weight_scale: read {list(scale.shape)}, expected [{b - a}, 1] "
+                    "(the file changed after it was scanned)"
+                )
+            tscale[a:b].copy_(scale)
+        del rows, scale
+    if e.table_format == "fp8" and tscale is not None and e.global_scale is not None:
+        tscale.copy_(reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float())
+    return table
+
+
 def load_ple_weights(
     path: str | os.PathLike,
     config: PLEConfig,
@@ -514,35 +547,7 @@ def load_ple_weights(
         for e in wanted:
             lay = e.layout
             dense = {n: _read_checked(reader, i, e.prefix + n, i.shape).to(device) for n, i in e.dense.items()}
-            table = (
-                MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device) if with_table else None
-            )
-            shard_iter = iter_table_shards(e, reader) if with_table else iter(())
-            if progress:
-                from tqdm.auto import tqdm
-
-                shard_iter = tqdm(
-                    shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard"
-                )
-            for sk, rows, scale in shard_iter:
-                a, b = lay.shard_range(sk)
-                name = f"{e.prefix}ple_embedding.ngram_embedding.shard_{sk}"
-                if tuple(rows.shape) != (b - a, lay.head_dim) or rows.dtype != table.data.dtype:
-                    raise CheckpointError(
-                        f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
-                        f"{table.data.dtype} (the file changed after it was scanned)"
-                    )
-                table.data[a:b].copy_(rows)
-                if scale is not None:
-                    if tuple(scale.shape) != (b - a, 1):
-                        raise CheckpointError(
-                            f"{name}.weight_scale: read {list(scale.shape)}, expected [{b - a}, 1] "
-                            "(the file changed after it was scanned)"
-                        )
-                    table.scale[a:b].copy_(scale)
-                del rows, scale
-            if with_table and e.table_format == "fp8":
-                table.scale.copy_(reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float())
+            table = _load_table(e, reader, device, progress) if with_table else None
             out[e.ple_layer_index] = PLEWeights(
                 ple_layer_index=e.ple_layer_index,
                 prefix=e.prefix,
@@ -601,7 +606,7 @@ def table_shards(
     reader = reader or TensorReader()
     try:
         gscale = None
-        if entry.table_format == "fp8":
+        if entry.table_format == "fp8" and entry.global_scale is not None:
             gscale = reader.get(entry.global_scale, entry.prefix + _TABLE_SCALE).reshape(1).float()
         for k, rows, scale in iter_table_shards(entry, reader):
             yield k, rows, (gscale if scale is None else scale)

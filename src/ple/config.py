@@ -39,7 +39,7 @@ class PLEConfig:
     vocab_size: int = 248320
     hc_count: int = 4
     ple_layer_ids: tuple[int, ...] = ()
-    ple_embed_dim: int | None = None
+    ple_embed_dim: int = None  # type: ignore[assignment]  # None in the constructor: hidden_size
     ngram_size: int = 3
     heads_per_ngram: int = 8
     ngram_vocab_size_base: int = 20_000_000

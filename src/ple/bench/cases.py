@@ -86,7 +86,7 @@ class Geometry:
         return PLEConfig(
             hidden_size=self.hidden_size,
             hc_count=self.hc_count,
-            ple_layer_ids=[2],
+            ple_layer_ids=(2,),
             ple_embed_dim=self.embed_dim,
             ngram_size=self.ngram_size,
             heads_per_ngram=self.heads_per_ngram,
@@ -285,7 +285,7 @@ class Fixture:
 
         with _no_weight_init(), torch.device(self.device):
             emb = Qwen4ExpTextNGramEmbedding(self.hf_config, self.geometry.embed_dim, self.layer_idx, 0)
-        emb.ngram_embedding = _IdsOnly(self.device)  # frees the (never touched) table
+        emb.ngram_embedding = _IdsOnly(self.device)  # type: ignore[assignment]  # frees the (never touched) table
         return emb.eval()
 
     def new_cache(self):

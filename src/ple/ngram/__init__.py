@@ -61,17 +61,19 @@ def check_ngram_inputs(
     diffs = qsl[1:] - qsl[:-1]
     bad = torch.nonzero(diffs < 0)
     if bad.numel():
-        r = int(bad[0])
-        raise NgramInputError(f"query_start_loc decreases at request {r}: {int(qsl[r])} -> {int(qsl[r + 1])}")
+        r_bad = int(bad[0])
+        raise NgramInputError(
+            f"query_start_loc decreases at request {r_bad}: {int(qsl[r_bad])} -> {int(qsl[r_bad + 1])}"
+        )
     if int(qsl[-1]) != t_total:
         raise NgramInputError(f"query_start_loc must end at T={t_total} (len(input_ids)), got {int(qsl[-1])}")
     ids = input_ids.detach()
     bad_tok = _out_of_range(ids, layout.vocab_size)
     if bad_tok.numel():
-        t = int(bad_tok[0])
-        r = int(torch.searchsorted(qsl[1:], torch.tensor(t), right=True))
+        pos = int(bad_tok[0])
+        req = int(torch.searchsorted(qsl[1:], torch.tensor(pos), right=True))
         raise NgramInputError(
-            f"token id {int(ids[t])} at position {t} (request {r}, offset {t - int(qsl[r])}) "
+            f"token id {int(ids[pos])} at position {pos} (request {req}, offset {pos - int(qsl[req])}) "
             f"is outside [0, vocab_size={layout.vocab_size})"
         )
     ctx = ngram_context.detach()

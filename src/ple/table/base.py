@@ -26,7 +26,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError
 from .formats import check_activation_dtype, check_ids, format_info
 from .lookup import dequantize_rows_into, gather_dequant
 from .lookup.torch_impl import gather_rows
-from .prefetch import PrefetchHandle, PrefetchEngine
+from .prefetch import PrefetchEngine, PrefetchHandle
 
 __all__ = ["Table", "StoredTable", "require_stored"]
 

@@ -348,7 +348,7 @@ class CachedTable(StoredTable):
             kept_slots = kept.nonzero().squeeze(1)
             dst, src = _word_views(data, old.data)
             dst.index_copy_(0, kept_slots, src.index_select(0, pos.index_select(0, kept_slots)))
-            if scale is not None:
+            if scale is not None and old.scale is not None:
                 scale.index_copy_(0, kept_slots, old.scale.index_select(0, pos.index_select(0, kept_slots)))
         if new_slots.numel():
             bdata, bscale = self.backing.data, self.backing.scale
@@ -356,7 +356,7 @@ class CachedTable(StoredTable):
             fetched = gather_rows(bdata, new_ids).to(dev)
             dst, src = _word_views(data, fetched)
             dst.index_copy_(0, new_slots, src)
-            if scale is not None:
+            if scale is not None and bscale is not None:
                 scale.index_copy_(0, new_slots, bscale.index_select(0, new_ids.to(bscale.device)).to(dev))
         return _State(ids, data, scale), int(new_slots.numel())
 
@@ -388,6 +388,11 @@ class CachedTable(StoredTable):
         n = flat.numel()
         dev, cdev = out.device, state.ids.device
         bdata, bscale = self.backing.data, self.backing.scale
+        per_row = self._scale_kind == "row"
+        # per-row formats carry [rows, 1] scales in the backing table and in every cache generation
+        row_scale = bscale if per_row else None
+        if per_row:
+            assert bscale is not None and state.scale is not None
         if state.ids.is_cuda:
             stream = torch.cuda.current_stream(cdev)
             for t in state:
@@ -395,7 +400,6 @@ class CachedTable(StoredTable):
                     t.record_stream(stream)  # a refresh may free this generation while these reads run
         uniq, inv = torch.unique(flat.to(cdev), sorted=True, return_inverse=True)
         U, C = uniq.numel(), state.ids.numel()
-        per_row = self._scale_kind == "row"
         hit_u = None
         if C:
             pos = torch.searchsorted(state.ids, uniq).clamp_(max=C - 1)
@@ -405,12 +409,12 @@ class CachedTable(StoredTable):
                 hit_u = None
         if hit_u is None:  # every distinct id misses
             rows_u = gather_rows(bdata, uniq.to(bdata.device)).to(cdev)
-            srows_u = bscale.index_select(0, uniq.to(bscale.device)).to(cdev) if per_row else None
+            srows_u = row_scale.index_select(0, uniq.to(row_scale.device)).to(cdev) if row_scale is not None else None
             hits = 0
         else:
             # Every distinct id reads its slot (a miss reads a neighbour's, overwritten below).
             rows_u = gather_rows(state.data, pos)
-            srows_u = state.scale.index_select(0, pos) if per_row else None
+            srows_u = state.scale.index_select(0, pos) if state.scale is not None and per_row else None
             hits = int(hit_u.index_select(0, inv).sum()) if n_hit_u < U else n
             if n_hit_u < U:
                 miss = (~hit_u).nonzero().squeeze(1)
@@ -418,8 +422,8 @@ class CachedTable(StoredTable):
                 got = gather_rows(bdata, miss_ids.to(bdata.device)).to(cdev)
                 dst, src = _word_views(rows_u, got)
                 dst.index_copy_(0, miss, src)
-                if per_row:
-                    srows_u.index_copy_(0, miss, bscale.index_select(0, miss_ids.to(bscale.device)).to(cdev))
+                if srows_u is not None and row_scale is not None:
+                    srows_u.index_copy_(0, miss, row_scale.index_select(0, miss_ids.to(row_scale.device)).to(cdev))
         fetched = U if hit_u is None else U - n_hit_u
         inv = inv.to(dev)
         rows_u = rows_u.to(dev)
@@ -427,10 +431,11 @@ class CachedTable(StoredTable):
             gather_rows(rows_u, inv, out=out)
         else:
             rows = gather_rows(rows_u, inv)  # [N, D] stored rows
-            if per_row:
+            scale_rows: torch.Tensor | None = None
+            if srows_u is not None:
                 scale_rows = srows_u.to(dev).index_select(0, inv)
-            else:
-                scale_rows = None if bscale is None else bscale.to(dev)
+            elif bscale is not None:
+                scale_rows = bscale.to(dev)
             dequantize_rows_into(rows, scale_rows, out)
         with self._lock:
             self._hits += hits

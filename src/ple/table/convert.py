@@ -200,20 +200,24 @@ def compare_with_source(
             got = tensor_bytes(table.data[start + c0 : start + c1]).reshape(c1 - c0, rn)
             want = tensor_bytes(want_q).reshape(c1 - c0, rn)
             diff = _row_mismatch(got, want)
-            if table.scale is not None and table.scale.dim() == 2:
+            if table.scale is not None and table.scale.dim() == 2 and want_s is not None:
                 got_s = tensor_bytes(table.scale[start + c0 : start + c1]).reshape(c1 - c0, 4)
                 want_s_b = tensor_bytes(want_s.float()).reshape(c1 - c0, 4)
                 diff = np.union1d(diff, _row_mismatch(got_s, want_s_b))
             if len(diff):
                 bad_rows += len(diff)
                 first_bad = start + c0 + int(diff[0]) if first_bad is None else first_bad
-        same_global = table.scale is not None and table.scale.dim() == 1 and scale is not None
-        if same_global and src_fmt == table.format and not scale_reported:
-            if float(scale.float().reshape(-1)[0]) != float(table.scale[0]):
+        fscale = table.scale
+        if (
+            fscale is not None
+            and fscale.dim() == 1
+            and scale is not None
+            and src_fmt == table.format
+            and not scale_reported
+        ):
+            if float(scale.float().reshape(-1)[0]) != float(fscale[0]):
                 scale_reported = True
-                problems.append(
-                    f"global scale: file has {float(table.scale[0])}, the source {float(scale.reshape(-1)[0])}"
-                )
+                problems.append(f"global scale: file has {float(fscale[0])}, the source {float(scale.reshape(-1)[0])}")
         if bad_rows:
             problems.append(
                 f"shard {k} (rows [{start}, {stop})): {bad_rows} rows differ from the source, first at row {first_bad}"

@@ -230,13 +230,13 @@ class TableFileWriter:
             offsets = {"data_offset": 10**15, "scale_offset": 10**15, "file_nbytes": 10**15}
             scale_sum = "0" * (2 * _DIGEST_SIZE)
         else:
-            checksums = None if self.sparse else list(self._checksums)
+            checksums = None if self.sparse else [c or "" for c in self._checksums]
             offsets = {
                 "data_offset": self._data_offset,
                 "scale_offset": self._scale_offset,
                 "file_nbytes": self._file_nbytes,
             }
-            scale_sum = self._scale_checksum
+            scale_sum = self._scale_checksum or ""
         return {
             "magic": "ple-table",
             "version": VERSION,
@@ -366,9 +366,9 @@ class TableFileWriter:
             _pwrite_all(self._fd, scale_bytes, self._scale_offset + 4 * start)
         if not self.sparse:
             h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-            h.update(row_bytes)
+            h.update(row_bytes.tobytes())
             if scale_bytes is not None:
-                h.update(scale_bytes)
+                h.update(scale_bytes.tobytes())
             self._checksums[k] = h.hexdigest()
         self._written[k] = True
 

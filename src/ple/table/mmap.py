@@ -56,8 +56,9 @@ class MmapTable(StoredTable):
         info = format_info(self.format)
         np_dtype = _NP_STORAGE[info.storage_dtype]
         raw = _memmap(path, np_dtype, header["data_offset"], (self.rows, self.head_dim), random_access)
-        self._data = raw if raw.dtype == info.storage_dtype else raw.view(info.storage_dtype)
+        self._data: torch.Tensor | None = raw if raw.dtype == info.storage_dtype else raw.view(info.storage_dtype)
         kind = header["scale"]["kind"]
+        self._scale: torch.Tensor | None
         if kind == "global":
             b = pread_file(path, header["scale"]["offset"], 4)
             self._scale = torch.frombuffer(bytearray(b), dtype=torch.float32).clone()

@@ -118,7 +118,7 @@ class _Buffer:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.release_event = None  # CUDA event recorded by release() on the consumer's stream
+        self.release_event: torch.cuda.Event | None = None  # recorded by release() on the consumer's stream
 
 
 class Prefetch(PrefetchHandle):
@@ -131,7 +131,7 @@ class Prefetch(PrefetchHandle):
         self._engine = engine
         self._buf = buf
         self._future: concurrent.futures.Future | None = None
-        self._event = None  # CUDA event marking the side-stream gather done
+        self._event: torch.cuda.Event | None = None  # marks the side-stream gather done
 
     def done(self) -> bool:
         if self._future is not None:

@@ -246,14 +246,15 @@ def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
     if not ranges_ok:
         return problems
     owned.sort()
-    cursor, prev = 0, None  # prev: the range reaching furthest so far
+    cursor = 0
+    prev: tuple[int, int, int] | None = None  # the range reaching furthest so far
     for a, b, r in owned:
         if a > cursor:
             after = "the start of the table" if prev is None else f"rank {prev[2]}'s [{prev[0]}, {prev[1]})"
             problems.append(
                 f"rows [{cursor}, {a}) are owned by no rank (a gap between {after} and rank {r}'s [{a}, {b}))"
             )
-        elif a < cursor:
+        elif a < cursor and prev is not None:
             problems.append(
                 f"rank {prev[2]}'s rows [{prev[0]}, {prev[1]}) and rank {r}'s rows [{a}, {b}) overlap on "
                 f"[{a}, {min(cursor, b)})"
@@ -288,7 +289,7 @@ def _exchange_fingerprints(group, mine: _Fingerprint, device: torch.device) -> l
 def _fail_with_peers(group, problem: str) -> NoReturn:
     """Take part in the construction exchange with a failed fingerprint, then raise: the peers
     reach the same exchange and raise too, instead of waiting for this rank forever."""
-    failed = _Fingerprint(*([-1] * (len(_FIELDS) - 1)), local_errors=1)
+    failed = _Fingerprint.from_list([-1] * (len(_FIELDS) - 1) + [1])  # every field invalid, one local error
     fps = _exchange_fingerprints(group, failed, _collective_device(group))
     rank = dist.get_rank(group)
     raise ShardGeometryError([f"rank {rank} (this rank): {problem}"] + _check_fingerprints(fps), rank, len(fps))

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from . import reference, torch_impl
@@ -31,9 +33,11 @@ def dilated_conv(
 
     See :func:`ple.ops.conv.reference.dilated_conv` for arguments and the state convention.
     """
-    impl = torch_impl
+    impl: types.ModuleType = torch_impl
     if c.is_cuda:
-        from . import triton_impl as impl
+        from . import triton_impl
+
+        impl = triton_impl
     return impl.dilated_conv(
         c,
         weight,

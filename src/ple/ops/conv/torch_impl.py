@@ -132,7 +132,7 @@ def _blocked_conv(c, w, dilation, geo, starts, lengths, old, history_end, residu
     token_request = torch.repeat_interleave(torch.arange(num_requests, device=device), lengths, output_size=tokens)
     positions = torch.arange(tokens, device=device)
     local = positions - starts[token_request]  # position inside its chunk
-    windows = None
+    windows = c.new_empty(0, channels)  # read only when a tap reaches before the chunk, i.e. window > 0
     if window > 0:
         cols = (history_end - window).unsqueeze(1) + torch.arange(window, device=device)  # [R, W]
         windows = torch.gather(old, 2, cols.unsqueeze(1).expand(-1, channels, -1))  # [R, C, W]

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from . import reference, torch_impl
@@ -29,7 +31,9 @@ def ngram_gate(
 
     See :func:`ple.ops.gate.reference.ngram_gate` for the exact definition.
     """
-    impl = torch_impl
+    impl: types.ModuleType = torch_impl
     if value.is_cuda:
-        from . import triton_impl as impl
+        from . import triton_impl
+
+        impl = triton_impl
     return impl.ngram_gate(key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count)

@@ -69,7 +69,7 @@ def dequantize_rows_into(rows: torch.Tensor, scale_rows: torch.Tensor | None, ou
             lut = lut * scale_rows.reshape(1).to(dtype)
         codes = rows.view(torch.uint8).reshape(-1).to(torch.int32)
         torch.index_select(lut, 0, codes, out=out.view(-1))
-        if per_row:
+        if scale_rows is not None and per_row:
             out.mul_(scale_rows.to(dtype))  # every e4m3 value is exact in dtype: one rounding, here
         return out
     if scale_rows is None:
