@@ -6,7 +6,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,6 @@ def _run(*argv: str) -> int:
 
 def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     out_json, out_png, out_md = tmp_path / "b.json", tmp_path / "b.png", tmp_path / "b.md"
-    t0 = time.perf_counter()
     rc = _run(
         "--quick",
         "--cases",
@@ -50,9 +48,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
         "--markdown",
         str(out_md),
     )
-    elapsed = time.perf_counter() - t0
     assert rc == 0
-    assert elapsed < 30, f"quick run took {elapsed:.1f}s"
     table = capsys.readouterr().out
     assert table.startswith("| case | shape |")
     assert out_md.read_text() == table

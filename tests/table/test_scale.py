@@ -15,7 +15,7 @@ import torch
 
 from ple.table import MmapTable, gather_dequant_reference, hash_layout, write_sparse_table_file
 
-pytestmark = pytest.mark.scale
+pytestmark = [pytest.mark.scale, pytest.mark.perf]  # asserts peak memory and wall time
 
 ROWS = 320_001_536  # R_pad of the published layout
 HEAD_DIM = 160
