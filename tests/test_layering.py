@@ -17,6 +17,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.layout", 1, "layout"),
     ("ple._native", 1, "native"),
     ("ple.argtypes", 1, "argtypes"),
+    ("ple.files", 1, "files"),
     ("ple.config", 2, "config"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),
