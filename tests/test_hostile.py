@@ -253,6 +253,18 @@ def test_convert_refuses_what_the_loader_refuses(tmp_path, capsys, case):
     assert_one_line(code, err, "convert", *parts)
     assert any(parts[0] in p for p in loader.value.problems)
     assert _no_tables(tmp_path / "out")
+    if case not in ("nan_dense", "zero_row_scale"):  # inspect reads no bulk data; the rest it sees
+        code, out, _ = run(capsys, "inspect", root)
+        assert code == 1 and parts[0] in out
+
+
+@pytest.mark.parametrize("index", ["{", '{"weight_map": {"x": "../elsewhere.safetensors"}}'])
+def test_malformed_index_through_the_command(ckpt, tmp_path, capsys, index):
+    (ckpt / "model.safetensors.index.json").write_text(index)
+    for command in ("inspect", "convert"):
+        args = [ckpt] if command == "inspect" else [ckpt, tmp_path / "out"]
+        code, _, err = run(capsys, command, *args)
+        assert_one_line(code, err, command, "model.safetensors.index.json")
 
 
 def test_convert_output_problems(ckpt, tmp_path, capsys, monkeypatch):

@@ -73,7 +73,8 @@ def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Layout of every PLE layer; for a checkpoint, the header-only check (exit 1 on problems)."""
+    """Layout of every PLE layer; for a checkpoint, the scan (headers and small tensors, never the
+    table; exit 1 on problems)."""
     cfg, ckpt = resolve_model(args.path)
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(

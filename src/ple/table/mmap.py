@@ -5,11 +5,13 @@ table files (a new file renamed over the old name, e.g. ``ple convert --force``)
 keeps serving the file it opened, unchanged, until it is closed. Writing into the mapped file
 itself (``cp new.pletable old.pletable``, ``truncate``) is not: the rows a lookup reads change under
 it, and pages cut off by a truncation kill the process with SIGBUS when touched (the OS gives no
-way to turn that into an error). What is detected: every lookup first compares the file's size and
-modification time with those at open (one ``fstat``) and raises :class:`TableFileError` when they
-differ, before touching a row; :meth:`MmapTable.check_file` makes the same check on demand. What is
-not: a change during a lookup, or one that keeps both the size and the modification time (the
-clock's granularity, or a writer that resets the time).
+way to turn that into an error). What is detected: every lookup of the table (and every prefetch)
+first compares the file's size and modification time with those at open (one ``fstat``, about a
+microsecond) and raises :class:`TableFileError` when they differ, before touching a row;
+:meth:`MmapTable.check_file` makes the same check on demand. What is not: a change during a lookup,
+one that keeps both the size and the modification time (the clock's granularity, or a writer that
+resets the time), and reads that bypass the lookup (``data`` read directly, e.g. by a
+:class:`~ple.table.CachedTable` filling its cache).
 """
 
 from __future__ import annotations
