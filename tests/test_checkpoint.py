@@ -8,11 +8,14 @@ published prefix (``model.language_model.layers.{i}.ple.``), the table split int
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
+import safetensors
 import torch
 from safetensors.torch import save_file
 
@@ -150,13 +153,19 @@ def foreign_tensors(prefix: str) -> dict[str, torch.Tensor]:
     }
 
 
-def garble_data(path: Path, seed: int = 0) -> None:
-    """Overwrite a safetensors file's tensor bytes with random bytes; the header stays valid."""
-    raw = bytearray(path.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    start = 8 + n
-    raw[start:] = random.Random(seed).randbytes(len(raw) - start)
-    path.write_bytes(bytes(raw))
+def garble_large(root: Path, seed: int = 0) -> None:
+    """Overwrite the bytes of every tensor but the small ones (hash buffers, global scales) with random
+    bytes, in every safetensors file of ``root``; the headers stay valid."""
+    rng = random.Random(seed)
+    for f in root.glob("*.safetensors"):
+        infos, err = read_safetensors_header(f)
+        assert err is None
+        raw = bytearray(f.read_bytes())
+        for name, info in infos.items():
+            if name.rsplit(".", 1)[-1] in BUFFERS or name.endswith(SCALE):
+                continue
+            raw[info.begin : info.end] = rng.randbytes(info.end - info.begin)
+        f.write_bytes(bytes(raw))
 
 
 def truncate(path: Path, nbytes: int) -> None:
@@ -239,11 +248,20 @@ def test_scan_path_forms_and_two_layers(tmp_path, how):
         assert torch.equal(torch.cat([r for _, r, _ in iter_table_shards(e)]), mod.state_dict()[TABLE])
 
 
-def test_scan_reads_headers_only(tmp_path):
+def test_scan_reads_no_table(tmp_path, monkeypatch):
+    """The scan reads headers and the small tensors only: garbled tables and dense weights pass it."""
     _, cfg, mods = tiny_model("short_last")
-    write_checkpoint(tmp_path, model_tensors(cfg, mods))
-    for f in tmp_path.glob("*.safetensors"):
-        garble_data(f)
+    lay = cfg.layout(0)
+    write_checkpoint(
+        tmp_path, published_tensors(mods[0], lay, P0, table=_fp8_table(lay, 0), global_scale=torch.ones(1))
+    )
+    garble_large(tmp_path)
+
+    def no_data(*a, **k):
+        raise AssertionError("the scan read tensor data through safetensors")
+
+    monkeypatch.setattr(ckpt.TensorReader, "get", no_data)
+    monkeypatch.setattr(safetensors, "safe_open", no_data)
     assert scan_checkpoint(tmp_path, cfg).all_problems == []
 
 
@@ -342,6 +360,43 @@ BROKEN = {
         [f"{P0}{TABLE}: shape [2056, 6], expected [2064, 6]"],
     ),
     "no_table": (lambda t: [t.pop(_shard(k)) for k in range(5)], ["missing table: no", "shard_*.weight"]),
+    "dense_int": (
+        _set(P0 + "key_proj.weight", torch.ones(48, 24, dtype=torch.int32)),
+        ["key_proj.weight: dtype I32, expected a floating point dtype", "not converted"],
+    ),
+    "dense_bool": (_set(P0 + "norm_key.weight", torch.ones(48, dtype=torch.bool)), ["norm_key.weight: dtype BOOL"]),
+    "buffer_bool": (
+        _set(P0 + "ple_embedding.ngram_heads_offsets", torch.ones(4, dtype=torch.bool)),
+        ["ple_embedding.ngram_heads_offsets: dtype BOOL, expected integers"],
+    ),
+    "buffer_fraction": (
+        _set(P0 + "ple_embedding.ngram_heads_vocab_sizes", torch.tensor([503.5, 509, 521, 523], dtype=torch.float64)),
+        ["ngram_heads_vocab_sizes: element 0 is 503.5, not a whole number"],
+    ),
+    "buffer_float_wrong": (
+        _set(P0 + "ple_embedding.ngram_heads_vocab_sizes", torch.tensor([503.0, 509, 521, 524], dtype=torch.float32)),
+        ["ngram_heads_vocab_sizes = [503, 509, 521, 524] but the config implies [503, 509, 521, 523]"],
+    ),
+    "global_scale_zero": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.zeros(1)),
+        [f"{P0}{SCALE} = 0.0: the global scale must be a positive finite number"],
+    ),
+    "global_scale_negative": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=-torch.ones(1)),
+        [f"{P0}{SCALE} = -1.0: the global scale must be a positive finite number"],
+    ),
+    "global_scale_nan": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.tensor([float("nan")])),
+        [f"{P0}{SCALE} = nan: the global scale"],
+    ),
+    "global_scale_inf": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.tensor([float("inf")], dtype=torch.bfloat16)),
+        [f"{P0}{SCALE} = inf: the global scale"],
+    ),
+    "row_and_global_scale": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.ones(1), row_scale=True),
+        ["both per-row weight_scale tensors and a global", "one or the other"],
+    ),
 }
 
 
@@ -367,6 +422,97 @@ def test_broken_checkpoint_refused_by_loader(tmp_path, case):
         load_ple_weights(tmp_path, cfg)
     assert_problem(err.value.problems, *BROKEN[case][1])
     assert all(p in str(err.value) for p in BROKEN[case][1])
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_bad_per_row_scale_refused_by_loader(tmp_path, value, dtype):
+    _, cfg, mods = tiny_model("short_last")
+    tensors = model_tensors(cfg, mods)
+    _to_format(tensors, dtype, row_scale=True)
+    tensors[_shard(2, "weight_scale")][5, 0] = value
+    write_checkpoint(tmp_path, tensors)
+    assert scan_checkpoint(tmp_path, cfg).all_problems == []  # values of the bulk data are read by the readers
+    with pytest.raises(CheckpointError, match=f"shard_2.weight_scale: the scale of row {2 * 413 + 5} is {value}"):
+        load_ple_weights(tmp_path, cfg)
+    assert load_ple_weights(tmp_path, cfg, with_table=False)[0].table is None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_dense_weight_refused(tmp_path, value):
+    _, cfg, mods = tiny_model("short_last")
+    tensors = model_tensors(cfg, mods)
+    tensors[P0 + "value_proj.weight"][3, 7] = value
+    write_checkpoint(tmp_path, tensors)
+    want = f"{P0}value_proj.weight in .*: element \\[3, 7\\] is {value}, not finite"
+    with pytest.raises(CheckpointError, match=want):
+        load_ple_weights(tmp_path, cfg)
+    with pytest.raises(CheckpointError, match=want):
+        ckpt.check_checkpoint(tmp_path, cfg, dense_values=True)
+    ckpt.check_checkpoint(tmp_path, cfg)  # headers and small tensors only: fine
+
+
+def test_float_buffers_with_whole_values_load(tmp_path):
+    _, cfg, (mod,) = tiny_model("short_last")
+    tensors = model_tensors(cfg, [mod])
+    for name in ("ngram_heads_vocab_sizes", "ngram_heads_offsets"):
+        tensors[P0 + "ple_embedding." + name] = tensors[P0 + "ple_embedding." + name].double()
+    write_checkpoint(tmp_path, tensors)
+    _assert_matches_module(load_ple_weights(tmp_path, cfg)[0], mod, cfg)
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("{not json", "model.safetensors.index.json is not valid JSON"),
+        ("[1, 2]", 'has no "weight_map" object'),
+        ('{"weight_map": ["a"]}', 'has no "weight_map" object'),
+        ('{"weight_map": {"x": 3}}', "weight_map['x'] = 3 is not a file name in the model folder"),
+        ('{"weight_map": {"x": "../outside.safetensors"}}', "= '../outside.safetensors' is not a file name"),
+        ('{"weight_map": {"x": "/etc/passwd"}}', "= '/etc/passwd' is not a file name"),
+        ("[" * 100000 + "]" * 100000, "is not valid JSON"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+    ],
+)
+def test_malformed_index(tmp_path, index, message):
+    _, cfg, mods = tiny_model("short_last")
+    write_checkpoint(tmp_path, model_tensors(cfg, mods))
+    if isinstance(index, bytes):
+        (tmp_path / INDEX).write_bytes(index)
+    else:
+        (tmp_path / INDEX).write_text(index)
+    for fn in (scan_checkpoint, load_ple_weights):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            fn(tmp_path, cfg)
+
+
+def test_byte_range_disagreeing_with_shape(tmp_path):
+    f = tmp_path / "model.safetensors"
+    header = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    f.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    infos, err = read_safetensors_header(f)
+    assert "malformed safetensors header entry for 'x'" in err
+
+
+@pytest.mark.parametrize("what", ["safetensors", "index", "direct"])
+def test_fifo_is_refused_without_blocking(tmp_path, what):
+    _, cfg, mods = tiny_model("short_last")
+    if what == "safetensors":
+        write_checkpoint(tmp_path, model_tensors(cfg, mods), index=False)
+        os.mkfifo(tmp_path / "zz-model.safetensors")
+        path, message = tmp_path, "zz-model.safetensors: checkpoint file .* is a FIFO, not a regular file"
+    elif what == "index":
+        write_checkpoint(tmp_path, model_tensors(cfg, mods), index=False)
+        os.mkfifo(tmp_path / INDEX)
+        path, message = tmp_path, "checkpoint index .* is a FIFO, not a regular file"
+    else:
+        os.mkfifo(tmp_path / "model.safetensors")
+        path, message = tmp_path / "model.safetensors", "is a FIFO, not a regular file"
+    for fn in (scan_checkpoint, load_ple_weights):
+        with pytest.raises(CheckpointError, match=message):
+            problems = fn(path, cfg).all_problems
+            if problems:
+                raise CheckpointError(problems)
 
 
 def test_duplicate_shard_across_files(tmp_path):

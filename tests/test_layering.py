@@ -15,8 +15,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ple"
 LEVELS: list[tuple[str, int, str]] = [
     ("ple.errors", 0, "errors"),
     ("ple.layout", 1, "layout"),
-    ("ple._native", 1, "native"),
+    ("ple._native", 2, "native"),
     ("ple.argtypes", 1, "argtypes"),
+    ("ple.files", 1, "files"),
     ("ple.config", 2, "config"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),

@@ -1,3 +1,4 @@
+import re
 import time
 
 import pytest
@@ -125,3 +126,50 @@ def test_layout_index_out_of_range():
     cfg = PLEConfig.from_dict({"hidden_size": 64, "eos_token_id": 5, "heads_per_ngram": 4, "ple_layer_ids": [2]})
     with pytest.raises(ConfigError, match="ple_layer_index"):
         cfg.layout(1)
+
+
+def test_config_bounds_accept_their_edges_and_name_the_limit():
+    """Each bound holds at its edge (the layout is computed, exactly) and refuses one past it, naming the limit."""
+    from ple.config import LIMITS, MAX_HEAD_PRIMES, MAX_HEADS
+
+    base = {"hidden_size": 64, "eos_token_id": 5, "heads_per_ngram": 1, "ngram_size": 2, "ple_embed_dim": 64}
+    edge = PLEConfig.from_dict({**base, "ngram_size": 64, "ple_embed_dim": 63})
+    assert len(edge.layout(0).multipliers) == 64
+    heads = PLEConfig.from_dict({**base, "heads_per_ngram": MAX_HEADS, "ple_embed_dim": MAX_HEADS})
+    assert heads.layout(0).num_heads == MAX_HEADS
+    big = PLEConfig.from_dict({**base, "ngram_vocab_size_base": LIMITS["ngram_vocab_size_base"][1]})
+    lay = big.layout(0)
+    assert lay.head_sizes[0] > 1 << 40 and is_prime(lay.head_sizes[0])
+    assert lay.padded_rows * lay.head_dim * 4 < 1 << 63  # bytes of the table fit an int64
+    for field, (_, hi, why) in LIMITS.items():
+        if field in ("seed",):
+            continue
+        with pytest.raises(ConfigError, match=re.escape(f"{field}={hi + 1}: at most {hi} ({why})")):
+            PLEConfig.from_dict({**base, field: hi + 1})
+    with pytest.raises(ConfigError, match=f"at most {(1 << 64) - 1}"):
+        PLEConfig.from_dict({**base, "seed": 1 << 64})
+    layers = list(range(1, MAX_HEAD_PRIMES + 2))
+    with pytest.raises(ConfigError, match=f"= {MAX_HEAD_PRIMES + 1} head primes, at most {MAX_HEAD_PRIMES}"):
+        PLEConfig.from_dict({**base, "ple_layer_ids": layers})
+    with pytest.raises(ConfigError, match="ple_layer_index=True"):
+        PLEConfig.from_dict(base).layout(True)
+
+
+def test_layouts_of_many_layers_share_one_prime_run(monkeypatch):
+    """Layouts computed in any order equal the direct computation; all layers of a config cost one pass."""
+    import ple.layout
+    from ple.layout import _primes_after, compute_layout
+
+    cfg = PLEConfig.from_dict(
+        {"hidden_size": 64, "eos_token_id": 5, "heads_per_ngram": 2, "ple_layer_ids": list(range(1, 41)), "seed": 3}
+    )
+    for idx in (39, 0, 17, 38, 1):
+        lay = cfg.layout(idx)
+        g = lay.num_heads
+        assert list(lay.head_sizes) == _primes_after(cfg.ngram_vocab_size_base - 1, (idx + 1) * g)[idx * g :]
+    found = []
+    monkeypatch.setattr(ple.layout, "_primes_after", lambda start, n: found.append(n) or _primes_after(start, n))
+    kw = dict(ngram_size=2, heads_per_ngram=1, vocab_size=1000, seed=1, divisible_by=1, split_parts=1, embed_dim=8)
+    for idx in range(2000):
+        compute_layout(ple_layer_index=idx, ngram_vocab_size_base=(1 << 40) + 7, **kw)
+    assert sum(found) == 2000  # each prime found once, not 2000 * 2001 / 2 times

@@ -1,15 +1,20 @@
 """Reading PLE layers from safetensors checkpoints.
 
-Two steps: :func:`scan_checkpoint` reads only the safetensors headers (names, dtypes, shapes, byte
-ranges) and lists every problem it can see; :func:`load_ple_weights` then streams the tensors one at
-a time into fresh buffers (the table shard by shard) and hands them over only when everything
-loaded. Pickled formats are never opened.
+One validation for every reader. :func:`scan_checkpoint` reads the safetensors headers (names,
+dtypes, shapes, byte ranges) and the few small tensors whose values decide the layout (the hash
+buffers, compared with the config; the global fp8 scale, a positive finite number), never the
+table, and lists every problem it sees. :func:`check_checkpoint` raises on those problems (for the
+layers asked for) and, on request, checks the dense weights' values; :func:`load_ple_weights`,
+``ple convert`` and ``ple verify --checkpoint`` all go through it. Values of the bulk data are
+checked as they stream by whoever reads them (per-row scales by the loader and the converter, the
+dense weights by the loader). Pickled formats are never opened; only regular files are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct
@@ -19,15 +24,18 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, PLEConfig
-from .errors import PLEError
+from .errors import InvalidArgumentError, PLEError
+from .files import file_kind, open_regular, read_regular
 from .layout import Layout
 from .table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
+from .table.formats import check_scale_values
 
 __all__ = [
     "CheckpointError",
     "LayerEntry",
     "CheckpointScan",
     "PLEWeights",
+    "check_checkpoint",
     "scan_checkpoint",
     "load_ple_weights",
     "iter_table_shards",
@@ -71,6 +79,9 @@ _ST_DTYPES = {
     "BOOL": torch.bool,
 }
 _PLAIN = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_BUFFER_DTYPES = ("I64", "I32", "I16", "I8", "U8", *_FLOAT_DTYPES)
+_MAX_INDEX_BYTES = 64 << 20
 
 
 class CheckpointError(PLEError, ValueError):
@@ -83,25 +94,56 @@ class CheckpointError(PLEError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
+    """Where one tensor of a safetensors file is: its file, dtype, shape, and byte range ``[begin, end)``
+    in the file."""
+
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    begin: int = 0
+    end: int = 0
+
+
+def _tensor_info(path: Path, meta, data_start: int) -> TensorInfo:
+    """One header entry as a :class:`TensorInfo`; ValueError when it is malformed."""
+    if not isinstance(meta, dict):
+        raise ValueError("not an object")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        raise ValueError("dtype, shape or data_offsets malformed")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in [*shape, *offsets]):
+        raise ValueError("negative or non-integer sizes")
+    begin, end = offsets
+    if begin > end:
+        raise ValueError("data_offsets decrease")
+    t = _ST_DTYPES.get(dtype)
+    if t is not None and end - begin != math.prod(shape) * torch.empty((), dtype=t).element_size():
+        raise ValueError(f"{end - begin} bytes for a {dtype} tensor of shape {shape}")
+    return TensorInfo(path, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | None]:
-    """Tensor names -> info from a safetensors header, and a problem string (truncation) or None."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
+    """Tensor names -> info from a safetensors header, and a problem string (not a regular file,
+    malformed, truncated) or None."""
+    try:
+        fd = open_regular(path, "checkpoint file", CheckpointError)
+    except CheckpointError as e:
+        return {}, f"{path.name}: {e.problems[0]}"
+    try:
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, 8, 0)
         if len(raw) < 8:
             return {}, f"{path.name}: not a safetensors file (only {size} bytes)"
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8 or n > 100_000_000:
             return {}, f"{path.name}: header length {n} exceeds the file size {size} (truncated or not safetensors)"
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return {}, f"{path.name}: unreadable safetensors header ({e})"
+        blob = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        return {}, f"{path.name}: unreadable safetensors header ({e})"
     if not isinstance(header, dict):
         return {}, f"{path.name}: unreadable safetensors header (not a JSON object)"
     out: dict[str, TensorInfo] = {}
@@ -110,17 +152,56 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | No
         if name == "__metadata__":
             continue
         try:
-            info = TensorInfo(path, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]))
-            end = max(end, int(meta["data_offsets"][1]))
+            info = _tensor_info(path, meta, 8 + n)
         except (KeyError, TypeError, ValueError, IndexError):
-            return out, f"{path.name}: malformed safetensors header entry for {name!r}: {meta!r}"
+            shown = repr(meta)
+            shown = shown if len(shown) <= 200 else shown[:197] + "..."
+            return out, f"{path.name}: malformed safetensors header entry for {name!r}: {shown}"
+        end = max(end, info.end)
         out[name] = info
-    if 8 + n + end > size:
-        return out, f"{path.name}: truncated: tensor data needs {8 + n + end} bytes, the file has {size}"
+    if end > size:
+        return out, f"{path.name}: truncated: tensor data needs {end} bytes, the file has {size}"
     return out, None
 
 
+def _read_small(info: TensorInfo) -> torch.Tensor:
+    """A small tensor (a hash buffer, a global scale) read straight from its byte range."""
+    fd = open_regular(info.file, "checkpoint file", CheckpointError)
+    try:
+        n = info.end - info.begin
+        blob = os.pread(fd, n, info.begin)
+    finally:
+        os.close(fd)
+    if len(blob) != n:
+        raise CheckpointError(f"{info.file.name}: truncated at byte {info.begin + len(blob)}")
+    dtype = _ST_DTYPES[info.dtype]
+    flat = torch.frombuffer(bytearray(blob), dtype=dtype) if n else torch.empty(0, dtype=dtype)
+    return flat.reshape(info.shape)
+
+
+def _weight_map_files(root: Path, index: Path) -> list[Path]:
+    """The files a ``model.safetensors.index.json`` names, each a plain file name in ``root``."""
+    blob = read_regular(index, "checkpoint index", _MAX_INDEX_BYTES, CheckpointError)
+    try:
+        doc = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{INDEX_NAME} is not valid JSON ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{INDEX_NAME} has no "weight_map" object mapping tensor names to files')
+    names = set()
+    for tensor, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname or "/" in fname or "\\" in fname or fname in (".", ".."):
+            raise CheckpointError(
+                f"{INDEX_NAME}: weight_map[{tensor!r}] = {fname!r} is not a file name in the model folder"
+            )
+        names.add(fname)
+    return sorted(root / f for f in names)
+
+
 def _checkpoint_files(path: Path) -> list[Path]:
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise CheckpointError(f"{path} is {file_kind(path.stat().st_mode)}, not a regular file")
     if path.is_file():
         if path.name == INDEX_NAME:
             path = path.parent
@@ -135,17 +216,15 @@ def _checkpoint_files(path: Path) -> list[Path]:
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
     index = path / INDEX_NAME
-    if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted({path / v for v in weight_map.values()})
+    if os.path.lexists(index):
+        files = _weight_map_files(path, index)
         pickled = [p.name for p in files if p.suffix in _PICKLE_SUFFIXES]
         if pickled:
             raise CheckpointError(
                 f"{INDEX_NAME} names pickled weights ({', '.join(pickled[:3])}); they are refused "
                 "(unpickling runs arbitrary code); convert to safetensors"
             )
-        missing = [p.name for p in files if not p.is_file()]
+        missing = [p.name for p in files if not p.exists()]
         if missing:
             raise CheckpointError([f"{INDEX_NAME} names missing file(s): {', '.join(missing)}"])
         return files
@@ -192,7 +271,9 @@ class CheckpointScan:
 
 
 def scan_checkpoint(path: str | os.PathLike, config: PLEConfig) -> CheckpointScan:
-    """Check names, shapes and dtypes of every PLE layer from the safetensors headers alone."""
+    """Check every PLE layer: names, shapes and dtypes from the safetensors headers, and the values of
+    the small tensors (hash buffers equal to what the config implies, a positive finite global
+    scale). The table is never read. Problems are listed, not raised (see :func:`check_checkpoint`)."""
     files = _checkpoint_files(Path(path))
     problems: list[str] = []
     by_layer: dict[int, tuple[str, dict[str, TensorInfo]]] = {}
@@ -272,8 +353,14 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
         dense_info = e.dense.get(name)
         if dense_info is None:
             p(f"missing {prefix}{name}")
-        elif dense_info.shape != shape:
+            continue
+        if dense_info.shape != shape:
             p(f"{prefix}{name}: shape {list(dense_info.shape)}, expected {list(shape)}")
+        if dense_info.dtype not in _FLOAT_DTYPES:
+            p(
+                f"{prefix}{name}: dtype {dense_info.dtype}, expected a floating point dtype {list(_FLOAT_DTYPES)} "
+                "(integer or bool weights are not converted)"
+            )
     nbuf = {
         "layer_multipliers": lay.ngram_size,
         "ngram_heads_vocab_sizes": lay.num_heads,
@@ -282,6 +369,8 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
     for name, info in e.buffers.items():
         if info.shape != (nbuf[name],):
             p(f"{prefix}ple_embedding.{name}: shape {list(info.shape)}, expected [{nbuf[name]}]")
+        if info.dtype not in _BUFFER_DTYPES:
+            p(f"{prefix}ple_embedding.{name}: dtype {info.dtype}, expected integers {list(_BUFFER_DTYPES)}")
     # table
     if e.whole_table is not None and e.shards:
         p(f"{prefix}: both an unsharded {_TABLE} and {len(e.shards)} shard(s); expected one form")
@@ -325,7 +414,12 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
             if e.global_scale is not None or per_row:
                 p(f"{prefix}: a {dt} table carries a weight_scale; scales are only for fp8/int8 tables")
         elif dt in ("F8_E4M3", "I8"):
-            if per_row:
+            if per_row and e.global_scale is not None:
+                p(
+                    f"{prefix}: the table has both per-row weight_scale tensors and a global {_TABLE_SCALE}; "
+                    "a table has one or the other"
+                )
+            elif per_row:
                 e.table_format = "fp8_row" if dt == "F8_E4M3" else "int8_row"
                 for k, info in e.shards.items():
                     s = e.shard_scales.get(k)
@@ -346,7 +440,59 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
                 p(f"{prefix}: an I8 table needs per-row weight_scale tensors")
         else:
             p(f"{prefix}: unsupported table dtype {dt}")
+    e.problems += _small_value_problems(e)
     return e
+
+
+def _buffer_problem(name: str, got: list[int], want: list[int], prefix: str) -> str:
+    return (
+        f"{prefix}ple_embedding.{name} = {got} but the config implies {want}; a wrong or missing `seed` "
+        "(default 1234) or `ngram_vocab_size_base` in config.json is the usual cause"
+    )
+
+
+def _small_value_problems(e: LayerEntry) -> list[str]:
+    """The values of a layer's small tensors: hash buffers equal to the config's (whole numbers,
+    even when stored as floats), a positive finite global scale. Tensors whose header entry is
+    already wrong are skipped; one that cannot be read is a problem."""
+    lay = e.layout
+    want = {
+        "layer_multipliers": list(lay.multipliers),
+        "ngram_heads_vocab_sizes": list(lay.head_sizes),
+        "ngram_heads_offsets": list(lay.head_offsets),
+    }
+    out = []
+    for name, info in sorted(e.buffers.items()):
+        if info.shape != (len(want[name]),) or info.dtype not in _BUFFER_DTYPES:
+            continue
+        full = f"{e.prefix}ple_embedding.{name}"
+        try:
+            t = _read_small(info)
+        except (OSError, CheckpointError) as exc:
+            out.append(f"{full}: could not be read ({exc})")
+            continue
+        if t.is_floating_point():
+            t64 = t.double()
+            bad = ~torch.isfinite(t64) | (t64 != t64.round())
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                out.append(f"{full}: element {i} is {float(t64[i])}, not a whole number (hash buffers hold integers)")
+                continue
+            got = [int(v) for v in t64.tolist()]
+        else:
+            got = [int(v) for v in t.tolist()]
+        if got != want[name]:
+            out.append(_buffer_problem(name, got, want[name], e.prefix))
+    g = e.global_scale
+    if g is not None and g.shape in ((1,), ()) and g.dtype in _FLOAT_DTYPES:
+        try:
+            value = float(_read_small(g).reshape(-1)[0])
+        except (OSError, CheckpointError) as exc:
+            out.append(f"{e.prefix}{_TABLE_SCALE}: could not be read ({exc})")
+        else:
+            if not (math.isfinite(value) and value > 0):
+                out.append(f"{e.prefix}{_TABLE_SCALE} = {value}: the global scale must be a positive finite number")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -423,40 +569,6 @@ def iter_table_shards(
             reader.close()
 
 
-def _buffer_problem(name: str, got: list[int], want: list[int], prefix: str) -> str:
-    return (
-        f"{prefix}ple_embedding.{name} = {got} but the config implies {want}; a wrong or missing `seed` "
-        "(default 1234) or `ngram_vocab_size_base` in config.json is the usual cause"
-    )
-
-
-def _check_buffers(e: LayerEntry, reader: TensorReader) -> list[str]:
-    """Compare the layer's hash buffers (a few integers each) with the values the config implies.
-
-    Buffers whose header shape is already reported as wrong are skipped; a buffer that cannot be
-    read is reported as such.
-    """
-    lay = e.layout
-    want = {
-        "layer_multipliers": list(lay.multipliers),
-        "ngram_heads_vocab_sizes": list(lay.head_sizes),
-        "ngram_heads_offsets": list(lay.head_offsets),
-    }
-    out = []
-    for name, info in sorted(e.buffers.items()):
-        if info.shape != (len(want[name]),):
-            continue
-        full = f"{e.prefix}ple_embedding.{name}"
-        try:
-            got = [int(v) for v in reader.get(info, full).tolist()]
-        except Exception as exc:  # a truncated file: its own problem is reported by the scan
-            out.append(f"{full}: could not be read ({type(exc).__name__}: {exc})")
-            continue
-        if got != want[name]:
-            out.append(_buffer_problem(name, got, want[name], e.prefix))
-    return out
-
-
 def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Read one tensor and insist on the shape and dtype its header promised (the file may have
     changed since the scan; ``copy_`` would otherwise broadcast or convert silently)."""
@@ -467,6 +579,13 @@ def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tupl
             f"{name} in {info.file.name}: read {list(t.shape)} {t.dtype}, expected {list(shape)} {want_dtype} "
             "(the file changed after it was scanned)"
         )
+    if t.is_floating_point():
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            where = [int(v) for v in bad.nonzero()[0]]
+            raise CheckpointError(
+                f"{name} in {info.file.name}: element {where} is {float(t[tuple(where)])}, not finite"
+            )
     return t
 
 
@@ -496,11 +615,58 @@ def _load_table(e: LayerEntry, reader: TensorReader, device, progress: bool) -> 
                     f"{name}.weight_scale: read {list(scale.shape)}, expected [{b - a}, 1] "
                     "(the file changed after it was scanned)"
                 )
+            _check_scale(scale, f"{name}.weight_scale", a)
             tscale[a:b].copy_(scale)
         del rows, scale
     if e.table_format == "fp8" and tscale is not None and e.global_scale is not None:
-        tscale.copy_(reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float())
+        gscale = reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float()
+        _check_scale(gscale, e.prefix + _TABLE_SCALE, 0)
+        tscale.copy_(gscale)
     return table
+
+
+def _check_scale(scale: torch.Tensor, name: str, first_row: int) -> None:
+    try:
+        check_scale_values(scale, name, first_row=first_row)
+    except InvalidArgumentError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def check_checkpoint(
+    path: str | os.PathLike,
+    config: PLEConfig,
+    *,
+    layers: list[int] | None = None,
+    strict: bool = True,
+    dense_values: bool = False,
+) -> CheckpointScan:
+    """The validation every reader of a checkpoint makes (the loader, ``ple convert``, ``ple verify``):
+    :func:`scan_checkpoint`'s problems that concern the layers asked for (``layers``, default all)
+    plus the checkpoint-wide ones, and with ``dense_values`` the dense weights read and checked
+    finite. Raises :class:`CheckpointError` listing every problem; returns the scan.
+
+    ``strict``: unexpected tensor names under a PLE prefix are problems (else ignored)."""
+    scan = scan_checkpoint(path, config)
+    problems = list(scan.problems)
+    wanted = [e for e in scan.layers if layers is None or e.ple_layer_index in layers]
+    if layers is not None:
+        have = {e.ple_layer_index for e in scan.layers}
+        problems += [f"PLE layer {i} requested but not in the checkpoint" for i in layers if i not in have]
+    for e in wanted:
+        problems += [q for q in e.problems if strict or not q.startswith("unexpected tensor")]
+    if not problems and dense_values:
+        with TensorReader() as reader:
+            for e in wanted:
+                for n, info in e.dense.items():
+                    try:
+                        _read_checked(reader, info, e.prefix + n, info.shape)
+                    except CheckpointError as exc:
+                        problems += exc.problems
+                    except Exception as exc:  # a file that changed or broke since the scan
+                        problems.append(f"{e.prefix}{n}: reading failed: {type(exc).__name__}: {exc}")
+    if problems:
+        raise CheckpointError(problems)
+    return scan
 
 
 def load_ple_weights(
@@ -515,10 +681,11 @@ def load_ple_weights(
 ) -> dict[int, PLEWeights]:
     """Load PLE layers (``{ple_layer_index: PLEWeights}``) from a safetensors file or directory.
 
-    The whole checkpoint is validated first (headers, plus the small hash buffers, whose values
-    must equal the config's); then tensors are read one at a time, the table shard by shard into
-    a freshly allocated :class:`ple.table.MemoryTable`. Nothing is returned (and no caller state is
-    touched) unless every layer loaded; any failure raises :class:`CheckpointError`.
+    The checkpoint is validated first (:func:`check_checkpoint`); then tensors are read one at a
+    time, the table shard by shard into a freshly allocated :class:`ple.table.MemoryTable`, every
+    dense weight checked finite and every scale a positive finite number as it is read. Nothing is
+    returned (and no caller state is touched) unless every layer loaded; any failure raises
+    :class:`CheckpointError`.
 
     Args:
         layers: ``ple_layer_index`` values to load (default: all).
@@ -526,23 +693,11 @@ def load_ple_weights(
         with_table: False reads everything but the table (``PLEWeights.table`` is None), for
             tables served from another tier (e.g. a table file made by ``ple convert``).
     """
-    scan = scan_checkpoint(path, config)
-    problems = list(scan.problems)
+    scan = check_checkpoint(path, config, layers=layers, strict=strict)
     wanted = [e for e in scan.layers if layers is None or e.ple_layer_index in layers]
-    if layers is not None:
-        have = {e.ple_layer_index for e in scan.layers}
-        problems += [f"PLE layer {i} requested but not in the checkpoint" for i in layers if i not in have]
-    for e in wanted:
-        problems += [q for q in e.problems if strict or not q.startswith("unexpected tensor")]
     reader = TensorReader()
     out: dict[int, PLEWeights] = {}
     try:
-        # Buffers first, even when the headers already show problems: a wrong seed or
-        # ngram_vocab_size_base is the usual cause of wrong table shapes, and the buffers say so.
-        for e in wanted:
-            problems += _check_buffers(e, reader)
-        if problems:
-            raise CheckpointError(problems)
         c, k = config.hc_hidden_size, config.ple_conv_kernel_size
         for e in wanted:
             lay = e.layout
@@ -581,10 +736,12 @@ def resolve_model(path: str | os.PathLike) -> tuple[PLEConfig, Path | None]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no such file or directory: {p}")
+    if not p.is_dir() and not p.is_file():
+        raise ConfigError(f"{p} is {file_kind(p.stat().st_mode)}, not a regular file or a folder")
     if p.is_file() and p.name.endswith(".json") and p.name != INDEX_NAME:
         return PLEConfig.from_pretrained(p), None
     root = p.parent if p.is_file() else p
-    if not (root / "config.json").is_file():
+    if not (root / "config.json").exists():
         raise ConfigError(f"{root} has no config.json")
     cfg = PLEConfig.from_pretrained(root)
     has_weights = (

@@ -3,11 +3,17 @@
 Exit status, the same for every subcommand:
 
 - 0: done, and nothing wrong was found;
-- 1: the input or the data has a problem (a bad value, a damaged or mismatching file, a failed
-  check); the reason is one line on stderr, or the list of problems found;
-- 2: the command line itself is wrong (unknown option, missing argument): argparse's usage message;
-- 130: interrupted (Ctrl-C); whatever was being written is removed;
+- 1: the input, the data or the environment has a problem (a bad value, a damaged or mismatching
+  file, a failed check, a path that cannot be read or written, a full disk: every
+  :class:`~ple.errors.PLEError` and ``OSError``); the reason is one line on stderr, or the list of
+  problems found (``inspect``, ``verify``, on stdout);
+- 2: the command line itself is wrong (unknown option, missing argument, a value out of range):
+  argparse's usage message and the error;
+- 130: interrupted (Ctrl-C); the temporary file being written is removed (table files already
+  published stay: each is complete);
 - 141: stdout was closed early (``ple ... | head``), quietly.
+
+Any other exception is a bug in ple and shows its traceback.
 
 ``--json`` always means: print one JSON document on stdout instead of the text report (progress
 and log lines go to stderr). Progress bars appear only when stderr is a terminal.
@@ -45,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     json_help = "print one JSON document on stdout instead of the text report"
 
-    p = add("inspect", "layout per PLE layer; for a checkpoint, a header-only check")
+    p = add("inspect", "layout per PLE layer; for a checkpoint, a check of its headers and small tensors")
     p.add_argument("path", help="config.json, model directory or model.safetensors.index.json")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.inspect)

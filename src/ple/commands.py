@@ -17,6 +17,7 @@ from typing import Any
 
 from .checkpoint import (
     CheckpointError,
+    check_checkpoint,
     open_layer_table,
     resolve_model,
     scan_checkpoint,
@@ -72,7 +73,8 @@ def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Layout of every PLE layer; for a checkpoint, the header-only check (exit 1 on problems)."""
+    """Layout of every PLE layer; for a checkpoint, the scan (headers and small tensors, never the
+    table; exit 1 on problems)."""
     cfg, ckpt = resolve_model(args.path)
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(
@@ -177,18 +179,6 @@ def ids(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- convert
 
 
-def _checked_scan(checkpoint: str, config_path: str | None):
-    cfg, ckpt = resolve_model(checkpoint)
-    if config_path:
-        cfg = PLEConfig.from_pretrained(config_path)
-    if ckpt is None:
-        raise CheckpointError(f"{checkpoint}: no safetensors weights found")
-    scan = scan_checkpoint(ckpt, cfg)
-    if scan.all_problems:
-        raise CheckpointError(scan.all_problems)
-    return cfg, scan
-
-
 def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
     if text is None:
         return None
@@ -207,9 +197,17 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
 
 
 def convert(args: argparse.Namespace) -> int:
-    """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard."""
-    cfg, scan = _checked_scan(args.checkpoint, args.config)
+    """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard.
+
+    The checkpoint passes the loader's validation first (:func:`ple.checkpoint.check_checkpoint`, dense
+    weights included): what the loader refuses is never converted."""
+    cfg, ckpt = resolve_model(args.checkpoint)
+    if args.config:
+        cfg = PLEConfig.from_pretrained(args.config)
+    if ckpt is None:
+        raise CheckpointError(f"{args.checkpoint}: no safetensors weights found")
     wanted = _parse_layers(args.layers, cfg)
+    scan = check_checkpoint(ckpt, cfg, layers=wanted, dense_values=True)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
@@ -272,12 +270,11 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
         return [f"the file was made for another layout than {checkpoint}'s config (PLE layer {idx})"]
     if ckpt is None:
         return [f"{checkpoint}: no safetensors weights to compare with"]
-    scan = scan_checkpoint(ckpt, cfg)
-    entry = next((e for e in scan.layers if e.ple_layer_index == idx), None)
-    if entry is None:
-        return [f"the checkpoint has no PLE layer {idx}"]
-    if entry.problems:
-        return entry.problems
+    try:
+        scan = check_checkpoint(ckpt, cfg, layers=[idx])
+    except CheckpointError as e:
+        return e.problems
+    entry = next(e for e in scan.layers if e.ple_layer_index == idx)
     open_layer_table(file, cfg, idx).close()  # the layout hash as the loader checks it
     return compare_with_source(file, table_shards(entry))
 

@@ -1,18 +1,54 @@
-"""``PLEConfig``: the PLE fields of a ``qwen4_exp`` model configuration, validated."""
+"""``PLEConfig``: the PLE fields of a ``qwen4_exp`` model configuration, validated.
+
+Every field is checked for its type and range when a config is made (:class:`ConfigError` names
+the field, the value and what is expected). Integer fields are bounded (:data:`LIMITS`) so that the
+layout arithmetic stays exact in int64 and takes bounded time and memory: the table's row ids and
+byte offsets fit an int64, the layout computes at most ``MAX_HEAD_PRIMES`` primes, and the loops
+over shards, heads and n-gram orders stay short. The published model is far inside every bound.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import PLEError
+from .files import read_regular
 from .layout import Layout, compute_layout
 
-__all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES"]
+__all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES", "LIMITS", "MAX_HEADS", "MAX_HEAD_PRIMES"]
+
+LIMITS: dict[str, tuple[int, int, str]] = {
+    "hidden_size": (1, 1 << 20, "a dimension of the hidden state"),
+    "hc_count": (1, 1 << 10, "hidden copies; hc_count * hidden_size is a dimension"),
+    "ple_embed_dim": (1, 1 << 20, "rows are ple_embed_dim / heads wide; it bounds the table's bytes"),
+    "vocab_size": (1, (1 << 31) - 1, "token ids are int32 or int64 tensors: the vocabulary fits int32"),
+    "ngram_size": (2, 64, "the C kernels hash n-grams of 2..64 tokens"),
+    "heads_per_ngram": (1, 1024, "heads of one n-gram order"),
+    "ngram_vocab_size_base": (2, 1 << 40, "head sizes are primes from here: rows and byte offsets fit int64"),
+    "make_ngram_vocab_size_divisible_by": (1, 1 << 20, "padding rows"),
+    "split_ngram_parts": (1, 1 << 20, "checkpoints and conversions walk every shard"),
+    "ple_conv_kernel_size": (1, 1024, "conv taps; the conv window is (taps - 1) * ngram_size"),
+    "seed": (0, (1 << 64) - 1, "the hash multipliers are derived from it modulo 2^64"),
+}
+"""``field: (minimum, maximum, why)`` for every integer field of :class:`PLEConfig`."""
+
+MAX_HEADS = 1024
+"""Most n-gram heads one PLE layer may have: ``(ngram_size - 1) * heads_per_ngram``."""
+
+MAX_HEAD_PRIMES = 8192
+"""Most heads over all PLE layers, ``len(ple_layer_ids) * heads``: the layout of PLE layer ``i``
+takes the primes of every head of layers ``0..i``."""
+
+MAX_PLE_LAYER_ID = 1 << 20
+"""Largest (one-indexed) decoder layer id in ``ple_layer_ids``."""
+
+_MAX_CONFIG_BYTES = 16 << 20
 
 
 class ConfigError(PLEError, ValueError):
@@ -65,9 +101,11 @@ class PLEConfig:
             raise ConfigError(f"invalid PLE config: expected a dict, got {type(d).__name__}")
         src = dict(d)
         model_type = src.get("model_type")
-        if model_type is not None and model_type not in MODEL_TYPES:
+        if model_type is not None and (not isinstance(model_type, str) or model_type not in MODEL_TYPES):
             raise _bad("model_type", model_type, f"one of {list(MODEL_TYPES)}: ple reads qwen4_exp models")
         text = src.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise _bad("text_config", text, "a JSON object (the text model's fields)")
         if isinstance(text, dict):
             merged = dict(text)
             if merged.get("eos_token_id") is None and src.get("eos_token_id") is not None:
@@ -79,6 +117,8 @@ class PLEConfig:
         if isinstance(eos, (list, tuple)):
             if not eos:
                 raise _bad("eos_token_id", eos, "an empty list; PLE needs an end-of-sequence token")
+            if any(isinstance(e, bool) or not isinstance(e, int) for e in eos):
+                raise _bad("eos_token_id", list(eos), "integer token ids")
             eos = eos[0]
         if eos is None:
             raise _bad("eos_token_id", None, "required: PLE resets its n-gram history at EOS")
@@ -89,7 +129,11 @@ class PLEConfig:
             value = src[f.name]
             if value is None and f.name in ("seed",):
                 continue  # a null seed means the default, never 0
-            kwargs[f.name] = tuple(value) if f.name == "ple_layer_ids" and value is not None else value
+            if f.name == "ple_layer_ids" and value is not None:
+                if not isinstance(value, (list, tuple)):
+                    raise _bad("ple_layer_ids", value, "a list of one-indexed decoder layer ids")
+                value = tuple(value)
+            kwargs[f.name] = value
         if kwargs.get("ple_layer_ids") is None:
             kwargs["ple_layer_ids"] = ()
         return cls(**kwargs)
@@ -100,13 +144,13 @@ class PLEConfig:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
-        if not p.is_file():
+        if not p.exists():
             raise FileNotFoundError(f"no config.json at {p}")
-        with open(p) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        blob = read_regular(p, "config", _MAX_CONFIG_BYTES, ConfigError)
+        try:
+            d = json.loads(blob)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +192,7 @@ class PLEConfig:
 
     def layout(self, ple_layer_index: int = 0) -> Layout:
         """Exact table layout of the ``ple_layer_index``-th PLE layer (0 = the first)."""
-        if not isinstance(ple_layer_index, int) or ple_layer_index < 0:
+        if isinstance(ple_layer_index, bool) or not isinstance(ple_layer_index, int) or ple_layer_index < 0:
             raise _bad("ple_layer_index", ple_layer_index, "a non-negative integer")
         if self.ple_layer_ids and ple_layer_index >= len(self.ple_layer_ids):
             raise _bad(
@@ -192,44 +236,51 @@ class PLEConfig:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        def pos_int(field: str, minimum: int = 1) -> None:
+        def bounded_int(field: str) -> None:
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise _bad(field, v, f"an integer >= {minimum}")
+            lo, hi, why = LIMITS[field]
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise _bad(field, v, f"an integer >= {lo}")
+            if v > hi:
+                raise _bad(field, v, f"at most {hi} ({why})")
 
-        for field in (
-            "hidden_size",
-            "vocab_size",
-            "hc_count",
-            "ple_embed_dim",
-            "heads_per_ngram",
-            "make_ngram_vocab_size_divisible_by",
-            "split_ngram_parts",
-        ):
-            pos_int(field)
-        pos_int("ngram_size", 2)
-        pos_int("ple_conv_kernel_size", 1)
-        pos_int("ngram_vocab_size_base", 2)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise _bad("seed", self.seed, "a non-negative integer")
+        for field in LIMITS:
+            bounded_int(field)
         e = self.eos_token_id
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < self.vocab_size:
             raise _bad("eos_token_id", e, f"an integer in [0, vocab_size={self.vocab_size})")
+        if self.num_heads > MAX_HEADS:
+            raise _bad(
+                "heads_per_ngram",
+                self.heads_per_ngram,
+                f"(ngram_size-1)*heads_per_ngram = {self.num_heads} heads, at most {MAX_HEADS}",
+            )
         if self.ple_embed_dim % self.num_heads:
             raise _bad(
                 "ple_embed_dim",
                 self.ple_embed_dim,
                 f"must be divisible by the number of n-gram heads (ngram_size-1)*heads_per_ngram = {self.num_heads}",
             )
-        if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
-            raise _bad("rms_norm_eps", self.rms_norm_eps, "a positive number")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+            raise _bad("rms_norm_eps", eps, "a positive finite number")
         ids = self.ple_layer_ids
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in ids):
-            raise _bad("ple_layer_ids", list(ids), "one-indexed decoder layer ids (integers >= 1)")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= MAX_PLE_LAYER_ID for i in ids):
+            raise _bad(
+                "ple_layer_ids", list(ids), f"one-indexed decoder layer ids (integers in [1, {MAX_PLE_LAYER_ID}])"
+            )
         if len(set(ids)) != len(ids):
             raise _bad("ple_layer_ids", list(ids), "ids must be distinct")
-        if self.ple_embedding_dtype is not None and self.ple_embedding_dtype not in _TABLE_DTYPES:
-            raise _bad("ple_embedding_dtype", self.ple_embedding_dtype, f"one of {sorted(_TABLE_DTYPES)}")
+        if len(ids) * self.num_heads > MAX_HEAD_PRIMES:
+            raise _bad(
+                "ple_layer_ids",
+                f"{len(ids)} layers",
+                f"{len(ids)} PLE layers x {self.num_heads} heads = {len(ids) * self.num_heads} head primes, "
+                f"at most {MAX_HEAD_PRIMES}",
+            )
+        dt = self.ple_embedding_dtype
+        if dt is not None and (not isinstance(dt, str) or dt not in _TABLE_DTYPES):
+            raise _bad("ple_embedding_dtype", dt, f"one of {sorted(_TABLE_DTYPES)}")
 
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")

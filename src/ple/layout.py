@@ -7,6 +7,7 @@ geometry. The numbers must be bit-for-bit those of the published reference.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from .errors import InvalidArgumentError
 
@@ -82,6 +83,28 @@ def _primes_after(start: int, count: int) -> list[int]:
         if is_prime(n):
             out.append(n)
     return out
+
+
+_prime_lock = threading.Lock()
+_prime_runs: dict[int, list[int]] = {}  # start -> the primes after it found so far, in order
+_MAX_PRIME_RUNS = 16
+
+
+def _head_primes(start: int, first: int, count: int) -> list[int]:
+    """Primes ``first .. first + count - 1`` (zero-based) of those strictly greater than ``start``.
+
+    The primes of every layer's heads follow one another, so the run after each ``start`` is kept
+    and extended: the layouts of all PLE layers of a config cost one pass, not one per layer."""
+    with _prime_lock:
+        run = _prime_runs.get(start)
+        if run is None:
+            if len(_prime_runs) >= _MAX_PRIME_RUNS:
+                _prime_runs.pop(next(iter(_prime_runs)))
+            run = _prime_runs[start] = []
+        need = first + count - len(run)
+        if need > 0:
+            run += _primes_after(run[-1] if run else start, need)
+        return run[first : first + count]
 
 
 def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int, seed: int) -> list[int]:
@@ -165,7 +188,7 @@ def compute_layout(
 ) -> Layout:
     """Exact layout of PLE layer ``ple_layer_index``."""
     g = (ngram_size - 1) * heads_per_ngram
-    sizes = _primes_after(ngram_vocab_size_base - 1, (ple_layer_index + 1) * g)[ple_layer_index * g :]
+    sizes = _head_primes(ngram_vocab_size_base - 1, ple_layer_index * g, g)
     offsets, acc = [], 0
     for p in sizes:
         offsets.append(acc)

@@ -14,6 +14,7 @@ import torch
 
 from .config import PLEConfig
 from .errors import InvalidArgumentError
+from .files import open_regular
 from .ngram import fresh_context, ngram_ids
 from .ngram.torch_impl import ngram_windows
 
@@ -29,28 +30,39 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
     not an integer, negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
     """
     p = Path(path)
-    if not p.is_file():
-        what = "a folder" if p.is_dir() else ("missing" if not p.exists() else "not a regular file")
-        raise InvalidArgumentError(f"token file {p} is {what}")
+    if not p.exists():
+        raise InvalidArgumentError(f"token file {p} is missing")
+    fd = open_regular(p, "token file")  # a folder, a FIFO or a device is refused, never read
+    with os.fdopen(fd, "rb") as f:
+        if p.suffix == ".npy":
+            try:
+                arr = np.load(f, allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:
+                raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
+        else:
+            blob = f.read()
     if p.suffix == ".npy":
-        try:
-            arr = np.load(p, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
         if not np.issubdtype(arr.dtype, np.integer):
             raise InvalidArgumentError(f"token file {p}: dtype {arr.dtype}, expected integer token ids")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(f"token file {p}: id {int(arr.max())} does not fit int64")
         tokens = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64)))
     else:
         try:
-            words = p.read_text().replace(",", " ").split()
+            words = blob.decode().replace(",", " ").split()
         except UnicodeDecodeError:
             raise InvalidArgumentError(f"token file {p}: not text (use .npy for binary token arrays)") from None
         values = []
+        top = vocab_size if vocab_size is not None else 1 << 63
         for i, w in enumerate(words):
             try:
-                values.append(int(w))
+                v = int(w)
             except ValueError:
                 raise InvalidArgumentError(f"token file {p}: entry {i} is {w!r}, not an integer token id") from None
+            if not 0 <= v < top:
+                limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2^63)"
+                raise InvalidArgumentError(f"token file {p}: entry {i} is {v}, outside {limit}")
+            values.append(v)
         tokens = torch.tensor(values, dtype=torch.int64)
     if tokens.numel() == 0:
         raise InvalidArgumentError(f"token file {p} holds no token ids")

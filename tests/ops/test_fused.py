@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from ple.ops.conv import reference as conv_reference
 from ple.ops.fused import native, reference, torch_impl
 
 from ._helpers import DTYPE_TOL, random_fused_step, run_fused
+
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -242,7 +249,11 @@ def fresh_build(monkeypatch, tmp_path):
 def test_build_is_cached_and_atomic(fresh_build, monkeypatch):
     lib = native_build.library()
     built = sorted(p.name for p in fresh_build.iterdir())
-    assert len(built) == 1 and built[0].startswith("ple_cpu-") and built[0].endswith(".so"), built
+    assert len(built) == 2 and built[0].startswith("ple_cpu-") and built[0].endswith(".so"), built
+    assert built[1] == built[0] + ".sha256"
+    data = (fresh_build / built[0]).read_bytes()
+    digest, size = (fresh_build / built[1]).read_text().split()
+    assert digest == hashlib.sha256(data).hexdigest() and int(size) == len(data)
     assert lib is native_build.library()
     # another CPU (a cache folder shared between machines) gets its own -march=native build
     monkeypatch.setattr(native_build, "_lib", None)
@@ -250,6 +261,83 @@ def test_build_is_cached_and_atomic(fresh_build, monkeypatch):
     native_build.library()
     assert len(list(fresh_build.glob("ple_cpu-*.so"))) == 2
     assert not list(fresh_build.glob("*.partial"))
+
+
+_DAMAGE_CHILD = textwrap.dedent(
+    """
+    import os, random, sys
+    from pathlib import Path
+    import torch
+    from ple import _native
+    from ple.config import PLEConfig
+    from ple.ngram import fresh_context, reference
+    from ple.ngram import native as ngram_native
+
+    cfg = PLEConfig(hidden_size=8, eos_token_id=2, vocab_size=100, ngram_vocab_size_base=50, ple_embed_dim=8,
+                    heads_per_ngram=2, ple_layer_ids=(1,))
+    lay = cfg.layout(0)
+    x = torch.tensor([5, 9, 2, 7, 7, 11])
+    qsl, ctx = torch.tensor([0, 6]), fresh_context(1, lay, 2)
+    want = reference.ngram_ids(x, qsl, ctx, lay, 2)
+    folder = Path(os.environ["PLE_CACHE_DIR"])
+
+    def fresh_load():
+        _native._lib, _native._error = None, None
+        return torch.equal(ngram_native.ngram_ids(x, qsl, ctx, lay, 2), want)
+
+    def intact(lib):
+        import hashlib
+        digest, size = Path(str(lib) + ".sha256").read_text().split()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == digest
+
+    assert fresh_load()
+    (lib,) = folder.glob("*.so")
+    good = lib.read_bytes()
+    for damage in sys.argv[1:]:
+        if damage == "truncated":
+            os.truncate(lib, len(good) // 2)
+        elif damage == "garbage":
+            lib.write_bytes(random.Random(0).randbytes(len(good)))
+        elif damage == "garbage_with_record":
+            import hashlib
+            junk = random.Random(1).randbytes(4096)
+            lib.write_bytes(junk)
+            Path(str(lib) + ".sha256").write_text(f"{hashlib.sha256(junk).hexdigest()} {len(junk)}\\n")
+        elif damage == "no_record":
+            os.unlink(str(lib) + ".sha256")
+        ok = fresh_load()
+        print(damage, "ok" if ok else "wrong", "repaired" if intact(lib) else "broken", flush=True)
+    # the cache file cut short while this process runs the library it loaded
+    os.truncate(lib, 0)
+    print("cut", "ok" if torch.equal(ngram_native.ngram_ids(x, qsl, ctx, lay, 2), want) else "wrong", flush=True)
+    """
+)
+
+
+def test_damaged_cached_library_is_rebuilt_not_loaded(tmp_path):
+    """A truncated or garbage library in the cache is rebuilt (not loaded: a truncated mapped library
+    dies of SIGBUS), and a cache file cut short after loading does not touch a running process.
+
+    The child's "compiler" copies a library built here once, so its rebuilds take no time."""
+    native_build.library()  # this machine's build, from its usual cache
+    built = tmp_path / "built.so"
+    built.write_bytes(native_build._library_file.read_bytes())
+    cc = tmp_path / "fake-cc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake cc 1"; exit 0; fi\n'
+        'while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then cp "' + str(built) + '" "$2"; exit $?; fi; shift; done\n'
+        "exit 1\n"
+    )
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    damages = ["truncated", "garbage", "garbage_with_record", "no_record"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PLE_CACHE_DIR": str(cache), "CC": str(cc)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _DAMAGE_CHILD, *damages], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.splitlines() == [f"{d} ok repaired" for d in damages] + ["cut ok"]
 
 
 def test_unwritable_cache_folder(fresh_build, monkeypatch, tmp_path):

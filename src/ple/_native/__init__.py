@@ -4,9 +4,16 @@ The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native
 and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
 default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
 model and flags (a cache shared between machines stays correct), so later processes load it
-without compiling (a build takes about a second). The build writes a temporary file and renames it
-into place: a crash never leaves a half-written library behind. ``PLE_NATIVE=0`` turns the kernels
-off (ple then uses its PyTorch fast paths).
+without compiling (a build takes about a second). ``PLE_NATIVE=0`` turns the kernels off (ple then
+uses its PyTorch fast paths).
+
+What is loaded is verified: beside each library ``<name>.so`` the build writes ``<name>.so.sha256``
+(its SHA-256 and size), both through a temporary file, fsync and rename. A process reads the
+library's bytes, checks them against that record, and loads its own private copy of the checked
+bytes (an anonymous memory file), never the cache file itself: a truncated, damaged or half-written
+library in the cache is rebuilt instead of loaded, and a cache file changed later cannot kill a
+process that loaded it (a mapped file cut short raises SIGBUS). A library that matches its record
+but does not load is rebuilt too.
 
 :func:`library` returns the loaded library or raises :class:`NativeUnavailable` with the reason;
 :func:`available` is the non-raising check (it warns once, with the reason, when the build fails).
@@ -26,6 +33,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import PLEError
+from ..files import read_regular
 
 __all__ = ["NativeUnavailable", "available", "cache_dir", "library"]
 
@@ -44,6 +52,7 @@ _FLAGS = [
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_library_file: Path | None = None  # the cache file whose checked bytes were loaded
 _error: str | None = None
 _warned = False
 
@@ -111,6 +120,93 @@ def _writable_cache(name: str) -> Path:
     return fallback
 
 
+_MAX_LIBRARY_BYTES = 256 << 20
+
+
+def _record(data: bytes) -> str:
+    """What ``<name>.so.sha256`` holds for a library of these bytes."""
+    return f"{hashlib.sha256(data).hexdigest()} {len(data)}\n"
+
+
+def _dlopen_copy(data: bytes, folder: Path) -> ctypes.CDLL:
+    """Load a private copy of the library bytes ``data``: an anonymous memory file where the OS has
+    them, else a temporary file removed once loaded. The cache file is never mapped."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("ple_cpu", getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            _write_all(fd, data)
+            return ctypes.CDLL(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+    fd, tmp = tempfile.mkstemp(prefix="ple_cpu-load.", suffix=".so", dir=folder)
+    try:
+        _write_all(fd, data)
+        os.close(fd)
+        fd = -1
+        return ctypes.CDLL(tmp)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(tmp)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _load_cached(target: Path, stamp: Path) -> ctypes.CDLL | None:
+    """The cached library if its bytes match its record and it loads; None otherwise (rebuild)."""
+    try:
+        record = read_regular(stamp, "library record", 4096).decode("ascii", "replace")
+        data = read_regular(target, "library", _MAX_LIBRARY_BYTES)
+    except (OSError, PLEError):
+        return None
+    if record != _record(data):
+        return None  # truncated, damaged, or a record of another build
+    try:
+        return _dlopen_copy(data, target.parent)
+    except OSError:
+        return None
+
+
+def _replace_atomically(folder: Path, final: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".partial", dir=folder)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compile(cc: str, folder: Path, name: str) -> bytes:
+    """The bytes of a fresh build (its temporary output is removed)."""
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run(
+                [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.SubprocessError) as e:  # includes a compile that ran past 300 s
+            raise NativeUnavailable(f"building {_SOURCE.name} with {cc} failed: {e}") from e
+        if proc.returncode != 0:
+            raise NativeUnavailable(
+                f"building {_SOURCE.name} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"
+            )
+        return read_regular(tmp, "library", _MAX_LIBRARY_BYTES)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     try:
@@ -123,26 +219,22 @@ def _build() -> ctypes.CDLL:
     ).hexdigest()[:16]
     name = f"ple_cpu-{digest}.so"
     folder = _writable_cache(name)
-    target = folder / name
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
-        os.close(fd)
+    target, stamp = folder / name, folder / (name + ".sha256")
+    lib = _load_cached(target, stamp)
+    if lib is None:
+        data = _compile(cc, folder, name)
         try:
-            try:
-                proc = subprocess.run(
-                    [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-                )
-            except (OSError, subprocess.SubprocessError) as e:  # includes a compile that ran past 300 s
-                raise NativeUnavailable(f"building {_SOURCE.name} with {cc} failed: {e}") from e
-            if proc.returncode != 0:
-                raise NativeUnavailable(
-                    f"building {_SOURCE.name} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"
-                )
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+            lib = _dlopen_copy(data, folder)
+        except OSError as e:
+            raise NativeUnavailable(f"the freshly built {name} does not load: {e}") from e
+        # the library first, then its record: a reader between the two sees a mismatch and rebuilds
+        try:
+            _replace_atomically(folder, target, data)
+            _replace_atomically(folder, stamp, _record(data).encode())
+        except OSError:
+            pass  # a cache that cannot be written is rebuilt by the next process; this one has its library
+    global _library_file
+    _library_file = target
     _declare(lib)
     return lib
 

@@ -3,7 +3,8 @@
 The source is an iterator of ``(k, rows, scale)`` shards (any order; a checkpoint reader provides
 it): ``rows [n_k, head_dim]`` plain (bf16/fp16/fp32, ``scale`` None), fp8 with the global scale
 (``[1]``), or fp8/int8 with per-row scales (``[n_k, 1]``). Memory stays bounded by one shard plus
-one chunk of fp32 rows.
+one chunk of fp32 rows. Source scales must be positive finite numbers (see
+:func:`~ple.table.formats.check_scale_values`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .file import TableFileWriter, tensor_bytes
-from .formats import format_info, infer_format
+from .formats import check_scale_values, format_info, infer_format
 from .mmap import MmapTable
 from .quantize import QuantStats, RowStats, dequantize, quantize_rows
 
@@ -105,6 +106,8 @@ def convert_layer(
                 if fmt != src_fmt:
                     raise InvalidArgumentError(f"source shard {k} is {fmt!r}, but shard {first[0]} was {src_fmt!r}")
                 start, stop = w.shard_range(k)
+                if scale is not None:  # a zero, negative or non-finite source scale is refused, never requantized
+                    check_scale_values(scale, f"source shard {k}", first_row=start)
                 if to is None:
                     w.write_shard(k, src, scale)
                     total_err.rows += stop - start

@@ -10,14 +10,32 @@ File layout (all integers little-endian)::
 
 ``data_offset`` and ``scale_offset`` are multiples of 4096. The header records the geometry
 (``rows``, ``head_dim``, ``format``, ``storage_dtype``), where the rows and scales are, the caller's
-``layout_hash`` (see :func:`hash_layout`), the shard geometry (``shard_rows``, ``num_shards``) and
-one blake2b-128 checksum per shard covering the shard's row bytes followed by its per-row scale
-bytes (plus one for a global scale).
+``layout_hash`` (see :func:`hash_layout`), the shard geometry (``shard_rows``, ``num_shards``), one
+blake2b-128 checksum per shard covering the shard's row bytes followed by its per-row scale bytes
+(plus one for a global scale), and ``header_checksum``: blake2b-128 of the header itself (its JSON
+with sorted keys and no spaces, without this field). Checksums detect damage, not forgery.
 
-Atomic publication: the writer fills ``path + ".partial"`` whose header says ``"complete": false``;
-``close()`` checks every shard was written, writes the final header (``"complete": true``), fsyncs
-and renames the file to ``path`` (then fsyncs the directory). A crash at any point leaves at most a
-``.partial`` file, which :func:`open_table_file` (and so :meth:`ple.table.MmapTable.open`) refuses (by name and by its header).
+Format version 2 (this one) added the header checksum; version 1 files are refused with a message
+saying to convert the table again (their headers cannot be trusted).
+
+One validator, :func:`read_table_header`, is used by every reader (:meth:`ple.table.MmapTable.open`,
+:func:`verify_table_file`): it refuses a header whose checksum does not match, fields of the wrong
+type or out of range, and geometry that does not add up (a format and storage dtype or scale kind
+that disagree, a row size that is not ``head_dim`` values, data starting inside the header, scales
+overlapping the rows, a file size other than the header's, a checksum list that does not have one
+entry per shard of ``ceil(rows / shard_rows)``). A global scale must be a positive finite number.
+
+Atomic publication: each writer fills its own temporary file ``<name>.<pid>-<random>.partial``
+beside ``path``, created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``: never through a link) and
+locked (``flock``) while it is written; its header says ``"complete": false``. ``close()`` checks
+every shard was written, writes the final header (``"complete": true``), fsyncs and publishes it
+under ``path`` in one step (a hard link that fails if ``path`` appeared meanwhile, or, with
+``force``, a rename over it), then fsyncs the folder. So the file under ``path`` is always exactly
+one writer's complete output: two writers of one path never share a temporary file; without
+``force`` the second is refused (at the start if the first is still writing, else when it
+publishes); with ``force`` the last to finish wins. A crash leaves at most a ``.partial`` file,
+which every reader refuses (by name and by its header) and the next writer of the same path
+removes once no process holds its lock (a symbolic link of that name is removed, never followed).
 
 Sparse files (``TableFileWriter(..., sparse=True)``, :func:`write_sparse_table_file`) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
@@ -28,9 +46,16 @@ file as unverifiable.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import math
 import os
+import re
+import secrets
+import stat
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +63,27 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
+from ..files import open_regular
 from ..layout import shard_bounds
-from .formats import format_info
+from .formats import FORMATS, check_scale_values, format_info
 
 __all__ = [
     "TableFileError",
     "TableFileWriter",
     "hash_layout",
-    "open_table_file",
-    "pread_file",
-    "tensor_bytes",
+    "open_table",
     "read_table_header",
+    "tensor_bytes",
     "verify_table_file",
     "write_sparse_table_file",
     "PARTIAL_SUFFIX",
     "TABLE_SUFFIX",
+    "VERSION",
 ]
 
 MAGIC = b"PLETABLE"
-VERSION = 1
+VERSION = 2
+"""The table file format version this module writes and reads (2: the header is checksummed)."""
 PARTIAL_SUFFIX = ".partial"
 TABLE_SUFFIX = ".pletable"
 """The file name suffix of table files (``ple convert`` writes ``<layer prefix>.pletable``)."""
@@ -65,6 +92,10 @@ _PREFIX = 16
 _DIGEST_SIZE = 16
 _CHECKSUM_ALGORITHM = "blake2b-128"
 _READ_CHUNK = 8 << 20
+_MAX_HEADER = 1 << 26
+_MAX_BYTES = 1 << 62  # every offset and size in a table file fits an int64 with room to add
+_MAX_HEAD_DIM = 1 << 24
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
 class TableFileError(PLEError, ValueError):
@@ -92,6 +123,13 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _header_digest(header: dict[str, Any]) -> str:
+    """blake2b-128 of the header's canonical JSON (sorted keys, no spaces), ``header_checksum`` left out."""
+    body = {k: v for k, v in header.items() if k != "header_checksum"}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str).encode()
+    return hashlib.blake2b(blob, digest_size=_DIGEST_SIZE).hexdigest()
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's bytes (one copy only if it is not contiguous)."""
     t = t.detach()
@@ -109,12 +147,13 @@ def _pwrite_all(fd: int, buf, offset: int) -> None:
         offset += n
 
 
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+def _pread_exact(fd: int, n: int, offset: int, path: Path | None = None) -> bytes:
     parts = []
     while n > 0:
         b = os.pread(fd, min(n, _READ_CHUNK), offset)
         if not b:
-            raise TableFileError(f"unexpected end of file at byte {offset}")
+            where = f"{path}: " if path is not None else ""
+            raise TableFileError(f"{where}unexpected end of file at byte {offset}")
         parts.append(b)
         n -= len(b)
         offset += len(b)
@@ -138,8 +177,14 @@ def _geometry(rows: int, head_dim: int, format: str, shard_rows: int) -> dict[st
     for name, v in (("rows", rows), ("head_dim", head_dim), ("shard_rows", shard_rows)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidArgumentError(f"{name} must be an integer >= 1, got {v!r}")
+    if head_dim > _MAX_HEAD_DIM:
+        raise InvalidArgumentError(f"head_dim must be at most {_MAX_HEAD_DIM}, got {head_dim}")
     info = format_info(format)
     row_nbytes = head_dim * info.itemsize
+    if rows * (row_nbytes + 4) > _MAX_BYTES:
+        raise InvalidArgumentError(
+            f"a table of {rows} rows of {row_nbytes} bytes does not fit a table file (at most {_MAX_BYTES} bytes)"
+        )
     num_shards = -(-rows // shard_rows)
     return {
         "format": format,
@@ -153,22 +198,86 @@ def _geometry(rows: int, head_dim: int, format: str, shard_rows: int) -> dict[st
     }
 
 
+def _scale_nbytes(kind: str, rows: int) -> int:
+    return {"none": 0, "global": 4, "row": 4 * rows}[kind]
+
+
+def _partial_pattern(name: str) -> re.Pattern[str]:
+    """Temporary file names of writers of the table file ``name`` (and the fixed name of version 1)."""
+    return re.compile(re.escape(name) + r"(\.\d+-[0-9a-f]{12})?" + re.escape(PARTIAL_SUFFIX))
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _sweep_partials(path: Path) -> list[Path]:
+    """Remove the temporary files that crashed writers of ``path`` left (a symbolic link of such a name
+    is removed, never followed); returns those of writers still at work (locked), left alone."""
+    pattern = _partial_pattern(path.name)
+    live: list[Path] = []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return live
+    for entry in names:
+        if not pattern.fullmatch(entry):
+            continue
+        p = path.parent / entry
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                os.unlink(p)  # the link itself; its target is never touched
+            except FileNotFoundError:
+                pass
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live.append(p)
+                continue
+            if _same_file(p, os.fstat(fd)):
+                os.unlink(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # releases the lock
+    return live
+
+
 class TableFileWriter:
     """Writes one table file shard by shard, in any order, with bounded memory.
 
     Args:
-        path: final file path; the file is built at ``path + ".partial"`` and renamed by ``close()``.
+        path: final file path; the file is built in a temporary file of its own beside it
+            (``<name>.<pid>-<random>.partial``) and published under ``path`` by ``close()``.
         rows, head_dim: table geometry ``[rows, head_dim]``.
         format: format name (see :mod:`ple.table.formats`).
         shard_rows: rows per shard; shard ``k`` holds rows ``[k*shard_rows, min((k+1)*shard_rows, rows))``.
         layout_hash: hash of the layout-defining config fields (a str), or the fields themselves (a
             dict, hashed with :func:`hash_layout` and stored in the header too).
-        force: replace an existing ``path`` (otherwise ``FileExistsError``).
+        force: replace an existing ``path`` (otherwise ``FileExistsError``), and write even while
+            another writer of ``path`` is at work (the last to finish wins).
         sparse: build a sparse file (see the module docstring): rows written with ``write_rows``,
             no completeness check, no checksums.
 
-    A stale ``.partial`` from an interrupted run is replaced. Use as a context manager: an
-    exception inside the block removes the partial file.
+    Scales are checked as they come: a global scale and every per-row scale must be a positive
+    finite number. Use as a context manager: an exception inside the block (Ctrl-C included) removes
+    the temporary file. See the module docstring for what two writers of one path do.
     """
 
     def __init__(
@@ -183,6 +292,9 @@ class TableFileWriter:
         *,
         sparse: bool = False,
     ) -> None:
+        self._fd = -1
+        self._closed = False
+        self._ident: os.stat_result | None = None
         self.path = Path(path)
         if self.path.name.endswith(PARTIAL_SUFFIX):
             raise InvalidArgumentError(f"a table file name must not end with {PARTIAL_SUFFIX!r}: {self.path}")
@@ -194,8 +306,18 @@ class TableFileWriter:
         self.num_shards = self._geo["num_shards"]
         self._info = format_info(format)
         self._layout_hash, self._layout = _as_layout_hash(layout_hash)
-        if self.path.exists() and not force:
-            raise FileExistsError(f"table file {self.path} exists: pass force=True to replace it")
+        if self.path.is_dir():
+            raise InvalidArgumentError(f"table file {self.path} is a folder")
+        if os.path.lexists(self.path) and not force:
+            raise FileExistsError(errno.EEXIST, "table file exists: pass force=True to replace it", str(self.path))
+        live = _sweep_partials(self.path)
+        if live and not force:
+            raise FileExistsError(
+                errno.EEXIST,
+                f"another writer is at work on this table file (its temporary file {live[0].name}); "
+                "wait for it, or pass force=True to write anyway (the last writer to finish wins)",
+                str(self.path),
+            )
         self._checksums: list[str | None] = [None] * self.num_shards
         self._written = [False] * self.num_shards
         self._global_scale: float | None = None
@@ -203,24 +325,49 @@ class TableFileWriter:
 
         row_nbytes = self._geo["row_nbytes"]
         kind = self._info.scale_kind
-        scale_nbytes = {"none": 0, "global": 4, "row": 4 * rows}[kind]
         header_cap = _align(_PREFIX + len(self._header_json(complete=True, capacity_probe=True)) + 1024)
         self._data_offset = header_cap
         data_nbytes = rows * row_nbytes
         self._scale_offset = _align(header_cap + data_nbytes)
-        self._scale_nbytes = scale_nbytes
-        self._file_nbytes = self._scale_offset + scale_nbytes
+        self._scale_nbytes = _scale_nbytes(kind, rows)
+        self._file_nbytes = self._scale_offset + self._scale_nbytes
         self._data_nbytes = data_nbytes
-        self._closed = False
-        self._fd = -1
-        fd = os.open(self.partial_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._fd = fd
+        self._create()
         try:
-            os.ftruncate(fd, self._file_nbytes)
+            self._io(os.ftruncate, self._fd, self._file_nbytes)
             self._write_header(complete=False)
         except BaseException:
             self.abort()
             raise
+
+    def _create(self) -> None:
+        """Create this writer's own temporary file, exclusively and never through a link, and lock it."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(16):
+            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}-{secrets.token_hex(6)}{PARTIAL_SUFFIX}")
+            try:
+                fd = os.open(partial, flags, 0o644)
+            except OSError as e:  # a read-only or missing folder: name the table file, not the temporary one
+                raise type(e)(e.errno, e.strerror, str(self.path)) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                if _same_file(partial, st):
+                    self.partial_path, self._fd, self._ident = partial, fd, st
+                    return
+            except BlockingIOError:
+                pass  # a sweeper took it for a stale file in the instant before the lock: it removes it
+            os.close(fd)
+        raise TableFileError(f"could not create a temporary file for {self.path}: other processes removed every try")
+
+    def _io(self, fn, *args):
+        """Run an OS call on the temporary file; an OSError names the table file being written."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise type(e)(e.errno, e.strerror, str(self.path)) from e
 
     # ------------------------------------------------------------------ header
     def _header(self, complete: bool, capacity_probe: bool = False) -> dict[str, Any]:
@@ -237,7 +384,7 @@ class TableFileWriter:
                 "file_nbytes": self._file_nbytes,
             }
             scale_sum = self._scale_checksum or ""
-        return {
+        header = {
             "magic": "ple-table",
             "version": VERSION,
             "complete": complete,
@@ -253,7 +400,7 @@ class TableFileWriter:
                 "kind": geo["scale_kind"],
                 "dtype": "float32",
                 "offset": offsets["scale_offset"],
-                "nbytes": {"none": 0, "global": 4, "row": 4 * geo["rows"]}[geo["scale_kind"]],
+                "nbytes": _scale_nbytes(geo["scale_kind"], geo["rows"]),
             },
             "shard_rows": geo["shard_rows"],
             "num_shards": geo["num_shards"],
@@ -268,6 +415,9 @@ class TableFileWriter:
             },
             "file_nbytes": offsets["file_nbytes"],
         }
+        header = json.loads(json.dumps(header, default=str))  # what a reader will parse
+        header["header_checksum"] = "0" * (2 * _DIGEST_SIZE) if capacity_probe else _header_digest(header)
+        return header
 
     def _header_json(self, complete: bool, capacity_probe: bool = False) -> bytes:
         return json.dumps(self._header(complete, capacity_probe), indent=1).encode()
@@ -278,7 +428,7 @@ class TableFileWriter:
         if len(blob) > room:  # pragma: no cover - the capacity probe sizes the room generously
             raise RuntimeError(f"table header of {len(blob)} bytes exceeds its {room} reserved bytes")
         prefix = MAGIC + len(blob).to_bytes(8, "little")
-        _pwrite_all(self._fd, prefix + blob + b" " * (room - len(blob)), 0)
+        self._io(_pwrite_all, self._fd, prefix + blob + b" " * (room - len(blob)), 0)
 
     # ------------------------------------------------------------------ writing
     def _check_open(self) -> None:
@@ -298,7 +448,7 @@ class TableFileWriter:
                 f"{what}: format {self.format!r} stores {self._info.storage_dtype}, got rows of dtype {rows.dtype}"
             )
 
-    def _row_scale(self, scale: torch.Tensor | None, n: int, what: str) -> np.ndarray | None:
+    def _row_scale(self, scale: torch.Tensor | None, n: int, what: str, first_row: int = 0) -> np.ndarray | None:
         kind = self._info.scale_kind
         if kind == "none":
             if scale is not None:
@@ -310,15 +460,17 @@ class TableFileWriter:
             if scale is not None:
                 self.set_global_scale(scale)
             return None
-        if scale is None or tuple(scale.shape) != (n, 1) or not scale.is_floating_point():
-            got = None if scale is None else f"{tuple(scale.shape)} {scale.dtype}"
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (n, 1) or not scale.is_floating_point():
+            got = None if not isinstance(scale, torch.Tensor) else f"{tuple(scale.shape)} {scale.dtype}"
             raise InvalidArgumentError(
                 f"{what}: format {self.format!r} needs a float per-row scale [{n}, 1], got {got}"
             )
-        return tensor_bytes(scale.to(torch.float32))
+        s32 = scale.detach().to("cpu", torch.float32)
+        check_scale_values(s32, what, first_row=first_row)
+        return tensor_bytes(s32)
 
     def set_global_scale(self, scale: torch.Tensor | float) -> None:
-        """Set the global scale of an "fp8" table (one value; setting it again must agree)."""
+        """Set the global scale of an "fp8" table (one positive finite value; setting it again must agree)."""
         self._check_open()
         if self._info.scale_kind != "global":
             raise InvalidArgumentError(f"format {self.format!r} has no global scale")
@@ -327,15 +479,16 @@ class TableFileWriter:
             raise InvalidArgumentError(
                 f"a global scale has one element, got shape {tuple(torch.as_tensor(scale).shape)}"
             )
+        check_scale_values(t, "the global scale")
         value = float(t[0])
         if self._global_scale is not None:
-            if not (value == self._global_scale or (value != value and self._global_scale != self._global_scale)):
+            if value != self._global_scale:
                 raise InvalidArgumentError(
                     f"global scale {value} disagrees with the one already set, {self._global_scale}"
                 )
             return
         b = tensor_bytes(t)
-        _pwrite_all(self._fd, b, self._scale_offset)
+        self._io(_pwrite_all, self._fd, b, self._scale_offset)
         self._global_scale = value
         self._scale_checksum = hashlib.blake2b(b.tobytes(), digest_size=_DIGEST_SIZE).hexdigest()
 
@@ -359,11 +512,11 @@ class TableFileWriter:
         if self._written[k]:
             raise InvalidArgumentError(f"{what} was already written")
         self._check_rows(rows, stop - start, what)
-        scale_bytes = self._row_scale(scale, stop - start, what)
+        scale_bytes = self._row_scale(scale, stop - start, what, first_row=start)
         row_bytes = tensor_bytes(rows)
-        _pwrite_all(self._fd, row_bytes, self._data_offset + start * self._geo["row_nbytes"])
+        self._io(_pwrite_all, self._fd, row_bytes, self._data_offset + start * self._geo["row_nbytes"])
         if scale_bytes is not None:
-            _pwrite_all(self._fd, scale_bytes, self._scale_offset + 4 * start)
+            self._io(_pwrite_all, self._fd, scale_bytes, self._scale_offset + 4 * start)
         if not self.sparse:
             h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
             h.update(row_bytes.tobytes())
@@ -396,13 +549,13 @@ class TableFileWriter:
         srow = None if scale_bytes is None else scale_bytes.reshape(n, 4)
         rn = self._geo["row_nbytes"]
         for i, r in enumerate(ids.tolist()):
-            _pwrite_all(self._fd, row_bytes[i], self._data_offset + r * rn)
+            self._io(_pwrite_all, self._fd, row_bytes[i], self._data_offset + r * rn)
             if srow is not None:
-                _pwrite_all(self._fd, srow[i], self._scale_offset + 4 * r)
+                self._io(_pwrite_all, self._fd, srow[i], self._scale_offset + 4 * r)
 
     # ------------------------------------------------------------------ finishing
     def close(self) -> Path:
-        """Check completeness, write the final header, fsync, and rename to ``path`` atomically."""
+        """Check completeness, write the final header, fsync, and publish the file under ``path``."""
         if self._closed:
             return self.path
         try:
@@ -417,16 +570,16 @@ class TableFileWriter:
                 raise InvalidArgumentError(
                     f"table file {self.path}: format {self.format!r} needs a global scale, none was set"
                 )
-            os.fsync(self._fd)
+            self._io(os.fsync, self._fd)
             self._write_header(complete=True)
-            os.fsync(self._fd)
+            self._io(os.fsync, self._fd)
             if hasattr(os, "posix_fadvise"):
                 # the rows just written are clean now: drop them from the page cache, so a process that
                 # maps the file later holds only the rows it reads, not the whole freshly written table
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(self._fd)
-            self._fd = -1
             self._publish()
+            os.close(self._fd)  # releases the lock, after the file is published
+            self._fd = -1
         except BaseException:
             self.abort()
             raise
@@ -434,33 +587,46 @@ class TableFileWriter:
         return self.path
 
     def _publish(self) -> None:
+        assert self._ident is not None
+        if not _same_file(self.partial_path, self._ident):
+            raise TableFileError(
+                f"the temporary file of {self.path} ({self.partial_path.name}) was removed or replaced by another "
+                "process while it was written; nothing was published"
+            )
         if self.force:
+            if self.path.is_dir():
+                raise InvalidArgumentError(f"table file {self.path} is a folder")
             os.replace(self.partial_path, self.path)
         else:
+            exists = FileExistsError(
+                errno.EEXIST,
+                "table file exists (another writer may have published it meanwhile): pass force=True to replace it",
+                str(self.path),
+            )
             try:
                 os.link(self.partial_path, self.path)  # fails if the path appeared meanwhile
             except FileExistsError:
-                raise FileExistsError(f"table file {self.path} exists: pass force=True to replace it") from None
+                raise exists from None
             except OSError:  # a filesystem without hard links
-                if self.path.exists():
-                    raise FileExistsError(f"table file {self.path} exists: pass force=True to replace it") from None
+                if os.path.lexists(self.path):
+                    raise exists from None
                 os.replace(self.partial_path, self.path)
             else:
                 os.unlink(self.partial_path)
         _fsync_dir(self.path)
 
     def abort(self) -> None:
-        """Drop the partial file; no table file is published."""
+        """Drop the temporary file; no table file is published."""
         self._closed = True
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)
-            finally:
-                self._fd = -1
         try:
-            os.unlink(self.partial_path)
+            if self._ident is not None and _same_file(self.partial_path, self._ident):
+                os.unlink(self.partial_path)
         except FileNotFoundError:
             pass
+        finally:
+            if self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
 
     def __enter__(self) -> TableFileWriter:
         return self
@@ -502,119 +668,266 @@ def write_sparse_table_file(
 
 
 # ---------------------------------------------------------------------- reading
-def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a table file's header (magic, length, JSON); does not check completeness or size."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        prefix = f.read(_PREFIX)
-        if len(prefix) < _PREFIX or prefix[:8] != MAGIC:
-            raise TableFileError(f"{path} is not a PLE table file (bad magic {prefix[:8]!r}, expected {MAGIC!r})")
-        n = int.from_bytes(prefix[8:], "little")
-        if n > 1 << 26:
-            raise TableFileError(f"{path}: header length {n} is implausible")
-        blob = f.read(n)
-    try:
-        header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TableFileError(f"{path}: header is not valid JSON ({e})") from None
+
+
+class _Fields:
+    """Typed access to a parsed header: every malformed field is a :class:`TableFileError` naming it."""
+
+    def __init__(self, d: Any, path: Path, where: str = "") -> None:
+        self.d, self.path, self.where = d, path, where
+
+    def bad(self, key: str, expected: str) -> TableFileError:
+        value = self.d.get(key, "<missing>") if isinstance(self.d, dict) else "<missing>"
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return TableFileError(f"{self.path}: header field '{self.where}{key}' is {shown}, expected {expected}")
+
+    def integer(self, key: str, lo: int, hi: int = _MAX_BYTES) -> int:
+        v = self.d.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.bad(key, f"an integer in [{lo}, {hi}]")
+        return v
+
+    def equal(self, key: str, want: Any, why: str = "") -> None:
+        v = self.d.get(key)
+        if type(v) is not type(want) or v != want:
+            raise self.bad(key, repr(want) + (f" ({why})" if why else ""))
+
+    def choice(self, key: str, options: tuple) -> Any:
+        v = self.d.get(key)
+        if not isinstance(v, str) or v not in options:
+            raise self.bad(key, f"one of {list(options)}")
+        return v
+
+    def obj(self, key: str) -> _Fields:
+        v = self.d.get(key)
+        if not isinstance(v, dict):
+            raise self.bad(key, "a JSON object")
+        return _Fields(v, self.path, f"{self.where}{key}.")
+
+
+def _check_digest(fields: _Fields, key: str, allow_empty: bool) -> None:
+    v = fields.d.get(key)
+    if isinstance(v, str) and (_HEX32.match(v) or (allow_empty and v == "")):
+        return
+    raise fields.bad(key, "a blake2b-128 hex digest")
+
+
+def _validate(header: Any, path: Path, header_end: int, file_size: int) -> dict[str, Any]:
+    """The one table-header validator (see the module docstring); returns ``header`` or raises."""
     if not isinstance(header, dict) or header.get("magic") != "ple-table":
         raise TableFileError(f"{path}: header does not describe a PLE table")
-    if header.get("version") != VERSION:
-        raise TableFileError(f"{path}: table file version {header.get('version')!r}, this reader knows {VERSION}")
+    version = header.get("version")
+    if version != VERSION or isinstance(version, bool):
+        if isinstance(version, int) and not isinstance(version, bool) and 0 < version < VERSION:
+            raise TableFileError(
+                f"{path}: table file format version {version} was written by an older ple and is no longer read "
+                f"(version {VERSION} checksums its header); convert the table again (ple convert)"
+            )
+        raise TableFileError(f"{path}: table file format version {version!r}, this reader knows {VERSION}")
+    want = header.get("header_checksum")
+    if not isinstance(want, str) or _header_digest(header) != want:
+        raise TableFileError(f"{path}: header checksum mismatch: the header was changed or damaged")
+    f = _Fields(header, path)
+    if not isinstance(header.get("complete"), bool):
+        raise f.bad("complete", "true or false")
+    info = format_info(f.choice("format", FORMATS))
+    f.equal("storage_dtype", str(info.storage_dtype).removeprefix("torch."), f"what format {info.name!r} stores")
+    f.equal("byte_order", "little")
+    rows = f.integer("rows", 1)
+    head_dim = f.integer("head_dim", 1, _MAX_HEAD_DIM)
+    f.equal("row_nbytes", head_dim * info.itemsize, f"head_dim {head_dim} x {info.itemsize} bytes")
+    data_nbytes = rows * head_dim * info.itemsize
+    f.equal("data_nbytes", data_nbytes, f"{rows} rows of {head_dim * info.itemsize} bytes")
+    data_offset = f.integer("data_offset", header_end)
+    if data_offset % _ALIGN:
+        raise f.bad("data_offset", f"a multiple of {_ALIGN}")
+    s = f.obj("scale")
+    s.equal("kind", info.scale_kind, f"the scale kind of format {info.name!r}")
+    s.equal("dtype", "float32")
+    scale_offset = s.integer("offset", data_offset + data_nbytes)
+    if scale_offset % _ALIGN:
+        raise s.bad("offset", f"a multiple of {_ALIGN} at or after the rows' end {data_offset + data_nbytes}")
+    scale_nbytes = _scale_nbytes(info.scale_kind, rows)
+    s.equal("nbytes", scale_nbytes, f"{info.scale_kind} scales of {rows} rows")
+    f.equal("file_nbytes", scale_offset + scale_nbytes, "the end of the scales")
+    if file_size != scale_offset + scale_nbytes:
+        raise TableFileError(f"{path}: file is {file_size} bytes, its header says {scale_offset + scale_nbytes}")
+    shard_rows = f.integer("shard_rows", 1)
+    num_shards = -(-rows // shard_rows)
+    f.equal("num_shards", num_shards, f"ceil(rows {rows} / shard_rows {shard_rows})")
+    lh = header.get("layout_hash")
+    if not isinstance(lh, str) or not lh:
+        raise f.bad("layout_hash", "a non-empty string")
+    layout = header.get("layout")
+    if layout is not None and (not isinstance(layout, dict) or hash_layout(layout) != lh):
+        raise f.bad("layout", "null or the layout fields whose hash is layout_hash")
+    sparse = header.get("sparse")
+    if not isinstance(sparse, bool):
+        raise f.bad("sparse", "true or false")
+    c = f.obj("checksum")
+    c.equal("algorithm", _CHECKSUM_ALGORITHM)
+    complete = header["complete"]
+    sums = c.d.get("shards")
+    if sparse:
+        if sums is not None:
+            raise c.bad("shards", "null (a sparse file carries no checksums)")
+    elif not isinstance(sums, list) or len(sums) != num_shards:
+        raise c.bad("shards", f"a list of {num_shards} checksums, one per shard")
+    else:
+        for k in range(num_shards):
+            v = sums[k]
+            if not (isinstance(v, str) and (_HEX32.match(v) or (not complete and v == ""))):
+                raise TableFileError(f"{path}: checksum of shard {k} is {v!r}, expected a blake2b-128 hex digest")
+    if info.scale_kind == "global" and not sparse:
+        _check_digest(c, "scale", allow_empty=not complete)
+    elif c.d.get("scale") is not None:
+        raise c.bad("scale", "null")
     return header
 
 
-def open_table_file(path: str | os.PathLike, expected_layout_hash: str | dict | None = None) -> dict[str, Any]:
-    """The header of a complete table file that may be mapped; raises :class:`TableFileError` otherwise
-    (unfinished, wrong size, inconsistent, or built for another layout than ``expected_layout_hash``)."""
+def _read_header(fd: int, path: Path) -> dict[str, Any]:
+    size = os.fstat(fd).st_size
+    prefix = os.pread(fd, _PREFIX, 0)
+    if len(prefix) < _PREFIX or prefix[:8] != MAGIC:
+        raise TableFileError(f"{path} is not a PLE table file (bad magic {prefix[:8]!r}, expected {MAGIC!r})")
+    n = int.from_bytes(prefix[8:], "little")
+    if n > _MAX_HEADER or _PREFIX + n > size:
+        raise TableFileError(f"{path}: header length {n} is implausible for a file of {size} bytes")
+    blob = _pread_exact(fd, n, _PREFIX, path)
+    try:
+        header = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise TableFileError(f"{path}: header is not valid JSON ({e})") from None
+    return _validate(header, path, _PREFIX + n, size)
+
+
+def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The validated header of a table file (see the module docstring), complete or not.
+
+    Raises :class:`TableFileError` for anything that is not a sound version-2 table file: not a
+    regular file, bad magic, a header that is not JSON, a header checksum mismatch, malformed or
+    inconsistent fields, a file size other than the header's."""
+    path = Path(path)
+    fd = open_regular(path, "table file", TableFileError)
+    try:
+        return _read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _read_global_scale(fd: int, header: dict[str, Any], path: Path) -> float:
+    (value,) = struct.unpack("<f", _pread_exact(fd, 4, header["scale"]["offset"], path))
+    if not (math.isfinite(value) and value > 0):
+        raise TableFileError(f"{path}: the global scale is {value}, not a positive finite number")
+    return value
+
+
+def open_table(
+    path: str | os.PathLike, expected_layout_hash: str | dict | None = None
+) -> tuple[int, dict[str, Any], os.stat_result]:
+    """``(fd, header, stat)`` of a complete table file that may be mapped: a read-only descriptor (the
+    caller closes it), the validated header, and the file's status at open.
+
+    Raises :class:`TableFileError` for a ``.partial`` name, an incomplete header, everything
+    :func:`read_table_header` refuses, a global scale that is not a positive finite number, and
+    (given ``expected_layout_hash``, a hash or a fields dict) a file built for another layout."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise TableFileError(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
-    header = read_table_header(path)
-    if header.get("complete") is not True:
-        raise TableFileError(f"{path}: header says the file is incomplete (its writer never finished)")
-    size = path.stat().st_size
-    if size != header["file_nbytes"]:
-        raise TableFileError(f"{path}: file is {size} bytes, its header says {header['file_nbytes']}")
-    info = format_info(header["format"])
-    if header["storage_dtype"] != str(info.storage_dtype).removeprefix("torch."):
-        raise TableFileError(
-            f"{path}: storage dtype {header['storage_dtype']!r} does not match format {header['format']!r}"
-        )
-    if header.get("byte_order") != "little":
-        raise TableFileError(f"{path}: byte order {header.get('byte_order')!r} is not supported")
-    if expected_layout_hash is not None:
-        want, _ = _as_layout_hash(expected_layout_hash)
-        if header["layout_hash"] != want:
-            raise TableFileError(
-                f"{path}: layout hash {header['layout_hash']} does not match the expected {want} "
-                f"(the table was built for another configuration; file layout fields: {header.get('layout')})"
-            )
-    return header
-
-
-def pread_file(path: Path, offset: int, n: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, "table file", TableFileError)
     try:
-        return _pread_exact(fd, n, offset)
-    finally:
+        header = _read_header(fd, path)
+        if header["complete"] is not True:
+            raise TableFileError(f"{path}: header says the file is incomplete (its writer never finished)")
+        if header["scale"]["kind"] == "global":
+            _read_global_scale(fd, header, path)
+        if expected_layout_hash is not None:
+            want, _ = _as_layout_hash(expected_layout_hash)
+            if header["layout_hash"] != want:
+                raise TableFileError(
+                    f"{path}: layout hash {header['layout_hash']} does not match the expected {want} "
+                    f"(the table was built for another configuration; file layout fields: {header.get('layout')})"
+                )
+        return fd, header, os.fstat(fd)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def verify_table_file(path: str | os.PathLike) -> list[str]:
     """Re-check a table file against its header; returns the problems found (empty when sound).
 
-    Recomputes every shard checksum (bounded memory: 8 MiB reads); a corrupted shard is reported
-    with its index and row range. Also reports unfinished or truncated files, and sparse files
-    (which carry no checksums) as unverifiable.
+    Validates the header (checksum, fields, geometry; see :func:`read_table_header`), then
+    recomputes the checksum of every shard the geometry implies (bounded memory: 8 MiB reads) and
+    checks every scale is a positive finite number; a corrupted shard is reported with its index
+    and row range. Unfinished files, and sparse files (which carry no checksums), are problems too.
     """
     path = Path(path)
     problems: list[str] = []
     if path.name.endswith(PARTIAL_SUFFIX):
         problems.append(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
     try:
-        header = read_table_header(path)
-    except (OSError, TableFileError) as e:
+        fd = open_regular(path, "table file", TableFileError)
+    except (OSError, PLEError) as e:
         return problems + [str(e)]
-    if header.get("complete") is not True:
-        problems.append(f"{path}: header says the file is incomplete (its writer never finished)")
-    size = path.stat().st_size
-    if size != header.get("file_nbytes"):
-        problems.append(f"{path}: file is {size} bytes, its header says {header.get('file_nbytes')}")
-        return problems
-    checksums = header["checksum"]["shards"]
-    if checksums is None:
-        problems.append(f"{path}: no checksums recorded (sparse build): the rows cannot be verified")
-        return problems
-    rows, rn, s = header["rows"], header["row_nbytes"], header["shard_rows"]
-    per_row = header["scale"]["kind"] == "row"
-    fd = os.open(path, os.O_RDONLY)
     try:
-        for k, want in enumerate(checksums):
-            start, stop = shard_bounds(k, s, rows)
-            h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-            _hash_range(fd, h, header["data_offset"] + start * rn, (stop - start) * rn)
-            if per_row:
-                _hash_range(fd, h, header["scale"]["offset"] + 4 * start, 4 * (stop - start))
-            if h.hexdigest() != want:
-                what = "rows or their per-row scales" if per_row else "rows"
-                problems.append(
-                    f"{path}: shard {k} (rows [{start}, {stop})): checksum mismatch, the stored {what} changed"
-                )
-        if header["scale"]["kind"] == "global":
-            b = _pread_exact(fd, 4, header["scale"]["offset"])
-            if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
-                problems.append(f"{path}: global scale checksum mismatch, the stored scale changed")
+        try:
+            header = _read_header(fd, path)
+        except TableFileError as e:
+            return problems + [str(e)]
+        if header["complete"] is not True:
+            return problems + [f"{path}: header says the file is incomplete (its writer never finished)"]
+        if header["sparse"]:
+            return problems + [f"{path}: no checksums recorded (sparse build): the rows cannot be verified"]
+        try:
+            problems += _verify_rows(fd, header, path)
+        except (OSError, TableFileError) as e:  # the file shrank or failed under us
+            problems.append(str(e))
     finally:
         os.close(fd)
     return problems
 
 
-def _hash_range(fd: int, h, offset: int, n: int) -> None:
+def _verify_rows(fd: int, header: dict[str, Any], path: Path) -> list[str]:
+    problems: list[str] = []
+    checksums = header["checksum"]["shards"]
+    rows, rn, s = header["rows"], header["row_nbytes"], header["shard_rows"]
+    per_row = header["scale"]["kind"] == "row"
+    for k in range(-(-rows // s)):
+        start, stop = shard_bounds(k, s, rows)
+        h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+        _hash_range(fd, h, header["data_offset"] + start * rn, (stop - start) * rn, path)
+        bad_scale = None
+        if per_row:
+            scales = _pread_exact(fd, 4 * (stop - start), header["scale"]["offset"] + 4 * start, path)
+            h.update(scales)
+            values = np.frombuffer(scales, dtype="<f4")
+            bad = np.nonzero(~(np.isfinite(values) & (values > 0)))[0]
+            if len(bad):
+                bad_scale = f"the per-row scale of row {start + int(bad[0])} is {float(values[bad[0]])}"
+        if h.hexdigest() != checksums[k]:
+            what = "rows or their per-row scales" if per_row else "rows"
+            problems.append(f"{path}: shard {k} (rows [{start}, {stop})): checksum mismatch, the stored {what} changed")
+        elif bad_scale is not None:
+            problems.append(f"{path}: shard {k} (rows [{start}, {stop})): {bad_scale}, not a positive finite number")
+    if header["scale"]["kind"] == "global":
+        b = _pread_exact(fd, 4, header["scale"]["offset"], path)
+        if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
+            problems.append(f"{path}: global scale checksum mismatch, the stored scale changed")
+        else:
+            try:
+                _read_global_scale(fd, header, path)
+            except TableFileError as e:
+                problems.append(str(e))
+    return problems
+
+
+def _hash_range(fd: int, h, offset: int, n: int, path: Path) -> None:
     while n > 0:
         b = os.pread(fd, min(n, _READ_CHUNK), offset)
         if not b:
-            raise TableFileError(f"unexpected end of file at byte {offset}")
+            raise TableFileError(f"{path}: unexpected end of file at byte {offset}")
         h.update(b)
         n -= len(b)
         offset += len(b)

@@ -13,7 +13,10 @@ scale: one global value (``[1]``) or one value per row (``[rows, 1]``).
 | "int8_row" | torch.int8            | per row, [rows, 1] |
 
 Dequantization is ``row.to(dtype) * scale.to(dtype)`` in the activation dtype,
-``row.to(dtype)`` for plain formats.
+``row.to(dtype)`` for plain formats. Every scale is a positive finite number (a zero, negative,
+NaN or infinite scale would serve zeros, flipped signs or NaN rows): :func:`check_scale_values`
+is the one check, made wherever scales enter a table (construction, table files, conversion,
+checkpoint loading).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "format_info",
     "infer_format",
     "check_table_tensors",
+    "check_scale_values",
     "check_ids",
     "IdOutOfRangeError",
 ]
@@ -121,6 +125,22 @@ def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: 
         got = None if scale is None else tuple(scale.shape)
         raise InvalidArgumentError(f"format {fmt!r} needs a per-row scale of shape [{data.shape[0]}, 1], got {got}")
     return fmt
+
+
+def check_scale_values(scale: torch.Tensor, what: str = "table scale", first_row: int = 0) -> None:
+    """Refuse a scale tensor (``[1]`` global or ``[n, 1]`` per row) holding a value that is not a
+    positive finite number, naming the first such value and its row (``first_row`` + its index).
+
+    On an accelerator this reads one flag back to the host (a synchronization)."""
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        got = type(scale).__name__ if not isinstance(scale, torch.Tensor) else scale.dtype
+        raise InvalidArgumentError(f"{what} must be a floating point tensor, got {got}")
+    flat = scale.detach().reshape(-1)
+    bad = ~(torch.isfinite(flat) & (flat > 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        where = "" if flat.numel() == 1 and scale.dim() <= 1 else f" of row {first_row + i}"
+        raise InvalidArgumentError(f"{what}: the scale{where} is {float(flat[i])}, not a positive finite number")
 
 
 class IdOutOfRangeError(PLEError, IndexError):

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import InvalidArgumentError, UsageError
 from .base import StoredTable
-from .formats import check_table_tensors, format_info
+from .formats import check_scale_values, check_table_tensors, format_info
 
 __all__ = ["MemoryTable", "PinnedHostTable"]
 
@@ -14,6 +14,7 @@ __all__ = ["MemoryTable", "PinnedHostTable"]
 def _normalize_scale(data: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor | None:
     if scale is None:
         return None
+    check_scale_values(scale, f"{fmt!r} table")
     if format_info(fmt).scale_kind == "global":
         scale = scale.reshape(1)
     return scale.to(data.device)
@@ -61,6 +62,7 @@ class MemoryTable(_TensorTable):
         format: format name; inferred from ``data``/``scale`` when None, validated when given.
 
     The tensors are used as given (no copy), except that a scale is moved to the data's device.
+    Every scale must be a positive finite number (one pass over the scales, at construction).
     """
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, format: str | None = None) -> None:
@@ -72,7 +74,9 @@ class MemoryTable(_TensorTable):
         """An uninitialized table whose ``data`` (and ``scale``, NaN-filled) a loader fills in place,
         e.g. ``t.data[a:b].copy_(shard)`` and ``t.scale.copy_(weight_scale)``."""
         data, scale = _empty_tensors(rows, head_dim, format, device)
-        return cls(data, scale, format)
+        table = cls.__new__(cls)
+        _TensorTable.__init__(table, data, scale, format)  # NaN scales until filled: not checked
+        return table
 
 
 class PinnedHostTable(_TensorTable):
@@ -100,7 +104,9 @@ class PinnedHostTable(_TensorTable):
         """An uninitialized pinned table for a loader to fill (scales NaN-filled)."""
         _require_cuda()
         data, scale = _empty_tensors(rows, head_dim, format, "cpu", pin_memory=True)
-        return cls(data, scale, format)
+        table = cls.__new__(cls)
+        _TensorTable.__init__(table, data, scale, format)  # NaN scales until filled: not checked
+        return table
 
 
 def _require_cuda() -> None:
