@@ -27,7 +27,7 @@ from ple.runtime import Batch
 from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
 from ple.table.quantize import quantize_global, quantize_rows
 from ple.table.sharded import (
-    DEFAULT_METHOD,
+    DEFAULT_METHODS,
     IDS_MODES,
     METHODS,
     ShardedTable,
@@ -411,7 +411,12 @@ def _worker_scenarios(rank: int, world: int, files: Path):
 
     def after_errors():
         table = ShardedTable.from_full(make_full("fp32", ROWS, 5))
-        return {"method": table.method, "rows": table.lookup(make_ids(ROWS, world, 63, seed=11), torch.float32)}
+        per_rank = ShardedTable.from_full(make_full("fp32", ROWS, 5), ids="per_rank")
+        return {
+            "method": table.method,
+            "per_rank_method": per_rank.method,
+            "rows": table.lookup(make_ids(ROWS, world, 63, seed=11), torch.float32),
+        }
 
     yield "after_errors", after_errors
 
@@ -788,7 +793,8 @@ def test_group_still_works_after_errors(world):
     w, results = world
     want = make_full("fp32", ROWS, 5).lookup(make_ids(ROWS, w, 63, seed=11), torch.float32)
     for r, res in enumerate(ok(results, "after_errors")):
-        assert res["method"] == DEFAULT_METHOD
+        assert res["method"] == DEFAULT_METHODS["replicated"] == "allreduce"
+        assert res["per_rank_method"] == DEFAULT_METHODS["per_rank"] == "alltoall"
         assert_same_bits(res["rows"], want, f"rank {r}")
 
 

@@ -13,7 +13,7 @@ What the ranks look up (``ids``, fixed at construction):
 
 How the rows are combined (``method``):
 
-- ``"allreduce"`` (the default): every rank writes the rows it owns into a zeroed buffer and the
+- ``"allreduce"`` (the default with replicated ids): every rank writes the rows it owns into a zeroed buffer and the
   buffers are summed by an integer collective on their *bit patterns* (int32 views): exactly one
   rank contributes non-zero bits at any position, so the sum is a bitwise OR and reproduces the
   owner's bits whatever the dtype, the reduction order or the backend's float arithmetic (a float
@@ -22,8 +22,9 @@ How the rows are combined (``method``):
   per-rank ids the ranks first all-gather their ids, padded to the largest rank's count, each
   fills the rows it owns for every rank's ids, and a ``reduce_scatter`` leaves each rank its own
   slot (the engines' all-gather + all-reduce + keep-your-slot, without moving the slots nobody keeps).
-- ``"alltoall"``: each rank sends every id to the rank that owns it (``all_to_all_single``), the
-  owners look the ids up and send the rows back as bytes. Same result for both ids modes.
+- ``"alltoall"`` (the default with per-rank ids): each rank sends every id to the rank that owns it
+  (``all_to_all_single``), the owners look the ids up and send the rows back as bytes. Same result
+  for both ids modes.
 
 Collective contract: every rank of the group calls :meth:`ShardedTable.lookup` (and
 :meth:`~ShardedTable.start_prefetch`) the same number of times in the same order, with the same
@@ -63,7 +64,7 @@ from .prefetch import PrefetchHandle
 
 __all__ = [
     "METHODS",
-    "DEFAULT_METHOD",
+    "DEFAULT_METHODS",
     "IDS_MODES",
     "ShardedLookupError",
     "ShardGeometryError",
@@ -76,11 +77,12 @@ __all__ = [
 METHODS: tuple[str, ...] = ("allreduce", "alltoall")
 """Ways of combining the ranks' rows (see the module docstring)."""
 
-DEFAULT_METHOD = "allreduce"
-"""The method :class:`ShardedTable` uses unless told otherwise (the faster of the two where measured)."""
-
 IDS_MODES: tuple[str, ...] = ("replicated", "per_rank")
 """Whether every rank looks up the same ids or its own (see the module docstring)."""
+
+DEFAULT_METHODS: dict[str, str] = {"replicated": "allreduce", "per_rank": "alltoall"}
+"""The method :class:`ShardedTable` uses unless told otherwise, per ids mode: the faster where measured
+(gloo on CPUs, docs/DISTRIBUTED.md)."""
 
 
 class ShardGeometryError(PLEError, ValueError):
@@ -435,7 +437,7 @@ class ShardedTable(Table):
         row_start, row_stop: the full-table rows this rank owns (see :func:`shard_rows`).
         total_rows: rows of the full table (``R_pad``).
         group: process group (default: the default group).
-        method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHOD`.
+        method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHODS` of ``ids``.
         ids: "replicated" (every rank looks up the same ids) or "per_rank" (each its own).
         layout_hash: hash (str) or fields (dict, see :func:`ple.table.hash_layout`) of the layout the
             table was built for; compared across ranks. Defaults to a memory-mapped local table's hash.
@@ -466,7 +468,7 @@ class ShardedTable(Table):
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("ShardedTable needs an initialized torch.distributed process group")
-        method = DEFAULT_METHOD if method is None else method
+        method = DEFAULT_METHODS.get(ids, DEFAULT_METHODS["replicated"]) if method is None else method
         if layout_hash is None:
             layout_hash = getattr(local_table, "layout_hash", None)
         if isinstance(layout_hash, dict):
