@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from ..parallel import (
     ParallelLayer,
     PeerFailureError,
     ProcessContext,
+    agree,
     build_groups,
     collective_failures,
     init_from_env,
@@ -184,6 +186,25 @@ class Options:
         for name in ("requests", "slots", "chunk"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+    def agreed(self, config: PLEConfig, sp_size: int) -> dict[str, int | str]:
+        """What every rank of one run must share (compared before anything else)."""
+        blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
+        return {
+            "mode": self.mode,
+            "sp_size": sp_size if self.mode == "sp" else 0,
+            "table_split": self.split,
+            "lookup_method": self.lookup_method or "",
+            "dtype": self.dtype,
+            "tier": self.tier,
+            "config": hashlib.sha256(blob).hexdigest(),
+            "layer": self.layer,
+            "seed": self.seed,
+            "requests": self.requests,
+            "slots": self.slots,
+            "num_spec": self.num_spec,
+            "chunk": self.chunk,
+        }
 
     @property
     def split(self) -> str:
@@ -441,6 +462,10 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
     config = PLEConfig.from_pretrained(opts.config) if opts.config else PLEConfig.from_dict(DEFAULT_CONFIG)
     if not 0 <= opts.layer < config.num_ple_layers:
         raise InvalidArgumentError(f"--layer {opts.layer}: the config has {config.num_ple_layers} PLE layer(s)")
+    sp_size = opts.sp_size or ctx.world_size
+    what = "ple demo: the run's options"
+    with collective_failures(what, ctx):
+        agree(opts.agreed(config, sp_size), what, None, ctx.device)
     dtype = _DTYPES[opts.dtype]
     layer, full = build_layer(config, opts.layer, dtype, opts.seed)
     ref = PLELayer(config, opts.layer, dtype=dtype)
@@ -449,7 +474,6 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
         ref_table, table = _tables(opts, config, full, ctx.rank, work)
     ref.set_table(ref_table)
     layer.set_table(table)
-    sp_size = opts.sp_size or ctx.world_size
     if opts.mode == "sp":
         with collective_failures("building the sequence-parallel groups", ctx):
             groups = build_groups(sp_size)
@@ -467,7 +491,8 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
     )
     pool = layer.new_state_pool(opts.slots, opts.num_spec)
     ref_pool = ref.new_state_pool(opts.slots, opts.num_spec)
-    stats: dict[str, Any] = {"steps": 0, "tokens": 0, "rows": 0, "bad_rows": 0, "bad_pools": 0, "times": []}
+    stats: dict[str, Any] = {"steps": 0, "tokens": 0, "rows": 0, "empty_steps": 0, "bad_rows": 0, "bad_pools": 0}
+    stats["times"] = []
     flag = torch.zeros(1, dtype=torch.int64, device=ctx.device)
     step_no = 0
     while True:
@@ -487,6 +512,7 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
         want = ref(hidden, st.tokens, st.batch(ref_pool, opts.num_spec, config.conv_window))
         n = stop - start
         stats["rows"] += n
+        stats["empty_steps"] += n == 0
         if not _same_bits(out[:n], want[start:stop]):
             stats["bad_rows"] += int((out[:n] != want[start:stop]).any(dim=1).sum()) or n
         if not _same_bits(pool, ref_pool):
