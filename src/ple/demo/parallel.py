@@ -381,7 +381,7 @@ class Workload:
         """Account for a step that ran: contexts of the kept tokens, rejected counts, finished requests."""
         a = 0
         for req, n, k in zip(self._order, step.lens, step.kept):
-            toks = step.tokens[a : a + n]
+            toks = step.tokens[a : a + n].cpu()
             a += n
             if req is None:
                 continue
@@ -420,19 +420,25 @@ def _table_file(full: MemoryTable, config: PLEConfig, index: int, path: Path) ->
     return path
 
 
-def _tables(opts: Options, config: PLEConfig, full: MemoryTable, rank: int, work: Path) -> tuple[Table, Table]:
-    """``(reference table, this rank's table)``."""
+def _tables(
+    opts: Options, config: PLEConfig, full: MemoryTable, ctx: ProcessContext, work: Path
+) -> tuple[Table, Table]:
+    """``(reference table, this rank's table)``: a memory tier lives on the rank's device, a table
+    file stays mapped (lookups return rows on the ids' device)."""
     from ..checkpoint import open_layer_table
 
     ids = "replicated" if opts.mode == "etp" else "per_rank"
+    dev = ctx.device
     if opts.tier == "mmap":
-        path = _table_file(full, config, opts.layer, work / f"ple_layer_{opts.layer}.rank{rank}.pletable")
+        path = _table_file(full, config, opts.layer, work / f"ple_layer_{opts.layer}.rank{ctx.rank}.pletable")
         ref = open_layer_table(path, config, opts.layer)
         if opts.split == "sharded":
             return ref, load_sharded(path, None, opts.lookup_method, ids=ids)
         return ref, open_layer_table(path, config, opts.layer)
+    if dev.type != "cpu":
+        full = MemoryTable(full.data.to(dev), None if full.scale is None else full.scale.to(dev), full.format)
     if opts.split == "sharded":
-        return full, ShardedTable.from_full(full, None, opts.lookup_method, ids=ids)
+        return full, ShardedTable.from_full(full, None, opts.lookup_method, ids=ids, device=dev)
     return full, full
 
 
@@ -468,10 +474,12 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
         agree(opts.agreed(config, sp_size), what, None, ctx.device)
     dtype = _DTYPES[opts.dtype]
     layer, full = build_layer(config, opts.layer, dtype, opts.seed)
-    ref = PLELayer(config, opts.layer, dtype=dtype)
+    dev = ctx.device
+    layer.to(dev)
+    ref = PLELayer(config, opts.layer, dtype=dtype, device=dev)
     ref.load_state_dict(layer.state_dict())
     with collective_failures("building the tables", ctx):
-        ref_table, table = _tables(opts, config, full, ctx.rank, work)
+        ref_table, table = _tables(opts, config, full, ctx, work)
     ref.set_table(ref_table)
     layer.set_table(table)
     if opts.mode == "sp":
@@ -503,7 +511,8 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
             break
         _fault(opts, ctx, step_no)
         st = wl.next_step() if not wl.done else _empty_step(config)
-        hidden = st.hidden.to(dtype)
+        hidden = st.hidden.to(device=dev, dtype=dtype)
+        st.tokens, st.context = st.tokens.to(dev), st.context.to(dev)
         start, stop, _ = player.shard(hidden.shape[0])
         mine = shard_of(hidden, player.group_size, player.group_rank) if opts.mode == "sp" else hidden
         t0 = time.perf_counter()
