@@ -69,6 +69,11 @@ def _weights_digest(layer: PLELayer) -> str:
     return h.hexdigest()
 
 
+def _param_stamp(layer: PLELayer) -> tuple:
+    """Changes when a parameter is replaced or modified in place."""
+    return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in layer.parameters())
+
+
 def _exchange_device(context: ProcessContext | None) -> torch.device:
     if context is not None:
         return context.device
@@ -116,6 +121,8 @@ class ParallelLayer:
         self.group_size = dist.get_world_size(group) if mode != "dp" else 1
         self.group_rank = dist.get_rank(group) if mode != "dp" else 0
         self._steps = itertools.count()
+        layer.refresh_weights()
+        self._stamp = _param_stamp(layer)
         table = layer.table
         sharded = isinstance(table, ShardedTable)
         cfg = layer.config
@@ -183,5 +190,9 @@ class ParallelLayer:
                     fields["batch"] = batch_digest(input_ids, batch)
                 agree(fields, f"{what}: the batch", self.group, self.device)
             if self.mode == "sp":
+                stamp = _param_stamp(layer)
+                if stamp != self._stamp:  # parameters changed in place since: derived buffers are stale
+                    layer.refresh_weights()
+                    self._stamp = stamp
                 return sequence_parallel_forward(layer, hidden, input_ids, batch, self.group)
             return layer(hidden, input_ids, batch)

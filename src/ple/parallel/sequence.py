@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..errors import InvalidArgumentError, UsageError
 from ..layer import PLELayer
 from ..ngram import next_ngram_context, ngram_ids
-from ..ops import fused
 from ..runtime.batch import Batch
 
 __all__ = ["local_ngram_ids", "sequence_parallel_forward", "shard_of", "token_shard"]
@@ -94,7 +94,12 @@ def sequence_parallel_forward(
 
     A collective over ``group`` (and over the table's group when the table is sharded, with per-rank
     ids): every rank calls it for every step. Check the ranks agree on the batch first
-    (:class:`ple.parallel.ParallelLayer` does).
+    (:class:`ple.parallel.ParallelLayer` does). The layer's derived weights must be current
+    (:meth:`ple.layer.PLELayer.refresh_weights` after changing parameters in place; ParallelLayer does).
+
+    The stages are those of the one-process fused step (:func:`ple.ops.gate_stage`,
+    :func:`ple.ops.conv_stage`, whose composition equals :func:`ple.ops.gate_conv` bit for bit) and
+    :meth:`~ple.layer.PLELayer.project`, whose rows do not depend on the other rows of the GEMM.
     """
     cfg = layer.config
     W, me = dist.get_world_size(group), dist.get_rank(group)
@@ -117,16 +122,7 @@ def sequence_parallel_forward(
             raise UsageError(f"PLE layer {layer.ple_layer_index} has no table: load a checkpoint or call set_table()")
         emb = layer.table.lookup(ids, layer.dtype)
         key, value = layer.project(emb)
-        residual, c = fused.gate_stage(
-            key,
-            value,
-            hidden[:n],
-            layer.norm_key,
-            layer.norm_query,
-            layer.norm_conv,
-            cfg.rms_norm_eps,
-            cfg.hc_count,
-        )
+        residual, c = ops.gate_stage(key, value, hidden[:n], layer.gate_weights)
         out = hidden.new_zeros(shard, C)
         if T == 0:
             return out
@@ -135,18 +131,8 @@ def sequence_parallel_forward(
         every = c.new_empty(W, shard, C)
         dist.all_gather(list(every.unbind(0)), mine, group=group)
         c_all = every.view(W * shard, C)[:T]
-        res_all = residual.new_zeros(T, C)
+        res_all = residual.new_zeros(T, C)  # the conv stage adds the conv to every row; only ours are kept
         res_all[start:stop] = residual
-        full = fused.conv_stage(
-            c_all,
-            res_all,
-            layer.conv_weight,
-            cfg.ngram_size,
-            batch.query_start_loc,
-            batch.conv_state,
-            batch.slot_indices,
-            batch.has_initial_state,
-            batch.num_rejected,
-        )
+        full = ops.conv_stage(c_all, res_all, layer.conv_weights, batch.step_meta())
         out[:n] = full[start:stop]
         return out
