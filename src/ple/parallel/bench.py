@@ -8,7 +8,8 @@ slowest rank's wall time: a prefill step (``--prefill`` tokens, two requests), a
 (``--decode`` requests of one token, with state) and, for the table methods, lookups alone with
 per-rank ids (``--lookup`` tokens per rank, imbalanced: rank r has ``T * (1 - r / (2W))``) by the
 all-to-all, by the all-gather + reduce-scatter, and by the engines' all-gather + all-reduce that
-keeps one's own slot. Medians of ``--reps`` repetitions after one warm-up, in milliseconds.
+keeps one's own slot; with replicated ids (the same ``--lookup`` tokens on every rank), by the
+all-reduce and by the all-to-all. Medians of ``--reps`` repetitions after one warm-up, in milliseconds.
 
 Modes: "plain" is the layer alone (no collectives); "sp" shards token rows (table replicated); "sp+table" also
 shards the table (per-rank ids, all-to-all); "etp" shards the table over ranks that share the batch
@@ -120,6 +121,12 @@ def _worker(spec: dict[str, Any]) -> None:
             player(mine, tokens, batch)
 
         res[name] = _time(step, spec["reps"])
+    if spec["lookups"] and mode == "etp":
+        g_same = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, full.rows, (spec["lookup"], layer.layout.num_heads), generator=g_same)
+        for m in ("allreduce", "alltoall"):
+            table = ShardedTable.from_full(full, method=m)
+            res[f"lookup replicated {m}"] = _time(lambda t=table: t.lookup(ids, torch.bfloat16), spec["reps"])
     if spec["lookups"] and mode == "dp":
         T = max(1, int(spec["lookup"] * (1 - rank / (2 * W))))
         ids = torch.randint(0, full.rows, (T, layer.layout.num_heads), generator=g)
