@@ -3,7 +3,7 @@
 ``python -m ple.parallel.bench [--ranks 1,2,4] [--threads 1] [--output FILE]`` spawns each world
 size once per mode with :func:`ple.parallel.spawn_local`; every rank builds the published layer
 geometry (H 2560, HC 4, E 2560, 16 heads of 160, N 3, K 4) with a smaller fp8 table (``--base``
-rows per head, default 65,536: about 1 M rows) and times fixed steps, each after a barrier, as the
+rows per head, default 65,536: about 1.05 M rows) and times fixed steps, each after a barrier, as the
 slowest rank's wall time: a prefill step (``--prefill`` tokens, two requests), a decode step
 (``--decode`` requests of one token, with state) and, for the table methods, lookups alone with
 per-rank ids (``--lookup`` tokens per rank, imbalanced: rank r has ``T * (1 - r / (2W))``) by the

@@ -115,6 +115,9 @@ def sequence_parallel_forward(
         raise InvalidArgumentError(
             f"sequence parallel: input_ids must be the whole batch [T = {T}], got {tuple(input_ids.shape)}"
         )
+    if hidden.dtype != layer.dtype:
+        raise InvalidArgumentError(f"hidden is {hidden.dtype} but the layer computes in {layer.dtype}")
+    batch.check_for(hidden.new_empty(1, C).expand(T, C), C, cfg.ngram_size - 1)
     n = stop - start
     with torch.no_grad():
         ids = local_ngram_ids(layer, input_ids, batch, start, stop)
