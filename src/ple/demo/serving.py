@@ -16,6 +16,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 import torch
@@ -155,7 +156,8 @@ def serve(layer, args, progress: bool = True) -> dict:
             r = waiting.pop(0)
             session.add(r.rid)
             live[r.rid] = r
-        inputs, spec, plan = {}, set(), {}
+        inputs: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        spec, plan = set(), {}
         for r in live.values():
             done = len(r.tokens)
             if done < r.prompt:
