@@ -134,6 +134,15 @@ def test_demo_options():
     assert demo_parallel.Options.from_args(_demo_args("--parallel", "dp")).split == "sharded"
 
 
+def test_demo_refuses_what_cannot_run_before_spawning():
+    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "4", "--parallel", "sp", "--sp-size", "3"))
+    with pytest.raises(InvalidArgumentError, match="--sp-size 3 does not divide the 4 ranks"):
+        opts.check_world(4)
+    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "2", "--parallel", "dp", "--fault", "die:2:1"))
+    with pytest.raises(InvalidArgumentError, match="there are only ranks 0..1"):
+        opts.check_world(2)
+
+
 def test_demo_refuses_ranks_without_a_mode():
     out = subprocess.run(
         [sys.executable, "-m", "ple.cli", "demo", "--ranks", "2"], capture_output=True, text=True, timeout=120

@@ -187,6 +187,13 @@ class Options:
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
+    def check_world(self, world: int) -> None:
+        """Refuse what cannot run on ``world`` ranks (before any rank starts)."""
+        if self.mode == "sp" and self.sp_size is not None and world % self.sp_size:
+            raise InvalidArgumentError(f"--sp-size {self.sp_size} does not divide the {world} ranks")
+        if self.fault is not None and parse_fault(self.fault)[1] >= world:
+            raise InvalidArgumentError(f"--fault {self.fault}: there are only ranks 0..{world - 1}")
+
     def agreed(self, config: PLEConfig, sp_size: int) -> dict[str, int | str]:
         """What every rank of one run must share (compared before anything else)."""
         blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
@@ -649,7 +656,12 @@ def run(args: argparse.Namespace) -> int:
     """``ple demo --parallel MODE``: a rank of torchrun's job, or spawn ``--ranks`` local ranks."""
     opts = Options.from_args(args)
     if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        if opts.ranks not in (1, world):
+            raise InvalidArgumentError(f"--ranks {opts.ranks}, but the launcher started {world} ranks (WORLD_SIZE)")
+        opts.check_world(world)
         return worker(opts)
+    opts.check_world(opts.ranks)
     with tempfile.TemporaryDirectory(prefix="ple-parallel-") as tmp:
         spec = Path(tmp) / "options.json"
         spec.write_text(json.dumps(dataclasses.asdict(opts)))
