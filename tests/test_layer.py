@@ -253,3 +253,44 @@ def ple_next_context(tokens, ctx):
     from ple import next_ngram_context
 
     return next_ngram_context(tokens, torch.tensor([0, len(tokens)]), ctx)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_project_rows_do_not_depend_on_the_other_rows(dtype, threads):
+    """Each row of PLELayer.project is the same whatever rows it is computed with (what a rank that
+    projects only its own rows relies on); on this CPU an fp32 GEMM of 1-3 rows sums in another order."""
+    from ple.config import PLEConfig
+
+    cfg = PLEConfig(
+        hidden_size=160, hc_count=4, ple_embed_dim=640, ngram_size=3, heads_per_ngram=2, vocab_size=100, eos_token_id=1
+    )
+    layer = PLELayer(cfg, 0, dtype=dtype)
+    g = torch.Generator().manual_seed(threads)
+    with torch.no_grad():
+        layer.key_proj.copy_(torch.randn(layer.key_proj.shape, generator=g) / 25)
+        layer.value_proj.copy_(torch.randn(layer.value_proj.shape, generator=g) / 25)
+    layer.refresh_weights()
+    emb = torch.randn(70, cfg.ple_embed_dim, generator=g).to(dtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        key, value = layer.project(emb)
+        assert key.shape == (70, cfg.hc_hidden_size) and value.shape == (70, cfg.hidden_size)
+        for a, b in [(0, 1), (0, 2), (4, 7), (5, 10), (9, 20), (1, 18), (3, 70), (69, 70)]:
+            k, v = layer.project(emb[a:b])
+            assert torch.equal(k, key[a:b]) and torch.equal(v, value[a:b]), (a, b)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_engine_call_projects_through_project(monkeypatch):
+    hf, mod, rng = _random_hf(12)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    calls = []
+    real = layer.project
+    monkeypatch.setattr(layer, "project", lambda emb: calls.append(emb.shape) or real(emb))
+    batch = Batch.build([3, 2], [0, 1], torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id), layer.new_state_pool(2))
+    layer(torch.randn(5, cfg.hc_hidden_size), _stream(rng, 5, cfg.vocab_size, cfg.eos_token_id), batch)
+    assert calls == [(5, layer.layout.embed_dim)]

@@ -1,9 +1,16 @@
 """``PLELayer``: n-gram ids -> table lookup -> projections -> gate -> dilated conv -> new hidden.
 
-The layer owns its weights and a table handle (any tier); it owns no per-request state. The
-engine-level call takes a :class:`ple.runtime.Batch` that carries the packed metadata and the state
-pool; :meth:`PLELayer.forward_padded` is the training-style call that returns what transformers'
-module returns, with autograd, through the literal reference ops.
+The layer owns its weights and a table reference (any tier); it owns no per-request state. The
+engine call ``layer(hidden, input_ids, batch)`` takes a :class:`ple.runtime.Batch` that carries the
+packed metadata and the state pool; :meth:`PLELayer.forward_padded` is the training-style call that
+returns what transformers' module returns, with autograd, through the literal reference ops.
+
+The engine call is the hot path of a serving engine, written for ``torch.compile(fullgraph=True)``,
+``torch.export`` and CUDA graphs: the ids, the lookup and the fused step are ``torch.ops.ple``
+operators; checks run outside compiled code and read only shapes, dtypes and host-side values
+(never device data: no host synchronization); the weights the kernels read (the key and value
+projections as one ``[HC*H + H, E]`` matrix, the gate's and the conv's fp32 factors) are buffers
+derived when weights load or change; the table is an opaque reference (never a graph constant).
 """
 
 from __future__ import annotations
@@ -17,13 +24,22 @@ from torch import nn
 
 from .config import PLEConfig
 from .errors import InvalidArgumentError, UsageError
-from .ngram import ngram_ids
-from .ops.fused import gate_conv
+from .ngram import layout_tensors, ngram_ids
+from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
+from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
-from .table import StoredTable
+from .table import StoredTable, hash_layout
+from .table.base import TableRef
 
 __all__ = ["PLELayer"]
+
+_PARAMS = ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv_weight")
+
+# Rows of a CPU GEMM in fp32 are identical whatever the other rows only when the row count is a
+# multiple of this (measured on AVX-512 + AMX with 1-16 threads: other small counts take tail
+# kernels that sum in another order). bf16 rows were identical at every count tried.
+_ROW_BLOCK = 4
 
 
 class PLELayer(nn.Module):
@@ -34,12 +50,25 @@ class PLELayer(nn.Module):
         ple_layer_index: which PLE layer (0 = the first entry of ``ple_layer_ids``); selects the
             hash multipliers and primes.
         dtype: activation and weight dtype.
-        table: a :class:`ple.table.Table` (memory, memory-mapped, pinned host, sharded); may be set
-            later with :meth:`set_table` or by a loader.
+        table: a :class:`ple.table.Table` (memory, memory-mapped, pinned host, sharded, cached); may
+            be set later with :meth:`set_table` or by a loader.
 
     Parameters: ``key_proj [HC*H, E]``, ``value_proj [H, E]``, ``norm_key/norm_query/norm_conv
-    [HC*H]``, ``conv_weight [HC*H, K]``.
+    [HC*H]``, ``conv_weight [HC*H, K]``. Derived buffers (not saved): ``kv_weight [HC*H + H, E]``,
+    ``gate_key_query``, ``gate_conv_scale`` ``[HC*H]`` fp32, ``conv_taps [K, HC*H]`` fp32, and the
+    layout's ``ngram_multipliers [N]``, ``ngram_head_sizes``, ``ngram_head_offsets`` ``[G]`` int64.
+    They follow in-place changes of the parameters on the next eager call (and at once through
+    :meth:`refresh_weights`); code compiled with ``torch.compile`` reads them as they are, so call
+    :meth:`refresh_weights` after changing weights under a compiled program.
     """
+
+    kv_weight: torch.Tensor
+    gate_key_query: torch.Tensor
+    gate_conv_scale: torch.Tensor
+    conv_taps: torch.Tensor
+    ngram_multipliers: torch.Tensor
+    ngram_head_sizes: torch.Tensor
+    ngram_head_offsets: torch.Tensor
 
     def __init__(
         self,
@@ -54,14 +83,15 @@ class PLELayer(nn.Module):
         self.ple_layer_index = ple_layer_index
         self.layout = config.layout(ple_layer_index)
         c, h, e, k = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
-        kw = {"dtype": dtype, "device": device}
-        self.key_proj = nn.Parameter(torch.zeros(c, e, **kw))
-        self.value_proj = nn.Parameter(torch.zeros(h, e, **kw))
-        self.norm_key = nn.Parameter(torch.zeros(c, **kw))
-        self.norm_query = nn.Parameter(torch.zeros(c, **kw))
-        self.norm_conv = nn.Parameter(torch.zeros(c, **kw))
-        self.conv_weight = nn.Parameter(torch.zeros(c, k, **kw))
-        self.table = None
+        self.key_proj = nn.Parameter(torch.zeros(c, e, dtype=dtype, device=device))
+        self.value_proj = nn.Parameter(torch.zeros(h, e, dtype=dtype, device=device))
+        self.norm_key = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+        self.norm_query = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+        self.norm_conv = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+        self.conv_weight = nn.Parameter(torch.zeros(c, k, dtype=dtype, device=device))
+        self._table_ref = TableRef()
+        self._seen: tuple = ()
+        self.refresh_weights()
         if table is not None:
             self.set_table(table)
 
@@ -70,14 +100,47 @@ class PLELayer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.key_proj.dtype
 
+    @property
+    def table(self):
+        """The attached :class:`ple.table.Table` (None until one is set)."""
+        return self._table_ref.table
+
+    @table.setter
+    def table(self, table) -> None:
+        if table is None:
+            self._table_ref.table = None
+        else:
+            self.set_table(table)
+
     def set_table(self, table) -> None:
-        """Attach a table of any tier; its geometry must match the layout."""
+        """Attach a table of any tier.
+
+        Its geometry must match the layout. A table that carries a layout hash (a memory-mapped
+        table file, a sharded or cached table over one) must carry this layer's
+        (``hash_layout(config.layout_fields(ple_layer_index))``): a table of another PLE layer with
+        the same row count is refused. Tiers without one (tensors in memory) are taken on their
+        geometry: the caller vouches for their rows.
+        """
         if table.rows != self.layout.padded_rows or table.head_dim != self.layout.head_dim:
             raise InvalidArgumentError(
                 f"table is [{table.rows}, {table.head_dim}] but PLE layer {self.ple_layer_index} needs "
                 f"[{self.layout.padded_rows}, {self.layout.head_dim}]"
             )
-        self.table = table
+        carried = _carried_layout_hash(table)
+        if carried is not None:
+            want = hash_layout(self.config.layout_fields(self.ple_layer_index))
+            if carried != want:
+                raise InvalidArgumentError(
+                    f"table {table!r} was built for another layout (layout hash {carried[:16]}...) than PLE "
+                    f"layer {self.ple_layer_index} of this config ({want[:16]}...): a table of another layer "
+                    "or model"
+                )
+        self._table_ref.table = table
+
+    @property
+    def table_ref(self) -> TableRef:
+        """The reference the lookup operator reads (the same object for the layer's lifetime)."""
+        return self._table_ref
 
     def load_weights(self, weights) -> None:
         """Take a :class:`ple.checkpoint.PLEWeights` (all tensors already validated)."""
@@ -90,6 +153,7 @@ class PLELayer(nn.Module):
             for name in ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv"):
                 getattr(self, name).copy_(getattr(weights, name))
             self.conv_weight.copy_(weights.conv1d)
+        self.refresh_weights()
         self.set_table(weights.table)
 
     @classmethod
@@ -106,7 +170,8 @@ class PLELayer(nn.Module):
         """Load one PLE layer from a safetensors checkpoint (file, directory or index).
 
         ``table``: a table of any tier to use instead of reading the checkpoint's table into
-        memory (e.g. ``MmapTable.open(...)`` of a file made by ``ple convert``).
+        memory (e.g. ``MmapTable.open(...)`` of a file made by ``ple convert``); checked as
+        :meth:`set_table` checks it.
         """
         from .checkpoint import load_ple_weights
 
@@ -166,6 +231,7 @@ class PLELayer(nn.Module):
             layer.norm_query.copy_(module.norm_query.weight)
             layer.norm_conv.copy_(module.norm_conv.weight)
             layer.conv_weight.copy_(module.conv1d.weight.reshape(config.hc_hidden_size, -1))
+        layer.refresh_weights()
         layer.set_table(MemoryTable(emb.ngram_embedding.weight.data))
         return layer
 
@@ -179,19 +245,99 @@ class PLELayer(nn.Module):
             device=self.key_proj.device if device is None else device,
         )
 
+    # ------------------------------------------------------------------ derived weights
+    def _param_stamp(self) -> tuple:
+        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in (getattr(self, n) for n in _PARAMS))
+
+    def refresh_weights(self) -> None:
+        """Recompute the derived buffers (``kv_weight``, the gate's and conv's fp32 factors, the
+        layout tensors) from the parameters, in place when their shapes and dtypes allow (so compiled
+        programs that read them see the new values)."""
+        with torch.no_grad():
+            kv = torch.cat([self.key_proj.detach(), self.value_proj.detach()], dim=0)
+            kq, cs = derive_gate_factors(self.norm_key, self.norm_query, self.norm_conv)
+            taps = derive_conv_taps(self.conv_weight)
+            dev = self.key_proj.device
+            lay = layout_tensors(self.layout, dev)
+        for name, value in (
+            ("kv_weight", kv),
+            ("gate_key_query", kq),
+            ("gate_conv_scale", cs),
+            ("conv_taps", taps),
+            ("ngram_multipliers", lay[0]),
+            ("ngram_head_sizes", lay[1]),
+            ("ngram_head_offsets", lay[2]),
+        ):
+            old = self._buffers.get(name)
+            if old is not None and old.shape == value.shape and old.dtype == value.dtype and old.device == value.device:
+                with torch.no_grad():
+                    old.copy_(value)
+            else:
+                self.register_buffer(name, value.clone(), persistent=False)
+        self._seen = self._param_stamp()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.refresh_weights()  # .to(dtype) converts buffers too; the factors stay fp32
+        return out
+
+    @property
+    def gate_weights(self) -> GateWeights:
+        """The gate's record (parameters and derived factors; no copy)."""
+        cfg = self.config
+        return GateWeights(
+            self.norm_key,
+            self.norm_query,
+            self.norm_conv,
+            cfg.rms_norm_eps,
+            cfg.hc_count,
+            self.gate_key_query,
+            self.gate_conv_scale,
+        )
+
+    @property
+    def conv_weights(self) -> ConvWeights:
+        """The conv's record (parameters and derived taps; no copy)."""
+        return ConvWeights(self.conv_weight, self.config.ngram_size, self.conv_taps)
+
     # ------------------------------------------------------------------ engine call
     def _require_table(self):
-        if self.table is None:
+        if self._table_ref.table is None:
             raise UsageError(f"PLE layer {self.ple_layer_index} has no table: load a checkpoint or call set_table()")
-        return self.table
+        return self._table_ref.table
 
     def ngram_ids(self, input_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """``[T, G]`` int64 row ids of the batch (what :meth:`start_prefetch` and the lookup read)."""
+        """``[T, G]`` int64 row ids of the batch (what :meth:`start_prefetch` and the lookup read); checked."""
         return ngram_ids(input_ids, batch.query_start_loc, batch.ngram_context, self.layout, self.config.eos_token_id)
 
     def start_prefetch(self, input_ids: torch.Tensor, batch: Batch):
-        """Start this batch's table lookup early; pass the handle to ``forward(..., prefetched=)``."""
-        return self._require_table().start_prefetch(self.ngram_ids(input_ids, batch), self.dtype)
+        """Start this batch's table lookup early; pass the handle to ``forward(..., prefetched=)``.
+
+        The handle is bound to this layer, ``input_ids`` and the batch's offsets and contexts (the
+        tensor objects, unmodified): the engine call refuses it for anything else."""
+        table = self._require_table()
+        handle = table.start_prefetch(self.ngram_ids(input_ids, batch), self.dtype)
+        handle.bind(self, input_ids, batch.query_start_loc, batch.ngram_context)
+        return handle
+
+    def project(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value projections of table rows ``emb [T, E]`` as one GEMM: ``(key [T, HC*H],
+        value [T, H])``, views of one ``[T, HC*H + H]`` result.
+
+        Each output row depends only on its own input row, whatever the other rows: on the CPU an
+        fp32 (or fp16) GEMM is padded with zero rows to a multiple of 4 rows, where its rows do not
+        depend on the row count (a decode step's GEMM reads the weights either way; bf16 needs no
+        padding). Ranks that each project their own rows thus get the rows of the whole batch's GEMM.
+        """
+        w = self.kv_weight
+        tokens = emb.shape[0]
+        if emb.device.type == "cpu" and emb.dtype != torch.bfloat16:
+            pad = (-tokens) % _ROW_BLOCK
+            kv = F.linear(F.pad(emb, (0, 0, 0, pad)) if pad else emb, w)[:tokens]
+        else:
+            kv = F.linear(emb, w)
+        c = self.config.hc_hidden_size
+        return kv[:, :c], kv[:, c:]
 
     def forward(
         self,
@@ -200,6 +346,7 @@ class PLELayer(nn.Module):
         batch: Batch,
         *,
         prefetched=None,
+        rows: torch.Tensor | None = None,
         return_conv_input: bool = False,
         token_mask: torch.Tensor | None = None,
         add_hidden: bool = True,
@@ -209,70 +356,100 @@ class PLELayer(nn.Module):
         Args:
             hidden: ``[T, HC*H]`` layer input (activation dtype = the layer's dtype).
             input_ids: ``[T]`` tokens.
-            batch: step metadata and the state pool (updated in place).
-            prefetched: a handle from ``table.start_prefetch`` for these ids (skips the lookup).
-            return_conv_input: also return the conv inputs ``c [T, HC*H]`` (for prefix checkpoints).
+            batch: step metadata and the state pool (updated in place), from :meth:`Batch.build`
+                (validated there; here only shapes and dtypes are checked, never device values).
+            prefetched: a handle from :meth:`start_prefetch` for these ids and this batch (skips the
+                lookup; waited and released here, so not inside compiled code: pass ``rows`` there).
+            rows: the table rows ``[T, G*head_dim]`` of these ids, already looked up.
+            return_conv_input: also return the conv inputs ``c [T, HC*H]`` (for prefix states).
             token_mask: ``[T]`` bool/0-1, False for padding tokens: their ``v`` and conv input are
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
         """
+        if torch.compiler.is_compiling():
+            if prefetched is not None:
+                raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
+            out, c = self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
+            return (out, c) if return_conv_input else out
         if torch.is_grad_enabled() and hidden.requires_grad:
             raise UsageError(
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
-        with torch.no_grad():
-            return self._forward(hidden, input_ids, batch, prefetched, return_conv_input, token_mask, add_hidden)
+        with ops_library.named_range("ple.check"):
+            self._check_call(hidden, input_ids, batch, rows, token_mask)
+            if self._seen != self._param_stamp():
+                self.refresh_weights()
+        if prefetched is not None:
+            if rows is not None:
+                raise InvalidArgumentError("give prefetched= or rows=, not both")
+            prefetched.check_bound(self, input_ids, batch.query_start_loc, batch.ngram_context)
+            rows = prefetched.wait()
+        elif rows is None:
+            self._require_table()
+        try:
+            with torch.no_grad():
+                out, c = self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
+        finally:
+            if prefetched is not None:
+                prefetched.release()
+        return (out, c) if return_conv_input else out
 
-    def _forward(self, hidden, input_ids, batch, prefetched, return_conv_input, token_mask, add_hidden):
+    def _check_call(self, hidden, input_ids, batch, rows, token_mask) -> None:
+        """Shapes, dtypes and host-side counts only (no device values: nothing synchronizes)."""
         cfg = self.config
-        if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_hidden_size:
-            raise InvalidArgumentError(f"hidden must be [T, HC*H={cfg.hc_hidden_size}], got {tuple(hidden.shape)}")
-        if input_ids.shape != (hidden.shape[0],):
-            raise InvalidArgumentError(f"input_ids must be [T={hidden.shape[0]}], got {tuple(input_ids.shape)}")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != cfg.hc_hidden_size:
+            raise InvalidArgumentError(
+                f"hidden must be [T, HC*H={cfg.hc_hidden_size}], got {tuple(getattr(hidden, 'shape', ()))}"
+            )
+        tokens = hidden.shape[0]
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != (tokens,):
+            raise InvalidArgumentError(f"input_ids must be [T={tokens}], got {tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidArgumentError(f"input_ids must be int32 or int64, got {input_ids.dtype}")
         if hidden.dtype != self.dtype:
             raise InvalidArgumentError(f"hidden is {hidden.dtype} but the layer computes in {self.dtype}")
-        if batch.num_tokens != hidden.shape[0]:
-            raise InvalidArgumentError(f"batch covers {batch.num_tokens} tokens, hidden has {hidden.shape[0]}")
-        if prefetched is not None:
-            emb = prefetched.wait()
-            kv = F.linear(emb, self._kv_weight())
-            prefetched.release()
-        else:
-            emb = self._require_table().lookup(self.ngram_ids(input_ids, batch), self.dtype)
-            kv = F.linear(emb, self._kv_weight())
-        key, value = kv.split([cfg.hc_hidden_size, cfg.hidden_size], dim=1)
-        return gate_conv(
-            key,
-            value,
-            hidden,
-            self.norm_key,
-            self.norm_query,
-            self.norm_conv,
-            cfg.rms_norm_eps,
-            cfg.hc_count,
-            self.conv_weight,
-            cfg.ngram_size,
-            batch.query_start_loc,
-            batch.conv_state,
-            batch.slot_indices,
-            batch.has_initial_state,
-            batch.num_rejected,
-            token_mask=token_mask,
-            add_hidden=add_hidden,
-            return_conv_input=return_conv_input,
-        )
+        if not isinstance(batch, Batch):
+            raise InvalidArgumentError(f"batch must be a ple.runtime.Batch, got {type(batch).__name__}")
+        batch.check_for(hidden, cfg.hc_hidden_size, cfg.ngram_size - 1)
+        if rows is not None and (rows.shape != (tokens, self.layout.embed_dim) or rows.dtype != self.dtype):
+            raise InvalidArgumentError(
+                f"rows must be [T, E] = ({tokens}, {self.layout.embed_dim}) {self.dtype}, got "
+                f"{tuple(rows.shape)} {rows.dtype}"
+            )
+        if token_mask is not None and token_mask.shape != (tokens,):
+            raise InvalidArgumentError(f"token_mask must be [T={tokens}], got {tuple(token_mask.shape)}")
 
-    def _kv_weight(self) -> torch.Tensor:
-        """``[HC*H + H, E]``: key and value projections as one GEMM (cached until weights change)."""
-        key = (self.key_proj._version, self.value_proj._version, self.key_proj.data_ptr(), self.value_proj.data_ptr())
-        cached = getattr(self, "_kv_cache", None)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                w = torch.cat([self.key_proj, self.value_proj], dim=0)
-            self._kv_cache = (key, w)
-            return w
-        return cached[1]
+    def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, all_conv_inputs):
+        """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
+        if rows is None:
+            with ops_library.named_range("ple.ids"):
+                ids = torch.ops.ple.ngram_ids(
+                    input_ids,
+                    batch.query_start_loc,
+                    batch.ngram_context,
+                    self.ngram_multipliers,
+                    self.ngram_head_sizes,
+                    self.ngram_head_offsets,
+                    self.layout.heads_per_ngram,
+                    self.config.eos_token_id,
+                )
+            with ops_library.named_range("ple.lookup"):
+                rows = torch.ops.ple.table_lookup(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+        with ops_library.named_range("ple.gemm"):
+            key, value = self.project(rows)
+        with ops_library.named_range("ple.gate_conv"):
+            return ops_library.gate_conv(
+                key,
+                value,
+                hidden,
+                self.gate_weights,
+                self.conv_weights,
+                batch.step_meta(),
+                token_mask,
+                add_hidden,
+                all_conv_inputs,
+            )
 
     # ------------------------------------------------------------------ training-style call
     def forward_padded(
@@ -332,6 +509,18 @@ class PLELayer(nn.Module):
         conv = F.conv1d(x, self.conv_weight.unsqueeze(1), groups=cfg.hc_hidden_size, dilation=cfg.ngram_size)
         out = v + F.silu(conv).transpose(1, 2)
         return (out, c) if return_conv_input else out
+
+
+def _carried_layout_hash(table) -> str | None:
+    """The layout hash a table carries (its own, or its backing table's), or None."""
+    seen = 0
+    while table is not None and seen < 8:
+        h = getattr(table, "layout_hash", None)
+        if isinstance(h, str) and h:
+            return h
+        table = getattr(table, "backing", None)
+        seen += 1
+    return None
 
 
 def _divisor_of(emb) -> int:

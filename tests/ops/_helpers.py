@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
+
 # Tolerance for comparing two fp32 computations of the same quantity in a different order.
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 DTYPE_TOL = {
@@ -239,7 +241,9 @@ def simulate_streaming(
 def random_fused_step(
     seed, *, dtype, device="cpu", hidden_size=16, hc=3, taps=4, dilation=3, num_spec=3, decode=False, long=False
 ):
-    """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections)."""
+    """Gate inputs plus a packed conv batch (lengths around the window, null slots, rejections), as the
+    keyword arguments of a ``gate_conv`` twin: ``key``, ``value``, ``hidden``, the records ``gate``,
+    ``conv``, ``step``, and ``token_mask``, ``add_hidden``, ``return_conv_input``."""
     channels = hc * hidden_size
     conv = random_conv_batch(
         seed, channels=channels, taps=taps, dilation=dilation, num_spec=num_spec, dtype=dtype, decode=decode
@@ -251,36 +255,49 @@ def random_fused_step(
     tokens = int(qsl[-1])
     g = torch.Generator().manual_seed(1000 + seed)
     kv = torch.randn(tokens, channels + hidden_size, generator=g).to(dtype)  # key and value as views, like the layer
-    key, value = kv.split([channels, hidden_size], dim=1)
+    key, value = kv.to(device).split([channels, hidden_size], dim=1)
     mask = None
     if seed % 3 == 0 and tokens:
-        mask = torch.rand(tokens, generator=g) > 0.25
-    step = dict(
+        mask = (torch.rand(tokens, generator=g) > 0.25).to(device)
+    hidden = torch.randn(tokens, channels, generator=g).to(dtype).to(device)
+    norms = [(0.3 * torch.randn(channels, generator=g)).to(device) for _ in range(3)]
+    nr = conv["num_rejected"]
+    return dict(
         key=key,
         value=value,
-        hidden=torch.randn(tokens, channels, generator=g).to(dtype),
-        norm_key_weight=0.3 * torch.randn(channels, generator=g),
-        norm_query_weight=0.3 * torch.randn(channels, generator=g),
-        norm_conv_weight=0.3 * torch.randn(channels, generator=g),
-        eps=1e-6,
-        hc_count=hc,
-        conv_weight=conv["weight"],
-        dilation=dilation,
-        query_start_loc=qsl.to(torch.int32) if seed % 2 else qsl,
-        conv_state=conv["conv_state"],
-        state_indices=conv["state_indices"],
-        has_initial_state=conv["has_initial_state"],
-        num_rejected=conv["num_rejected"],
+        hidden=hidden,
+        gate=GateWeights.build(*norms, 1e-6, hc),
+        conv=ConvWeights.build(conv["weight"].to(device), dilation),
+        step=StepMeta.build(
+            (qsl.to(torch.int32) if seed % 2 else qsl).to(device),
+            conv["conv_state"].to(device),
+            conv["state_indices"].to(device),
+            conv["has_initial_state"].to(device),
+            None if nr is None else nr.to(device),
+        ),
         token_mask=mask,
         add_hidden=seed % 4 != 1,
         return_conv_input=True,
     )
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in step.items()}
+
+
+def with_state(step: dict, conv_state: torch.Tensor) -> dict:
+    """The step's keyword arguments with another state pool."""
+    return dict(step, step=dataclasses.replace(step["step"], conv_state=conv_state))
 
 
 def run_fused(fn, step, **extra):
     """Run a ``gate_conv`` twin on a copy of the step's state pool; returns ``(out, c, new_state)``."""
-    s = dict(step)
-    s["conv_state"] = s["conv_state"].clone()
+    s = with_state(step, step["step"].conv_state.clone())
     out, c = fn(**s, **extra)
-    return out.cpu(), c.cpu(), s["conv_state"].cpu()
+    return out.cpu(), c.cpu(), s["step"].conv_state.cpu()
+
+
+def run_stages(stages, step, **extra):
+    """Run ``stages.gate_stage`` then ``stages.conv_stage`` on a copy of the pool; returns ``(out, c, new_state)``."""
+    s = with_state(step, step["step"].conv_state.clone())
+    residual, c = stages.gate_stage(
+        s["key"], s["value"], s["hidden"], s["gate"], token_mask=s["token_mask"], add_hidden=s["add_hidden"], **extra
+    )
+    out = stages.conv_stage(c, residual, s["conv"], s["step"], **extra)
+    return out.cpu(), c.cpu(), s["step"].conv_state.cpu()

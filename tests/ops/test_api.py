@@ -9,7 +9,19 @@ OPS = {"norm": "grouped_rms_norm", "gate": "ngram_gate", "conv": "dilated_conv"}
 
 
 def test_public_api_is_pinned():
-    assert sorted(ple.ops.__all__) == ["dilated_conv", "gate_conv", "grouped_rms_norm", "ngram_gate"]
+    assert sorted(ple.ops.__all__) == sorted(
+        [
+            "ConvWeights",
+            "GateWeights",
+            "StepMeta",
+            "conv_stage",
+            "dilated_conv",
+            "gate_conv",
+            "gate_stage",
+            "grouped_rms_norm",
+            "ngram_gate",
+        ]
+    )
     for folder, name in OPS.items():
         package = importlib.import_module(f"ple.ops.{folder}")
         assert getattr(ple.ops, name) is getattr(package, name)
@@ -31,13 +43,25 @@ def test_twins_share_one_signature(folder):
         assert getattr(m, name).__doc__, f"{m.__name__}.{name} has no docstring"
 
 
-def test_fused_twins_share_the_reference_parameters():
+@pytest.mark.parametrize("name", ["gate_conv", "gate_stage", "conv_stage"])
+def test_fused_twins_share_the_reference_parameters(name):
     from ple.ops import fused
-    from ple.ops.fused import _compose, native, reference
+    from ple.ops.fused import _compose, native, reference, torch_impl
 
-    assert ple.ops.gate_conv is fused.gate_conv
-    assert sorted(fused.__all__) == ["gate_conv", "native", "reference", "torch_impl"]
-    names = list(inspect.signature(reference.gate_conv).parameters)
-    assert list(inspect.signature(fused.gate_conv).parameters) == names
-    assert list(inspect.signature(_compose.compose).parameters)[2:] == names
-    assert list(inspect.signature(native.gate_conv).parameters) == [*names, "threads"]
+    assert getattr(ple.ops, name) is getattr(fused, name)
+    assert sorted(fused.__all__) == ["conv_stage", "gate_conv", "gate_stage", "native", "reference", "torch_impl"]
+    names = list(inspect.signature(getattr(reference, name)).parameters)
+    assert list(inspect.signature(getattr(fused, name)).parameters) == names
+    assert list(inspect.signature(getattr(native, name)).parameters) == [*names, "threads"]
+    twins = [torch_impl]
+    try:
+        from ple.ops.fused import triton_impl
+
+        twins.append(triton_impl)
+    except ImportError:  # triton is optional
+        pass
+    for m in twins:  # they take the reference's arguments (positional records, keyword options)
+        assert getattr(m, name).__doc__
+    composed = {"gate_conv": _compose.compose, "gate_stage": _compose.gate_stage, "conv_stage": _compose.conv_stage}
+    skip = 2 if name == "gate_conv" else 1
+    assert list(inspect.signature(composed[name]).parameters)[skip:] == names

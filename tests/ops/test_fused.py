@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -17,8 +18,9 @@ import ple._native as native_build
 from ple.ops import fused
 from ple.ops.conv import reference as conv_reference
 from ple.ops.fused import native, reference, torch_impl
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
 
-from ._helpers import DTYPE_TOL, random_fused_step, run_fused
+from ._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -66,22 +68,20 @@ def test_work_units_inside_the_window_read_the_slot(taps, dilation, threads):
     t = int(q[-1])
     kv = torch.randn(t, hc * h + h, generator=g)
     key, value = kv.split([hc * h, h], dim=1)
+    zeros = torch.zeros(hc * h)
     step = dict(
         key=key,
         value=value,
         hidden=torch.randn(t, hc * h, generator=g),
-        norm_key_weight=torch.zeros(hc * h),
-        norm_query_weight=torch.zeros(hc * h),
-        norm_conv_weight=torch.zeros(hc * h),
-        eps=1e-6,
-        hc_count=hc,
-        conv_weight=torch.randn(hc * h, taps, generator=g),
-        dilation=dilation,
-        query_start_loc=q,
-        conv_state=torch.randn(len(lens) + 1, hc * h, window + 2, generator=g),
-        state_indices=torch.arange(len(lens)),
-        has_initial_state=torch.tensor([True, True, True, True, False, True]),
-        num_rejected=torch.tensor([0, 1, 2, 0, 0, 2]),
+        gate=GateWeights.build(zeros, zeros, zeros, 1e-6, hc),
+        conv=ConvWeights.build(torch.randn(hc * h, taps, generator=g), dilation),
+        step=StepMeta.build(
+            q,
+            torch.randn(len(lens) + 1, hc * h, window + 2, generator=g),
+            torch.arange(len(lens)),
+            torch.tensor([True, True, True, True, False, True]),
+            torch.tensor([0, 1, 2, 0, 0, 2]),
+        ),
         return_conv_input=True,
     )
     for a, b in zip(run_fused(native.gate_conv, step, threads=threads), run_fused(reference.gate_conv, step)):
@@ -105,12 +105,17 @@ def test_chunk_longer_than_the_whole_slot():
     hc, h, taps, n = 2, 1, 2, 50
     kv = torch.randn(n, hc * h + h, generator=g)
     key, value = kv.split([hc * h, h], dim=1)
-    args = (key, value, torch.randn(n, hc * h, generator=g), *[torch.randn(hc * h, generator=g) for _ in range(3)])
-    step = (1e-6, hc, torch.randn(hc * h, taps, generator=g), 1, torch.tensor([0, n]))
+    hidden = torch.randn(n, hc * h, generator=g)
+    gate = GateWeights.build(*[torch.randn(hc * h, generator=g) for _ in range(3)], 1e-6, hc)
+    conv = ConvWeights.build(torch.randn(hc * h, taps, generator=g), 1)
     pool = torch.randn(1, hc * h, 2, generator=g)  # C * L = 4 elements
     want_pool = pool.clone()
-    got = native.gate_conv(*args, *step, pool, torch.tensor([0]), torch.tensor([True]), torch.tensor([1]))
-    want = reference.gate_conv(*args, *step, want_pool, torch.tensor([0]), torch.tensor([True]), torch.tensor([1]))
+
+    def meta(p):
+        return StepMeta.build(torch.tensor([0, n]), p, torch.tensor([0]), torch.tensor([True]), torch.tensor([1]))
+
+    got = native.gate_conv(key, value, hidden, gate, conv, meta(pool))
+    want = reference.gate_conv(key, value, hidden, gate, conv, meta(want_pool))
     torch.testing.assert_close(got, want, **DTYPE_TOL[torch.float32])
     assert torch.equal(pool, want_pool)
 
@@ -121,16 +126,17 @@ def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
     """The new slots hold exactly what the literal conv writes for the kernel's own conv inputs."""
     step = random_fused_step(seed, dtype=dtype)
     _, c, state = run_fused(native.gate_conv, step)
-    want = step["conv_state"].clone()
+    m = step["step"]
+    want = m.conv_state.clone()
     conv_reference.dilated_conv(
         c,
-        step["conv_weight"],
-        step["dilation"],
-        step["query_start_loc"],
+        step["conv"].weight,
+        step["conv"].dilation,
+        m.query_start_loc,
         want,
-        step["state_indices"],
-        step["has_initial_state"],
-        step["num_rejected"],
+        m.state_indices,
+        m.has_initial_state,
+        m.num_rejected,
     )
     assert torch.equal(state, want)
 
@@ -160,22 +166,13 @@ def test_chunked_stream_equals_one_shot_bitwise(dtype):
     ws = [0.3 * torch.randn(channels, generator=g) for _ in range(3)]
     conv_w = torch.randn(channels, taps, generator=g)
 
+    gate = GateWeights.build(*ws, 1e-6, hc)
+    conv = ConvWeights.build(conv_w, dilation)
+
     def step(a, b, pool, resume):
         key, value = kv[a:b].split([channels, h], dim=1)
-        return native.gate_conv(
-            key,
-            value,
-            hidden[a:b],
-            *ws,
-            1e-6,
-            hc,
-            conv_w,
-            dilation,
-            torch.tensor([0, b - a]),
-            pool,
-            torch.tensor([1]),
-            torch.tensor([resume]),
-        )
+        meta = StepMeta.build(torch.tensor([0, b - a]), pool, torch.tensor([1]), torch.tensor([resume]))
+        return native.gate_conv(key, value, hidden[a:b], gate, conv, meta)
 
     whole = step(0, n, torch.zeros(2, channels, window, dtype=dtype), False)
     pool = torch.full((2, channels, window), float("nan"), dtype=dtype)
@@ -209,27 +206,24 @@ def test_unsupported_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="float16"):
         native.gate_conv(**step)
     step = random_fused_step(2, dtype=torch.float32)
-    step["conv_state"] = step["conv_state"].to(torch.bfloat16)
+    step = with_state(step, step["step"].conv_state.to(torch.bfloat16))
     with pytest.raises(ValueError, match="state pool dtype"):
         native.gate_conv(**step)
-    assert "not contiguous" in native.unsupported_reason(
-        step["key"], step["value"], step["hidden"], torch.zeros(2, 3, 4).transpose(1, 2), step["conv_weight"]
-    )
-    assert "65 conv taps" in native.unsupported_reason(
-        step["key"], step["value"], step["hidden"], step["conv_state"], torch.zeros(48, 65)
-    )
+    assert "not contiguous" in native.unsupported_reason(step["value"], torch.zeros(2, 3, 4).transpose(1, 2), 4)
+    assert "65 conv taps" in native.unsupported_reason(step["value"], step["step"].conv_state, 65)
 
 
 def test_rejection_beyond_the_slot_is_caught_without_validation():
     for seed in range(50):  # the first random batch with a request that resumes from its slot
         step = random_fused_step(seed, dtype=torch.float32)
-        active = (step["state_indices"] >= 0) & step["has_initial_state"]
+        m = step["step"]
+        active = (m.state_indices >= 0) & m.has_initial_state
         if bool(active.any()):
             break
     r = int(torch.nonzero(active)[0])
-    bad = torch.zeros_like(step["state_indices"])
-    bad[r] = step["conv_state"].shape[-1]  # more than L - W
-    step["num_rejected"] = bad
+    bad = torch.zeros_like(m.state_indices)
+    bad[r] = m.conv_state.shape[-1]  # more than L - W
+    step["step"] = dataclasses.replace(m, num_rejected=bad)
     with pytest.raises(ValueError, match=f"request {r}"):
         native.gate_conv(**step, validate=False)
     with pytest.raises(ValueError, match="num_rejected"):
@@ -389,8 +383,8 @@ def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
         warnings.simplefilter("error")
         assert not native_build.available()  # once
         step = random_fused_step(4, dtype=torch.float32)
-        out, _ = fused.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})  # the PyTorch path
-    want, _ = torch_impl.gate_conv(**{**step, "conv_state": step["conv_state"].clone()})
+        out, _ = fused.gate_conv(**with_state(step, step["step"].conv_state.clone()))  # the PyTorch path
+    want, _ = torch_impl.gate_conv(**with_state(step, step["step"].conv_state.clone()))
     torch.testing.assert_close(out, want)
     assert not list(fresh_build.glob("*.partial"))
     with pytest.raises(native_build.NativeUnavailable, match="failed"):

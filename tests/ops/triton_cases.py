@@ -33,6 +33,7 @@ from ._helpers import (  # noqa: E402
     random_fused_step,
     run_conv,
     run_fused,
+    run_stages,
     simulate_streaming,
 )
 
@@ -173,3 +174,28 @@ def test_fused_step(seed, dtype):
         else:  # against transformers' rounding points, no worse than the PyTorch fast path
             err, err_fast = ((x.double() - b.double()).abs().max().item() for x in (a, f))
             assert err <= 2 * err_fast + 1e-2, (err, err_fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_fused_stages_compose_bitwise(seed, dtype):
+    """gate_stage then conv_stage through the Triton kernels: the one-call step bit for bit, and the
+    gate of a subset of rows equals those rows of the whole batch's gate."""
+    step = random_fused_step(seed, dtype=dtype, hidden_size=8, hc=2, device=DEVICE)
+    got = run_stages(fused_triton, step)
+    want = run_fused(fused_triton.gate_conv, step)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    tokens = step["value"].shape[0]
+    if tokens > 2:
+        mask = step["token_mask"]
+        full = fused_triton.gate_stage(step["key"], step["value"], step["hidden"], step["gate"], token_mask=mask)
+        part = fused_triton.gate_stage(
+            step["key"][1:-1],
+            step["value"][1:-1],
+            step["hidden"][1:-1],
+            step["gate"],
+            token_mask=None if mask is None else mask[1:-1],
+        )
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[1:-1])

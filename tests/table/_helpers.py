@@ -46,11 +46,11 @@ def shard_parts(data, scale, shard_rows):
         yield k, data[a:b], s
 
 
-def write_file(path, fmt, data, scale, shard_rows, order=None, **kw):
+def write_file(path, fmt, data, scale, shard_rows, order=None, layout=LAYOUT, **kw):
     parts = list(shard_parts(data, scale, shard_rows))
     if order is not None:
         parts = [parts[i] for i in order]
-    with TableFileWriter(path, data.shape[0], data.shape[1], fmt, shard_rows, LAYOUT, **kw) as w:
+    with TableFileWriter(path, data.shape[0], data.shape[1], fmt, shard_rows, layout, **kw) as w:
         for k, rows, s in parts:
             w.write_shard(k, rows, s)
     return path

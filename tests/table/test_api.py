@@ -14,6 +14,7 @@ def test_public_api_is_pinned():
             "PrefetchError",
             "PrefetchHandle",
             "ShardGeometryError",
+            "ShardedLookupError",
             "ShardedPrefetch",
             "ShardedTable",
             "StoredTable",

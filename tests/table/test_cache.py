@@ -314,7 +314,7 @@ def test_cached_mmap_table_under_ple_layer(tmp_path, fmt):
     )
     lay = cfg.layout(0)
     data, scale = make_table(fmt, lay.padded_rows, lay.head_dim, seed=5)
-    path = write_file(tmp_path / "layer.ple", fmt, data, scale, 64)
+    path = write_file(tmp_path / "layer.ple", fmt, data, scale, 64, layout=cfg.layout_fields(0))
     g = torch.Generator().manual_seed(0)
     layer = PLELayer(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ from ple.runtime import Batch
 from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
 from ple.table.quantize import quantize_global, quantize_rows
 from ple.table.sharded import (
-    DEFAULT_METHOD,
+    DEFAULT_METHODS,
+    IDS_MODES,
     METHODS,
     ShardedTable,
     ShardGeometryError,
@@ -56,6 +58,13 @@ CASES = [
     ("fp8_row", torch.bfloat16, 6),
     ("int8_row", torch.float32, 5),
     ("int8_row", torch.float16, 6),
+]
+# data-parallel (per-rank ids) cases: special values, fp8, odd widths
+PER_RANK_CASES = [
+    ("fp32", torch.float32, 5),
+    ("fp8", torch.bfloat16, 5),
+    ("int8_row", torch.float16, 6),
+    ("bf16", torch.float32, 7),
 ]
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAN_BITS = {torch.float32: 0x7FC00123, torch.bfloat16: 0x7FC1, torch.float16: 0x7E01}
@@ -112,6 +121,12 @@ def make_ids(rows: int, world: int, T: int, seed: int, noncontig: bool = False) 
     wide = torch.randint(0, rows, (T, 2 * G), generator=g)
     wide[:, ::2] = ids
     return wide[:, ::2]
+
+
+def per_rank_tokens(rank: int) -> list[int]:
+    """Token counts of rank ``rank``'s lookups in the per-rank scenario: different on every rank, one
+    rank with none in the second, none anywhere in the third."""
+    return [13 + 50 * rank, 0 if rank == 1 else 7 + 3 * rank, 0, 1 + rank]
 
 
 def tiny_config(**kw) -> PLEConfig:
@@ -261,13 +276,21 @@ def _worker_scenarios(rank: int, world: int, files: Path):
     for method in METHODS:
         yield f"tiny/{method}", lambda m=method: tiny(m)
 
-    def per_rank(fmt):
-        # alltoall accepts different ids (and T) on each rank.
-        table = ShardedTable.from_full(make_full(fmt, ROWS, 6), method="alltoall")
-        return table.lookup(make_ids(ROWS, world, 10 + 7 * rank, seed=500 + rank), torch.float32)
+    def per_rank(fmt, dtype, D, method):
+        # Data-parallel batches: each rank its own ids and token count, one rank with none; then a
+        # step where no rank has a token, then a prefetch.
+        table = ShardedTable.from_full(make_full(fmt, ROWS, D), method=method, ids="per_rank")
+        res = {}
+        for step, T in enumerate(per_rank_tokens(rank)):
+            res[step] = table.lookup(make_ids(ROWS, world, T, seed=500 + 10 * rank + step), dtype)
+        ids = make_ids(ROWS, world, 5 + rank, seed=7)
+        with table.start_prefetch(ids, dtype) as h:
+            res["prefetch"] = h.wait(ids).clone()
+        return res
 
-    for fmt in ("fp32", "int8_row"):
-        yield f"per_rank/{fmt}", lambda f=fmt: per_rank(f)
+    for fmt, dtype, D in PER_RANK_CASES:
+        for method in METHODS:
+            yield f"per_rank/{fmt}/{_dt(dtype)}/{method}", lambda f=fmt, d=dtype, D=D, m=method: per_rank(f, d, D, m)
 
     def layer(dtype, method):
         lay, full = make_layer(dtype)
@@ -305,6 +328,8 @@ def _worker_scenarios(rank: int, world: int, files: Path):
                 total = ROWS + 16
             elif kind == "method":
                 kw["method"] = "nope"
+            elif kind == "ids_mode":
+                kw["ids"] = "per_rank"
             elif kind == "layout":
                 kw["layout_hash"] = hash_layout(tiny_config(seed=99).layout_key())
         if kind == "layout" and rank != last:
@@ -316,7 +341,18 @@ def _worker_scenarios(rank: int, world: int, files: Path):
         piece = MemoryTable(local.data[a:b].clone(), None, local.format)
         return repr(ShardedTable(piece, a, b, total, **kw))
 
-    for kind in ("head_dim", "format", "overlap", "gap", "total_rows", "method", "layout", "bad_range", "file"):
+    for kind in (
+        "head_dim",
+        "format",
+        "overlap",
+        "gap",
+        "total_rows",
+        "method",
+        "ids_mode",
+        "layout",
+        "bad_range",
+        "file",
+    ):
         yield f"geometry/{kind}", lambda k=kind: geometry(k)
 
     # ---- lookup-time errors raised on every rank
@@ -337,17 +373,50 @@ def _worker_scenarios(rank: int, world: int, files: Path):
             err = str(e)
         return {"same": same, "err": err}
 
-    def dtype_differs():
-        table = ShardedTable.from_full(make_full("fp32", ROWS, 5), method="alltoall")
+    def dtype_differs(method, ids_mode):
+        table = ShardedTable.from_full(make_full("fp32", ROWS, 5), method=method, ids=ids_mode)
         return table.lookup(make_ids(ROWS, world, 9, seed=1), torch.bfloat16 if rank == last else torch.float32)
+
+    def tokens_differ():
+        # replicated ids and the all-reduce: the buffers would differ in size
+        table = ShardedTable.from_full(make_full("fp32", ROWS, 5), method="allreduce")
+        return table.lookup(make_ids(ROWS, world, 9 + (rank == last), seed=1), torch.float32)
+
+    def heads_differ(method):
+        table = ShardedTable.from_full(make_full("fp32", ROWS, 5), method=method, ids="per_rank")
+        return table.lookup(make_ids(ROWS, world, 9, seed=1)[:, : 2 if rank == last else 3], torch.float32)
+
+    def invalid_ids():
+        table = ShardedTable.from_full(make_full("fp32", ROWS, 5), ids="per_rank")
+        ids = make_ids(ROWS, world, 9, seed=1)
+        return table.lookup(ids.reshape(-1) if rank == last else ids, torch.float32)
+
+    def tables_swapped():
+        # two tables of one group (two layers) looked up in another order on the last rank
+        one = ShardedTable.from_full(make_full("fp32", ROWS, 5))
+        two = ShardedTable.from_full(make_full("fp32", ROWS, 5, seed=1))
+        first, second = (two, one) if rank == last else (one, two)
+        ids = make_ids(ROWS, world, 9, seed=1)
+        return [first.lookup(ids, torch.float32), second.lookup(ids, torch.float32)]
 
     yield "errors/bad_id", bad_id
     yield "errors/ids_differ", ids_differ
-    yield "errors/dtype_differs", dtype_differs
+    for method in METHODS:
+        for ids_mode in IDS_MODES:
+            yield f"errors/dtype_differs/{method}/{ids_mode}", lambda m=method, i=ids_mode: dtype_differs(m, i)
+        yield f"errors/heads_differ/{method}", lambda m=method: heads_differ(m)
+    yield "errors/tokens_differ", tokens_differ
+    yield "errors/invalid_ids", invalid_ids
+    yield "errors/tables_swapped", tables_swapped
 
     def after_errors():
         table = ShardedTable.from_full(make_full("fp32", ROWS, 5))
-        return {"method": table.method, "rows": table.lookup(make_ids(ROWS, world, 63, seed=11), torch.float32)}
+        per_rank = ShardedTable.from_full(make_full("fp32", ROWS, 5), ids="per_rank")
+        return {
+            "method": table.method,
+            "per_rank_method": per_rank.method,
+            "rows": table.lookup(make_ids(ROWS, world, 63, seed=11), torch.float32),
+        }
 
     yield "after_errors", after_errors
 
@@ -522,13 +591,17 @@ def test_empty_shard_and_empty_lookup(world, method):
         assert x["empty"].shape == (0, G * 4)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8_row"])
-def test_alltoall_with_different_ids_per_rank(world, fmt):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("fmt,dtype,D", PER_RANK_CASES, ids=[f"{f}-{_dt(d)}-D{D}" for f, d, D in PER_RANK_CASES])
+def test_per_rank_ids_each_rank_gets_its_own_rows(world, fmt, dtype, D, method):
+    """Data-parallel batches: different token counts per rank, a rank with none, a step with none."""
     w, results = world
-    full = make_full(fmt, ROWS, 6)
-    for r, got in enumerate(ok(results, f"per_rank/{fmt}")):
-        want = full.lookup(make_ids(ROWS, w, 10 + 7 * r, seed=500 + r), torch.float32)
-        assert_same_bits(got, want, f"rank {r}")
+    full = make_full(fmt, ROWS, D)
+    for r, got in enumerate(ok(results, f"per_rank/{fmt}/{_dt(dtype)}/{method}")):
+        for step, T in enumerate(per_rank_tokens(r)):
+            want = full.lookup(make_ids(ROWS, w, T, seed=500 + 10 * r + step), dtype)
+            assert_same_bits(got[step], want, f"rank {r}, step {step} ({T} tokens)")
+        assert_same_bits(got["prefetch"], full.lookup(make_ids(ROWS, w, 5 + r, seed=7), dtype), f"rank {r}, prefetch")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -610,6 +683,13 @@ def test_geometry_total_rows_differs(world):
         assert "total_rows differs across ranks" in msg and f"rank {w - 1}: {ROWS + 16}" in msg
 
 
+def test_geometry_ids_mode_differs(world):
+    w, results = world
+    others = "rank 0" if w == 2 else "ranks 0, 1"
+    for msg in _all_geometry_errors(results, "ids_mode"):
+        assert f"ids_mode differs across ranks ({others}: 'replicated'; rank {w - 1}: 'per_rank')" in msg
+
+
 def test_geometry_config_differs(world):
     """A rank whose table was built for another config (another seed): its layout hash differs."""
     w, results = world
@@ -649,7 +729,7 @@ def test_bad_id_on_one_rank_raises_everywhere(world):
         if r == w - 1:
             assert typ == "IdOutOfRangeError" and f"row id {ROWS} at (token 4, head 1)" in msg
         else:
-            assert typ == "InvalidArgumentError" and f"rank {w - 1} looked up row ids outside [0, {ROWS})" in msg
+            assert typ == "ShardedLookupError" and f"rank {w - 1} looked up row ids outside [0, {ROWS})" in msg
 
 
 def test_verify_ids_catches_unreplicated_batch(world):
@@ -661,22 +741,60 @@ def test_verify_ids_catches_unreplicated_batch(world):
         assert "ranks looked up different ids" in res["err"] and f"this is rank {r}" in res["err"]
 
 
-def test_dtype_mismatch_raises_everywhere(world):
+def _lookup_errors(results, key: str) -> list[str]:
+    """Every rank raised ShardedLookupError with the same text but for the rank it names."""
+    errs = errors(results, key)
+    for r, (typ, msg) in enumerate(errs):
+        assert typ == "ShardedLookupError", (r, typ, msg)
+        assert f"before any row moved; this is rank {r})" in msg
+    return [m for _, m in errs]
+
+
+@pytest.mark.parametrize("ids_mode", IDS_MODES)
+@pytest.mark.parametrize("method", METHODS)
+def test_dtype_mismatch_raises_everywhere(world, method, ids_mode):
+    """Different lookup dtypes used to abort one process inside the collective library (all-reduce)."""
     w, results = world
-    for r, (typ, msg) in enumerate(errors(results, "errors/dtype_differs")):
-        assert (
-            typ == "InvalidArgumentError"
-            and "different lookup dtypes" in msg
-            and f"rank {w - 1}: torch.bfloat16" in msg
-        )
-        assert f"this is rank {r}" in msg
+    for msg in _lookup_errors(results, f"errors/dtype_differs/{method}/{ids_mode}"):
+        assert "different lookup dtypes" in msg and f"rank {w - 1}: torch.bfloat16" in msg
+        assert "rank 0: torch.float32" in msg
+
+
+def test_token_count_mismatch_with_replicated_ids_raises_everywhere(world):
+    w, results = world
+    for msg in _lookup_errors(results, "errors/tokens_differ"):
+        assert "different numbers of tokens (rank 0: 9; " in msg and f"rank {w - 1}: 10)" in msg
+        assert "ids='per_rank'" in msg
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_head_count_mismatch_raises_everywhere(world, method):
+    w, results = world
+    for msg in _lookup_errors(results, f"errors/heads_differ/{method}"):
+        assert "different numbers of heads G (rank 0: 3; " in msg and f"rank {w - 1}: 2)" in msg
+
+
+def test_invalid_ids_on_one_rank_raise_everywhere(world):
+    w, results = world
+    for r, msg in enumerate(_lookup_errors(results, "errors/invalid_ids")):
+        assert f"rank {w - 1} passed invalid arguments" in msg
+        assert ("row ids must be a 2-D int64 tensor [T, G], got (27,)" in msg) == (r == w - 1)
+
+
+def test_tables_looked_up_in_another_order_raise_everywhere(world):
+    w, results = world
+    for msg in _lookup_errors(results, "errors/tables_swapped"):
+        assert "ranks are at different lookups" in msg
+        seen = dict(re.findall(r"rank (\d+): table (\d+), lookup 0", msg))
+        assert len(seen) == w and seen["0"] != seen[str(w - 1)], msg
 
 
 def test_group_still_works_after_errors(world):
     w, results = world
     want = make_full("fp32", ROWS, 5).lookup(make_ids(ROWS, w, 63, seed=11), torch.float32)
     for r, res in enumerate(ok(results, "after_errors")):
-        assert res["method"] == DEFAULT_METHOD
+        assert res["method"] == DEFAULT_METHODS["replicated"] == "allreduce"
+        assert res["per_rank_method"] == DEFAULT_METHODS["per_rank"] == "alltoall"
         assert_same_bits(res["rows"], want, f"rank {r}")
 
 
@@ -710,6 +828,7 @@ def _fp(a, b, total=100, head_dim=8, fmt=0, local_rows=None, **kw):
         layout_hash=kw.get("layout_hash", -1),
         global_scale=kw.get("global_scale", -1),
         method=0,
+        ids_mode=0,
         row_start=a,
         row_stop=b,
         local_rows=b - a if local_rows is None else local_rows,

@@ -243,56 +243,26 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
     fn = lib.ple_gate_conv
     fn.restype = i32
+    # fmt: off
     fn.argtypes = [
-        i32,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,  # bf16?, tokens, hidden_size, hc, taps, dilation
-        i64,
-        i64,
-        i64,
-        f32,  # state_len, num_slots, requests, eps
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        i64,  # key, stride, value, stride, hidden, stride
-        ptr,
-        ptr,
-        ptr,  # wkq, wc, conv_w [K, C]
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,  # starts, slots, resumes, history_end, mask
-        ptr,
-        i32,
-        ptr,
-        ptr,
-        i32,  # state, add_hidden, out, c_out, c_all
-        i64,
-        i32,  # unit_tokens, threads
+        i32, i64, i64, i64, i64, i64,  # bf16?, tokens, hidden_size, hc, taps, dilation
+        i64, i64, i64, f32,  # state_len, num_slots, requests, eps
+        ptr, i64, ptr, i64, ptr, i64,  # key, stride, value, stride, hidden, stride
+        ptr, ptr, ptr,  # wkq, wc, conv_w [K, C]
+        ptr, ptr, ptr, ptr, ptr,  # starts, slots, has_init, rejected, mask
+        ptr, ptr, i32,  # state, ring_base, add_hidden
+        ptr, ptr, i64,  # c_in, res_in, res_stride (conv stage)
+        ptr, ptr, i32,  # out, c_out, c_all
+        i64, i32,  # unit_tokens, threads
     ]
     ids = lib.ple_ngram_ids
     ids.restype = i32
     ids.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,  # tokens, total, starts, requests
-        ptr,
-        i64,
-        i64,
-        ptr,  # context [R, N-1], order N, heads per order, multipliers [N]
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i32,  # sizes [G], offsets [G], eos, out [T, G], threads
+        ptr, i64, ptr, i64,  # tokens, total, starts, requests
+        ptr, i64, i64, ptr,  # context [R, N-1], order N, heads per order, multipliers [N]
+        ptr, ptr, i64, ptr, i32,  # sizes [G], offsets [G], eos, out [T, G], threads
     ]
+    # fmt: on
 
 
 def library() -> ctypes.CDLL:

@@ -86,10 +86,13 @@ typedef struct {
     const void *key, *value, *hidden;
     int64_t key_stride, value_stride, hidden_stride;
     const float *wkq, *wc, *conv_w; /* [C], [C], [K, C] */
-    const int64_t *starts, *slots, *history_end;
-    const uint8_t *resumes, *mask;
+    const int64_t *starts, *slots, *rejected; /* rejected may be null (nothing rejected) */
+    const uint8_t *has_init, *mask;
     void *state;
+    int64_t *ring_base; /* null: state is [S, C, L]; else state is [S, L, C], column j of slot s in row (base[s] + j) % L */
     int add_hidden;
+    const void *c_in, *res_in; /* conv stage: conv inputs [T, C] and residual rows given instead of the gate */
+    int64_t res_stride;
     void *out, *c_out;
     int c_all;
     /* work partition */
@@ -106,6 +109,20 @@ typedef struct {
     uint8_t *need; /* [W] which of them */
     float *zero;   /* [C] zeros: the taps of a fresh request's history */
 } scratch_t;
+
+/* Whether request r continues the history held in its slot, and where that history ends (column). */
+ALWAYS_INLINE int resumes_of(const job_t *J, int64_t r) { return J->slots[r] >= 0 && J->has_init[r] != 0; }
+
+ALWAYS_INLINE int64_t history_end_of(const job_t *J, int64_t r) {
+    return J->state_len - (J->rejected != 0 && resumes_of(J, r) ? J->rejected[r] : 0);
+}
+
+/* Element (channel i, logical column j) of slot `slot`: its offset in the state pool. */
+ALWAYS_INLINE int64_t state_at(const job_t *J, int64_t slot, int64_t i, int64_t j) {
+    const int64_t C = J->channels, L = J->state_len;
+    if (J->ring_base) return slot * L * C + ((J->ring_base[slot] + j) % L) * C + i;
+    return slot * C * L + i * L + j;
+}
 
 /* Conv input of row t for all streams into `c_row`; the residual into `res` when non-null. */
 ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, int bf) {
@@ -175,16 +192,30 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
     }
 }
 
+/* Conv stage: row t of the given conv inputs (and the residual) instead of the gate's. The values are
+ * those the gate stage rounded, so the rest of the step sees exactly what the fused step computes. */
+ALWAYS_INLINE void load_row(const job_t *J, int64_t t, float *c_row, float *res, int bf) {
+    const int64_t C = J->channels;
+    const void *cp = (const char *)J->c_in + t * C * (bf ? 2 : 4);
+#pragma omp simd
+    for (int64_t i = 0; i < C; i++) c_row[i] = ld(cp, i, bf);
+    if (res) {
+        const void *rp = (const char *)J->res_in + t * J->res_stride * (bf ? 2 : 4);
+#pragma omp simd
+        for (int64_t i = 0; i < C; i++) res[i] = ld(rp, i, bf);
+    }
+}
+
 ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
     const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
     const int64_t slot = J->slots[r];
-    const int resumes = J->resumes[r] != 0;
-    const int64_t hist = J->history_end[r];
+    const int resumes = resumes_of(J, r);
+    const int64_t hist = history_end_of(J, r);
     const int active = slot >= 0;
-    const void *state_row = active ? (const char *)J->state + slot * C * L * (bf ? 2 : 4) : 0;
-    const int64_t warm = p0 > W ? p0 - W : 0;
+    /* the rows before the unit feed its taps; a row without a slot has no conv, so no taps */
+    const int64_t warm = !active ? p0 : (p0 > W ? p0 - W : 0);
     if (active && resumes && p0 < W) {
         /* The slot columns hist-W .. hist-1 that this unit's taps read (rows p0 .. W-1 reach before the
          * chunk), token-major into S->hist. No unit writes the slot before all of them have run. */
@@ -198,13 +229,23 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
         for (int64_t col = 0; col < W; col++)
             if (S->need[col]) {
                 float *dst = S->hist + col * C;
-                for (int64_t i = 0; i < C; i++) dst[i] = ld(state_row, i * L + first + col, bf);
+                if (J->ring_base) {
+                    const int64_t at = state_at(J, slot, 0, first + col);
+#pragma omp simd
+                    for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i, bf);
+                } else {
+                    const int64_t at = state_at(J, slot, 0, first + col);
+                    for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i * L, bf);
+                }
             }
     }
     for (int64_t p = warm; p < p1; p++) {
         const int64_t t = start + p;
         float *c_row = S->ring + (p % ring_rows) * C;
-        gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, bf);
+        if (J->c_in)
+            load_row(J, t, c_row, p >= p0 ? S->res : 0, bf);
+        else
+            gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, bf);
         if (p < p0) continue;
         if (J->c_out && (J->c_all || p >= n - L)) {
             void *co = (char *)J->c_out + t * C * (bf ? 2 : 4);
@@ -256,18 +297,36 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     }
 }
 
+/* Row `row` of the step's conv inputs (the gate's output, or the conv stage's input). */
+ALWAYS_INLINE const char *c_row_of(const job_t *J, int64_t row, int64_t esz) {
+    return (const char *)(J->c_in ? J->c_in : J->c_out) + row * J->channels * esz;
+}
+
 /* New state of request r: the last L columns of (kept history ++ its c rows), zeros on the left.
- * In the flat [C * L] slot, keeping old columns is one shift by `kept + n - L` elements (a memmove;
- * columns that cross into the next channel are the ones overwritten by c rows or zeroed). */
+ * [S, C, L]: in the flat [C * L] slot, keeping old columns is one shift by `kept + n - L` elements (a
+ * memmove; columns that cross into the next channel are the ones overwritten by c rows or zeroed).
+ * Ring [S, L, C]: old columns stay where they are; the slot's base moves by `kept + n - L`, and only the
+ * new rows (and columns before the history, when more were rejected than added) are written. */
 ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
     const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4;
     const int64_t slot = J->slots[r];
     if (slot < 0 || L == 0) return;
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
-    const int resumes = J->resumes[r] != 0;
-    const int64_t kept = resumes ? J->history_end[r] : L;
+    const int resumes = resumes_of(J, r);
+    const int64_t kept = resumes ? history_end_of(J, r) : L;
     const int64_t shift = kept + n - L, flat = C * L;
     char *base = (char *)J->state + slot * flat * esz;
+    const int64_t first_row = L - n > 0 ? L - n : 0; /* new columns first_row .. L-1 come from c rows */
+    if (J->ring_base) {
+        int64_t b = resumes ? ((J->ring_base[slot] + shift) % L + L) % L : 0;
+        J->ring_base[slot] = b;
+        /* columns before the kept history (all of them for a fresh request) are zeros */
+        const int64_t zeros = !resumes ? first_row : (shift < 0 ? (-shift < first_row ? -shift : first_row) : 0);
+        for (int64_t j = 0; j < zeros; j++) memset(base + ((b + j) % L) * C * esz, 0, (size_t)(C * esz));
+        for (int64_t j = first_row; j < L; j++)
+            memcpy(base + ((b + j) % L) * C * esz, c_row_of(J, start + n - L + j, esz), (size_t)(C * esz));
+        return;
+    }
     if (n >= L) {
         /* every column comes from the chunk's rows */
     } else if (!resumes) {
@@ -278,8 +337,8 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
         memmove(base - shift * esz, base, (size_t)((flat + shift) * esz));
         for (int64_t i = 0; i < C; i++) memset(base + i * L * esz, 0, (size_t)(-shift * esz));
     }
-    for (int64_t j = L - n > 0 ? L - n : 0; j < L; j++) {
-        const char *src = (const char *)J->c_out + (start + n - L + j) * C * esz;
+    for (int64_t j = first_row; j < L; j++) {
+        const char *src = c_row_of(J, start + n - L + j, esz);
         if (bf)
             for (int64_t i = 0; i < C; i++) ((uint16_t *)base)[i * L + j] = ((const uint16_t *)src)[i];
         else
@@ -344,15 +403,27 @@ static void *thread_main(void *arg) {
     return 0;
 }
 
-/* Returns 0 on success; -1 bad geometry, -2 out of memory, -3 thread start failed,
+/* One step of the layer after its projections, for a packed batch of `requests` requests.
+ *
+ * Gate mode (c_in null): key, value, hidden rows -> gate -> conv -> out; c_out receives the conv inputs
+ * (every row when c_all, else at least each request's last L rows, which the state write reads).
+ * Conv mode (c_in given): the conv inputs c_in [T, C] (contiguous) and the residual rows res_in replace
+ * the gate; key, value, hidden and c_out are not read or written. Rows of requests without a slot
+ * (slots[r] = -1) get out = residual and need no other rows: a batch of one such request over all
+ * tokens is the gate stage alone (out = residual, c_out = c).
+ * has_init [R] (bool bytes), rejected [R] or null: a request resumes from its slot when it has one and
+ * has_init; its history then ends `rejected` columns before the slot's end.
+ *
+ * Returns 0 on success; -1 bad geometry, -2 out of memory, -3 thread start failed,
  * 1000 + r: request r has an out-of-range history (its slot cannot hold the window). */
 int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64_t taps, int64_t dilation,
                   int64_t state_len, int64_t num_slots, int64_t requests, float eps, const void *key,
                   int64_t key_stride, const void *value, int64_t value_stride, const void *hidden,
                   int64_t hidden_stride, const float *wkq, const float *wc, const float *conv_w,
-                  const int64_t *starts, const int64_t *slots, const uint8_t *resumes,
-                  const int64_t *history_end, const uint8_t *mask, void *state, int add_hidden, void *out,
-                  void *c_out, int c_all, int64_t unit_tokens, int threads) {
+                  const int64_t *starts, const int64_t *slots, const uint8_t *has_init, const int64_t *rejected,
+                  const uint8_t *mask, void *state, int64_t *ring_base, int add_hidden, const void *c_in,
+                  const void *res_in, int64_t res_stride, void *out, void *c_out, int c_all, int64_t unit_tokens,
+                  int threads) {
     job_t J;
     memset(&J, 0, sizeof J);
     J.hidden_size = hidden_size;
@@ -374,23 +445,30 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     J.conv_w = conv_w;
     J.starts = starts;
     J.slots = slots;
-    J.resumes = resumes;
-    J.history_end = history_end;
+    J.has_init = has_init;
+    J.rejected = rejected;
     J.mask = mask;
     J.state = state;
+    J.ring_base = ring_base;
     J.add_hidden = add_hidden;
+    J.c_in = c_in;
+    J.res_in = res_in;
+    J.res_stride = res_stride;
     J.out = out;
-    J.c_out = c_out;
+    J.c_out = c_in ? 0 : c_out;
     J.c_all = c_all;
     if (hidden_size < 1 || hc < 1 || taps < 1 || taps > MAX_TAPS || dilation < 1 || requests < 0 || unit_tokens < 1 ||
-        state_len < J.window || (c_out == 0 && tokens > 0) || starts[0] != 0 || starts[requests] != tokens)
+        state_len < J.window || (c_in == 0 && c_out == 0 && tokens > 0) || (c_in != 0 && res_in == 0) ||
+        starts[0] != 0 || starts[requests] != tokens)
         return -1;
     int64_t units = 0;
     for (int64_t r = 0; r < requests; r++) {
         int64_t n = starts[r + 1] - starts[r];
         if (n < 0 || slots[r] < -1 || slots[r] >= num_slots) return -1;
-        if (slots[r] >= 0 && resumes[r] && (history_end[r] < J.window || history_end[r] > state_len))
-            return (int)(1000 + r);
+        if (ring_base && slots[r] >= 0 && (ring_base[slots[r]] < 0 || ring_base[slots[r]] >= (state_len ? state_len : 1)))
+            return -1;
+        const int64_t h = history_end_of(&J, r);
+        if (resumes_of(&J, r) && (h < J.window || h > state_len)) return (int)(1000 + r);
         units += n == 0 ? 1 : (n + unit_tokens - 1) / unit_tokens;
     }
     J.num_units = units;

@@ -16,6 +16,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from ..argtypes import non_negative_int, positive_int
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError
 from ..table import format_info
+from . import parallel
 
 # The published geometry scaled down 10x in width (same H : HC : E : heads ratios), small table.
 DEMO_CONFIG = {
@@ -62,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
     p.add_argument("--output", metavar="PATH", help="also write the results as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when stderr is no terminal)")
+    parallel.add_arguments(p)
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
@@ -153,7 +156,8 @@ def serve(layer, args, progress: bool = True) -> dict:
             r = waiting.pop(0)
             session.add(r.rid)
             live[r.rid] = r
-        inputs, spec, plan = {}, set(), {}
+        inputs: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        spec, plan = set(), {}
         for r in live.values():
             done = len(r.tokens)
             if done < r.prompt:
@@ -214,6 +218,8 @@ def _check(layer, r: _Request) -> float:
 
 # ---------------------------------------------------------------------------------------- main
 def run(args) -> int:
+    if parallel.requested(args):
+        return parallel.run(args)
     from ..checkpoint import open_layer_table, resolve_model, scan_checkpoint, table_shards, write_layer_table
     from ..layer import PLELayer
     from ..runtime import tune_host_allocator

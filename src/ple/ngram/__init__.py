@@ -2,8 +2,12 @@
 
 ``ngram_ids`` is the checked entry point (validates everything, then dispatches on device:
 CUDA -> Triton kernel, CPU -> the C kernel of :mod:`.native` when it can be built, otherwise the
-vectorized torch path). ``reference`` holds the literal
-definition the fast paths are tested against.
+vectorized torch path). ``reference`` holds the literal definition the fast paths are tested against.
+
+The unchecked computation is also the operator ``torch.ops.ple.ngram_ids(input_ids,
+query_start_loc, ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram,
+eos_token_id)`` (the layout as its tensors, see :func:`layout_tensors`), with a fake implementation,
+so compiled and exported programs hold it as one node.
 """
 
 from __future__ import annotations
@@ -14,8 +18,16 @@ from .. import _native
 from ..errors import PLEError
 from ..layout import Layout
 from . import native, reference, torch_impl
+from .torch_impl import layout_tensors
 
-__all__ = ["ngram_ids", "next_ngram_context", "fresh_context", "check_ngram_inputs", "NgramInputError"]
+__all__ = [
+    "ngram_ids",
+    "next_ngram_context",
+    "fresh_context",
+    "check_ngram_inputs",
+    "layout_tensors",
+    "NgramInputError",
+]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -145,3 +157,32 @@ def next_ngram_context(
 
 
 _ = reference  # re-exported as ple.ngram.reference
+
+# ---------------------------------------------------------------------------------------------- operator
+
+_lib = torch.library.Library("ple", "FRAGMENT")
+_lib.define(
+    "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, Tensor multipliers, "
+    "Tensor head_sizes, Tensor head_offsets, int heads_per_ngram, int eos_token_id) -> Tensor"
+)
+
+
+def _ids_cpu(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+    if _native.available():
+        return native.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
+    return torch_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
+
+
+def _ids_cuda(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+    from . import triton_impl
+
+    return triton_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
+
+
+def _ids_fake(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+    return input_ids.new_empty((input_ids.shape[0], sizes.shape[0]), dtype=torch.int64)
+
+
+_lib.impl("ngram_ids", _ids_cpu, "CPU")
+_lib.impl("ngram_ids", _ids_cuda, "CUDA")
+torch.library.register_fake("ple::ngram_ids", _ids_fake, lib=_lib)

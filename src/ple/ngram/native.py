@@ -31,12 +31,43 @@ def ngram_ids(
         raise InvalidArgumentError(
             f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU"
         )
+    mult, sizes, offs = layout_tensors(layout, torch.device("cpu"))
+    return ids_from_tensors(
+        input_ids,
+        query_start_loc,
+        ngram_context,
+        mult,
+        sizes,
+        offs,
+        layout.heads_per_ngram,
+        eos_token_id,
+        threads=threads,
+    )
+
+
+def ids_from_tensors(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    multipliers: torch.Tensor,
+    head_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    heads_per_ngram: int,
+    eos_token_id: int,
+    *,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """:func:`ngram_ids` with the layout given as its int64 CPU tensors (``multipliers [N]``,
+    ``head_sizes [G]``, ``head_offsets [G]``)."""
     lib = _native.library()
     tokens = input_ids.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
     context = ngram_context.to(torch.int64).contiguous()
-    mult, sizes, offs = layout_tensors(layout, torch.device("cpu"))
-    out = torch.empty(tokens.shape[0], layout.num_heads, dtype=torch.int64)
+    mult = multipliers.contiguous()
+    sizes = head_sizes.contiguous()
+    offs = head_offsets.contiguous()
+    order = mult.shape[0]
+    out = torch.empty(tokens.shape[0], sizes.shape[0], dtype=torch.int64)
     nthreads = torch.get_num_threads() if threads is None else int(threads)
     rc = lib.ple_ngram_ids(
         tokens.data_ptr(),
@@ -44,8 +75,8 @@ def ngram_ids(
         starts.data_ptr(),
         starts.shape[0] - 1,
         context.data_ptr(),
-        layout.ngram_size,
-        layout.heads_per_ngram,
+        order,
+        heads_per_ngram,
         mult.data_ptr(),
         sizes.data_ptr(),
         offs.data_ptr(),
@@ -62,7 +93,7 @@ def ngram_ids(
         raise MemoryError("ngram_ids: the C kernel could not allocate its head table")
     if rc != 0:
         raise InvalidArgumentError(
-            f"ngram_ids (C kernel): unsupported layout (ngram_size={layout.ngram_size}, "
-            f"heads_per_ngram={layout.heads_per_ngram}; the kernel takes ngram_size 2..64)"
+            f"ngram_ids (C kernel): unsupported layout (ngram_size={order}, "
+            f"heads_per_ngram={heads_per_ngram}; the kernel takes ngram_size 2..64)"
         )
     return out

@@ -71,12 +71,29 @@ def ngram_ids(
     eos_token_id: int,
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64."""
-    hpn = layout.heads_per_ngram
     mult, sizes, offs = layout_tensors(layout, input_ids.device)
-    y = ngram_windows(input_ids, query_start_loc, ngram_context, layout.ngram_size, eos_token_id)
-    out = torch.empty(y.shape[0], layout.num_heads, dtype=torch.int64, device=input_ids.device)
+    return ids_from_tensors(
+        input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id
+    )
+
+
+def ids_from_tensors(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    multipliers: torch.Tensor,
+    head_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    heads_per_ngram: int,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """:func:`ngram_ids` with the layout given as its tensors (see :func:`layout_tensors`)."""
+    hpn = heads_per_ngram
+    mult, sizes, offs = multipliers, head_sizes, head_offsets
+    y = ngram_windows(input_ids, query_start_loc, ngram_context, mult.shape[0], eos_token_id)
+    out = torch.empty(y.shape[0], sizes.shape[0], dtype=torch.int64, device=input_ids.device)
     h = y[:, 0] * mult[0]
-    for s in range(1, layout.ngram_size):
+    for s in range(1, mult.shape[0]):
         h = h ^ (y[:, s] * mult[s])
         g0 = (s - 1) * hpn
         torch.remainder(h.unsqueeze(1), sizes[g0 : g0 + hpn], out=out[:, g0 : g0 + hpn])

@@ -173,10 +173,27 @@ def ngram_ids(
     Inputs are not validated beyond their shapes (the checked entry point is
     :func:`ple.ngram.ngram_ids`).
     """
+    mult, sizes, offs = layout_tensors(layout, input_ids.device)
+    return ids_from_tensors(
+        input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id
+    )
+
+
+def ids_from_tensors(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    multipliers: torch.Tensor,
+    head_sizes: torch.Tensor,
+    head_offsets: torch.Tensor,
+    heads_per_ngram: int,
+    eos_token_id: int,
+) -> torch.Tensor:
+    """:func:`ngram_ids` with the layout given as its tensors (on the ids' device)."""
     _check_shapes(input_ids, query_start_loc, ngram_context)
-    n = layout.ngram_size
-    hpn = layout.heads_per_ngram
-    g = layout.num_heads
+    n = multipliers.shape[0]
+    hpn = heads_per_ngram
+    g = head_sizes.shape[0]
     if ngram_context.shape[1] != n - 1:
         raise InvalidArgumentError(f"ngram_context must be [R, N-1] with N-1={n - 1}, got {tuple(ngram_context.shape)}")
     t_total = input_ids.shape[0]
@@ -185,15 +202,14 @@ def ngram_ids(
     out = torch.empty(t_total, g, dtype=torch.int64, device=device)
     if t_total == 0:
         return out
-    mult, sizes, offs = layout_tensors(layout, device)
     grid = (triton.cdiv(t_total, _BLOCK_T),)
     _ngram_ids_kernel[grid](
         input_ids,
         query_start_loc,
         ngram_context,
-        mult,
-        sizes,
-        offs,
+        multipliers,
+        head_sizes,
+        head_offsets,
         out,
         t_total,
         num_requests,

@@ -30,7 +30,7 @@ from .memory import MemoryTable, PinnedHostTable
 from .mmap import MmapTable
 from .prefetch import Prefetch, PrefetchError, PrefetchHandle
 from .quantize import QuantStats, dequantize, quantization_error, quantize_global, quantize_rows
-from .sharded import ShardedPrefetch, ShardedTable, ShardGeometryError, load_sharded
+from .sharded import ShardedLookupError, ShardedPrefetch, ShardedTable, ShardGeometryError, load_sharded
 
 __all__ = [
     "CachedTable",
@@ -43,6 +43,7 @@ __all__ = [
     "PrefetchError",
     "PrefetchHandle",
     "ShardGeometryError",
+    "ShardedLookupError",
     "ShardedPrefetch",
     "ShardedTable",
     "StoredTable",

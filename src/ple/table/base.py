@@ -12,6 +12,11 @@ Two levels of the contract:
   this process (every tier but one sharded across ranks); code that reads rows directly (the
   differentiable lookup, a copy into another tier) asks for a ``StoredTable`` with
   :func:`require_stored`.
+
+The lookup is also the operator ``torch.ops.ple.table_lookup(ids, table, head_dim, dtype)``, where
+``table`` is a :class:`TableRef`: an opaque reference that compiled and exported programs take as
+an input and pass to the operator untouched, so the table (any tier, dequantization inside) is never
+a graph constant, never copied, and one compiled program serves every layer of a geometry.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .lookup import dequantize_rows_into, gather_dequant
 from .lookup.torch_impl import gather_rows
 from .prefetch import PrefetchEngine, PrefetchHandle
 
-__all__ = ["Table", "StoredTable", "require_stored"]
+__all__ = ["Table", "StoredTable", "TableRef", "require_stored"]
 
 
 class Table(abc.ABC):
@@ -189,3 +194,46 @@ def require_stored(table: Table, what: str) -> StoredTable:
             "process (only lookup() is available)"
         )
     return table
+
+
+# ---------------------------------------------------------------------------------------------- operator
+
+try:  # opaque reference objects (torch >= 2.10): the table passes through compiled code untouched
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # pragma: no cover - older torch: the operator still runs eagerly
+    OpaqueBase = object  # type: ignore[assignment,misc]
+    register_opaque_type = None  # type: ignore[assignment]
+
+
+class TableRef(OpaqueBase):
+    """A mutable reference to a :class:`Table` (or None until one is set), handed to
+    ``torch.ops.ple.table_lookup``. Compiled and exported programs hold the reference, not the
+    table: assigning ``ref.table`` switches what they read, without recompiling."""
+
+    def __init__(self, table: Table | None = None) -> None:
+        self.table = table
+
+    def __repr__(self) -> str:
+        return f"TableRef({self.table!r})"
+
+
+_lib = torch.library.Library("ple", "FRAGMENT")
+if register_opaque_type is not None:
+    register_opaque_type(TableRef, typ="reference")
+    _lib.define(
+        f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype) -> Tensor"
+    )
+
+    def _lookup(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        table = ref.table
+        if table is None:
+            raise InvalidArgumentError("table_lookup: the TableRef holds no table")
+        return table.lookup(ids, dtype, check=False)
+
+    def _lookup_fake(ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
+
+    _lib.impl("table_lookup", _lookup, "CPU")
+    _lib.impl("table_lookup", _lookup, "CUDA")
+    torch.library.register_fake("ple::table_lookup", _lookup_fake, lib=_lib)

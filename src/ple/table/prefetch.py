@@ -7,7 +7,10 @@ Prefetch (``start_prefetch``) starts a lookup early and returns a :class:`Prefet
   pinned host) memory for CUDA ids;
 - the handle carries a sequence number and the identity of the ids tensor it was started for:
   ``wait(ids)`` with another tensor, or with the same tensor modified in place since, raises
-  :class:`PrefetchError`, as does waiting twice or waiting a released handle;
+  :class:`PrefetchError`, as does waiting twice or waiting a released handle; a caller that derived
+  the ids from other objects (the layer: its tokens, offsets and contexts) binds the handle to them
+  (:meth:`PrefetchHandle.bind`) and checks them before use (:meth:`PrefetchHandle.check_bound`):
+  identities and tensor versions only, so the check reads no device data;
 - results land in pooled output buffers (``prefetch_depth`` per shape, 2 by default: double
   buffering). The buffer-reuse rule: a buffer goes back to the pool only through ``release()``
   (or leaving the handle's ``with`` block); a prefetch never writes a buffer whose handle was not
@@ -57,6 +60,7 @@ class PrefetchHandle(abc.ABC):
         self.ids = ids
         self.dtype = dtype
         self._ids_version = ids._version
+        self._bound: tuple | None = None
         self._live = True
         self._waited = False
         self._lock = threading.Lock()
@@ -98,6 +102,34 @@ class PrefetchHandle(abc.ABC):
                 raise PrefetchError(f"prefetch #{self.seq}: its ids tensor was modified in place after the start")
             self._waited = True
         return self._collect()
+
+    def bind(self, *sources) -> None:
+        """Record the objects the ids were computed from (tensors with their current versions)."""
+        self._bound = tuple((s, s._version if isinstance(s, torch.Tensor) else None) for s in sources)
+
+    def check_bound(self, *sources) -> None:
+        """Raise :class:`PrefetchError` unless ``sources`` are the very objects given to :meth:`bind`,
+        in that order, and no tensor among them was modified in place since."""
+        if self._bound is None:
+            raise PrefetchError(
+                f"prefetch #{self.seq} was not bound to the inputs its ids came from (start it with the "
+                "layer's start_prefetch), so it cannot be checked against these"
+            )
+        if len(sources) != len(self._bound):
+            raise PrefetchError(
+                f"prefetch #{self.seq}: checked against {len(sources)} objects, bound to {len(self._bound)}"
+            )
+        for i, (got, (want, version)) in enumerate(zip(sources, self._bound)):
+            what = type(want).__name__ if not isinstance(want, torch.Tensor) else f"tensor {tuple(want.shape)}"
+            if got is not want:
+                raise PrefetchError(
+                    f"prefetch #{self.seq} was started for other inputs: argument {i} is not the {what} its ids "
+                    "were computed from (the rows would belong to another batch)"
+                )
+            if version is not None and got._version != version:
+                raise PrefetchError(
+                    f"prefetch #{self.seq}: argument {i} ({what}) was modified in place after the prefetch started"
+                )
 
     def release(self) -> None:
         """Give up the handle (idempotent). Rows returned by ``wait`` must not be read afterwards."""

@@ -3,30 +3,43 @@
 Each rank of a process group holds a contiguous slice ``[row_start, row_stop)`` of the full
 ``[total_rows, head_dim]`` table (any tier: memory, accelerator, memory map) and a
 :class:`ShardedTable` answers ``lookup(ids [T, G], dtype) -> [T, G*head_dim]`` for the whole
-table, bit-exact with a single-process lookup, by combining what each rank owns with a
-collective:
+table, bit-exact with a single-process lookup, by combining what each rank owns with collectives.
 
-- ``"allreduce"`` (the default): every rank writes the rows it owns into a ``[T, G*head_dim]``
-  buffer, zeros elsewhere, and the buffers are summed by ``all_reduce``. The sum runs on the buffers' *bit
-  patterns* (viewed as int32, or uint8 when the byte count is not a multiple of 4), not on the
-  floats: exactly one rank contributes non-zero bits at any position, so the integer sum is a
-  bitwise OR and reproduces the owner's bits whatever the dtype, the reduction order or the
-  backend's float arithmetic (a float sum would turn -0.0 into +0.0 and depends on how NaN
-  payloads and subnormals are treated). Needs the same ``ids`` on every rank.
-- ``"alltoall"``: each rank sends every id to the rank that owns it (``all_to_all_single``), the
-  owners look the ids up and send the rows back. Moves rows, never arithmetic on them. Also
-  works when ranks look up different ids (data-parallel batches), as long as every rank calls.
+What the ranks look up (``ids``, fixed at construction):
+
+- ``"replicated"`` (tensor parallelism): every rank passes the same ``ids``.
+- ``"per_rank"`` (data or sequence parallelism): each rank passes its own ``ids``, any number of
+  tokens including none (a rank with nothing to look up still calls), and gets its own rows.
+
+How the rows are combined (``method``):
+
+- ``"allreduce"`` (the default with replicated ids): every rank writes the rows it owns into a zeroed buffer and the
+  buffers are summed by an integer collective on their *bit patterns* (int32 views): exactly one
+  rank contributes non-zero bits at any position, so the sum is a bitwise OR and reproduces the
+  owner's bits whatever the dtype, the reduction order or the backend's float arithmetic (a float
+  sum would turn -0.0 into +0.0 and depends on how NaN payloads and subnormals are treated). With
+  replicated ids the buffer is ``[T, G*head_dim]`` and the collective an ``all_reduce``. With
+  per-rank ids the ranks first all-gather their ids, padded to the largest rank's count, each
+  fills the rows it owns for every rank's ids, and a ``reduce_scatter`` leaves each rank its own
+  slot (the engines' all-gather + all-reduce + keep-your-slot, without moving the slots nobody keeps).
+- ``"alltoall"`` (the default with per-rank ids): each rank sends every id to the rank that owns it
+  (``all_to_all_single``), the owners look the ids up and send the rows back as bytes. Same result
+  for both ids modes.
 
 Collective contract: every rank of the group calls :meth:`ShardedTable.lookup` (and
 :meth:`~ShardedTable.start_prefetch`) the same number of times in the same order, with the same
-``dtype``; with ``"allreduce"`` also with the same ``ids`` (a replicated batch, as in tensor
-parallelism; ``verify_ids=True`` checks it on every call). Collectives run on the ids' device
-(NCCL for CUDA ids, gloo for CPU ids); nothing in the collective path is CPU-specific.
+``dtype``; with replicated ids also with the same ``ids``. Before any data moves, every lookup
+exchanges one small header (lookup number, token and head counts, dtype, whether the ids are in
+range, per-owner counts): when the ranks disagree on anything they must share, every rank raises
+the same error naming the ranks and values, instead of one process aborting inside the collective
+library and the others waiting. ``verify_ids=True`` also compares a digest of replicated ids.
+Collectives run on the ids' device (NCCL for CUDA ids, gloo for CPU ids); every lookup reads the
+header back to the host (one synchronization on an accelerator).
 
 Construction is itself collective: the ranks exchange a fixed-size fingerprint (total rows,
-head_dim, format, layout hash, global scale, method, row range) and, when they disagree or their
-ranges overlap or leave gaps, every rank raises :class:`ShardGeometryError` naming the ranks and
-values, instead of some ranks proceeding into collectives that would never match.
+head_dim, format, layout hash, global scale, method, ids mode, row range) and, when they disagree
+or their ranges overlap or leave gaps, every rank raises :class:`ShardGeometryError` naming the
+ranks and values, instead of some ranks proceeding into collectives that would never match.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -44,14 +57,16 @@ import torch.distributed as dist
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import Table, require_stored
 from .file import hash_layout
-from .formats import ACTIVATION_DTYPES, FORMATS, check_activation_dtype, check_ids
+from .formats import ACTIVATION_DTYPES, FORMATS, check_ids
 from .memory import MemoryTable
 from .mmap import MmapTable
 from .prefetch import PrefetchHandle
 
 __all__ = [
     "METHODS",
-    "DEFAULT_METHOD",
+    "DEFAULT_METHODS",
+    "IDS_MODES",
+    "ShardedLookupError",
     "ShardGeometryError",
     "ShardedPrefetch",
     "ShardedTable",
@@ -62,8 +77,12 @@ __all__ = [
 METHODS: tuple[str, ...] = ("allreduce", "alltoall")
 """Ways of combining the ranks' rows (see the module docstring)."""
 
-DEFAULT_METHOD = "allreduce"
-"""The method :class:`ShardedTable` uses unless told otherwise (the faster of the two where measured)."""
+IDS_MODES: tuple[str, ...] = ("replicated", "per_rank")
+"""Whether every rank looks up the same ids or its own (see the module docstring)."""
+
+DEFAULT_METHODS: dict[str, str] = {"replicated": "allreduce", "per_rank": "alltoall"}
+"""The method :class:`ShardedTable` uses unless told otherwise, per ids mode: the faster where measured
+(gloo on CPUs, docs/DISTRIBUTED.md)."""
 
 
 class ShardGeometryError(PLEError, ValueError):
@@ -80,6 +99,11 @@ class ShardGeometryError(PLEError, ValueError):
             f"ShardedTable: the {world_size} ranks of the process group disagree on the sharded table "
             f"(raised on every rank; this is rank {rank}):\n{lines}"
         )
+
+
+class ShardedLookupError(InvalidArgumentError):
+    """The ranks of a :class:`ShardedTable` disagree on a lookup (lookup number, dtype, token or head
+    counts, ids out of range). Raised on every rank before any row moves, with the same text."""
 
 
 # ---------------------------------------------------------------------- row ranges
@@ -112,6 +136,7 @@ _FIELDS = (
     "layout_hash",
     "global_scale",
     "method",
+    "ids_mode",
     "row_start",
     "row_stop",
     "local_rows",
@@ -128,6 +153,7 @@ class _Fingerprint:
     layout_hash: int
     global_scale: int
     method: int
+    ids_mode: int
     row_start: int
     row_stop: int
     local_rows: int
@@ -152,7 +178,7 @@ def _hash_bits(layout_hash: str) -> int:
         return int(hashlib.sha256(layout_hash.encode()).hexdigest()[:_HASH_HEX], 16)
 
 
-def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash):
+def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash, ids_mode):
     """``(fingerprint, problems)`` of this rank. Never raises: invalid arguments become -1 fields
     and local problems, reported collectively so every rank fails together."""
     problems: list[str] = []
@@ -169,6 +195,8 @@ def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, lay
             problems.append(f"local_table could not be inspected: {type(e).__name__}: {e}")
     if method not in METHODS:
         problems.append(f"method {method!r} is unknown; expected one of {list(METHODS)}")
+    if ids_mode not in IDS_MODES:
+        problems.append(f"ids {ids_mode!r} is unknown; expected one of {list(IDS_MODES)}")
     for name, v in (("row_start", row_start), ("row_stop", row_stop), ("total_rows", total_rows)):
         if _nonneg_int(v) < 0:
             problems.append(f"{name} must be a non-negative integer, got {v!r}")
@@ -185,6 +213,7 @@ def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, lay
         layout_hash=hbits,
         global_scale=scale_bits,
         method=METHODS.index(method) if method in METHODS else -1,
+        ids_mode=IDS_MODES.index(ids_mode) if ids_mode in IDS_MODES else -1,
         row_start=_nonneg_int(row_start),
         row_stop=_nonneg_int(row_stop),
         local_rows=local_rows,
@@ -198,6 +227,8 @@ def _render(field: str, v: int) -> str:
         return repr(FORMATS[v]) if 0 <= v < len(FORMATS) else "no usable table"
     if field == "method":
         return repr(METHODS[v]) if 0 <= v < len(METHODS) else "an unknown method"
+    if field == "ids_mode":
+        return repr(IDS_MODES[v]) if 0 <= v < len(IDS_MODES) else "an unknown ids mode"
     if field == "layout_hash":
         return "none given" if v < 0 else f"{v:0{_HASH_HEX}x}..."
     if field == "global_scale":
@@ -216,7 +247,7 @@ def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
     if failed:
         problems.append(f"{_ranks(failed)} could not describe their shard (invalid arguments, listed on that rank)")
     live = [(r, fp) for r, fp in enumerate(fps) if not fp.local_errors]
-    for field in ("total_rows", "head_dim", "format", "layout_hash", "global_scale", "method"):
+    for field in ("total_rows", "head_dim", "format", "layout_hash", "global_scale", "method", "ids_mode"):
         groups: dict[int, list[int]] = {}
         for r, fp in live:
             groups.setdefault(getattr(fp, field), []).append(r)
@@ -307,6 +338,46 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return ACTIVATION_DTYPES.index(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """What one rank says about a lookup before any row moves (exchanged as int64; -1 = invalid)."""
+
+    number: int  # how many lookups this rank made on the table before this one
+    table: int  # which table of the group (tables are built collectively, so in one order everywhere)
+    tokens: int
+    heads: int
+    dtype: int  # index into ACTIVATION_DTYPES
+    bad: int  # 1 when an id lies outside the table
+    digest: int  # of replicated ids, with verify_ids
+    counts: tuple[int, ...]  # alltoall: ids this rank sends to each rank
+
+    @classmethod
+    def from_list(cls, v: Sequence[int]) -> _Header:
+        n, k, t, g, d, b, h = (int(x) for x in v[:7])
+        return cls(n, k, t, g, d, b, h, tuple(int(x) for x in v[7:]))
+
+
+def _lookup_problem(ids: Any, dtype: Any) -> str | None:
+    """Why ``(ids, dtype)`` cannot be looked up on this rank (None when they can)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        return f"row ids must be a 2-D int64 tensor [T, G], got {shape} {getattr(ids, 'dtype', '')}".rstrip()
+    if dtype not in ACTIVATION_DTYPES:
+        return f"lookup dtype must be one of {list(ACTIVATION_DTYPES)}, got {dtype}"
+    return None
+
+
+def _digest(flat: torch.Tensor) -> torch.Tensor:
+    """An order-sensitive int64 digest of ids (wrapping arithmetic): equal ids give equal digests."""
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    weights = torch.arange(1, 2 * flat.numel() + 1, 2, dtype=torch.int64, device=flat.device)
+    return ((flat * _GOLDEN + 1) * weights).sum()
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / phi as a signed int64
+
+
 @dataclasses.dataclass
 class _Pending:
     """One lookup in flight: its result buffer, the last collective's handle, and the step after it."""
@@ -323,6 +394,11 @@ class _Pending:
             finish, self.finish = self.finish, None
             finish()
         return self.out
+
+
+_SERIALS: dict[Any, Iterator[int]] = {}
+"""Per process group: how many ShardedTables it has built (construction is collective, so every rank
+numbers its tables alike)."""
 
 
 # ---------------------------------------------------------------------- prefetch handle
@@ -361,13 +437,14 @@ class ShardedTable(Table):
         row_start, row_stop: the full-table rows this rank owns (see :func:`shard_rows`).
         total_rows: rows of the full table (``R_pad``).
         group: process group (default: the default group).
-        method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHOD`.
+        method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHODS` of ``ids``.
+        ids: "replicated" (every rank looks up the same ids) or "per_rank" (each its own).
         layout_hash: hash (str) or fields (dict, see :func:`ple.table.hash_layout`) of the layout the
             table was built for; compared across ranks. Defaults to a memory-mapped local table's hash.
         device: device of the construction-time exchange (default: CPU, or the current CUDA device
             when the group's only backend is NCCL: call ``torch.cuda.set_device`` first).
-        verify_ids: check on every lookup that all ranks passed the same ids (one extra small
-            collective and a host synchronization per lookup; for debugging "allreduce" setups).
+        verify_ids: with replicated ids, also compare a digest of the ids on every lookup (a pass
+            over the ids; for debugging setups that should replicate them).
 
     Construction is a collective over ``group`` (see :class:`ShardGeometryError`). Lookups are
     collectives too: see the module docstring for the calling contract. The full table's rows
@@ -384,13 +461,14 @@ class ShardedTable(Table):
         group=None,
         method: str | None = None,
         *,
+        ids: str = "replicated",
         layout_hash: str | dict | None = None,
         device: torch.device | str | None = None,
         verify_ids: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("ShardedTable needs an initialized torch.distributed process group")
-        method = DEFAULT_METHOD if method is None else method
+        method = DEFAULT_METHODS.get(ids, DEFAULT_METHODS["replicated"]) if method is None else method
         if layout_hash is None:
             layout_hash = getattr(local_table, "layout_hash", None)
         if isinstance(layout_hash, dict):
@@ -398,8 +476,11 @@ class ShardedTable(Table):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        mine, local_problems = _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash)
-        fps = _exchange_fingerprints(group, mine, _collective_device(group, device))
+        mine, local_problems = _local_fingerprint(
+            local_table, total_rows, row_start, row_stop, method, layout_hash, ids
+        )
+        self._exchange_device = _collective_device(group, device)
+        fps = _exchange_fingerprints(group, mine, self._exchange_device)
         problems = [f"rank {self.rank} (this rank): {p}" for p in local_problems] + _check_fingerprints(fps)
         if problems:
             raise ShardGeometryError(problems, self.rank, self.world_size)
@@ -409,6 +490,7 @@ class ShardedTable(Table):
         self.row_start = int(row_start)
         self.row_stop = int(row_stop)
         self.method = method
+        self.ids = ids
         self.layout_hash = layout_hash
         self.verify_ids = bool(verify_ids)
         self.ranges: list[tuple[int, int]] = [(fp.row_start, fp.row_stop) for fp in fps]
@@ -417,6 +499,8 @@ class ShardedTable(Table):
         self._owner_ranks = torch.tensor([r for _, r in owned], dtype=torch.int64)
         self._owner_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._seq = itertools.count()
+        self._lookups = itertools.count()
+        self._serial = next(_SERIALS.setdefault(group, itertools.count()))
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -430,6 +514,7 @@ class ShardedTable(Table):
         align: int = 1,
         device: torch.device | str | None = None,
         copy: bool = True,
+        ids: str = "replicated",
         layout_hash: str | dict | None = None,
         verify_ids: bool = False,
     ) -> ShardedTable:
@@ -447,7 +532,7 @@ class ShardedTable(Table):
             _fail_with_peers(group, f"could not build its shard: {type(e).__name__}: {e}")
         if layout_hash is None:
             layout_hash = getattr(table, "layout_hash", None)
-        return cls(local, a, b, table.rows, group, method, layout_hash=layout_hash, verify_ids=verify_ids)
+        return cls(local, a, b, table.rows, group, method, ids=ids, layout_hash=layout_hash, verify_ids=verify_ids)
 
     # ------------------------------------------------------------------ Table interface
     @property
@@ -464,6 +549,7 @@ class ShardedTable(Table):
         return (
             f"ShardedTable(format={self.format!r}, rows={self.rows}, head_dim={self.head_dim}, rank={self.rank}/"
             f"{self.world_size}, local_rows=[{self.row_start}, {self.row_stop}), method={self.method!r}, "
+            f"ids={self.ids!r}, "
             f"local={type(self.local_table).__name__} on {self.device})"
         )
 
@@ -478,78 +564,156 @@ class ShardedTable(Table):
         self.local_table.close()
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> torch.Tensor:
-        """Rows of the full table for ``ids [T, G]``: ``[T, G*head_dim]`` in ``dtype`` on the ids' device,
-        identical on every rank (with "alltoall": each rank's own ids' rows).
+        """Rows of the full table for ``ids [T, G]``: ``[T, G*head_dim]`` in ``dtype`` on the ids' device
+        (this rank's own ids' rows; with replicated ids the same on every rank).
 
         A collective: see the module docstring for the calling contract. ``check`` verifies ids lie
-        in ``[0, rows)``; with "alltoall" a bad id on any rank raises on every rank.
+        in ``[0, rows)``. A bad id, invalid arguments or a disagreement on any rank raise on every rank
+        (:class:`ShardedLookupError`; the rank with the bad id raises
+        :class:`~ple.table.IdOutOfRangeError` naming it) before any row moves.
         """
         return self._start(ids, dtype, check).complete()
 
     def start_prefetch(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> ShardedPrefetch:
-        """Start ``lookup(ids, dtype)``: the local gather and the collectives are issued now, on this
-        thread (so collective order matches across ranks); the last collective runs in the background
-        and ``handle.wait()`` returns the rows. A collective, like :meth:`lookup`."""
+        """Start ``lookup(ids, dtype)``: the header, the local gather and the collectives are issued now,
+        on this thread (so collective order matches across ranks); the last collective runs in the
+        background and ``handle.wait()`` returns the rows. A collective, like :meth:`lookup`."""
         pending = self._start(ids, dtype, check)
         return ShardedPrefetch(next(self._seq), ids, dtype, pending)
 
     # ------------------------------------------------------------------ lookup internals
     def _start(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
-        check_activation_dtype(dtype)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
-            raise InvalidArgumentError(f"row ids must be a 2-D int64 tensor [T, G], got {getattr(ids, 'shape', ids)}")
-        if self.verify_ids:
-            self._verify_same_ids(ids, dtype)
-        if self.method == "allreduce":
-            if check:
-                check_ids(ids, self.rows)  # same ids on every rank: every rank raises alike
-            return self._start_allreduce(ids, dtype)
-        return self._start_alltoall(ids, dtype, check)
-
-    def _verify_same_ids(self, ids: torch.Tensor, dtype: torch.dtype) -> None:
-        flat = ids.reshape(-1)
-        weights = torch.arange(1, 2 * flat.numel() + 1, 2, dtype=torch.int64, device=ids.device)
-        digest = (flat * weights).sum() if flat.numel() else torch.zeros((), dtype=torch.int64, device=ids.device)
-        head = torch.tensor([ids.shape[0], ids.shape[1], _dtype_code(dtype)], dtype=torch.int64, device=ids.device)
-        mine = torch.cat([head, digest.reshape(1)])
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        number = next(self._lookups)
+        problem = _lookup_problem(ids, dtype)
+        dev = ids.device if problem is None else self._exchange_device
+        W = self.world_size
+        fields: list[torch.Tensor | int] = [number, self._serial, -1, -1, -1, 0, 0]
+        counts = torch.zeros(W, dtype=torch.int64, device=dev)
+        owner = order = flat_ok = None
+        if problem is None:
+            flat = ids.reshape(-1)
+            bad = (flat < 0) | (flat >= self.rows)
+            fields[2:5] = [ids.shape[0], ids.shape[1], _dtype_code(dtype)]
+            if check and flat.numel():
+                fields[5] = bad.any().to(torch.int64)
+            if self.verify_ids and self.ids == "replicated":
+                fields[6] = _digest(flat)
+            if self.method == "alltoall":
+                starts, ranks = self._owner_tables(dev)
+                flat_ok = flat.masked_fill(bad, 0)  # only reached unchecked (check=False) or never sent
+                owner = ranks[torch.searchsorted(starts, flat_ok, right=True) - 1]
+                order = torch.argsort(owner, stable=True)
+                counts = torch.bincount(owner, minlength=W)
+        mine = torch.cat([torch.stack([torch.as_tensor(f, dtype=torch.int64, device=dev) for f in fields]), counts])
+        gathered = [torch.empty_like(mine) for _ in range(W)]
         dist.all_gather(gathered, mine, group=self.group)
-        rows = [tuple(t.tolist()) for t in gathered]
-        if len(set(rows)) > 1:
-            desc = "; ".join(
-                f"rank {r}: ids [{t}, {g}], dtype {ACTIVATION_DTYPES[d]}, ids digest {h}"
-                for r, (t, g, d, h) in enumerate(rows)
+        headers = [_Header.from_list(t.tolist()) for t in torch.stack(gathered).cpu()]
+        self._check_headers(headers, number, problem, ids)  # raises on every rank alike
+        if self.method == "alltoall":
+            assert flat_ok is not None and order is not None
+            recv = [h.counts[self.rank] for h in headers]
+            return self._start_alltoall(flat_ok[order], ids.shape, dtype, order, counts.tolist(), recv)
+        if self.ids == "replicated":
+            return self._start_allreduce(ids, dtype)
+        return self._start_reduce_scatter(ids, dtype, [h.tokens for h in headers])
+
+    def _check_headers(self, headers: list[_Header], number: int, problem: str | None, ids) -> None:
+        """Raise the same error on every rank when the ranks' headers disagree (identical decisions
+        everywhere, since every rank sees every header)."""
+        me, W = self.rank, self.world_size
+        rows: list[str] = []
+        invalid = [r for r, h in enumerate(headers) if h.dtype < 0]
+        if invalid:
+            rows.append(f"{_ranks(invalid)} passed invalid arguments" + (f" (this rank: {problem})" if problem else ""))
+        if len({(h.table, h.number) for h in headers}) > 1:
+            desc = "; ".join(f"rank {r}: table {h.table}, lookup {h.number}" for r, h in enumerate(headers))
+            rows.append(
+                f"ranks are at different lookups ({desc}; tables numbered in the order the group built them): every "
+                "rank must call lookup/start_prefetch on the same tables, the same number of times, in the same order"
             )
-            raise InvalidArgumentError(
-                f"ShardedTable (verify_ids=True): ranks looked up different ids or dtypes "
-                f"(raised on every rank; this is rank {self.rank}): {desc}"
-            )
+        valid = [(r, h) for r, h in enumerate(headers) if h.dtype >= 0]
+        if len({h.dtype for _, h in valid}) > 1:
+            desc = "; ".join(f"rank {r}: {ACTIVATION_DTYPES[h.dtype]}" for r, h in valid)
+            rows.append(f"ranks asked for different lookup dtypes ({desc})")
+        if len({h.heads for _, h in valid}) > 1:
+            desc = "; ".join(f"rank {r}: {h.heads}" for r, h in valid)
+            rows.append(f"ranks passed ids with different numbers of heads G ({desc})")
+        if self.ids == "replicated":
+            tokens_differ = len({h.tokens for _, h in valid}) > 1
+            if tokens_differ and self.method == "allreduce":
+                desc = "; ".join(f"rank {r}: {h.tokens}" for r, h in valid)
+                rows.append(
+                    f"ranks looked up different numbers of tokens ({desc}) but this table's ids are 'replicated' "
+                    "(use ids='per_rank' for data-parallel batches)"
+                )
+            elif self.verify_ids and (tokens_differ or len({h.digest for _, h in valid}) > 1):
+                desc = "; ".join(f"rank {r}: {h.tokens} tokens, ids digest {h.digest}" for r, h in valid)
+                rows.append(f"ranks looked up different ids although this table's ids are 'replicated' ({desc})")
+        bad = [r for r, h in valid if h.bad]
+        if bad:
+            rows.append(f"{_ranks(bad)} looked up row ids outside [0, {self.rows})")
+        if not rows:
+            return
+        if me in bad and not invalid:
+            check_ids(ids, self.rows)  # raises with the id and its position
+        text = "; ".join(rows)
+        raise ShardedLookupError(
+            f"ShardedTable: {text} (raised on every rank of {W} before any row moved; this is rank {me})"
+        )
+
+    def _fill_owned(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, head_dim]``: the rows of ``flat`` ids this rank owns, zeros elsewhere (ids outside the
+        table, e.g. padding -1, are owned by nobody)."""
+        D = self.head_dim
+        a, b = self.row_start, self.row_stop
+        n = flat.numel()
+        if b == a or n == 0:
+            return torch.zeros(n, D, dtype=dtype, device=flat.device)
+        owned = (flat >= a) & (flat < b)
+        if flat.device.type == "cpu":
+            # Host: gather only the owned rows (half the dequantization work at two ranks) and place
+            # them in a zeroed buffer.
+            pos = owned.nonzero().squeeze(1)
+            out = torch.zeros(n, D, dtype=dtype)
+            if pos.numel():
+                out.index_copy_(0, pos, self.local_table.lookup((flat[pos] - a).view(-1, 1), dtype, check=False))
+            return out
+        # Accelerator: no host synchronization to compact the ids; rows owned elsewhere read local
+        # row 0 and are zeroed.
+        out = self.local_table.lookup(torch.where(owned, flat - a, 0).view(-1, 1), dtype, check=False)
+        return out.view(n, D).masked_fill_(~owned.unsqueeze(1), 0)
 
     def _start_allreduce(self, ids: torch.Tensor, dtype: torch.dtype) -> _Pending:
         T, G = ids.shape
-        D = self.head_dim
-        a, b = self.row_start, self.row_stop
-        flat = ids.reshape(-1)
-        if b == a or flat.numel() == 0:
-            out = torch.zeros(T, G * D, dtype=dtype, device=ids.device)
-        elif ids.device.type == "cpu":
-            # Host: gather only the owned rows (half the dequantization work at two ranks) and place
-            # them in a zeroed buffer.
-            pos = ((flat >= a) & (flat < b)).nonzero().squeeze(1)
-            out = torch.zeros(T, G * D, dtype=dtype)
-            if pos.numel():
-                rows = self.local_table.lookup((flat[pos] - a).view(-1, 1), dtype, check=False)
-                out.view(T * G, D).index_copy_(0, pos, rows)
-        else:
-            # Accelerator: no host synchronization to compact the ids; rows owned elsewhere read
-            # local row 0 and are zeroed.
-            owned = (flat >= a) & (flat < b)
-            out = self.local_table.lookup(torch.where(owned, flat - a, 0).view(T, G), dtype, check=False)
-            out.view(T * G, D).masked_fill_(~owned.unsqueeze(1), 0)
-        if not out.is_contiguous():
-            out = out.contiguous()
+        out = self._fill_owned(ids.reshape(-1), dtype).view(T, G * self.head_dim)
+        if out.numel() == 0:  # every rank has the same T (checked): none calls
+            return _Pending(out)
         work = dist.all_reduce(_bit_view(out), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Pending(out, work)
+
+    def _start_reduce_scatter(self, ids: torch.Tensor, dtype: torch.dtype, tokens: list[int]) -> _Pending:
+        """Per-rank ids: all-gather every rank's ids (padded to the largest count, rounded up to 4 so
+        each slot's bytes view as int32), fill the owned rows of all of them, reduce-scatter the bits
+        so each rank receives its own slot."""
+        T, G = ids.shape
+        D, W, dev = self.head_dim, self.world_size, ids.device
+        pad = -(-max(tokens) // 4) * 4
+        if pad == 0:  # no rank has a token (every rank sees the same counts): none calls
+            return _Pending(torch.empty(0, G * D, dtype=dtype, device=dev))
+        mine = torch.full((pad * G,), -1, dtype=torch.int64, device=dev)
+        mine[: T * G] = ids.reshape(-1)
+        every = torch.empty(W, pad * G, dtype=torch.int64, device=dev)
+        dist.all_gather(list(every.unbind(0)), mine, group=self.group)
+        rows = self._fill_owned(every.view(-1), dtype).view(W, pad * G * D)
+        slot = torch.empty(pad * G * D, dtype=dtype, device=dev)
+        work = dist.reduce_scatter(
+            _bit_view(slot),
+            [_bit_view(r) for r in rows.unbind(0)],
+            op=dist.ReduceOp.SUM,
+            group=self.group,
+            async_op=True,
+        )
+        return _Pending(slot[: T * G * D].view(T, G * D), work)
 
     def _owner_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._owner_cache.get(device)
@@ -558,45 +722,20 @@ class ShardedTable(Table):
             self._owner_cache[device] = cached
         return cached
 
-    def _start_alltoall(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
-        T, G = ids.shape
-        D, W = self.head_dim, self.world_size
-        dev = ids.device
-        flat = ids.reshape(-1)
-        bad = (flat < 0) | (flat >= self.rows)
-        flat_ok = flat.masked_fill(bad, 0) if check else flat
-        starts, ranks = self._owner_tables(dev)
-        owner = ranks[torch.searchsorted(starts, flat_ok, right=True) - 1]
-        order = torch.argsort(owner, stable=True)
-        send_counts = torch.bincount(owner, minlength=W)
-        # One small exchange: per destination (count, this rank's ids are bad, dtype); every rank
-        # thus learns every rank's problems and all raise together rather than leave peers waiting.
-        flag = bad.any().to(torch.int64) if check else torch.zeros((), dtype=torch.int64, device=dev)
-        meta = torch.stack(
-            [send_counts, flag.expand(W), torch.full((W,), _dtype_code(dtype), dtype=torch.int64, device=dev)], dim=1
-        )
-        recv_meta = torch.empty_like(meta)
-        dist.all_to_all_single(recv_meta, meta, group=self.group)
-        recv_meta = recv_meta.cpu()
-        bad_ranks = [r for r in range(W) if int(recv_meta[r, 1])]
-        dtypes = {ACTIVATION_DTYPES[int(d)] for d in recv_meta[:, 2]}
-        if bad_ranks or len(dtypes) > 1:
-            if self.rank in bad_ranks:
-                check_ids(ids, self.rows)  # raises with the id and its position
-            if bad_ranks:
-                raise InvalidArgumentError(
-                    f"ShardedTable: {_ranks(bad_ranks)} looked up row ids outside [0, {self.rows}) "
-                    f"(raised on every rank; this is rank {self.rank})"
-                )
-            desc = "; ".join(f"rank {r}: {ACTIVATION_DTYPES[int(recv_meta[r, 2])]}" for r in range(W))
-            raise InvalidArgumentError(
-                f"ShardedTable: ranks asked for different lookup dtypes ({desc}) (raised on every rank; "
-                f"this is rank {self.rank})"
-            )
-        send_splits = send_counts.tolist()
-        recv_splits = recv_meta[:, 0].tolist()
+    def _start_alltoall(
+        self,
+        sorted_ids: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        order: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+    ) -> _Pending:
+        """``sorted_ids``: this rank's ids in owner order (``order``); ``*_splits``: ids per rank."""
+        T, G = shape
+        D, dev = self.head_dim, sorted_ids.device
         recv_ids = torch.empty(sum(recv_splits), dtype=torch.int64, device=dev)
-        dist.all_to_all_single(recv_ids, flat_ok[order], recv_splits, send_splits, group=self.group)
+        dist.all_to_all_single(recv_ids, sorted_ids, recv_splits, send_splits, group=self.group)
         if recv_ids.numel():
             rows = self.local_table.lookup((recv_ids - self.row_start).view(-1, 1), dtype, check=False)
         else:
@@ -647,6 +786,7 @@ def load_sharded(
     row_range: tuple[int, int] | None = None,
     align: int = 1,
     device: torch.device | str | None = None,
+    ids: str = "replicated",
     verify_ids: bool = False,
 ) -> ShardedTable:
     """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
@@ -664,4 +804,6 @@ def load_sharded(
         local = _slice_table(full, a, b, device, copy=device is not None)
     except Exception as e:
         _fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
-    return ShardedTable(local, a, b, full.rows, group, method, layout_hash=full.layout_hash, verify_ids=verify_ids)
+    return ShardedTable(
+        local, a, b, full.rows, group, method, ids=ids, layout_hash=full.layout_hash, verify_ids=verify_ids
+    )

@@ -5,6 +5,10 @@ slot), SiLU, residual and the state write-back run row by row with fp32 arithmet
 is read from memory once and the output written once (the PyTorch path makes about six passes).
 Rounding points are those of the PyTorch fast path. Work is split into token ranges of requests
 run by ``torch.get_num_threads()`` threads; results do not depend on the split.
+
+The two stages run the same kernel: :func:`gate_stage` is the gate over rows without state (its
+output is the rounded residual), :func:`conv_stage` reads given conv inputs and residual rows
+instead of the gate's, so ``conv_stage(*gate_stage(...))`` is bit for bit :func:`gate_conv`.
 """
 
 from __future__ import annotations
@@ -15,18 +19,21 @@ from ... import _native
 from ...errors import InvalidArgumentError
 from ..conv._checks import check_conv_args
 from ..gate._checks import check_gate_args
-from ._compose import check_token_mask
+from ..records import ConvWeights, GateWeights, StepMeta
+from ..state import check_ring
+from ._compose import check_stage_inputs, check_token_mask
 
-__all__ = ["gate_conv", "unsupported_reason"]
+__all__ = ["conv_stage", "gate_conv", "gate_stage", "unsupported_reason"]
 
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 _MAX_TAPS = 64  # MAX_TAPS in ple_cpu.c
 
 
-def unsupported_reason(key, value, hidden, conv_state, conv_weight) -> str | None:
-    """Why these tensors cannot take the C kernel (None when they can)."""
-    if conv_weight.dim() == 2 and conv_weight.shape[1] > _MAX_TAPS:
-        return f"{conv_weight.shape[1]} conv taps (the kernel takes at most {_MAX_TAPS})"
+def unsupported_reason(value: torch.Tensor, conv_state: torch.Tensor, taps: int, *rows: torch.Tensor) -> str | None:
+    """Why these tensors cannot take the C kernel (None when they can). ``rows``: activations whose
+    rows the kernel reads (each must have unit column stride)."""
+    if taps > _MAX_TAPS:
+        return f"{taps} conv taps (the kernel takes at most {_MAX_TAPS})"
     if value.device.type != "cpu":
         return f"tensors are on {value.device}, the kernel runs on the CPU"
     if value.dtype not in _DTYPES:
@@ -35,28 +42,164 @@ def unsupported_reason(key, value, hidden, conv_state, conv_weight) -> str | Non
         return f"state pool dtype {conv_state.dtype} differs from the activation dtype {value.dtype}"
     if not conv_state.is_contiguous():
         return "the state pool is not contiguous"
-    for name, t in (("key", key), ("value", value), ("hidden", hidden)):
+    for t in (value, *rows):
         if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-            return f"{name} rows are not contiguous (stride {tuple(t.stride())})"
+            return f"rows are not contiguous (stride {tuple(t.stride())})"
     return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _unit_tokens(tokens: int, nthreads: int) -> int:
+    return max(32, -(-tokens // (4 * max(1, nthreads))))
+
+
+def _raise(rc: int, step: StepMeta, window: int, state_len: int) -> None:
+    if rc >= 1000:
+        r = rc - 1000
+        rej = 0 if step.num_rejected is None else int(step.num_rejected[r])
+        raise InvalidArgumentError(
+            f"gate_conv: request {r} resumes from slot {int(step.state_indices[r])} with its history ending at column "
+            f"{state_len - rej}, outside [W={window}, L={state_len}] (num_rejected too large)"
+        )
+    if rc == -2:
+        raise MemoryError("gate_conv: the C kernel could not allocate its scratch buffers")
+    raise InvalidArgumentError(f"gate_conv: the C kernel refused the arguments (code {rc}); run with validate=True")
+
+
+def run(
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+    gate: GateWeights | None,
+    conv: ConvWeights,
+    step: StepMeta,
+    token_mask: torch.Tensor | None,
+    add_hidden: bool,
+    c_in: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    c_out: torch.Tensor | None,
+    c_all: bool,
+    threads: int | None = None,
+) -> None:
+    """The kernel call without checks (the caller checked shapes, dtypes and what the kernel takes).
+
+    Index tensors of ``step`` must be contiguous int64 (``has_initial_state`` bool), ``c_in``
+    contiguous; ``token_mask`` contiguous bool. Raises on a history outside the slot.
+    """
+    lib = _native.library()
+    pool = step.conv_state
+    taps = conv.taps.shape[0]
+    if step.state_offsets is not None:
+        num_slots, state_len, _ = pool.shape
+    else:
+        num_slots, _, state_len = pool.shape
+    ref = value if value is not None else c_in
+    assert ref is not None
+    tokens = out.shape[0]
+    if c_in is None:
+        assert key is not None and value is not None and hidden is not None and gate is not None
+        hidden_size = value.shape[1]
+        hc = gate.hc_count
+        eps = gate.eps
+        wkq, wc = gate.key_query, gate.conv_scale
+        strides = (key.stride(0), value.stride(0), hidden.stride(0))
+    else:
+        hidden_size, hc, eps, wkq, wc = c_in.shape[1], 1, 0.0, None, None
+        strides = (0, 0, 0)
+    nthreads = torch.get_num_threads() if threads is None else int(threads)
+    rc = lib.ple_gate_conv(
+        _DTYPES[ref.dtype],
+        tokens,
+        hidden_size,
+        hc,
+        taps,
+        conv.dilation,
+        state_len,
+        num_slots,
+        step.query_start_loc.shape[0] - 1,
+        float(eps),
+        _ptr(key),
+        strides[0],
+        _ptr(value),
+        strides[1],
+        _ptr(hidden),
+        strides[2],
+        _ptr(wkq),
+        _ptr(wc),
+        _ptr(conv.taps),
+        _ptr(step.query_start_loc),
+        _ptr(step.state_indices),
+        _ptr(step.has_initial_state),
+        _ptr(step.num_rejected),
+        _ptr(token_mask),
+        _ptr(pool),
+        _ptr(step.state_offsets),
+        int(bool(add_hidden)),
+        _ptr(c_in),
+        _ptr(residual),
+        0 if residual is None else residual.stride(0),
+        _ptr(out),
+        _ptr(c_out),
+        int(bool(c_all)),
+        _unit_tokens(tokens, nthreads),
+        nthreads,
+    )
+    if rc != 0:
+        _raise(rc, step, conv.window, state_len)
+
+
+def kernel_step(step: StepMeta) -> StepMeta:
+    """The step with the index tensors as the kernel reads them (contiguous int64, bool)."""
+    i64 = torch.int64
+    nr = step.num_rejected
+    return StepMeta(
+        step.query_start_loc.to(i64).contiguous(),
+        step.conv_state,
+        step.state_indices.to(i64).contiguous(),
+        step.has_initial_state.contiguous(),
+        None if nr is None else nr.to(i64).contiguous(),
+        step.state_offsets,
+    )
+
+
+def _kernel_mask(token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if token_mask is None else (token_mask != 0).contiguous()
+
+
+def _check_native(value, conv_state, conv: ConvWeights, *rows) -> None:
+    reason = unsupported_reason(value, conv_state, conv.taps.shape[0], *rows)
+    if reason is not None:
+        raise InvalidArgumentError(f"gate_conv (C kernel): {reason}")
+
+
+def _check_step(c_like: torch.Tensor, conv: ConvWeights, step: StepMeta, residual, validate: bool):
+    pool = step.conv_state if step.state_offsets is None else step.conv_state.transpose(1, 2)
+    check_ring(step)
+    return check_conv_args(
+        c_like,
+        conv.weight,
+        conv.dilation,
+        step.query_start_loc,
+        pool,
+        step.state_indices,
+        step.has_initial_state,
+        step.num_rejected,
+        residual,
+        validate,
+    )
 
 
 def gate_conv(
     key: torch.Tensor,
     value: torch.Tensor,
     hidden: torch.Tensor,
-    norm_key_weight: torch.Tensor,
-    norm_query_weight: torch.Tensor,
-    norm_conv_weight: torch.Tensor,
-    eps: float,
-    hc_count: int,
-    conv_weight: torch.Tensor,
-    dilation: int,
-    query_start_loc: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_rejected: torch.Tensor | None = None,
+    gate: GateWeights,
+    conv: ConvWeights,
+    step: StepMeta,
     *,
     token_mask: torch.Tensor | None = None,
     add_hidden: bool = True,
@@ -67,95 +210,110 @@ def gate_conv(
     """Same contract as :func:`ple.ops.fused.reference.gate_conv`; ``threads`` defaults to torch's.
 
     ``validate=False`` skips the index checks: the offsets and history bounds are still checked in
-    the kernel (memory safety), but two requests sharing a slot give undefined results.
+    the kernel (memory safety), but two requests sharing a slot give undefined results. Also takes
+    the ring state layout (``step.state_offsets``).
 
     Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built, and ``ValueError``
     for tensors it does not take (see :func:`unsupported_reason`).
     """
     tokens, hidden_size = check_gate_args(
-        key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, hc_count
+        key, value, hidden, gate.norm_key, gate.norm_query, gate.norm_conv, gate.hc_count
     )
-    channels = hc_count * hidden_size
-    geo = check_conv_args(
-        value.new_empty(1).expand(tokens, channels),
-        conv_weight,
-        dilation,
-        query_start_loc,
-        conv_state,
-        state_indices,
-        has_initial_state,
-        num_rejected,
-        None,
-        validate,
-    )
-    reason = unsupported_reason(key, value, hidden, conv_state, conv_weight)
-    if reason is not None:
-        raise InvalidArgumentError(f"gate_conv (C kernel): {reason}")
+    channels = gate.hc_count * hidden_size
+    _check_step(value.new_empty(1).expand(tokens, channels), conv, step, None, validate)
+    _check_native(value, step.conv_state, conv, key, hidden)
     check_token_mask(token_mask, tokens)
-    lib = _native.library()
-
-    f32 = torch.float32
-    wkq = ((1.0 + norm_key_weight.to(f32)) * (1.0 + norm_query_weight.to(f32))).contiguous()
-    wc = (1.0 + norm_conv_weight.to(f32)).contiguous()
-    conv_w = conv_weight.to(f32).t().contiguous()  # [K, C]
-    starts = query_start_loc.to(torch.int64).contiguous()
-    slots = state_indices.to(torch.int64).contiguous()
-    resumes = has_initial_state & (slots >= 0)
-    history_end = torch.full_like(slots, geo.state_len)
-    if num_rejected is not None:
-        history_end -= num_rejected.to(torch.int64) * resumes
-    resumes_u8 = resumes.to(torch.uint8).contiguous()
-    mask = None if token_mask is None else (token_mask != 0).to(torch.uint8).contiguous()
-
     out = torch.empty(tokens, channels, dtype=value.dtype)
     c = torch.empty(tokens, channels, dtype=value.dtype)
-    nthreads = torch.get_num_threads() if threads is None else int(threads)
-    unit_tokens = max(32, -(-tokens // (4 * max(1, nthreads))))
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
-    rc = lib.ple_gate_conv(
-        _DTYPES[value.dtype],
-        tokens,
-        hidden_size,
-        hc_count,
-        geo.taps,
-        dilation,
-        geo.state_len,
-        geo.num_slots,
-        geo.num_requests,
-        float(eps),
-        ptr(key),
-        key.stride(0),
-        ptr(value),
-        value.stride(0),
-        ptr(hidden),
-        hidden.stride(0),
-        ptr(wkq),
-        ptr(wc),
-        ptr(conv_w),
-        ptr(starts),
-        ptr(slots),
-        ptr(resumes_u8),
-        ptr(history_end),
-        ptr(mask),
-        ptr(conv_state),
-        int(bool(add_hidden)),
-        ptr(out),
-        ptr(c),
-        int(bool(return_conv_input)),
-        unit_tokens,
-        nthreads,
+    run(
+        key,
+        value,
+        hidden,
+        gate,
+        conv,
+        kernel_step(step),
+        _kernel_mask(token_mask),
+        add_hidden,
+        None,
+        None,
+        out,
+        c,
+        return_conv_input,
+        threads,
     )
-    if rc != 0:
-        if rc >= 1000:
-            r = rc - 1000
-            raise InvalidArgumentError(
-                f"gate_conv: request {r} resumes from slot {int(slots[r])} with its history ending at column "
-                f"{int(history_end[r])}, outside [W={geo.window}, L={geo.state_len}] (num_rejected too large)"
-            )
-        if rc == -2:
-            raise MemoryError("gate_conv: the C kernel could not allocate its scratch buffers")
-        raise InvalidArgumentError(f"gate_conv: the C kernel refused the arguments (code {rc}); run with validate=True")
     return (out, c) if return_conv_input else out
+
+
+def gate_stage(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    gate: GateWeights,
+    *,
+    token_mask: torch.Tensor | None = None,
+    add_hidden: bool = True,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`ple.ops.fused.reference.gate_stage`: ``(residual, c)``, each ``[T, HC*H]``."""
+    tokens, hidden_size = check_gate_args(
+        key, value, hidden, gate.norm_key, gate.norm_query, gate.norm_conv, gate.hc_count
+    )
+    check_token_mask(token_mask, tokens)
+    if value.dtype not in _DTYPES or value.device.type != "cpu":
+        raise InvalidArgumentError(f"gate_stage (C kernel): {value.dtype} on {value.device} is not taken")
+    _check_native(value, value.new_empty(1, 1, 1), _NO_CONV, key, hidden)
+    return gate_stage_unchecked(key, value, hidden, gate, _kernel_mask(token_mask), add_hidden, threads)
+
+
+def gate_stage_unchecked(key, value, hidden, gate, token_mask, add_hidden, threads=None):
+    """:func:`gate_stage` without checks (``token_mask`` contiguous bool or None)."""
+    tokens, channels = hidden.shape
+    residual = torch.empty(tokens, channels, dtype=value.dtype)
+    c = torch.empty(tokens, channels, dtype=value.dtype)
+    # One request over all rows, without a slot: the kernel's output is the rounded residual.
+    i64 = torch.int64
+    rows = StepMeta(
+        torch.tensor([0, tokens], dtype=i64),
+        value.new_empty(0, channels, 0),
+        torch.tensor([-1], dtype=i64),
+        torch.zeros(1, dtype=torch.bool),
+    )
+    run(key, value, hidden, gate, _NO_CONV, rows, token_mask, add_hidden, None, None, residual, c, True, threads)
+    return residual, c
+
+
+def conv_stage(
+    c: torch.Tensor,
+    residual: torch.Tensor,
+    conv: ConvWeights,
+    step: StepMeta,
+    *,
+    validate: bool = True,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`ple.ops.fused.reference.conv_stage`: ``residual + silu(conv(c))`` ``[T, C]``."""
+    check_stage_inputs(c, residual)
+    _check_step(c, conv, step, residual, validate)
+    _check_native(c, step.conv_state, conv, residual)
+    out = torch.empty_like(c, memory_format=torch.contiguous_format)
+    run(
+        None,
+        None,
+        None,
+        None,
+        conv,
+        kernel_step(step),
+        None,
+        False,
+        c.contiguous(),
+        residual,
+        out,
+        None,
+        False,
+        threads,
+    )
+    return out
+
+
+# A conv that is never run (rows without a slot): what the gate stage passes to the kernel.
+_NO_CONV = ConvWeights(torch.zeros(1, 1), 1, torch.zeros(1, 1))

@@ -7,27 +7,19 @@ import torch
 
 from ..conv import reference as conv_reference
 from ..gate import reference as gate_reference
-from ._compose import compose
+from ..records import ConvWeights, GateWeights, StepMeta
+from . import _compose
 
-__all__ = ["gate_conv"]
+__all__ = ["conv_stage", "gate_conv", "gate_stage"]
 
 
 def gate_conv(
     key: torch.Tensor,
     value: torch.Tensor,
     hidden: torch.Tensor,
-    norm_key_weight: torch.Tensor,
-    norm_query_weight: torch.Tensor,
-    norm_conv_weight: torch.Tensor,
-    eps: float,
-    hc_count: int,
-    conv_weight: torch.Tensor,
-    dilation: int,
-    query_start_loc: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_rejected: torch.Tensor | None = None,
+    gate: GateWeights,
+    conv: ConvWeights,
+    step: StepMeta,
     *,
     token_mask: torch.Tensor | None = None,
     add_hidden: bool = True,
@@ -39,39 +31,65 @@ def gate_conv(
     Args:
         key: ``[T, HC*H]`` key projection; value: ``[T, H]`` value projection; hidden: ``[T, HC*H]``
             the layer input (activation dtype for all three; row-strided views are fine).
-        norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count: as for
-            :func:`ple.ops.gate.reference.ngram_gate`.
-        conv_weight ``[C, K]``, dilation, query_start_loc ``[R+1]``, conv_state ``[S, C, L]``,
-            state_indices ``[R]``, has_initial_state ``[R]``, num_rejected ``[R]``: as for
-            :func:`ple.ops.conv.reference.dilated_conv` (``conv_state`` is updated in place).
+        gate: the gate's weights (:class:`ple.ops.GateWeights`).
+        conv: the conv's weights (:class:`ple.ops.ConvWeights`).
+        step: the packed step and its state pool (:class:`ple.ops.StepMeta`, as
+            :func:`ple.ops.conv.reference.dilated_conv` reads them); the pool is updated in place.
         token_mask: ``[T]`` bool/0-1; False zeroes the token's gated value and conv input.
         add_hidden: add ``hidden`` to the output (the layer's residual); False returns ``v + conv``.
         return_conv_input: also return the conv inputs ``c [T, HC*H]``.
         validate: check index values (see ``dilated_conv``).
 
     Returns:
-        ``out [T, HC*H]`` in the activation dtype, or ``(out, c)``.
+        ``out [T, HC*H]`` in the activation dtype, or ``(out, c)``. Equal to
+        ``conv_stage(*gate_stage(...))``.
     """
-    return compose(
+    return _compose.compose(
         gate_reference.ngram_gate,
         conv_reference.dilated_conv,
         key,
         value,
         hidden,
-        norm_key_weight,
-        norm_query_weight,
-        norm_conv_weight,
-        eps,
-        hc_count,
-        conv_weight,
-        dilation,
-        query_start_loc,
-        conv_state,
-        state_indices,
-        has_initial_state,
-        num_rejected,
+        gate,
+        conv,
+        step,
         token_mask=token_mask,
         add_hidden=add_hidden,
         return_conv_input=return_conv_input,
         validate=validate,
     )
+
+
+def gate_stage(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    gate: GateWeights,
+    *,
+    token_mask: torch.Tensor | None = None,
+    add_hidden: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage of :func:`gate_conv`, row by row (any subset of a batch's rows).
+
+    Returns:
+        ``(residual, c)``, each ``[T, HC*H]`` in the activation dtype: ``residual = hidden + v`` (``v``
+        when ``add_hidden`` is False; masked tokens' ``v`` zeroed), rounded as :func:`gate_conv` rounds
+        it, and ``c`` the conv input.
+    """
+    return _compose.gate_stage(
+        gate_reference.ngram_gate, key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden
+    )
+
+
+def conv_stage(
+    c: torch.Tensor,
+    residual: torch.Tensor,
+    conv: ConvWeights,
+    step: StepMeta,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """The second stage of :func:`gate_conv` over a whole packed batch: ``residual + silu(conv(c))``
+    ``[T, HC*H]``; updates the state pool exactly as :func:`gate_conv` does. Rows of ``residual`` that
+    the caller does not need may hold anything (only their own output rows read them)."""
+    return _compose.conv_stage(conv_reference.dilated_conv, c, residual, conv, step, validate=validate)

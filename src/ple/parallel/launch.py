@@ -1,0 +1,228 @@
+"""Joining a process group the way ``torchrun`` starts one, and starting N local ranks like it.
+
+:func:`init_from_env` reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun``, or :func:`spawn_local`), rendezvouses through
+``env://`` and initializes the default group with a bounded collective timeout: gloo on CPUs, NCCL
+on GPUs with this process's device ``cuda:LOCAL_RANK``. It keeps the rendezvous store so that a
+failed collective can tell which ranks are still there (:mod:`ple.parallel.guard`).
+
+:func:`spawn_local` runs one command as N local ranks with that environment, waits for all of them
+within a deadline, and kills what is left once one rank failed and a grace period passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError, UsageError
+
+__all__ = ["BACKENDS", "LaunchResult", "ProcessContext", "init_from_env", "spawn_local", "under_launcher"]
+
+BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessContext:
+    """This process's place in the default process group.
+
+    Attributes:
+        rank, world_size, local_rank: as the launcher set them.
+        backend: "gloo" or "nccl".
+        device: where this rank computes (``cpu``, or ``cuda:LOCAL_RANK`` with NCCL).
+        timeout_s: the collective timeout the group was built with.
+        store: the rendezvous store (None when the group was built elsewhere).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+    store: Any = None
+
+    @classmethod
+    def of_default_group(cls, timeout_s: float, store: Any = None) -> ProcessContext:
+        """Describe a default group someone else initialized (no store: failures are reported without
+        the peers' state)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise UsageError("no torch.distributed process group is initialized")
+        backend = str(dist.get_backend()).lower()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(dist.get_rank(), dist.get_world_size(), local, backend, device, float(timeout_s), store)
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by a launcher (its environment names a rank and a world)."""
+    return all(k in os.environ for k in _ENV)
+
+
+def _env_int(name: str, lo: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        raise UsageError(
+            f"environment variable {name} is not set: start this process with torchrun or `ple demo --ranks N`"
+        )
+    try:
+        v = int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={text!r} is not an integer") from None
+    if v < lo:
+        raise InvalidArgumentError(f"environment variable {name}={v} must be >= {lo}")
+    return v
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> ProcessContext:
+    """Initialize the default process group from the launcher's environment (``env://``).
+
+    Args:
+        backend: "gloo", "nccl", or None: NCCL when CUDA is available, gloo otherwise.
+        timeout_s: how long a collective (and the rendezvous) waits for the slowest rank before it
+            fails; a rank that died fails its peers at once (the connection closes).
+
+    With NCCL the device is ``cuda:LOCAL_RANK`` (set as the current device before the group is
+    built). NCCL reports a timeout through its watchdog, which by default ends the process
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); gloo raises in the calling thread.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"backend {backend!r} is not one of {list(BACKENDS)}")
+    if not timeout_s > 0:
+        raise InvalidArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if dist.is_initialized():
+        raise UsageError("a default process group is already initialized in this process")
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if rank >= world:
+        raise InvalidArgumentError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise UsageError(f"environment variable {name} is not set: start this process with torchrun")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise UsageError("backend 'nccl' needs CUDA, which this process does not have")
+        if local >= torch.cuda.device_count():
+            raise InvalidArgumentError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} GPU(s)")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # env:// through the public rendezvous (it joins torchrun's agent store when there is one)
+    store, rank, world = next(iter(dist.rendezvous("env://", rank, world, timeout=timeout)))
+    store.set_timeout(timeout)
+    kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+    return ProcessContext(rank, world, local, backend, device, float(timeout_s), store)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """How the ranks of :func:`spawn_local` ended: ``returncodes[r]`` (negative: killed by that signal),
+    ``killed`` (ranks ended by the launcher), ``seconds`` (wall time), ``outputs[r]`` (captured text
+    when ``capture=True``)."""
+
+    returncodes: list[int]
+    killed: list[int]
+    seconds: float
+    outputs: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
+
+
+def spawn_local(
+    argv: Sequence[str],
+    ranks: int,
+    *,
+    deadline_s: float,
+    grace_s: float,
+    env: Mapping[str, str] | None = None,
+    capture: bool = False,
+) -> LaunchResult:
+    """Run ``argv`` as ``ranks`` local processes with the environment ``torchrun`` would give them
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free
+    ``MASTER_PORT``), plus ``env``.
+
+    Waits for every rank. Once one rank has failed, the others have ``grace_s`` seconds to end on
+    their own (they should: their collectives fail); whatever is left after that, or after
+    ``deadline_s`` in all, is killed (SIGKILL) and listed in ``killed``. ``capture=True`` collects
+    each rank's stdout and stderr as text instead of passing them through.
+    """
+    if ranks < 1:
+        raise InvalidArgumentError(f"ranks must be >= 1, got {ranks}")
+    base = dict(os.environ)
+    base.update(env or {})
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(ranks),
+        LOCAL_WORLD_SIZE=str(ranks),
+    )
+    out_files = []
+    procs: list[subprocess.Popen] = []
+    t0 = time.monotonic()
+    try:
+        for r in range(ranks):
+            penv = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            if capture:
+                f = tempfile.TemporaryFile(mode="w+")
+                out_files.append(f)
+                procs.append(subprocess.Popen(list(argv), env=penv, stdout=f, stderr=subprocess.STDOUT, text=True))
+            else:
+                procs.append(subprocess.Popen(list(argv), env=penv))
+        killed: list[int] = []
+        first_failure: float | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now
+            over_deadline = now - t0 > deadline_s
+            over_grace = first_failure is not None and now - first_failure > grace_s
+            if over_deadline or over_grace:
+                for r, p in enumerate(procs):
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)
+                        killed.append(r)
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.05)
+        outputs = []
+        for f in out_files:
+            f.seek(0)
+            outputs.append(f.read())
+        return LaunchResult([int(p.returncode) for p in procs], killed, time.monotonic() - t0, outputs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in out_files:
+            f.close()

@@ -1,0 +1,159 @@
+"""ple.parallel pieces that need no process group: token shards, ids of a shard, the agreement
+encoding, the local launcher, the demo's options and workload."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ple.config import PLEConfig
+from ple.demo import parallel as demo_parallel
+from ple.errors import InvalidArgumentError, UsageError
+from ple.layer import PLELayer
+from ple.parallel import ParallelLayer, local_ngram_ids, shard_of, spawn_local, token_shard
+from ple.parallel.guard import _decode, _encode
+
+CONFIG = PLEConfig(
+    hidden_size=12,
+    eos_token_id=7,
+    vocab_size=300,
+    hc_count=2,
+    ple_layer_ids=(1,),
+    ngram_size=4,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=500,
+    make_ngram_vocab_size_divisible_by=16,
+    split_ngram_parts=3,
+    ple_conv_kernel_size=3,
+)
+
+
+@pytest.mark.parametrize("T", [0, 1, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+def test_token_shards_tile_the_batch_with_equal_padded_sizes(T, W):
+    shards = [token_shard(T, W, r) for r in range(W)]
+    assert {s for _, _, s in shards} == {-(-T // W)}
+    assert shards[0][0] == 0 and shards[-1][1] == T
+    assert all(shards[i][1] == shards[i + 1][0] for i in range(W - 1))
+    full = torch.arange(T * 2, dtype=torch.float32).view(T, 2)
+    pieces = [shard_of(full, W, r) for r in range(W)]
+    assert all(p.shape == (-(-T // W), 2) for p in pieces)
+    assert torch.equal(torch.cat(pieces)[:T], full)
+    assert not torch.cat(pieces)[T:].any()  # padding is zero
+
+
+def test_token_shard_rejects_bad_arguments():
+    with pytest.raises(InvalidArgumentError, match="sp_rank must be in \\[0, 2\\), got 2"):
+        token_shard(5, 2, 2)
+    with pytest.raises(InvalidArgumentError, match="num_tokens must be an integer >= 0"):
+        token_shard(-1, 2, 0)
+
+
+def test_ids_of_a_shard_equal_the_same_rows_of_the_whole_batch():
+    """Seeded random schedules (chunked prefill, decode, verify with rejections, EOS, null rows):
+    the ids computed on a shard's tokens alone, for every shard boundary, equal the batch's."""
+    layer = PLELayer(CONFIG, 0)
+    boundaries_inside_requests = 0
+    for seed in range(6):
+        wl = demo_parallel.Workload(CONFIG, seed=seed, requests=10, slots=4, num_spec=2, chunk=9, eos_p=0.2)
+        pool = layer.new_state_pool(4, 2)
+        while not wl.done:
+            st = wl.next_step()
+            batch = st.batch(pool, 2, CONFIG.conv_window)
+            want = layer.ngram_ids(st.tokens, batch)
+            T = st.tokens.numel()
+            qsl = set(batch.query_start_loc.tolist())
+            for W in (2, 3, 4, 7):
+                for r in range(W):
+                    a, b, _ = token_shard(T, W, r)
+                    got = local_ngram_ids(layer, st.tokens, batch, a, b)
+                    assert torch.equal(got, want[a:b]), (seed, W, r)
+                    boundaries_inside_requests += a not in qsl
+            wl.advance(st)
+        assert wl.counts["eos"] and wl.counts["rejected"] and wl.counts["prefill_continued"]
+    assert boundaries_inside_requests > 50
+
+
+def test_workload_covers_the_serving_mixes():
+    wl = demo_parallel.Workload(CONFIG, seed=3, requests=12, slots=3, num_spec=3, chunk=16)
+    while not wl.done:
+        wl.advance(wl.next_step())
+    c = wl.counts
+    for key in ("prefill_first", "prefill_continued", "decode", "verify", "rejected", "eos", "slot_reuse", "null_rows"):
+        assert c[key] > 0, key
+    assert c["finished"] == 12
+
+
+@pytest.mark.parametrize("value", [0, -5, 2**62, "sp", "bfloat16", "x" * 40, "é"])
+def test_agreement_fields_round_trip(value):
+    row = _encode(value)
+    text = _decode(row)
+    if isinstance(value, int):
+        assert text == str(value)
+    elif len(value.encode()) <= 32:
+        assert text == repr(value)
+    else:
+        assert text.startswith(repr(value[:32])[:-1]) and "hash" in text
+    assert _encode(value)[:2] != _encode(f"{value}!")[:2]
+
+
+def test_spawn_local_reports_each_rank_and_kills_stragglers():
+    code = "import os, sys, time; r = int(os.environ['RANK']); time.sleep(60 if r == 2 else 0); sys.exit(r)"
+    res = spawn_local([sys.executable, "-c", code], 3, deadline_s=60, grace_s=1.0, capture=True)
+    assert res.returncodes[:2] == [0, 1] and res.returncodes[2] < 0  # rank 2 killed after rank 1 failed
+    assert res.killed == [2] and not res.ok
+    env = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
+    res = spawn_local([sys.executable, "-c", env], 2, deadline_s=60, grace_s=1.0, capture=True)
+    assert res.ok and [o.split() for o in res.outputs] == [["0", "2", "0", "127.0.0.1"], ["1", "2", "1", "127.0.0.1"]]
+
+
+def test_spawn_local_deadline():
+    res = spawn_local([sys.executable, "-c", "import time; time.sleep(60)"], 2, deadline_s=1.0, grace_s=60)
+    assert sorted(res.killed) == [0, 1] and all(rc < 0 for rc in res.returncodes)
+
+
+def _demo_args(*argv: str) -> argparse.Namespace:
+    from ple.cli import build_parser
+
+    return build_parser().parse_args(["demo", *argv])
+
+
+def test_demo_options():
+    assert not demo_parallel.requested(_demo_args())
+    assert demo_parallel.requested(_demo_args("--ranks", "2"))
+    with pytest.raises(InvalidArgumentError, match="--ranks 2: say how to split the work with --parallel"):
+        demo_parallel.Options.from_args(_demo_args("--ranks", "2"))
+    with pytest.raises(InvalidArgumentError, match="--fault 'die:x': expected KIND:RANK:STEP"):
+        demo_parallel.Options.from_args(_demo_args("--parallel", "sp", "--fault", "die:x"))
+    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "4", "--parallel", "sp", "--sp-size", "2"))
+    assert (opts.mode, opts.ranks, opts.sp_size, opts.split) == ("sp", 4, 2, "replicated")
+    assert demo_parallel.Options.from_args(_demo_args("--parallel", "dp")).split == "sharded"
+
+
+def test_demo_refuses_what_cannot_run_before_spawning():
+    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "4", "--parallel", "sp", "--sp-size", "3"))
+    with pytest.raises(InvalidArgumentError, match="--sp-size 3 does not divide the 4 ranks"):
+        opts.check_world(4)
+    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "2", "--parallel", "dp", "--fault", "die:2:1"))
+    with pytest.raises(InvalidArgumentError, match="there are only ranks 0..1"):
+        opts.check_world(2)
+
+
+def test_demo_refuses_ranks_without_a_mode():
+    out = subprocess.run(
+        [sys.executable, "-m", "ple.cli", "demo", "--ranks", "2"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 1 and "--parallel" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_parallel_layer_needs_a_process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(UsageError, match="needs an initialized torch.distributed process group"):
+        ParallelLayer(PLELayer(CONFIG, 0), "sp")
