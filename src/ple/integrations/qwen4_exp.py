@@ -2,17 +2,19 @@
 loudly instead of loading a random or a whole table).
 
 Loading without the tables (transformers 5.24): ``from_pretrained`` builds the model on the meta
-device inside ``apply_patches()``, which swaps every class registered with
-``transformers.monkey_patching.register_patch_mapping`` for its replacement. :func:`tableless_load`
-registers :class:`TablelessNGramEmbedding` for ``Qwen4ExpTextNGramEmbedding``: its
-``ngram_embedding`` is a :class:`TableStub` (no parameter, no buffer), so the table is not in the
-model's state dict, transformers never reads its checkpoint tensors, and nothing allocates or
-initializes it. The table's checkpoint keys (renamed from ``shard_{k}.weight`` by transformers'
-``Concatenate`` converter) would be reported as unexpected: for the duration of the load, the
-pattern :data:`TABLE_KEYS` is added to ``_keys_to_ignore_on_load_unexpected`` of the qwen4_exp model
-classes. Both changes are process-wide: a lock serializes ple's loads and everything is restored on
-exit, errors included (``apply_patches`` itself does not restore the classes when building the model
-raises, so the class attributes it replaced are put back here too).
+device, each ``Qwen4ExpTextPLELayer`` creating its ``Qwen4ExpTextNGramEmbedding`` by the name its
+module holds. For the duration of the load :func:`tableless_load` puts :class:`TablelessNGramEmbedding`
+under that name (what ``transformers.monkey_patching.apply_patches`` does for a registered patch
+mapping, without its walk over every transformers module on each load): its ``ngram_embedding`` is a
+:class:`TableStub` (no parameter, no buffer), so the table is not in the model's state dict,
+transformers never reads its checkpoint tensors, and nothing allocates or initializes it. The
+table's checkpoint keys (renamed from ``shard_{k}.weight`` by transformers' ``Concatenate``
+converter) would be reported as unexpected: the pattern :data:`TABLE_KEYS` is added to
+``_keys_to_ignore_on_load_unexpected`` of the qwen4_exp model classes meanwhile. Both changes are
+process-wide: a lock serializes ple's loads, and everything is restored on exit, errors included.
+After the load, :func:`ple.integrations.transformers.from_pretrained` checks that every PLE module
+got a stub and no table parameter exists, so a transformers that builds the model differently fails
+loudly.
 """
 
 from __future__ import annotations
@@ -78,16 +80,10 @@ def require_transformers():
             f"{'.'.join(map(str, MIN_VERSION))}"
         )
     try:
-        from transformers import monkey_patching
         from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
     except ImportError as e:
-        raise TransformersVersionError(f"transformers {version} has no qwen4_exp model or monkey_patching: {e}") from e
-    missing = [
-        n
-        for n in ("register_patch_mapping", "unregister_patch_mapping", "get_patch_mapping", "apply_patches")
-        if not hasattr(monkey_patching, n)
-    ]
-    missing += [n for n in (_EMBEDDING, "Qwen4ExpTextPLELayer", "Qwen4ExpPreTrainedModel") if not hasattr(mq, n)]
+        raise TransformersVersionError(f"transformers {version} has no qwen4_exp model: {e}") from e
+    missing = [n for n in (_EMBEDDING, "Qwen4ExpTextPLELayer", "Qwen4ExpPreTrainedModel") if not hasattr(mq, n)]
     if missing:
         raise TransformersVersionError(
             f"transformers {version} lacks {missing}: ple's qwen4_exp loader does not support this version"
@@ -171,8 +167,6 @@ def _model_classes(mq) -> list[type]:
 def tableless_load():
     """Within this block, transformers builds qwen4_exp models without PLE tables and ignores their
     checkpoint keys (see the module docstring). Serialized by a lock; restored on exit."""
-    from transformers import monkey_patching
-
     mq = require_transformers()
     replacement = tableless_embedding_class()
     with _LOCK:
@@ -184,7 +178,6 @@ def tableless_load():
             for m in list(sys.modules.values())
             if getattr(m, "__name__", "").startswith("transformers") and getattr(m, _EMBEDDING, None) is original
         ]
-        previous = monkey_patching.get_patch_mapping().get(_PATCH_KEY)
         saved: list[tuple[type, bool, Any]] = []
         for cls in _model_classes(mq):
             if "_keys_to_ignore_on_load_unexpected" in vars(cls) or cls is mq.Qwen4ExpPreTrainedModel:
@@ -192,17 +185,15 @@ def tableless_load():
                 current = vars(cls).get("_keys_to_ignore_on_load_unexpected")
                 saved.append((cls, present, current))
                 cls._keys_to_ignore_on_load_unexpected = [*list(current or []), TABLE_KEYS]
-        monkey_patching.register_patch_mapping({_PATCH_KEY: replacement}, overwrite=True)
         try:
+            for m in holders:
+                setattr(m, _EMBEDDING, replacement)
             yield replacement
         finally:
-            monkey_patching.unregister_patch_mapping([_PATCH_KEY])
-            if previous is not None:
-                monkey_patching.register_patch_mapping({_PATCH_KEY: previous})
+            for m in holders:
+                setattr(m, _EMBEDDING, original)
             for cls, present, value in saved:
                 if present:
                     cls._keys_to_ignore_on_load_unexpected = value
                 else:
                     delattr(cls, "_keys_to_ignore_on_load_unexpected")
-            for m in holders:
-                setattr(m, _EMBEDDING, original)
