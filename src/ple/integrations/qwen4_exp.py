@@ -23,6 +23,7 @@ import contextlib
 import re
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -158,13 +159,13 @@ def tableless_embedding_class() -> type:
     return TablelessNGramEmbedding
 
 
-def _model_classes(mq) -> list[type]:
+def _model_classes(mq: Any) -> list[type]:
     base = mq.Qwen4ExpPreTrainedModel
     return [c for c in vars(mq).values() if isinstance(c, type) and issubclass(c, base)]
 
 
 @contextlib.contextmanager
-def tableless_load():
+def tableless_load() -> Iterator[type]:
     """Within this block, transformers builds qwen4_exp models without PLE tables and ignores their
     checkpoint keys (see the module docstring). Serialized by a lock; restored on exit."""
     mq = require_transformers()
@@ -184,7 +185,7 @@ def tableless_load():
                 present = "_keys_to_ignore_on_load_unexpected" in vars(cls)
                 current = vars(cls).get("_keys_to_ignore_on_load_unexpected")
                 saved.append((cls, present, current))
-                cls._keys_to_ignore_on_load_unexpected = [*list(current or []), TABLE_KEYS]
+                setattr(cls, "_keys_to_ignore_on_load_unexpected", [*list(current or []), TABLE_KEYS])  # noqa: B010
         try:
             for m in holders:
                 setattr(m, _EMBEDDING, replacement)
@@ -194,6 +195,6 @@ def tableless_load():
                 setattr(m, _EMBEDDING, original)
             for cls, present, value in saved:
                 if present:
-                    cls._keys_to_ignore_on_load_unexpected = value
+                    setattr(cls, "_keys_to_ignore_on_load_unexpected", value)  # noqa: B010
                 else:
                     delattr(cls, "_keys_to_ignore_on_load_unexpected")
