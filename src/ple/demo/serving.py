@@ -231,7 +231,7 @@ def _serving_config(args) -> tuple[PLEConfig, Path | None]:
 def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     """The serving part: checkpoint (given or synthesized), table file, layer, workload, checks."""
     from ..checkpoint import CheckpointError, open_layer_table, scan_checkpoint
-    from ..integrations.tables import prepare_table
+    from ..integrations.tables import default_table_dir, prepare_table
     from ..layer import PLELayer
     from ..runtime import tune_host_allocator
 
@@ -256,7 +256,9 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         if scan.all_problems:
             raise CheckpointError(scan.all_problems)
         entry = next(e for e in scan.layers if e.ple_layer_index == args.layer)
-        prepared = prepare_table(entry, config, work / "serving-tables", progress=progress)
+        # a given checkpoint's table file goes where from_pretrained keeps it (made once, reused)
+        folder = default_table_dir(ckpt) if args.checkpoint else work / "serving-tables"
+        prepared = prepare_table(entry, config, folder, progress=progress)
         table = open_layer_table(prepared.path, config, args.layer)
         if args.tier == "cached":
             table = CachedTable(table, min(table.rows, 1 << 18))

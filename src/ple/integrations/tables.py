@@ -60,6 +60,8 @@ _RECORD_VERSION = 1
 def default_table_dir(checkpoint: str | os.PathLike) -> Path:
     """The per-checkpoint table folder under the user's cache (see the module docstring)."""
     real = Path(checkpoint).resolve()
+    if real.is_file():  # a safetensors or index file: its folder
+        real = real.parent
     key = hashlib.sha256(str(real).encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", real.name)[:64] or "checkpoint"
     return cache_dir() / "tables" / f"{name}-{key}"
