@@ -8,6 +8,8 @@ bytes of the table files' mappings at the end, how the table files were obtained
 tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
 checkpoint's and the table files' pages from the page cache first, so that a load reads from disk.
 ``--starts 2`` loads (and generates) twice in the process: the second start reuses the table files.
+``--threads`` sets torch's threads (default 1: for a tiny model more threads only add synchronization,
+which on a busy machine costs seconds).
 """
 
 from __future__ import annotations
@@ -111,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tier", default="mmap")
     ap.add_argument("--starts", type=int, default=1)
     ap.add_argument("--evict", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's model is tiny)")
     args = ap.parse_args(argv)
 
     import torch
     import transformers
+
+    torch.set_num_threads(args.threads)
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
