@@ -135,6 +135,7 @@ def _table_bytes_on_disk(folder: Path) -> int:
 def write_checkpoints(work: Path, base: int, seed: int = 0, progress: bool = False) -> dict[str, Any]:
     """Build the model, save it in the published layout (``work/published``) and as the dequantized
     copy plain transformers reads (``work/plain``); returns sizes and timings."""
+    from transformers.utils import logging as hf_logging
 
     from ..integrations.transformers import dequantize_checkpoint
 
@@ -143,15 +144,24 @@ def write_checkpoints(work: Path, base: int, seed: int = 0, progress: bool = Fal
         if p.exists():
             raise InvalidArgumentError(f"{p} exists: pass an empty --workdir")
     t0 = time.perf_counter()
-    model = build_model(base, seed)
-    rows = [
-        m.ple_embedding.ngram_embedding.weight.shape
-        for m in model.modules()
-        if type(m).__name__ == "Qwen4ExpTextPLELayer"
-    ]
-    table_memory = sum(r[0] * r[1] * 4 for r in rows)
-    saved = save_published(model, published)
-    del model
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = build_model(base, seed)
+        rows = [
+            m.ple_embedding.ngram_embedding.weight.shape
+            for m in model.modules()
+            if type(m).__name__ == "Qwen4ExpTextPLELayer"
+        ]
+        table_memory = sum(r[0] * r[1] * 4 for r in rows)
+        saved = save_published(model, published)
+        del model
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     t1 = time.perf_counter()
     dequantize_checkpoint(published, plain, torch.float32)
     return {
@@ -220,7 +230,8 @@ def compare(
     with tempfile.TemporaryDirectory(prefix="ple-demo-logits-") as tmp:
         lp, lq = Path(tmp) / "plain.pt", Path(tmp) / "ple.pt"
         plain = measure("plain", Path(ck["plain"]), ids, new_tokens, lp)
-        ple = measure("ple", Path(ck["published"]), ids, new_tokens, lq, table_dir=work / "tables", tier=tier, starts=2)
+        tables = None if tier == "memory" else work / "tables"
+        ple = measure("ple", Path(ck["published"]), ids, new_tokens, lq, table_dir=tables, tier=tier, starts=2)
         want, got = torch.load(lp), torch.load(lq)
     tokens_equal = plain["tokens"] == ple["tokens"]
     diff = float((want - got).abs().max()) if want.shape == got.shape else float("inf")
