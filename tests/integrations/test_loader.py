@@ -294,3 +294,23 @@ def test_a_hub_id_resolves_through_the_hub_cache(checkpoint, tmp_path):
     assert_same_logits(model, reference)
     with pytest.raises(FileNotFoundError, match="Hub snapshot could not be had"):
         from_pretrained("someone/other", cache_dir=tmp_path / "hub", local_files_only=True)
+
+
+def test_an_unsupported_transformers_fails_loudly(checkpoint, tmp_path, monkeypatch):
+    """Too old a version is refused up front; a transformers that builds the tables anyway (here: the
+    swap does nothing) is caught after the load instead of serving a table it may have made up."""
+    import contextlib
+
+    import transformers
+
+    import ple.integrations.transformers as integration
+    from ple.integrations.qwen4_exp import TransformersVersionError
+
+    path, _, _ = checkpoint
+    monkeypatch.setattr(transformers, "__version__", "5.10.0")
+    with pytest.raises(TransformersVersionError, match="transformers 5.10.0 is installed"):
+        from_pretrained(path, table_dir=tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(integration, "tableless_load", contextlib.nullcontext)
+    with pytest.raises(TransformersVersionError, match="did not build the PLE tables the way ple's loader expects"):
+        from_pretrained(path, table_dir=tmp_path)

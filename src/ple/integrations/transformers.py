@@ -319,10 +319,10 @@ def _weight_from_table(
     if exact:
         return lambda: backing.data.detach().to(device)
     if not materialize:
-        gb = backing.rows * backing.head_dim * dtype.itemsize / 1e9
+        mb = backing.rows * backing.head_dim * dtype.itemsize / 1e6
         raise UsageError(
             f"PLE layer {layer_idx}: the table is {backing.format!r} and the module holds {dtype}: giving it "
-            f"back means dequantizing {gb:.2f} GB into memory; pass materialize=True to do so"
+            f"back means dequantizing {mb:,.1f} MB into memory; pass materialize=True to do so"
         )
 
     def dequantized() -> torch.Tensor:
