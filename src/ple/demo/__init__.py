@@ -124,12 +124,15 @@ def _print_model(res: dict[str, Any]) -> None:
 
 def run(args) -> int:
     """``ple demo``: both parts (or ``--only`` one); returns the exit status."""
+    from ..integrations.qwen4_exp import require_transformers
     from .model import compare
 
     progress = not args.no_progress and sys.stderr.isatty()
     if args.requests is None:
         args.requests = 6 if args.quick else 16
     only = args.only or ("serving" if args.checkpoint or args.config else None)
+    if only in (None, "model"):
+        require_transformers()  # before anything runs: the model part needs transformers (ple[hf])
     t_start = time.perf_counter()
     tmp = None
     if args.workdir:
