@@ -1,4 +1,4 @@
-"""ple convert / verify / stats / demo, end to end on small synthesized checkpoints."""
+"""ple convert / verify / stats, end to end on small synthesized checkpoints (``ple demo``: tests/demo)."""
 
 import json
 
@@ -118,18 +118,6 @@ def test_stats_counts_rows_and_collisions(tmp_path, capsys):
     assert res["total"]["distinct_rows"] == len(set(ids.reshape(-1).tolist()))
 
 
-@pytest.mark.parametrize("tier", ["memory", "mmap"])
-def test_demo_runs_and_checks(tier, tmp_path, capsys):
-    out = tmp_path / "demo.json"
-    rc = main(["demo", "--tier", tier, "--requests", "6", "--slots", "3", "--no-progress", "--output", str(out)])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert "equals the one-shot reference" in text
-    res = json.loads(out.read_text())
-    assert res["tier"] == tier and res["checked_tokens"] > 0
-    assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
-
-
 def test_layer_from_checkpoint_with_a_table_file(small_checkpoint, tmp_path):
     from ple.checkpoint import load_ple_weights
     from ple.layer import PLELayer
@@ -149,11 +137,3 @@ def test_layer_from_checkpoint_with_a_table_file(small_checkpoint, tmp_path):
         batch = Batch.build([4, 2], [0, 1], torch.full((2, 2), cfg.eos_token_id), layer.new_state_pool(2))
         outs.append(layer(hidden, tokens, batch))
     assert torch.equal(outs[0], outs[1])
-
-
-def test_demo_on_an_existing_checkpoint(small_checkpoint, capsys):
-    cfg, ckpt = small_checkpoint
-    rc = main(["demo", "--checkpoint", str(ckpt), "--layer", "1", "--requests", "4", "--slots", "2", "--no-progress"])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert f"checkpoint {ckpt}" in text and "equals the one-shot reference" in text

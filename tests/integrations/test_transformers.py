@@ -9,124 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpTextPLELayer
 
 from ple.config import PLEConfig
 from ple.integrations.transformers import PatchedPLELayer, patch, patched_layers, unpatch
 from ple.table import MemoryTable, MmapTable, hash_layout, read_table_header, verify_table_file
 
-EOS = 5
-VOCAB = 97
-LOGIT_ATOL = 1e-4  # logits are O(1) (initializer_range 0.1); the PLE moves them by O(1)
-
-
-def _config(**kw) -> Qwen4ExpTextConfig:
-    """Three decoder layers (linear, linear, indexed attention), PLE on both linear ones."""
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
-        hc_count=2,
-        hc_lowrank=4,
-        ple_layer_ids=[1, 2],
-        ple_embed_dim=16,
-        ngram_size=3,
-        heads_per_ngram=2,
-        ngram_vocab_size_base=50,
-        make_ngram_vocab_size_divisible_by=16,
-        split_ngram_parts=3,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        indexer_n_heads=2,
-        indexer_kv_heads=1,
-        indexer_head_dim=8,
-        indexer_budget=8,
-        indexer_compress_ratio=4,
-        initializer_range=0.1,
-    )
-    base.update(kw)
-    return Qwen4ExpTextConfig(**base)
-
-
-def _model(config: Qwen4ExpTextConfig | None = None, seed: int = 0, random_table: bool = True):
-    """A random-weight model whose PLE weights are all non-trivial (conv and norms init to zero)."""
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(config or _config()).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ple." not in name:
-                continue
-            if name.endswith("ngram_embedding.weight"):
-                if random_table:
-                    p.copy_(torch.randn(p.shape, generator=g))
-            elif ".norm_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return model
-
-
-def _prompts(seed: int = 0):
-    """Three prompts of lengths 7, 4 and 2, left-padded; the first holds an EOS."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(EOS + 1, VOCAB, (3, 7), generator=g)
-    ids[0, 3] = EOS
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    mask[2, :5] = 0
-    ids[mask == 0] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask=None, new_tokens=6):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-
-
-def _ple_layer_indices(model) -> list[int]:
-    return [i - 1 for i in model.config.ple_layer_ids]
-
-
-def _assert_same_cache(want, got, model):
-    """The PLE states of two caches: n-gram context exactly, conv window to fp32 tolerance."""
-    for layer_idx in _ple_layer_indices(model):
-        ctx_w, ctx_g = want.get_conv_state(layer_idx, state_idx=2), got.get_conv_state(layer_idx, state_idx=2)
-        assert ctx_g.dtype == ctx_w.dtype == torch.int64
-        assert torch.equal(ctx_g, ctx_w), f"layer {layer_idx}: n-gram context {ctx_g.tolist()} != {ctx_w.tolist()}"
-        conv_w, conv_g = want.get_conv_state(layer_idx, state_idx=1), got.get_conv_state(layer_idx, state_idx=1)
-        assert conv_g.shape == conv_w.shape and conv_g.dtype == conv_w.dtype
-        torch.testing.assert_close(conv_g, conv_w, rtol=1e-5, atol=1e-5)
-
-
-def _assert_same_generation(want, got, model):
-    assert torch.equal(got.sequences, want.sequences), f"{got.sequences.tolist()} != {want.sequences.tolist()}"
-    assert len(got.logits) == len(want.logits)
-    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
-        err = (a - b).abs().max().item()
-        assert err <= LOGIT_ATOL, f"step {step}: logits differ by {err:.3e}"
-    _assert_same_cache(want.cache, got.cache, model)
+from .helpers import (
+    EOS,
+    LOGIT_ATOL,
+    VOCAB,
+    assert_same_cache,
+    assert_same_generation,
+    generate,
+    prompts,
+    tiny_config,
+    tiny_model,
+)
 
 
 def _table_factory(weight, layer):
@@ -135,9 +34,9 @@ def _table_factory(weight, layer):
 
 @pytest.mark.parametrize("tier", ["memory", "mmap", "factory"])
 def test_generate_matches_original_with_left_padding(tier, tmp_path):
-    model = _model()
-    ids, mask = _prompts()
-    want = _generate(model, ids, mask)
+    model = tiny_model()
+    ids, mask = prompts()
+    want = generate(model, ids, mask)
     assert want.logits[0].abs().max() > 0.3  # logits large enough for LOGIT_ATOL to mean something
     table_tier = _table_factory if tier == "factory" else tier
     patch(model, table_tier, table_dir=tmp_path if tier == "mmap" else None)
@@ -152,24 +51,24 @@ def test_generate_matches_original_with_left_padding(tier, tmp_path):
                 header = read_table_header(w.table_path)
                 assert header["num_shards"] == model.config.split_ngram_parts
                 assert header["layout_hash"] == hash_layout({**pcfg.layout_key(), "ple_layer_index": i})
-        got = _generate(model, ids, mask)
+        got = generate(model, ids, mask)
     finally:
         unpatch(model)
-    _assert_same_generation(want, got, model)
+    assert_same_generation(want, got, model)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2])
 def test_prompts_shorter_than_the_ngram_context_and_conv_window(prompt_len):
-    model = _model(seed=3)
+    model = tiny_model(seed=3)
     g = torch.Generator().manual_seed(prompt_len)
     ids = torch.randint(EOS + 1, VOCAB, (2, prompt_len), generator=g)
-    want = _generate(model, ids, new_tokens=12)  # 12 > conv window 9: the window fills up while decoding
+    want = generate(model, ids, new_tokens=12)  # 12 > conv window 9: the window fills up while decoding
     patch(model)
     try:
-        got = _generate(model, ids, new_tokens=12)
+        got = generate(model, ids, new_tokens=12)
     finally:
         unpatch(model)
-    _assert_same_generation(want, got, model)
+    assert_same_generation(want, got, model)
 
 
 def _forward(model, ids, cache):
@@ -186,7 +85,7 @@ def test_cache_handed_between_patched_and_original(record_past):
     ``crop``."""
     from transformers import DynamicCache
 
-    model = _model(seed=5)
+    model = tiny_model(seed=5)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(EOS + 1, VOCAB, (2, 22), generator=g)
     tokens[1, 9] = EOS
@@ -224,13 +123,13 @@ def test_cache_handed_between_patched_and_original(record_past):
                 assert err <= LOGIT_ATOL, f"step {i} {st} ({who}): logits differ by {err:.3e}"
         if patched:
             unpatch(model)
-        _assert_same_cache(ref_cache, cache, model)
+        assert_same_cache(ref_cache, cache, model)
 
 
 def test_text_model_forward_without_cache():
     """A bare ``Qwen4ExpTextModel`` (no LM head) patched, run without a cache."""
-    text_model = _model(seed=7).model
-    ids, mask = _prompts(seed=7)
+    text_model = tiny_model(seed=7).model
+    ids, mask = prompts(seed=7)
     with torch.no_grad():
         want = text_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         patch(text_model)
@@ -258,7 +157,7 @@ def test_multimodal_model_generates_the_same_tokens():
         num_position_embeddings=16,
     )
     config = Qwen4ExpConfig(
-        text_config=_config().to_dict(),
+        text_config=tiny_config().to_dict(),
         vision_config=vision,
         image_token_id=90,
         video_token_id=91,
@@ -272,12 +171,12 @@ def test_multimodal_model_generates_the_same_tokens():
         for name, p in model.named_parameters():
             if ".ple." in name and ("conv1d" in name or ".norm_" in name):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    ids, mask = _prompts(seed=1)
-    want = _generate(model, ids, mask)
+    ids, mask = prompts(seed=1)
+    want = generate(model, ids, mask)
     patch(model)
     try:
         assert [w.layer_idx for w in patched_layers(model)] == [0, 1]
-        got = _generate(model, ids, mask)
+        got = generate(model, ids, mask)
     finally:
         unpatch(model)
     assert torch.equal(got.sequences, want.sequences)
@@ -288,9 +187,9 @@ def test_multimodal_model_generates_the_same_tokens():
 def test_autograd_through_fresh_sequences():
     """Outside ``torch.no_grad()`` a fresh forward is differentiable and gives the original's gradients;
     continuing a cache with autograd is refused."""
-    model = _model(seed=15)
+    model = tiny_model(seed=15)
     reference = copy.deepcopy(model)
-    ids, mask = _prompts(seed=15)
+    ids, mask = prompts(seed=15)
     want = reference(input_ids=ids, attention_mask=mask).logits
     want.square().sum().backward()
     patch(model)
@@ -308,7 +207,7 @@ def test_autograd_through_fresh_sequences():
                 assert want_grad.abs().max() > 0
                 torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
-        _assert_same_cache(reference(input_ids=ids, attention_mask=mask).cache, out.cache, model)
+        assert_same_cache(reference(input_ids=ids, attention_mask=mask).cache, out.cache, model)
         with pytest.raises(RuntimeError, match="continuing a cache with autograd"):
             model(input_ids=ids[:, :1], cache=out.cache)
     finally:
@@ -317,7 +216,7 @@ def test_autograd_through_fresh_sequences():
 
 def test_patched_module_returns_what_the_original_returns():
     """Module level, fresh sequences: ``v + conv`` of the patched module vs the original."""
-    model = _model(seed=9)
+    model = tiny_model(seed=9)
     original = model.model.layers[1].ple
     hidden = torch.randn(3, 5, model.config.hc_count * model.config.hidden_size)
     ids = torch.randint(0, VOCAB, (3, 5))
@@ -338,8 +237,8 @@ def test_patched_module_returns_what_the_original_returns():
 
 
 def test_unpatch_restores_the_original_modules():
-    model = _model(seed=11)
-    ids, mask = _prompts(seed=11)
+    model = tiny_model(seed=11)
+    ids, mask = prompts(seed=11)
     originals = [layer.ple for layer in model.model.layers if layer.ple is not None]
     params = [id(p) for p in model.parameters()]
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -352,9 +251,15 @@ def test_unpatch_restores_the_original_modules():
     for original in originals:
         assert original.ple_embedding.ngram_embedding.weight.numel() == 0
     assert not any(isinstance(m, Qwen4ExpTextPLELayer) for m in model.modules())
-    assert not any(k.endswith("ngram_embedding.weight") for k in model.state_dict())
+    patched_state = model.state_dict()  # transformers' names; the table in the checkpoint's shards
+    assert "model.layers.0.ple.key_proj.weight" in patched_state
+    assert "model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight" in patched_state
+    del patched_state
     unpatch(model)
     assert not table_dir.exists()
+    for original in originals:  # the table came back as a map of its table file, not a copy in memory
+        weight = original.ple_embedding.ngram_embedding.weight
+        assert ".pletable" in mapping_of(weight.data_ptr())
     assert [layer.ple for layer in model.model.layers if layer.ple is not None] == originals
     assert all(type(o) is Qwen4ExpTextPLELayer for o in originals)
     assert [id(p) for p in model.parameters()] == params
@@ -369,13 +274,15 @@ def test_unpatch_restores_the_original_modules():
 
 
 def test_patch_refuses_bad_arguments(tmp_path):
-    model = _model()
+    model = tiny_model()
     with pytest.raises(ValueError, match="'disk'"):
         patch(model, "disk")
     with pytest.raises(ValueError, match="table_dir"):
         patch(model, "memory", table_dir=tmp_path)
     with pytest.raises(ValueError, match="nothing to unpatch"):
         unpatch(model)
+    with pytest.raises(ValueError, match="table_grad=True needs table_tier='memory'"):
+        patch(model, "mmap", table_grad=True)
     with pytest.raises(ValueError, match="stores the module's rows exactly"):
         patch(model, lambda w, layer: MemoryTable(w.to(torch.bfloat16)), release_weight=True)
     assert patched_layers(model) == [] and model.model.layers[0].ple.ple_embedding.ngram_embedding.weight.numel() > 0
@@ -383,9 +290,18 @@ def test_patch_refuses_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="already patched"):
         patch(model)
     unpatch(model)
-    plain = Qwen4ExpForCausalLM(_config(ple_layer_ids=[]))
+    plain = Qwen4ExpForCausalLM(tiny_config(ple_layer_ids=[]))
     with pytest.raises(ValueError, match="no Qwen4ExpTextPLELayer"):
         patch(plain)
+
+
+def mapping_of(address: int) -> str:
+    """The ``/proc/self/maps`` line of the mapping that holds ``address``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line
+    return ""
 
 
 def resident_memory_bytes() -> int:
@@ -399,21 +315,22 @@ def resident_memory_bytes() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
+@pytest.mark.perf
 def test_mmap_tier_generates_the_same_tokens_with_less_resident_memory(tmp_path):
     """~192 MB of PLE tables (two layers of ~6M rows x 4 fp32): the mmap tier frees them."""
-    config = _config(ngram_vocab_size_base=1_500_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=16)
-    model = _model(config, seed=13, random_table=False)  # the init's normal_ table is random enough
+    config = tiny_config(ngram_vocab_size_base=1_500_000, make_ngram_vocab_size_divisible_by=128, split_ngram_parts=16)
+    model = tiny_model(config, seed=13, random_table=False)  # the init's normal_ table is random enough
     table_bytes = sum(
         layer.ple.ple_embedding.ngram_embedding.weight.nbytes for layer in model.model.layers if layer.ple is not None
     )
     assert table_bytes > 150e6
-    ids, mask = _prompts(seed=13)
-    want = _generate(model, ids, mask)
+    ids, mask = prompts(seed=13)
+    want = generate(model, ids, mask)
     gc.collect()
     rss_unpatched = resident_memory_bytes()
     patch(model, "mmap", table_dir=tmp_path)
     try:
-        got = _generate(model, ids, mask)
+        got = generate(model, ids, mask)
         gc.collect()
         rss_patched = resident_memory_bytes()
         files = sorted(p.name for p in tmp_path.iterdir())
@@ -424,6 +341,6 @@ def test_mmap_tier_generates_the_same_tokens_with_less_resident_memory(tmp_path)
         f"\nPLE tables {table_bytes / 2**20:.1f} MiB; resident memory unpatched {rss_unpatched / 2**20:.1f} MiB, "
         f"patched (mmap) {rss_patched / 2**20:.1f} MiB, saved {(rss_unpatched - rss_patched) / 2**20:.1f} MiB"
     )
-    _assert_same_generation(want, got, model)
+    assert_same_generation(want, got, model)
     assert rss_unpatched - rss_patched >= 0.8 * table_bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # a caller's table_dir is kept

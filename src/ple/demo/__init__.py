@@ -1,5 +1,187 @@
-"""``ple demo``: an end-to-end run on an embedded default (or a real checkpoint); see :mod:`.serving`."""
+"""``ple demo``: what a user of ple gets, end to end, on an embedded default (no download).
 
-from .serving import DEMO_CONFIG, add_arguments, run, serve, synthesize_checkpoint
+Two parts, each checked:
 
-__all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint"]
+1. the model (:mod:`.model`): a deterministic random-weight transformers ``qwen4_exp`` model whose
+   PLE tables dominate, saved with ``save_pretrained`` in the published layout (fp8 tables with a
+   global scale, sharded), then loaded and run on the same prompts by plain transformers and by
+   :func:`ple.integrations.transformers.from_pretrained` with the tables on disk, each in a fresh
+   process: tokens equal, largest logit difference, peak resident memory, load and generate time,
+   table bytes on disk vs resident, and a second start that reuses the table files;
+2. serving (:mod:`.serving`): a PLE layer at the published geometry driven through a
+   :class:`~ple.runtime.Session` with every output checked against the one-shot reference.
+
+Exit status 0 only when every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..argtypes import non_negative_int, positive_int
+from . import parallel
+from .model import MODEL_SIZES
+from .serving import DEMO_CONFIG, print_serving, run_serving, serve, synthesize_checkpoint
+
+__all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
+
+MEMORY_CHECK = 0.9
+"""ple's peak resident memory must be lower than plain transformers' by this share of the tables' in-memory size."""
+LOGIT_TOLERANCE = 1e-4
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller tables and workload (about a third of the time)")
+    p.add_argument("--only", choices=["model", "serving"], help="run one part only")
+    p.add_argument(
+        "--tier", choices=["mmap", "cached", "memory"], default="mmap", help="where ple serves the tables from"
+    )
+    p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
+    p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")
+    p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")
+    p.add_argument("--requests", type=positive_int, default=None, help="requests in the workload (default 16, quick 6)")
+    p.add_argument("--slots", type=positive_int, default=8, help="concurrent requests (state slots)")
+    p.add_argument("--num-spec", type=non_negative_int, default=3, help="speculative tokens per verify chunk")
+    p.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk size")
+    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens each prompt generates (model part)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--workdir", help="keep the checkpoints and table files here (an empty or new folder)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
+    p.add_argument("--output", metavar="PATH", help="also write the results as JSON to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when stderr is no terminal)")
+    parallel.add_arguments(p)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} KB"
+
+
+def _model_checks(res: dict[str, Any]) -> dict[str, bool]:
+    ple = res["ple"]
+    return {
+        "tokens_equal": res["tokens_equal"],
+        "logits_close": res["max_logit_diff"] <= LOGIT_TOLERANCE,
+        # the memory tier reads the checkpoint on every start: no table files to reuse
+        "tables_reused_on_second_start": ple["tier"] == "memory" or all(a == "reused" for a in ple["tables"][-1]),
+        "memory_saved": res["memory_saved_share_of_tables"] >= MEMORY_CHECK,
+    }
+
+
+def _print_model(res: dict[str, Any]) -> None:
+    ck, plain, ple = res["checkpoint"], res["plain"], res["ple"]
+    rows = " + ".join(f"{r[0]:,} x {r[1]}" for r in ck["tables"])
+    print("== the user's path: a qwen4_exp model with its PLE tables on disk ==")
+    print(f"model      : random-weight qwen4_exp (hidden 64, 4 layers, 2 PLE layers), tables {rows}")
+    print(
+        f"checkpoint : save_pretrained in the published layout: fp8 tables + global scale, "
+        f"{ck['published_files']} files, {_mb(ck['published_bytes'])} (tables {_mb(ck['published_table_bytes'])})"
+    )
+    print(
+        f"plain copy : tables dequantized to fp32 for plain transformers ({_mb(ck['plain_bytes'])}); "
+        "transformers reads fp8 tables as a plain cast and ignores weight_scale"
+    )
+    first, second = ple["tables"][0], ple["tables"][-1]
+    print(f"\n| {'fresh process':28s} | transformers | ple, 1st start | ple, 2nd start |")
+    print(f"|{'-' * 30}|-------------:|---------------:|---------------:|")
+
+    def row(name, a, b, c):
+        print(f"| {name:28s} | {a:>12s} | {b:>14s} | {c:>14s} |")
+
+    row(
+        "load (s)", f"{plain['load_seconds'][0]:.2f}", f"{ple['load_seconds'][0]:.2f}", f"{ple['load_seconds'][-1]:.2f}"
+    )
+    if ple["tier"] != "memory":
+        row("table files", "-", "/".join(sorted(set(first))), "/".join(sorted(set(second))))
+    n = f"generate {res['prompts']} x {res['new_tokens']} (s)"
+    row(
+        n,
+        f"{plain['generate_seconds'][0]:.2f}",
+        f"{ple['generate_seconds'][0]:.2f}",
+        f"{ple['generate_seconds'][-1]:.2f}",
+    )
+    row("peak resident, process", _mb(plain["peak_rss_bytes"]), _mb(ple["peak_rss_bytes"]), "(same process)")
+    print()
+    print(
+        f"tokens equal       : {'yes' if res['tokens_equal'] else 'NO'} ({res['prompts']} prompts x {res['new_tokens']} new tokens)"
+    )
+    print(f"max logit diff     : {res['max_logit_diff']:.2e} (tolerance {LOGIT_TOLERANCE:g})")
+    if ple["tier"] == "memory":
+        where = f"{_mb(ck['published_table_bytes'])} of fp8 rows read into memory"
+    else:
+        where = f"{_mb(ple['table_mapped_bytes'])} on disk, {_mb(ple['table_resident_bytes'])} resident after generate"
+    print(f"tables             : {_mb(ck['table_bytes_in_memory'])} in transformers' memory (fp32); ple: {where}")
+    kept = res["table_bytes_kept_in_memory"]
+    what = "the tables' in-memory size" if not kept else "what the tables take beyond ple's fp8 copy in memory"
+    print(
+        f"memory saved       : {_mb(res['memory_saved_bytes'])} = {res['memory_saved_share_of_tables']:.0%} of "
+        f"{what} (check: >= {MEMORY_CHECK:.0%})"
+    )
+
+
+def run(args) -> int:
+    """``ple demo``: both parts (or ``--only`` one); returns the exit status. With ``--ranks N
+    --parallel MODE``, the serving workload on several processes instead (:mod:`.parallel`)."""
+    if parallel.requested(args):
+        return parallel.run(args)
+    from ..integrations.qwen4_exp import require_transformers
+    from .model import compare
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    if args.requests is None:
+        args.requests = 6 if args.quick else 16
+    only = args.only or ("serving" if args.checkpoint or args.config else None)
+    if only in (None, "model"):
+        require_transformers()  # before anything runs: the model part needs transformers (ple[hf])
+    t_start = time.perf_counter()
+    tmp = None
+    if args.workdir:
+        work = Path(args.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="ple-demo-")
+        work = Path(tmp.name)
+    try:
+        doc: dict[str, Any] = {}
+        checks: dict[str, bool] = {}
+        # serving first: its peak memory is then this process's own, before the model is built here
+        if only in (None, "serving"):
+            if progress:
+                print("ple demo: serving workload ...", file=sys.stderr)
+            doc["serving"] = run_serving(args, work, progress)
+            checks["serving_outputs_equal_reference"] = doc["serving"]["ok"]
+        if only in (None, "model"):
+            if progress:
+                print("ple demo: model, plain transformers vs ple (fresh processes) ...", file=sys.stderr)
+            base = MODEL_SIZES["quick" if args.quick else "default"]
+            doc["model"] = compare(
+                work / "model", base, seed=args.seed, new_tokens=args.new_tokens, tier=args.tier, progress=progress
+            )
+            checks.update(_model_checks(doc["model"]))
+        doc["checks"] = checks
+        doc["ok"] = all(checks.values())
+        doc["wall_seconds"] = time.perf_counter() - t_start
+        if args.output:
+            Path(args.output).write_text(json.dumps(doc, indent=1))
+        if args.json:
+            print(json.dumps(doc, indent=1))
+            return 0 if doc["ok"] else 1
+        if "model" in doc:
+            _print_model(doc["model"])
+            print()
+        if "serving" in doc:
+            print("== serving: one PLE layer at the published geometry through a Session ==")
+            print_serving(doc["serving"])
+            print()
+        failed = [k for k, v in checks.items() if not v]
+        print(f"checks : {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} ({len(checks)} checks)")
+        print(f"wall   : {doc['wall_seconds']:.1f} s")
+        return 0 if doc["ok"] else 1
+    finally:
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,45 +1,47 @@
-"""``ple demo``: an end-to-end run on an embedded default (or a real checkpoint).
+"""The serving part of ``ple demo``: a PLE layer at the published geometry driven through a
+:class:`~ple.runtime.Session`.
 
 Synthesizes a checkpoint in the published format (sharded safetensors with an index, fp8 table
-with one global scale), loads it through the real loader into the chosen tier, streams a serving
-workload through a :class:`~ple.runtime.Session` (requests joining and finishing, chunked prefill,
-decode, speculative verification with random acceptance), checks every kept output against the
-one-shot reference, and prints throughput per phase, rows read, bytes moved and peak memory.
+with one global scale), makes its table file once (:func:`ple.integrations.tables.prepare_table`,
+as the model loader does), loads the layer with the table in the chosen tier, streams a workload
+(requests joining and finishing, chunked prefill, decode, speculative verification with random
+acceptance), checks every kept output against the one-shot reference, and reports throughput per
+phase, rows read, bytes moved and peak memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
-import sys
-import tempfile
 import time
 from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from ..argtypes import non_negative_int, positive_int
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError
-from ..table import format_info
-from . import parallel
+from ..table import CachedTable, Table, format_info
 
-# The published geometry scaled down 10x in width (same H : HC : E : heads ratios), small table.
+__all__ = ["DEMO_CONFIG", "SERVING_BASES", "synthesize_checkpoint", "serve", "run_serving", "print_serving"]
+
+# The published layer geometry (H 2560, HC 4, E 2560, 16 heads of 160, K 4); the table has about
+# 16 x ngram_vocab_size_base rows (the published base, 20,000,003, makes 320 M rows).
 DEMO_CONFIG = {
     "model_type": "qwen4_exp",
     "text_config": {
         "model_type": "qwen4_exp_text",
-        "hidden_size": 256,
+        "hidden_size": 2560,
         "hc_count": 4,
         "ple_layer_ids": [2],
-        "ple_embed_dim": 256,
+        "ple_embed_dim": 2560,
         "ngram_size": 3,
         "heads_per_ngram": 8,
         "vocab_size": 248320,
-        "ngram_vocab_size_base": 20000,
+        "ngram_vocab_size_base": 200_000,
         "make_ngram_vocab_size_divisible_by": 128,
         "split_ngram_parts": 128,
         "ple_conv_kernel_size": 4,
@@ -48,30 +50,15 @@ DEMO_CONFIG = {
         "eos_token_id": 248044,
     },
 }
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tier", choices=["memory", "mmap"], default="memory", help="where the table lives")
-    p.add_argument("--config", help="config.json to use instead of the embedded default")
-    p.add_argument("--checkpoint", help="a real qwen4_exp model directory (PLE layers only are read)")
-    p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")
-    p.add_argument("--requests", type=positive_int, default=64, help="requests in the workload")
-    p.add_argument("--slots", type=positive_int, default=16, help="concurrent requests (state slots)")
-    p.add_argument("--num-spec", type=non_negative_int, default=3, help="speculative tokens per verify chunk")
-    p.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk size")
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--workdir", help="keep the synthesized checkpoint and table file here")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
-    p.add_argument("--output", metavar="PATH", help="also write the results as JSON to this file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when stderr is no terminal)")
-    parallel.add_arguments(p)
+SERVING_BASES = {"quick": 20_000, "default": 200_000}
+"""``ngram_vocab_size_base`` of the synthesized table (~51 MB and ~512 MB of fp8 rows)."""
 
 
 # ---------------------------------------------------------------------------------------- checkpoint
 def synthesize_checkpoint(config: PLEConfig, out: Path, seed: int = 0, files: int = 4) -> Path:
     """Write random PLE weights in the published naming: ``config.json``, ``files`` safetensors
     files with shards spread over them in shuffled order, ``model.safetensors.index.json``; the
-    table is fp8 e4m3 with one global scale."""
+    table is fp8 e4m3 with one global scale (random bytes, ``|value| <= 1.875``, scale 0.02)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -90,12 +77,15 @@ def synthesize_checkpoint(config: PLEConfig, out: Path, seed: int = 0, files: in
         tensors[prefix + "ple_embedding.layer_multipliers"] = torch.tensor(lay.multipliers, dtype=torch.int64)
         tensors[prefix + "ple_embedding.ngram_heads_vocab_sizes"] = torch.tensor(lay.head_sizes, dtype=torch.int64)
         tensors[prefix + "ple_embedding.ngram_heads_offsets"] = torch.tensor(lay.head_offsets, dtype=torch.int64)
-        scale = 0.02
-        tensors[prefix + "ple_embedding.ngram_embedding.weight_scale"] = torch.tensor([scale], dtype=torch.float32)
+        tensors[prefix + "ple_embedding.ngram_embedding.weight_scale"] = torch.tensor([0.02], dtype=torch.float32)
+        # random fp8 bytes with the top exponent bit cleared: |value| <= 1.875, never NaN
+        bits = np.random.default_rng([seed, idx])
         for s in range(lay.split_parts):
             a, b = lay.shard_range(s)
-            rows = (torch.randn(b - a, lay.head_dim, generator=g) * 0.05 / scale).clamp(-448, 448)
-            tensors[prefix + f"ple_embedding.ngram_embedding.shard_{s}.weight"] = rows.to(torch.float8_e4m3fn)
+            raw = bits.integers(0, 256, (b - a, lay.head_dim), dtype=np.uint8) & 0xBF
+            tensors[prefix + f"ple_embedding.ngram_embedding.shard_{s}.weight"] = torch.from_numpy(raw).view(
+                torch.float8_e4m3fn
+            )
     names = list(tensors)
     rng.shuffle(names)
     weight_map = {}
@@ -140,7 +130,7 @@ def serve(layer, args, progress: bool = True) -> dict:
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     session = Session(layer, max_requests=args.slots, num_spec=args.num_spec)
-    waiting = [_Request(i, rng.randint(8, 160), rng.randint(4, 40)) for i in range(args.requests)]
+    waiting = [_Request(i, rng.randint(8, 96), rng.randint(16, 48)) for i in range(args.requests)]
     live: dict[int, _Request] = {}
     phases = {p: {"steps": 0, "tokens": 0, "seconds": 0.0} for p in ("prefill", "decode", "verify")}
     lookups = 0
@@ -157,12 +147,16 @@ def serve(layer, args, progress: bool = True) -> dict:
             session.add(r.rid)
             live[r.rid] = r
         inputs: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
-        spec, plan = set(), {}
+        spec: set[Hashable] = set()
+        plan = {}
+        # a step either decodes one token per running request or verifies a speculative chunk for
+        # each (as an engine alternates draft-and-verify rounds); new requests' prefill chunks join it
+        verify_step = bool(args.num_spec) and rng.random() < 0.3
         for r in live.values():
             done = len(r.tokens)
             if done < r.prompt:
                 n, kind = min(args.chunk, r.prompt - done), "prefill"
-            elif args.num_spec and rng.random() < 0.4:
+            elif verify_step:
                 n, kind = min(1 + args.num_spec, r.target - done), "verify"
             else:
                 n, kind = 1, "decode"
@@ -217,93 +211,108 @@ def _check(layer, r: _Request) -> float:
 
 
 # ---------------------------------------------------------------------------------------- main
-def run(args) -> int:
-    if parallel.requested(args):
-        return parallel.run(args)
-    from ..checkpoint import open_layer_table, resolve_model, scan_checkpoint, table_shards, write_layer_table
+def _serving_config(args) -> tuple[PLEConfig, Path | None]:
+    from ..checkpoint import resolve_model
+
+    if args.checkpoint:
+        config, ckpt = resolve_model(args.checkpoint)
+        if args.config:
+            config = PLEConfig.from_pretrained(args.config)
+        if ckpt is None:
+            raise InvalidArgumentError(f"--checkpoint {args.checkpoint}: no safetensors weights there")
+        return config, ckpt
+    if args.config:
+        return PLEConfig.from_pretrained(args.config), None
+    cfg = json.loads(json.dumps(DEMO_CONFIG))
+    cfg["text_config"]["ngram_vocab_size_base"] = SERVING_BASES["quick" if args.quick else "default"]
+    return PLEConfig.from_dict(cfg), None
+
+
+def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
+    """The serving part: checkpoint (given or synthesized), table file, layer, workload, checks."""
+    from ..checkpoint import CheckpointError, open_layer_table, scan_checkpoint
+    from ..integrations.tables import default_table_dir, prepare_table
     from ..layer import PLELayer
     from ..runtime import tune_host_allocator
 
     tune_host_allocator()
-    progress = not args.no_progress and sys.stderr.isatty()
-    t_start = time.perf_counter()
-    tmp = None
-    if args.workdir:
-        work = Path(args.workdir)
-        work.mkdir(parents=True, exist_ok=True)
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="ple-demo-")
-        work = Path(tmp.name)
-    try:
-        if args.checkpoint:
-            config, ckpt = resolve_model(args.checkpoint)
-            if args.config:
-                config = PLEConfig.from_pretrained(args.config)
-            if ckpt is None:
-                raise InvalidArgumentError(f"--checkpoint {args.checkpoint}: no safetensors weights there")
-            source = f"checkpoint {ckpt}"
-        else:
-            config = PLEConfig.from_pretrained(args.config) if args.config else PLEConfig.from_dict(DEMO_CONFIG)
-            ckpt = synthesize_checkpoint(config, work / "checkpoint", seed=args.seed)
-            source = "synthesized checkpoint (published format, fp8 + global scale)"
-        if not 0 <= args.layer < config.num_ple_layers:
-            raise InvalidArgumentError(
-                f"--layer {args.layer}: the config has {config.num_ple_layers} PLE layer(s) (indexes into ple_layer_ids)"
-            )
+    config, ckpt = _serving_config(args)
+    if ckpt is None:
         t0 = time.perf_counter()
-        table = None
-        if args.tier == "mmap":  # the table goes straight from the checkpoint to a table file, never to memory
-            path = work / f"ple_layer_{args.layer}.pletable"
-            entry = next(e for e in scan_checkpoint(ckpt, config).layers if e.ple_layer_index == args.layer)
-            write_layer_table(table_shards(entry), path, config, args.layer, force=True, progress=progress)
-            table = open_layer_table(path, config, args.layer)
-        layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
-        load_s = time.perf_counter() - t0
-        table = layer.table
-        res = serve(layer, args, progress)
-        res.update(
-            source=source,
-            tier=args.tier,
-            table=f"{table.format} [{table.rows:,} x {table.head_dim}]",
-            load_seconds=load_s,
-            peak_rss_bytes=_peak_rss_bytes(),
-            wall_seconds=time.perf_counter() - t_start,
+        ckpt = synthesize_checkpoint(config, work / "serving-checkpoint", seed=args.seed)
+        source = "synthesized checkpoint (published format: fp8 table + global scale, 4 files)"
+        synth_s = time.perf_counter() - t0
+    else:
+        source, synth_s = f"checkpoint {ckpt}", 0.0
+    if not 0 <= args.layer < config.num_ple_layers:
+        raise InvalidArgumentError(
+            f"--layer {args.layer}: the config has {config.num_ple_layers} PLE layer(s) (indexes into ple_layer_ids)"
         )
-        info = format_info(table.format)
-        row_bytes = table.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
-        res["bytes_moved"] = res["lookups"] * row_bytes
-        ok = res["checked_tokens"] > 0 and res["worst_error_vs_tolerance"] <= 1.0
-        res["ok"] = ok
-        if args.output:
-            Path(args.output).write_text(json.dumps(res, indent=1))
-        if args.json:
-            print(json.dumps(res, indent=1))
-            return 0 if ok else 1
-        _print(res)
-        print(
-            f"check: every kept output ({res['checked_tokens']:,} tokens) equals the one-shot reference "
-            "(fp32, rtol = atol = 1e-5)"
-            if ok
-            else f"check FAILED: an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference"
-        )
-        return 0 if ok else 1
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    t0 = time.perf_counter()
+    table: Table | None = None
+    prepared = None
+    if args.tier in ("mmap", "cached"):
+        scan = scan_checkpoint(ckpt, config)
+        if scan.all_problems:
+            raise CheckpointError(scan.all_problems)
+        entry = next(e for e in scan.layers if e.ple_layer_index == args.layer)
+        # a given checkpoint's table file goes where from_pretrained keeps it (made once, reused)
+        folder = default_table_dir(ckpt) if args.checkpoint else work / "serving-tables"
+        prepared = prepare_table(entry, config, folder, progress=progress)
+        table = open_layer_table(prepared.path, config, args.layer)
+        if args.tier == "cached":
+            table = CachedTable(table, min(table.rows, 1 << 18))
+    layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
+    load_s = time.perf_counter() - t0
+    t = layer.table
+    assert t is not None
+    res = serve(layer, args, progress)
+    info = format_info(t.format)
+    row_bytes = t.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
+    lay = config.layout(args.layer)
+    res.update(
+        source=source,
+        geometry=(
+            f"H {config.hidden_size}, HC {config.hc_count}, E {config.ple_embed_dim}, "
+            f"{lay.num_heads} heads of {lay.head_dim}, K {config.ple_conv_kernel_size}"
+        ),
+        tier=args.tier,
+        table=f"{t.format} [{t.rows:,} x {t.head_dim}]",
+        table_bytes=t.rows * row_bytes,
+        table_file=None if prepared is None else {"path": str(prepared.path), "action": prepared.action},
+        synthesize_seconds=synth_s,
+        load_seconds=load_s,
+        peak_rss_bytes=_peak_rss_bytes(),
+        bytes_moved=res["lookups"] * row_bytes,
+    )
+    if isinstance(t, CachedTable):
+        res["cache_hit_rate"] = t.hit_rate
+    res["ok"] = res["checked_tokens"] > 0 and res["worst_error_vs_tolerance"] <= 1.0
+    return res
 
 
-def _print(res: dict) -> None:
-    print(f"\nsource : {res['source']}\ntable  : {res['table']} ({res['tier']})")
-    print(f"load   : {res['load_seconds']:.2f} s through the checkpoint loader (and ple convert for mmap)\n")
+def print_serving(res: dict[str, Any]) -> None:
+    tf = res["table_file"]
+    how = "" if tf is None else f", table file {tf['action']}"
+    print(f"source   : {res['source']}")
+    print(f"geometry : {res['geometry']}")
+    print(f"table    : {res['table']}, {res['table_bytes'] / 1e6:,.0f} MB ({res['tier']}{how})")
+    print(f"load     : {res['load_seconds']:.2f} s\n")
     print("| phase   | steps | tokens | seconds | tokens/s |")
     print("|---------|------:|-------:|--------:|---------:|")
     for name, p in res["phases"].items():
         tps = p["tokens"] / p["seconds"] if p["seconds"] else 0.0
         print(f"| {name:7s} | {p['steps']:5d} | {p['tokens']:6d} | {p['seconds']:7.3f} | {tps:8.0f} |")
-    print(f"\nrows read        : {res['lookups']:,}")
-    print(f"bytes moved      : {res['bytes_moved'] / 1e6:.2f} MB from the table")
-    print(f"peak resident    : {res['peak_rss_bytes'] / 1e6:.0f} MB")
-    print(
-        f"tokens checked   : {res['checked_tokens']:,} (worst error {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance)"
-    )
-    print(f"wall time        : {res['wall_seconds']:.1f} s")
+    print(f"\nrows read      : {res['lookups']:,} ({res['bytes_moved'] / 1e6:.2f} MB from the table)")
+    if "cache_hit_rate" in res:
+        print(f"cache hit rate : {res['cache_hit_rate']:.1%}")
+    print(f"peak resident  : {res['peak_rss_bytes'] / 1e6:,.0f} MB (this process)")
+    if res["ok"]:
+        print(
+            f"check          : every kept output ({res['checked_tokens']:,} tokens) equals the one-shot reference "
+            f"(fp32, rtol = atol = 1e-5; worst {res['worst_error_vs_tolerance']:.2f} x the tolerance)"
+        )
+    else:
+        print(
+            f"check FAILED   : an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference"
+        )

@@ -1,10 +1,17 @@
-"""Run a transformers ``qwen4_exp`` model with ple's PLE layers, keeping transformers' own cache.
+"""Run transformers ``qwen4_exp`` models with ple's PLE layers, tables kept where they belong.
+
+:func:`from_pretrained` is the user's path: it loads a ``qwen4_exp`` checkpoint with transformers
+(the class its config names) while the n-gram tables are never materialized in memory (see
+:mod:`ple.integrations.qwen4_exp`), then patches the model with tables from disk: table files made
+once from the checkpoint and reused on every later start (see :mod:`ple.integrations.tables`),
+served memory-mapped (``"mmap"``), behind a cache of hot rows (``"cached"``) or read into memory
+(``"memory"``, in the checkpoint's format: an fp8 table stays fp8).
 
 :func:`patch` replaces every ``Qwen4ExpTextPLELayer`` of a model (``Qwen4ExpForCausalLM``,
 ``Qwen4ExpTextModel``, ``Qwen4ExpForConditionalGeneration``, ...) with a :class:`PatchedPLELayer`:
 same call signature ``(hidden_states, input_ids, cache, conv_mask=None)``, same result (``v + conv``,
 ``[B, S, HC*H]``), same weights, computed by :class:`ple.PLELayer` over a table of the chosen tier.
-:func:`unpatch` puts the original modules back.
+:func:`unpatch` puts the original modules back (with the weights trained while patched).
 
 Per call of shape ``[B, S]`` the patched module runs one packed batch of ``B`` requests of ``S``
 tokens. The n-gram context comes from the cache's ``state_idx=2`` conv state (EOS while there is
@@ -15,41 +22,83 @@ what the original would have left there (a cache may be filled by one and contin
 Left padding: the decoder has already replaced padded ids by EOS; ``conv_mask`` zeroes the padded
 positions' values and conv inputs, as in the original.
 
-With autograd recording, fresh sequences go through :meth:`ple.PLELayer.forward_padded` (the
-differentiable reference); continuing a cache needs ``torch.no_grad()`` (as ``generate()`` runs).
-Patch after placing the model on its device; unpatch before saving it (the patched modules' state
-dict keys are ple's, and the ``"mmap"`` tier releases the in-memory tables).
+Saving: a patched module's ``state_dict()`` uses transformers' names for its weights and the
+checkpoint's names for its table (``ple_embedding.ngram_embedding.shard_{k}.weight``, one tensor per
+shard in the table's own format, plus ``weight_scale``: one global ``[1]`` for fp8, ``[rows, 1]``
+per shard for per-row formats). Memory-mapped tables are handed over as maps of the table file, so
+``model.save_pretrained(...)`` streams them from disk and writes the checkpoint layout transformers
+writes. transformers 5.24 reads an F8_E4M3 table as a plain cast and ignores ``weight_scale``: for
+plain transformers, write a dequantized copy with :func:`dequantize_checkpoint`. A table whose rows
+this process cannot read (sharded across ranks) refuses to be saved.
+
+Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
+:meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
+``torch.no_grad()`` (as ``generate()`` runs). The projections, norms and conv weights train; the table
+is frozen (it is not a parameter of the patched model) unless ``patch(..., table_grad=True)``, which
+needs ``table_tier="memory"`` and a bf16/fp16/fp32 table: the table parameter then gets the same dense
+gradient transformers gives it (non-zero only on the rows the batch touched). Other tiers refuse.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import open_layer_table, write_layer_table
+from ..checkpoint import CheckpointError, open_layer_table, scan_checkpoint, write_layer_table
 from ..config import ConfigError, PLEConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
-from ..table import TABLE_SUFFIX, MmapTable, Table
+from ..table import TABLE_SUFFIX, CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
+from .checkpoints import dequantize_checkpoint
+from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
+from .tables import PreparedTable, default_table_dir, load_memory_table, prepare_table
 
-__all__ = ["patch", "unpatch", "patched_layers", "PatchedPLELayer", "TABLE_TIERS"]
+__all__ = [
+    "from_pretrained",
+    "patch",
+    "unpatch",
+    "patched_layers",
+    "dequantize_checkpoint",
+    "default_table_dir",
+    "PatchedPLELayer",
+    "TableStub",
+    "TransformersVersionError",
+    "TABLE_TIERS",
+    "LOAD_TIERS",
+    "DEFAULT_CACHE_ROWS",
+]
 
 TABLE_TIERS = ("memory", "mmap")
+"""The tiers :func:`patch` builds by name (any other through a table factory)."""
+LOAD_TIERS = ("mmap", "cached", "memory")
+"""The tiers :func:`from_pretrained` serves tables from."""
+DEFAULT_CACHE_ROWS = 1 << 20
+"""Rows a ``"cached"`` table keeps in memory by default (160 MB of fp8 rows at the published width)."""
 
 #: A table factory: ``(weight [R_pad, head_dim] (the module's table), layer) -> Table``.
 TableFactory = Callable[[torch.Tensor, PLELayer], Table]
 
-
-def _hf_ple_class():
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer
-
-    return Qwen4ExpTextPLELayer
+# transformers' names of a PLE module's weights -> the PLELayer parameter holding them
+_DENSE = {
+    "key_proj.weight": "key_proj",
+    "value_proj.weight": "value_proj",
+    "norm_key.weight": "norm_key",
+    "norm_query.weight": "norm_query",
+    "norm_conv.weight": "norm_conv",
+    "conv1d.weight": "conv_weight",
+}
+_TABLE_PREFIX = "ple_embedding.ngram_embedding."
+_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
 
 class PatchedPLELayer(nn.Module):
@@ -59,7 +108,9 @@ class PatchedPLELayer(nn.Module):
         layer: the :class:`ple.PLELayer` (weights copied from the original module, table of any tier).
         layer_idx: the decoder layer index (the cache slot the original used).
         original: the replaced transformers module (kept for :func:`unpatch`, not a submodule).
-        table_path: the table file (``"mmap"`` tier), else None.
+        table_path: the table file (``"mmap"``/``"cached"`` tiers), else None.
+        prepared: how :func:`from_pretrained` obtained the table file (reused, verified, converted), else None.
+        table_weight: the table parameter when patched with ``table_grad=True`` (else not set).
     """
 
     def __init__(self, layer: PLELayer, layer_idx: int, original: nn.Module, table_path: Path | None = None):
@@ -67,10 +118,13 @@ class PatchedPLELayer(nn.Module):
         self.layer = layer
         self.layer_idx = layer_idx
         self.table_path = table_path
+        self.prepared: PreparedTable | None = None
         # A plain tuple keeps the original out of parameters(), state_dict() and .to().
         self._original = (original,)
         self._released_weight: tuple[nn.Parameter, torch.device] | None = None
         self._table_dir: tempfile.TemporaryDirectory | None = None
+        self.register_state_dict_post_hook(_hf_state_dict)
+        self.register_load_state_dict_pre_hook(_load_hf_state_dict)
 
     @property
     def original(self) -> nn.Module:
@@ -182,24 +236,252 @@ class PatchedPLELayer(nn.Module):
         )
 
     # ------------------------------------------------------------------ unpatch
-    def _restore_original(self) -> nn.Module:
-        """Give the original its table back (when it was released) and drop this module's table."""
+    def _restore_plan(self, materialize: bool) -> Callable[[], nn.Module]:
+        """Check that the original can get its table back; return the step that does it."""
+        emb: Any = self.original.ple_embedding
+        stub = isinstance(emb.ngram_embedding, TableStub)
+        if not stub and self._released_weight is None:
+            return self._finish
+        if stub:
+            want_dtype, device = emb.ngram_embedding.weight.dtype, self.layer.key_proj.device
+        else:
+            assert self._released_weight is not None
+            want_dtype, device = self._released_weight[0].dtype, self._released_weight[1]
+        weight = _weight_from_table(self.layer.table, want_dtype, device, materialize, self.layer_idx)
+
+        def restore() -> nn.Module:
+            w = weight()
+            if stub:
+                e = nn.Embedding(w.shape[0], w.shape[1], device="meta", dtype=w.dtype)
+                e.weight = nn.Parameter(w)
+                emb.ngram_embedding = e
+            else:
+                assert self._released_weight is not None
+                with torch.no_grad():
+                    self._released_weight[0].data = w
+                self._released_weight = None
+            return self._finish()
+
+        return restore
+
+    def _undo(self) -> nn.Module:
+        """Undo a patch that failed part way: a released table comes back from its exact copy."""
         if self._released_weight is not None:
             param, device = self._released_weight
-            table = self.layer.table
+            restore = _weight_from_table(self.layer.table, param.dtype, device, False, self.layer_idx)
             with torch.no_grad():
-                param.data = table.data.to(device=device, copy=True)
+                param.data = restore()
             self._released_weight = None
+        return self._finish()
+
+    def _finish(self) -> nn.Module:
+        """Hand the (possibly trained) weights back to the original, drop this module's table."""
+        original = self.original
+        with torch.no_grad():
+            for hf_name, attr in _DENSE.items():
+                target = original.get_parameter(hf_name)
+                target.data = getattr(self.layer, attr).detach().reshape(target.shape)
         if self.layer.table is not None:
             self.layer.table.close()
         self.layer.table = None
-        if self._table_dir is not None:
-            self._table_dir.cleanup()
-            self._table_dir = None
-        return self.original
+        return original
 
 
-def _children_of_type(model: nn.Module, cls) -> list[tuple[str, nn.Module, str, nn.Module]]:
+def _cow_map(table: MmapTable) -> torch.Tensor:
+    """The rows of a table file as a copy-on-write memory map: nothing is read until touched, and
+    writes (training) go to private pages, never to the file."""
+    storage = table.storage_dtype
+    np_dtype = {1: np.uint8, 2: np.int16, 4: np.float32}[storage.itemsize]
+    arr = np.memmap(
+        table.path, dtype=np_dtype, mode="c", offset=table.header["data_offset"], shape=(table.rows, table.head_dim)
+    )
+    t = torch.from_numpy(arr)
+    return t if t.dtype == storage else t.view(storage)
+
+
+def _weight_from_table(
+    table, dtype: torch.dtype, device, materialize: bool, layer_idx: int
+) -> Callable[[], torch.Tensor]:
+    """How to give a transformers module its table back as a ``dtype`` tensor on ``device``.
+
+    The rows stay where they are when the table stores them exactly in ``dtype`` (a table file
+    becomes a copy-on-write map); otherwise they are dequantized into memory, only when
+    ``materialize`` is set."""
+    backing = table.backing if isinstance(table, CachedTable) else table
+    if not isinstance(backing, StoredTable):
+        raise UsageError(
+            f"PLE layer {layer_idx}: the table's rows are not all in this process ({type(backing).__name__}); "
+            "the original module cannot get its table back"
+        )
+    exact = format_info(backing.format).scale_kind == "none" and backing.storage_dtype == dtype
+    if exact and isinstance(backing, MmapTable):
+        return lambda: _cow_map(backing).to(device)
+    if exact:
+        return lambda: backing.data.detach().to(device)
+    if not materialize:
+        mb = backing.rows * backing.head_dim * dtype.itemsize / 1e6
+        raise UsageError(
+            f"PLE layer {layer_idx}: the table is {backing.format!r} and the module holds {dtype}: giving it "
+            f"back means dequantizing {mb:,.1f} MB into memory; pass materialize=True to do so"
+        )
+
+    def dequantized() -> torch.Tensor:
+        out = torch.empty(backing.rows, backing.head_dim, dtype=dtype, device=device)
+        step = 1 << 20
+        scale = backing.scale
+        for a in range(0, backing.rows, step):
+            b = min(backing.rows, a + step)
+            s = None if scale is None else (scale if scale.dim() == 1 else scale[a:b])
+            out[a:b] = dequantize(backing.data[a:b], s, dtype).to(device)
+        return out
+
+    return dequantized
+
+
+# ---------------------------------------------------------------------------------------------- state dict
+def _distinct_storage(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as the CPU tensor ``t``, under a storage of its own (transformers keeps tensors
+    of one storage in one file, so shards must not share one to honour ``max_shard_size``)."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return t
+    raw = t.contiguous().view(torch.uint8).numpy()
+    return torch.from_numpy(raw).view(t.dtype)
+
+
+def _file_rows(table: MmapTable, a: int, b: int, scale: bool = False) -> torch.Tensor:
+    """Rows ``[a, b)`` of a table file (or their per-row scales) as a sequential read-only map."""
+    np_dtype: Any
+    if scale:
+        shape, np_dtype, offset, dtype = (b - a, 1), np.float32, table.header["scale"]["offset"] + 4 * a, torch.float32
+    else:
+        dtype = table.storage_dtype
+        np_dtype = {1: np.uint8, 2: np.int16, 4: np.float32}[dtype.itemsize]
+        shape, offset = (b - a, table.head_dim), table.header["data_offset"] + a * table.header["row_nbytes"]
+    if b <= a:
+        return torch.empty(shape, dtype=dtype)
+    arr = np.memmap(table.path, dtype=np_dtype, mode="r", offset=offset, shape=shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
+        t = torch.from_numpy(arr)
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def table_state(table: Table, layer: PLELayer, base: str) -> dict[str, torch.Tensor]:
+    """A table in checkpoint form: ``{base}shard_{k}.weight`` per shard (plus ``{base}weight_scale``
+    or ``{base}shard_{k}.weight_scale``), each tensor with a storage of its own, read from its tier
+    (a table file is mapped, not read). Raises :class:`UsageError` when the rows are not readable here."""
+    backing = table.backing if isinstance(table, CachedTable) else table
+    if not isinstance(backing, StoredTable):
+        raise UsageError(
+            f"PLE layer {layer.ple_layer_index}: a {type(backing).__name__} holds only part of the table in "
+            "this process, so it cannot be saved from here; save from a process that holds the whole table"
+        )
+    lay = layer.layout
+    kind = format_info(backing.format).scale_kind
+    out: dict[str, torch.Tensor] = {}
+    mapped = backing if isinstance(backing, MmapTable) else None
+    for k in range(lay.split_parts):
+        a, b = lay.shard_range(k)
+        if mapped is not None:
+            out[f"{base}shard_{k}.weight"] = _file_rows(mapped, a, b)
+        else:
+            out[f"{base}shard_{k}.weight"] = _distinct_storage(backing.data.detach()[a:b])
+        if kind == "row":
+            scale = backing.scale
+            assert scale is not None
+            out[f"{base}shard_{k}.weight_scale"] = (
+                _file_rows(mapped, a, b, scale=True) if mapped is not None else _distinct_storage(scale.detach()[a:b])
+            )
+    if kind == "global":
+        assert backing.scale is not None
+        out[f"{base}weight_scale"] = backing.scale.detach().reshape(1).float().clone()
+    return out
+
+
+def _hf_state_dict(module: PatchedPLELayer, state_dict: dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` post-hook: transformers' names for the weights, the checkpoint's for the table."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    layer = module.layer
+    for name, value in module.original.state_dict().items():
+        if name.startswith(_TABLE_PREFIX):
+            continue
+        if name in _DENSE:
+            value = getattr(layer, _DENSE[name]).detach().reshape(value.shape)
+        state_dict[prefix + name] = value
+    if layer.table is None:
+        raise UsageError(f"PLE layer {layer.ple_layer_index} has no table: there is nothing to save")
+    state_dict.update(table_state(layer.table, layer, prefix + _TABLE_PREFIX))
+
+
+def _load_hf_state_dict(
+    module: PatchedPLELayer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
+    """``load_state_dict`` pre-hook: accept transformers' names (what ``state_dict()`` gives).
+
+    Table tensors load into an in-memory table of the same format (or the ``table_grad`` parameter);
+    a memory-mapped or cached table is read-only here and reports an error instead."""
+    layer = module.layer
+    for hf_name, attr in _DENSE.items():
+        if prefix + hf_name in state_dict:
+            state_dict[prefix + "layer." + attr] = state_dict.pop(prefix + hf_name).reshape(getattr(layer, attr).shape)
+    lay = layer.layout
+    want = {
+        "layer_multipliers": lay.multipliers,
+        "ngram_heads_vocab_sizes": lay.head_sizes,
+        "ngram_heads_offsets": lay.head_offsets,
+    }
+    for name in _BUFFERS:
+        got = state_dict.pop(prefix + "ple_embedding." + name, None)
+        if got is not None and tuple(int(v) for v in got.reshape(-1).tolist()) != tuple(want[name]):
+            error_msgs.append(
+                f"{prefix}ple_embedding.{name} = {got.tolist()}, but PLE layer {layer.ple_layer_index}'s layout has {list(want[name])}"
+            )
+    keys = [k for k in state_dict if k.startswith(prefix + _TABLE_PREFIX)]
+    if not keys:
+        return
+    given = {k[len(prefix + _TABLE_PREFIX) :]: state_dict.pop(k) for k in keys}
+    try:
+        data, scale = _assemble_table(given, lay)
+    except InvalidArgumentError as e:
+        error_msgs.append(f"{prefix}{_TABLE_PREFIX}*: {e}")
+        return
+    if "table_weight" in module._parameters:
+        state_dict[prefix + "table_weight"] = data
+        return
+    table = layer.table
+    if not isinstance(table, MemoryTable) or table.data.dtype != data.dtype or (scale is None) != (table.scale is None):
+        error_msgs.append(
+            f"{prefix}{_TABLE_PREFIX}*: cannot load {data.dtype} table rows into PLE layer {layer.ple_layer_index}'s "
+            f"{type(table).__name__} ({None if table is None else table.format}); load the checkpoint with "
+            "ple.integrations.transformers.from_pretrained instead"
+        )
+        return
+    with torch.no_grad():
+        table.data.copy_(data)
+        if scale is not None and table.scale is not None:
+            table.scale.copy_(scale.reshape(table.scale.shape))
+
+
+def _assemble_table(given: dict[str, torch.Tensor], lay) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows [R_pad, head_dim], scale)`` from a table in transformers' or the checkpoint's names."""
+    if "weight" in given:
+        data = given["weight"]
+    else:
+        try:
+            data = torch.cat([given[f"shard_{k}.weight"] for k in range(lay.split_parts)])
+        except KeyError as e:
+            raise InvalidArgumentError(f"table shard {e.args[0]} is missing") from None
+    if tuple(data.shape) != (lay.padded_rows, lay.head_dim):
+        raise InvalidArgumentError(f"table of shape {list(data.shape)}, expected [{lay.padded_rows}, {lay.head_dim}]")
+    scale = given.get("weight_scale")
+    if scale is None and "shard_0.weight_scale" in given:
+        scale = torch.cat([given[f"shard_{k}.weight_scale"] for k in range(lay.split_parts)])
+    return data, scale
+
+
+# ---------------------------------------------------------------------------------------------- patch
+def _children_of_type(model: nn.Module, cls) -> list[tuple[str, nn.Module, str, Any]]:
     """``(qualified name, parent, attribute, child)`` for every child of type ``cls``."""
     found = []
     for name, parent in model.named_modules():
@@ -241,7 +523,7 @@ def _write_mmap_table(layer: PLELayer, weight: torch.Tensor, path: Path) -> Mmap
 
 
 def _check_lossless(table: Table, weight: torch.Tensor, what: str) -> None:
-    if table.scale is not None or table.storage_dtype != weight.dtype:
+    if not isinstance(table, StoredTable) or table.scale is not None or table.storage_dtype != weight.dtype:
         raise InvalidArgumentError(
             f"{what}: release_weight needs a table that stores the module's rows exactly "
             f"({weight.dtype}, no scale), got a {table.format!r} table; the original could not be restored"
@@ -254,6 +536,7 @@ def patch(
     table_dir: str | os.PathLike | None = None,
     *,
     release_weight: bool | None = None,
+    table_grad: bool = False,
 ) -> nn.Module:
     """Replace every ``Qwen4ExpTextPLELayer`` of ``model`` by a :class:`PatchedPLELayer` (in place).
 
@@ -267,7 +550,11 @@ def patch(
             ones); None uses a temporary directory removed by :func:`unpatch`.
         release_weight: free the module's in-memory table after building the new one, so that
             resident memory goes down (default: True for ``"mmap"``, False otherwise). The table
-            must store the rows exactly; :func:`unpatch` reads them back from it.
+            must store the rows exactly; :func:`unpatch` maps them back from the table file
+            (copy-on-write) instead of reading them into memory.
+        table_grad: train the table: ``"memory"`` tier and a bf16/fp16/fp32 table only. The module's
+            table parameter becomes the patched module's ``table_weight`` parameter and receives
+            transformers' gradient. Default: the table is frozen (not a parameter of the patched model).
 
     Returns:
         ``model`` (patched in place).
@@ -281,13 +568,28 @@ def patch(
         raise ArgumentTypeError(f"table_tier must be a str or a callable (weight, layer) -> Table, got {table_tier!r}")
     if table_dir is not None and table_tier != "mmap":
         raise InvalidArgumentError(f"table_dir is for table_tier='mmap', got table_tier={table_tier!r}")
+    if table_grad and table_tier != "memory":
+        raise InvalidArgumentError(
+            f"table_grad=True needs table_tier='memory' (the table as a parameter in memory); got table_tier={table_tier!r}: "
+            "a memory-mapped, cached or factory-built table cannot take gradients"
+        )
     if patched_layers(model):
         raise InvalidArgumentError("model is already patched: call unpatch(model) first")
-    found = _children_of_type(model, _hf_ple_class())
+    found = _children_of_type(model, hf_ple_class())
     if not found:
         raise InvalidArgumentError(f"{type(model).__name__} has no Qwen4ExpTextPLELayer module (ple_layer_ids empty?)")
     release = table_tier == "mmap" if release_weight is None else bool(release_weight)
     config = _model_ple_config(model)
+    for qualname, _, _, module in found:
+        table_module = module.ple_embedding.ngram_embedding
+        if isinstance(table_module, TableStub) and (isinstance(table_tier, str) or release):
+            raise InvalidArgumentError(
+                f"{qualname} has no table in memory (loaded by from_pretrained): patch it with a table factory"
+            )
+        if table_grad and table_module.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidArgumentError(
+                f"{qualname}: table_grad=True needs a bf16/fp16/fp32 table, got {table_module.weight.dtype}"
+            )
 
     tmp = None
     out_dir = None
@@ -306,19 +608,24 @@ def patch(
             param = module.ple_embedding.ngram_embedding.weight
             weight = param.detach()
             path = None
+            table: Table
             if table_tier == "memory":
-                pass  # from_transformers already shares the weight as a MemoryTable
+                table = MemoryTable(param if table_grad else weight)
             elif table_tier == "mmap":
+                assert out_dir is not None
                 path = out_dir / f"{qualname}{TABLE_SUFFIX}"
-                layer.set_table(_write_mmap_table(layer, weight, path))
+                table = _write_mmap_table(layer, weight, path)
             else:
+                assert callable(table_tier)
                 table = table_tier(weight, layer)
                 if not isinstance(table, Table):
                     raise ArgumentTypeError(f"the table factory returned {type(table).__name__}, expected a ple Table")
-                layer.set_table(table)
+            layer.set_table(table)
             wrapper = PatchedPLELayer(layer, module.layer_idx, module, table_path=path)
+            if table_grad:
+                wrapper.table_weight = param
             if release:
-                _check_lossless(layer.table, weight, qualname)
+                _check_lossless(table, weight, qualname)
                 wrapper._released_weight = (param, param.device)
                 del weight
                 with torch.no_grad():
@@ -327,7 +634,7 @@ def patch(
             done.append((parent, attr, wrapper))
     except BaseException:
         for parent, attr, wrapper in reversed(done):
-            setattr(parent, attr, wrapper._restore_original())
+            setattr(parent, attr, wrapper._undo())
         if tmp is not None:
             tmp.cleanup()
         raise
@@ -336,13 +643,174 @@ def patch(
     return model
 
 
-def unpatch(model: nn.Module) -> nn.Module:
-    """Put the original ``Qwen4ExpTextPLELayer`` modules back (the same objects, with their weights;
-    a released table is read back from the ple table). Table files in a caller's ``table_dir`` are
-    kept; a temporary directory is removed. Returns ``model``."""
+def unpatch(model: nn.Module, *, materialize: bool = False) -> nn.Module:
+    """Put the original ``Qwen4ExpTextPLELayer`` modules back (the same objects), with the weights
+    as trained while patched. A released table, or a table that was never in memory (a model from
+    :func:`from_pretrained`), comes back as a copy-on-write map of its table file when the file stores
+    the rows in the module's dtype; otherwise (an fp8 table, another dtype) it is dequantized into
+    memory only with ``materialize=True``, and :class:`UsageError` says so before anything changes.
+    Table files in a caller's folder are kept; a temporary directory is removed. Returns ``model``."""
     found = _children_of_type(model, PatchedPLELayer)
     if not found:
         raise InvalidArgumentError(f"{type(model).__name__} has no patched PLE layer: nothing to unpatch")
-    for _, parent, attr, wrapper in found:
-        setattr(parent, attr, wrapper._restore_original())
+    steps = [(parent, attr, wrapper._restore_plan(materialize)) for _, parent, attr, wrapper in found]
+    for parent, attr, step in steps:
+        setattr(parent, attr, step())
+    for _, _, _, wrapper in found:  # after every table is mapped back (a map outlives its file's name)
+        if wrapper._table_dir is not None:
+            wrapper._table_dir.cleanup()
+            wrapper._table_dir = None
     return model
+
+
+# ---------------------------------------------------------------------------------------------- loading
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return 1 <= len(parts) <= 2 and all(p and p not in (".", "..") for p in parts) and not path.startswith("~")
+
+
+def _local_checkpoint(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
+    """A local model folder for ``path``: the folder itself, or a Hub snapshot (downloaded or cached)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if p.exists() or not _looks_like_hub_id(str(path)):
+        raise FileNotFoundError(f"{path}: not a model folder (a folder with config.json and safetensors weights)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise FileNotFoundError(f"{path}: no such folder, and huggingface_hub is not installed") from e
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"], **hub))
+    except Exception as e:
+        raise FileNotFoundError(f"{path}: no such folder, and the Hub snapshot could not be had: {e}") from e
+
+
+def _model_class(root: Path, mq):
+    import json
+
+    import transformers
+
+    arch = (json.loads((root / "config.json").read_text()).get("architectures") or [None])[0]
+    if arch is None:
+        return transformers.AutoModelForCausalLM
+    cls = getattr(transformers, arch, None)
+    if not isinstance(cls, type) or not issubclass(cls, mq.Qwen4ExpPreTrainedModel):
+        raise InvalidArgumentError(
+            f"{root}/config.json names architecture {arch!r}, not a transformers qwen4_exp model"
+        )
+    return cls
+
+
+def _check_tableless(model: nn.Module, info: dict, config: PLEConfig) -> None:
+    """Fail loudly if transformers did not build the model the way the tableless load expects."""
+    import transformers
+
+    found = _children_of_type(model, hf_ple_class())
+    tables = [n for n, _ in model.named_parameters() if n.endswith("ngram_embedding.weight")]
+    stubs = [m for _, _, _, m in found if isinstance(m.ple_embedding.ngram_embedding, TableStub)]
+    if tables or len(stubs) != len(found) or len(found) != config.num_ple_layers:
+        raise TransformersVersionError(
+            f"transformers {transformers.__version__} did not build the PLE tables the way ple's loader expects "
+            f"({len(found)} PLE modules, {len(stubs)} without a table, table parameters {tables[:2]}); "
+            "refusing to run with a table it may have allocated or initialized at random"
+        )
+    bad = sorted(
+        k
+        for k in [
+            *info.get("missing_keys", []),
+            *(m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys", [])),
+        ]
+        if ".ple." in k
+    )
+    if bad:
+        raise CheckpointError([f"PLE weight {k} was not loaded from the checkpoint" for k in bad])
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    table_dir: str | os.PathLike | None = None,
+    table_tier: str = "mmap",
+    table_cache_rows: int | None = None,
+    progress: bool | None = None,
+    **kwargs,
+) -> Any:
+    """Load a transformers ``qwen4_exp`` model whose PLE tables stay on disk (never in memory).
+
+    transformers builds the model (the class its ``config.json`` names; ``kwargs`` go to its
+    ``from_pretrained``: ``dtype``, ``device_map``, ...) and loads every weight but the n-gram
+    tables, whose checkpoint tensors it never reads; the model comes back patched with ple's PLE
+    layers (:func:`patch`), tables served from ``table_tier``.
+
+    Args:
+        path: a local model folder, or a Hub id (fetched with ``huggingface_hub.snapshot_download``;
+            the Hub arguments in ``kwargs`` apply).
+        table_dir: where the table files live (see :mod:`ple.integrations.tables`): made once,
+            streamed shard by shard from the checkpoint, reused while the checkpoint is unchanged.
+            Default: ``$PLE_CACHE_DIR/tables/<folder name>-<hash of its path>`` (``~/.cache/ple``).
+        table_tier: ``"mmap"`` (rows read from the page cache on demand), ``"cached"`` (the hottest
+            ``table_cache_rows`` rows kept in memory on the model's device, in front of the map) or
+            ``"memory"`` (the table read into memory in the checkpoint's format; no table files).
+        table_cache_rows: rows of the ``"cached"`` tier (default :data:`DEFAULT_CACHE_ROWS`).
+        progress: progress bars while converting (default: when stderr is a terminal).
+
+    Returns:
+        The patched model (and transformers' loading info when ``output_loading_info=True``). Each
+        :class:`PatchedPLELayer` tells how its table file was obtained (``prepared``).
+
+    Raises:
+        CheckpointError: the checkpoint's PLE tensors are missing, misshapen or inconsistent.
+        TransformersVersionError: transformers is missing, too old, or built the model unexpectedly.
+    """
+    mq = require_transformers()
+    if table_tier not in LOAD_TIERS:
+        raise InvalidArgumentError(f"table_tier must be one of {list(LOAD_TIERS)}, got {table_tier!r}")
+    if table_tier == "memory" and table_dir is not None:
+        raise InvalidArgumentError("table_dir is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
+    if table_cache_rows is not None and table_tier != "cached":
+        raise InvalidArgumentError(f"table_cache_rows is for table_tier='cached', got table_tier={table_tier!r}")
+    refused = sorted(k for k in ("state_dict", "gguf_file", "from_tf", "from_flax", "key_mapping") if k in kwargs)
+    if refused:
+        raise InvalidArgumentError(f"from_pretrained: {refused} cannot be combined with ple's table loading")
+    want_info = bool(kwargs.pop("output_loading_info", False))
+    root = _local_checkpoint(path, kwargs)
+    config = PLEConfig.from_pretrained(root)
+    if not config.ple_layer_ids:
+        raise InvalidArgumentError(f"{root}: the config has no PLE layers; load it with transformers directly")
+    scan = scan_checkpoint(root, config)
+    if scan.all_problems:
+        raise CheckpointError(scan.all_problems)
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    prepared: dict[int, PreparedTable] = {}
+    if table_tier != "memory":
+        folder = Path(table_dir) if table_dir is not None else default_table_dir(root)
+        for e in scan.layers:
+            prepared[e.ple_layer_index] = prepare_table(e, config, folder, progress=show)
+    entries = {e.ple_layer_index: e for e in scan.layers}
+    cls = _model_class(root, mq)
+    with tableless_load():
+        model, info = cls.from_pretrained(root, output_loading_info=True, **kwargs)
+    _check_tableless(model, info, config)
+
+    def factory(weight: torch.Tensor, layer: PLELayer) -> Table:
+        idx = layer.ple_layer_index
+        device = layer.key_proj.device
+        if table_tier == "memory":
+            return load_memory_table(entries[idx], device)
+        mapped = open_layer_table(prepared[idx].path, config, idx)
+        if table_tier == "cached":
+            rows = DEFAULT_CACHE_ROWS if table_cache_rows is None else table_cache_rows
+            return CachedTable(mapped, rows, device=device)
+        return mapped
+
+    patch(model, factory)
+    for wrapper in patched_layers(model):
+        p = prepared.get(wrapper.layer.ple_layer_index)
+        wrapper.prepared = p
+        wrapper.table_path = None if p is None else p.path
+    return (model, info) if want_info else model

@@ -1,0 +1,185 @@
+"""One fresh process: load a qwen4_exp model (plain transformers, or ple's loader) and generate.
+
+``python -m ple.demo.measure --loader plain|ple --checkpoint DIR --prompts JSON --new-tokens N
+--logits FILE [--table-dir DIR] [--tier mmap|cached|memory] [--starts K] [--evict]`` prints one JSON
+line: load and generate seconds (per start for ple), peak resident memory (``VmHWM``: anonymous and
+file-backed pages, the number a process monitor shows) with sampled peaks of each kind, the resident
+bytes of the table files' mappings at the end, how the table files were obtained, and the generated
+tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
+checkpoint's and the table files' pages from the page cache first, so that a load reads from disk.
+``--starts 2`` loads (and generates) twice in the process: the second start reuses the table files.
+``--threads`` sets torch's threads (default 1: for a tiny model more threads only add synchronization,
+which on a busy machine costs seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main", "status_bytes", "mapped_bytes", "evict"]
+
+
+def status_bytes() -> dict[str, int]:
+    """``VmRSS``, ``VmHWM``, ``RssAnon`` and ``RssFile`` of this process, in bytes (Linux)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        import resource
+
+        out["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def mapped_bytes(suffix: str) -> tuple[int, int]:
+    """``(resident, mapped)`` bytes of this process's mappings of files whose name ends with ``suffix``."""
+    resident = size = 0
+    current = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                    current = len(parts) >= 6 and parts[-1].endswith(suffix)
+                elif current and parts[0] == "Rss:":
+                    resident += int(parts[1]) * 1024
+                elif current and parts[0] == "Size:":
+                    size += int(parts[1]) * 1024
+    except OSError:
+        pass
+    return resident, size
+
+
+def evict(paths) -> None:
+    """Drop the files' clean pages from the page cache (``posix_fadvise(DONTNEED)``; no privileges)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _Peaks:
+    """Peak ``RssAnon`` / ``RssFile`` sampled every few milliseconds on a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def sample(self) -> None:
+        s = status_bytes()
+        self.anon = max(self.anon, s.get("RssAnon", 0))
+        self.file = max(self.file, s.get("RssFile", 0))
+
+    def __enter__(self) -> _Peaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ple.demo.measure", description=__doc__.splitlines()[0])
+    ap.add_argument("--loader", choices=["plain", "ple"], required=True)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON list of equal-length token id lists")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--logits", required=True, help="where to torch.save the step logits")
+    ap.add_argument("--table-dir")
+    ap.add_argument("--tier", default="mmap")
+    ap.add_argument("--starts", type=int, default=1)
+    ap.add_argument("--evict", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's model is tiny)")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    from ..integrations.checkpoints import checkpoint_files
+
+    ckpt = Path(args.checkpoint)
+    tables = sorted(Path(args.table_dir).glob("*.pletable")) if args.table_dir else []
+    if args.evict:
+        evict([*checkpoint_files(ckpt), *tables])
+    ids = torch.tensor(json.loads(args.prompts))
+    # imports before the clock starts: load time is the load, not Python importing the modeling code
+    arch = json.loads((ckpt / "config.json").read_text())["architectures"][0]
+    model_class = getattr(transformers, arch)
+    from ..integrations.transformers import from_pretrained, patched_layers
+
+    baseline = status_bytes().get("VmRSS", 0)
+    loads, gens, prepared = [], [], []
+    with _Peaks() as peaks:
+        for start in range(max(1, args.starts)):
+            t0 = time.perf_counter()
+            if args.loader == "plain":
+                model = model_class.from_pretrained(ckpt)
+            else:
+                model = from_pretrained(ckpt, table_dir=args.table_dir, table_tier=args.tier, progress=False)
+                prepared.append([None if w.prepared is None else w.prepared.action for w in patched_layers(model)])
+            loads.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    max_new_tokens=args.new_tokens,
+                    do_sample=False,
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                )
+            gens.append(time.perf_counter() - t0)
+            resident, mapped = mapped_bytes(".pletable")
+            tokens = out.sequences.tolist()
+            logits = torch.stack(list(out.logits))
+            if start < args.starts - 1:
+                del model, out
+    status = status_bytes()
+    torch.save(logits, args.logits)
+    report = {
+        "loader": args.loader,
+        "tier": args.tier if args.loader == "ple" else None,
+        "load_seconds": loads,
+        "generate_seconds": gens,
+        "tables": prepared,
+        "peak_rss_bytes": status.get("VmHWM", 0),
+        "peak_anon_bytes": peaks.anon,
+        "peak_file_bytes": peaks.file,
+        "baseline_rss_bytes": baseline,
+        "table_resident_bytes": resident,
+        "table_mapped_bytes": mapped,
+        "tokens": tokens,
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The demo's model: a deterministic random-weight transformers ``qwen4_exp`` model whose PLE tables
+dominate, saved in the published layout, and the side-by-side run of plain transformers and ple's
+loader on it (each in a fresh process, see :mod:`ple.demo.measure`).
+
+The published layout: ``save_pretrained`` of a model patched with fp8 tables (one global scale per
+table, ``ple_embedding.ngram_embedding.shard_{k}.weight`` + ``weight_scale``), sharded. transformers
+5.24 reads such a table as a plain cast and drops the scale, so plain transformers gets the same
+model as a copy with the tables dequantized to fp32 (:func:`ple.integrations.transformers.dequantize_checkpoint`):
+the values ple's lookup produces, row for row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ..table import MemoryTable
+
+__all__ = [
+    "model_config",
+    "build_model",
+    "save_published",
+    "write_checkpoints",
+    "measure",
+    "compare",
+    "MODEL_SIZES",
+]
+
+# ngram_vocab_size_base per size: each PLE layer has about 16 x base rows of 4 values
+MODEL_SIZES = {"quick": 60_000, "default": 600_000}
+
+
+def model_config(base: int) -> dict[str, Any]:
+    """A small ``qwen4_exp`` text model (hidden 64, 4 decoder layers, PLE on the first two) whose
+    two tables of ``~16 * base`` rows x 4 dominate its size."""
+    return dict(
+        vocab_size=1024,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[1, 2],
+        ple_embed_dim=64,
+        ngram_size=3,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=base,
+        make_ngram_vocab_size_divisible_by=128,
+        split_ngram_parts=16,
+        eos_token_id=1,
+        bos_token_id=0,
+        pad_token_id=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+
+
+def build_model(base: int, seed: int = 0):
+    """The random-weight ``Qwen4ExpForCausalLM`` (eval mode, fp32), PLE conv and norms non-zero
+    (transformers initializes them to zero, which would hide the table)."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**model_config(base))).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ple." not in name or name.endswith("ngram_embedding.weight"):
+                continue
+            if ".norm_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def _quantize_global(weight: torch.Tensor) -> MemoryTable:
+    """fp8 e4m3 with one scale (absmax / 448), chunk by chunk (no full-size temporaries)."""
+    scale = (weight.abs().amax() / 448.0).clamp_min(1e-12).reshape(1).float()
+    q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    step = 1 << 20
+    for a in range(0, weight.shape[0], step):
+        q[a : a + step] = (weight[a : a + step].float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return MemoryTable(q, scale)
+
+
+def save_published(model, out: Path, max_shard_size: str = "64MB") -> dict[str, Any]:
+    """``save_pretrained`` of ``model`` with fp8 tables (global scale) in the published layout."""
+    from ..integrations.transformers import patch
+
+    patch(model, lambda weight, layer: _quantize_global(weight.detach()))
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    files = sorted(out.glob("*.safetensors"))
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def _table_bytes_on_disk(folder: Path) -> int:
+    """Bytes of the table tensors in a checkpoint folder (from the safetensors headers)."""
+    from ..integrations.checkpoints import checkpoint_files, read_header
+
+    total = 0
+    for f in checkpoint_files(folder):
+        total += sum(e.nbytes for n, e in read_header(f).entries.items() if ".ngram_embedding." in n)
+    return total
+
+
+def write_checkpoints(work: Path, base: int, seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    """Build the model, save it in the published layout (``work/published``) and as the dequantized
+    copy plain transformers reads (``work/plain``); returns sizes and timings."""
+    from transformers.utils import logging as hf_logging
+
+    from ..integrations.transformers import dequantize_checkpoint
+
+    published, plain = work / "published", work / "plain"
+    for p in (published, plain):
+        if p.exists():
+            raise InvalidArgumentError(f"{p} exists: pass an empty --workdir")
+    t0 = time.perf_counter()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = build_model(base, seed)
+        rows = [
+            m.ple_embedding.ngram_embedding.weight.shape
+            for m in model.modules()
+            if type(m).__name__ == "Qwen4ExpTextPLELayer"
+        ]
+        table_memory = sum(r[0] * r[1] * 4 for r in rows)
+        saved = save_published(model, published)
+        del model
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    t1 = time.perf_counter()
+    dequantize_checkpoint(published, plain, torch.float32)
+    return {
+        "published": str(published),
+        "plain": str(plain),
+        "tables": [list(r) for r in rows],
+        "table_bytes_in_memory": table_memory,
+        "published_files": saved["files"],
+        "published_bytes": saved["bytes"],
+        "published_table_bytes": _table_bytes_on_disk(published),
+        "plain_bytes": sum(f.stat().st_size for f in plain.glob("*.safetensors")),
+        "build_save_seconds": t1 - t0,
+        "dequantize_seconds": time.perf_counter() - t1,
+    }
+
+
+def prompts(seed: int = 0, n: int = 4, length: int = 12) -> list[list[int]]:
+    """Deterministic prompts of the demo model's vocabulary (one holds an EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 1024, (n, length), generator=g)
+    ids[0, length // 2] = 1
+    return ids.tolist()
+
+
+def measure(
+    loader: str,
+    checkpoint: Path,
+    prompt_ids: list[list[int]],
+    new_tokens: int,
+    logits_out: Path,
+    *,
+    table_dir: Path | None = None,
+    tier: str = "mmap",
+    starts: int = 1,
+    evict: bool = True,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run :mod:`ple.demo.measure` in a fresh process; returns its JSON report."""
+    cmd = [sys.executable, "-m", "ple.demo.measure", "--loader", loader, "--checkpoint", str(checkpoint)]
+    cmd += ["--prompts", json.dumps(prompt_ids), "--new-tokens", str(new_tokens), "--logits", str(logits_out)]
+    cmd += ["--tier", tier, "--starts", str(starts)]
+    if table_dir is not None:
+        cmd += ["--table-dir", str(table_dir)]
+    if evict:
+        cmd.append("--evict")
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+        raise InvalidArgumentError(f"the {loader} process failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(
+    work: Path, base: int, seed: int = 0, new_tokens: int = 16, tier: str = "mmap", progress: bool = False
+) -> dict[str, Any]:
+    """The side-by-side run: checkpoints, then plain transformers and ple (two starts) in fresh processes.
+
+    ``memory_saved_share_of_tables`` is the drop in peak resident memory over the memory the tables
+    take in transformers minus what ple's tier keeps of them in memory (the fp8 rows for "memory")."""
+    ck = write_checkpoints(work, base, seed, progress)
+    ids = prompts(seed)
+    with tempfile.TemporaryDirectory(prefix="ple-demo-logits-") as tmp:
+        lp, lq = Path(tmp) / "plain.pt", Path(tmp) / "ple.pt"
+        plain = measure("plain", Path(ck["plain"]), ids, new_tokens, lp)
+        tables = None if tier == "memory" else work / "tables"
+        ple = measure("ple", Path(ck["published"]), ids, new_tokens, lq, table_dir=tables, tier=tier, starts=2)
+        want, got = torch.load(lp), torch.load(lq)
+    tokens_equal = plain["tokens"] == ple["tokens"]
+    diff = float((want - got).abs().max()) if want.shape == got.shape else float("inf")
+    saved = plain["peak_rss_bytes"] - ple["peak_rss_bytes"]
+    kept = ck["published_table_bytes"] if tier == "memory" else 0
+    return {
+        "checkpoint": ck,
+        "prompts": len(ids),
+        "new_tokens": new_tokens,
+        "plain": plain,
+        "ple": ple,
+        "tokens_equal": tokens_equal,
+        "max_logit_diff": diff,
+        "memory_saved_bytes": saved,
+        "table_bytes_kept_in_memory": kept,
+        "memory_saved_share_of_tables": saved / (ck["table_bytes_in_memory"] - kept),
+    }

@@ -1,0 +1,101 @@
+"""``ple demo``: the user's path (plain transformers vs ple's loader, fresh processes) and the
+serving workload, every check passing; the CLI conventions (--json, --output, exit status)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ple.cli import main
+from ple.config import PLEConfig
+from ple.demo import synthesize_checkpoint
+
+SMALL = dict(
+    hidden_size=32,
+    hc_count=2,
+    ple_layer_ids=(2, 3),
+    ple_embed_dim=32,
+    ngram_size=3,
+    heads_per_ngram=2,
+    vocab_size=500,
+    ngram_vocab_size_base=700,
+    make_ngram_vocab_size_divisible_by=64,
+    split_ngram_parts=7,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    cfg = PLEConfig(**SMALL)
+    path.write_text(
+        json.dumps({"model_type": "qwen4_exp", "text_config": {**cfg.to_dict(), "model_type": "qwen4_exp_text"}})
+    )
+    return path
+
+
+def test_the_main_command_shows_the_users_path(tmp_path, capsys):
+    """``ple demo --quick``: both parts, every check, one JSON document."""
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--quick", "--json", "--output", str(out), "--workdir", str(tmp_path / "work")])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0, doc["checks"]
+    assert json.loads(out.read_text())["checks"] == doc["checks"]
+    assert doc["ok"] and set(doc["checks"]) == {
+        "serving_outputs_equal_reference",
+        "tokens_equal",
+        "logits_close",
+        "tables_reused_on_second_start",
+        "memory_saved",
+    }
+    model = doc["model"]
+    assert model["tokens_equal"] and model["max_logit_diff"] <= 1e-4
+    assert len(model["plain"]["tokens"]) == model["prompts"]
+    assert model["ple"]["tables"] == [["converted", "converted"], ["reused", "reused"]]
+    assert model["checkpoint"]["published_table_bytes"] * 4 == pytest.approx(
+        model["checkpoint"]["table_bytes_in_memory"], rel=1e-3
+    )
+    assert model["ple"]["table_resident_bytes"] < model["checkpoint"]["published_table_bytes"]
+    serving = doc["serving"]
+    assert serving["geometry"] == "H 2560, HC 4, E 2560, 16 heads of 160, K 4"
+    assert serving["checked_tokens"] > 0 and serving["worst_error_vs_tolerance"] <= 1
+    assert all(serving["phases"][p]["steps"] > 0 for p in ("prefill", "decode", "verify"))
+    assert serving["table_file"]["action"] == "converted"
+
+
+@pytest.mark.parametrize("tier", ["mmap", "cached", "memory"])
+def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--config", str(small_config), "--tier", tier, "--requests", "6", "--slots", "3"]
+    rc = main([*argv, "--no-progress", "--output", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "equals the one-shot reference" in text and "checks : all passed (1 checks)" in text
+    res = json.loads(out.read_text())["serving"]
+    assert res["tier"] == tier and res["checked_tokens"] > 0
+    assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
+    assert (res["table_file"] is None) == (tier == "memory")
+
+
+def test_serving_an_existing_checkpoint_reuses_its_table_file(small_config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = synthesize_checkpoint(PLEConfig(**SMALL), tmp_path / "ckpt", seed=3, files=3)
+    argv = ["demo", "--checkpoint", str(ckpt), "--layer", "1", "--requests", "4", "--slots", "2", "--json"]
+    actions = []
+    for _ in range(2):
+        assert main(argv) == 0
+        res = json.loads(capsys.readouterr().out)["serving"]
+        assert res["source"] == f"checkpoint {ckpt}" and res["ok"]
+        actions.append(res["table_file"]["action"])
+    assert actions == ["converted", "reused"]
+    assert list((tmp_path / "cache" / "tables").glob("ckpt-*/*.pletable"))
+
+
+def test_bad_arguments_are_one_line_errors(small_config, tmp_path, capsys):
+    assert main(["demo", "--config", str(small_config), "--layer", "5"]) == 1
+    assert "--layer 5: the config has 2 PLE layer(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--tier", "disk"])
+    assert e.value.code == 2

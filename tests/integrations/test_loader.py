@@ -1,0 +1,361 @@
+"""``from_pretrained``: a qwen4_exp checkpoint loads with its PLE tables on disk, never in memory,
+and generates what transformers generates; table files are made once, reused while the checkpoint
+is unchanged, and never used when stale or foreign."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import Qwen4ExpForCausalLM
+from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
+from transformers.monkey_patching import get_patch_mapping
+
+from ple.checkpoint import CheckpointError
+from ple.integrations.tables import RECORD_SUFFIX, default_table_dir
+from ple.integrations.transformers import (
+    TableStub,
+    dequantize_checkpoint,
+    from_pretrained,
+    patch,
+    patched_layers,
+)
+from ple.table import CachedTable, MemoryTable, MmapTable, quantize_global, quantize_rows
+
+from .helpers import LOGIT_ATOL, assert_same_generation, generate, prompts, tiny_config, tiny_model
+
+TABLES = ["model.layers.0.ple.pletable", "model.layers.1.ple.pletable"]
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny fp32 checkpoint (tables in 4 shards), what transformers generates from it, the model."""
+    model = tiny_model(tiny_config(split_ngram_parts=4), seed=21)
+    path = _save(model, tmp_path_factory.mktemp("ckpt") / "tiny")
+    ids, mask = prompts(seed=21)
+    return path, generate(model, ids, mask), model
+
+
+def logits(model) -> torch.Tensor:
+    """One forward pass over the test prompts (no cache): ``[B, S, vocab]``."""
+    ids, mask = prompts(seed=21)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def assert_same_logits(model, reference) -> None:
+    want, got = logits(reference), logits(model)
+    assert want.abs().max() > 0.3
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_ATOL)
+
+
+def _table_bytes_of(path):
+    """``{table tensor name: (file, start, stop)}`` of a checkpoint (absolute byte ranges)."""
+    from ple.integrations.checkpoints import checkpoint_files, read_header
+
+    out = {}
+    for f in checkpoint_files(path):
+        for name, e in read_header(f).entries.items():
+            if ".ngram_embedding." in name:
+                out[name] = (f, e.start, e.stop)
+    return out
+
+
+@pytest.mark.parametrize("tier", ["mmap", "cached", "memory"])
+def test_generates_what_transformers_generates(checkpoint, tier, tmp_path):
+    path, want, reference = checkpoint
+    ids, mask = prompts(seed=21)
+    kw = {} if tier == "memory" else {"table_dir": tmp_path}
+    model = from_pretrained(path, table_tier=tier, **kw)
+    assert type(model) is Qwen4ExpForCausalLM
+    wrappers = patched_layers(model)
+    assert [w.layer_idx for w in wrappers] == [0, 1]
+    kind = {"mmap": MmapTable, "cached": CachedTable, "memory": MemoryTable}[tier]
+    assert all(type(w.layer.table) is kind for w in wrappers)
+    assert all(isinstance(w.original.ple_embedding.ngram_embedding, TableStub) for w in wrappers)
+    # the table is nowhere in the model: not a parameter, not a buffer
+    assert not any("ngram_embedding" in n for n, _ in model.named_parameters())
+    table_numel = sum(
+        m.ple_embedding.ngram_embedding.weight.numel() for m in reference.modules() if hasattr(m, "ple_embedding")
+    )
+    assert model.num_parameters() == reference.num_parameters() - table_numel
+    if tier != "memory":
+        assert sorted(p.name for p in tmp_path.glob("*.pletable")) == TABLES
+        assert [w.prepared.action for w in wrappers] == ["converted", "converted"]
+    assert_same_generation(want, generate(model, ids, mask), model)
+
+
+def test_a_second_start_reads_no_table_bytes(checkpoint, tmp_path):
+    """After the first start, neither transformers nor ple reads the checkpoint's tables: overwrite
+    their bytes (size, header and modification time kept) and the model still generates the same."""
+    path, _, reference = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    first = from_pretrained(copy, table_dir=tmp_path / "tables")
+    assert [w.prepared.action for w in patched_layers(first)] == ["converted", "converted"]
+    for f, start, stop in _table_bytes_of(copy).values():
+        st = os.stat(f)
+        with open(f, "r+b") as fh:
+            fh.seek(start)
+            fh.write(b"\xff" * (stop - start))  # NaN rows if anything read them
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = from_pretrained(copy, table_dir=tmp_path / "tables")
+    assert [w.prepared.action for w in patched_layers(second)] == ["reused", "reused"]
+    assert_same_logits(second, reference)
+
+
+def test_a_changed_checkpoint_is_converted_again(checkpoint, tmp_path):
+    path, _, _ = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    from_pretrained(copy, table_dir=tmp_path / "tables")
+    retrained = tiny_model(tiny_config(split_ngram_parts=4), seed=22)  # same geometry, other weights
+    shutil.rmtree(copy)
+    _save(retrained, copy)
+    with pytest.warns(UserWarning, match="changed since .* converting it again"):
+        model = from_pretrained(copy, table_dir=tmp_path / "tables")
+    assert [w.prepared.action for w in patched_layers(model)] == ["converted", "converted"]
+    assert_same_logits(model, retrained)
+
+
+def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
+    """Table files made by ``ple convert`` have no record: one of this checkpoint is compared row by
+    row and adopted; one of another checkpoint with the same geometry is refused and replaced."""
+    from ple.cli import main
+
+    path, _, reference = checkpoint
+    other = _save(tiny_model(tiny_config(split_ngram_parts=4), seed=23), tmp_path / "other")
+    tables = tmp_path / "tables"
+    assert main(["convert", str(path), str(tables), "--layers", "0"]) == 0
+    assert main(["convert", str(other), str(tables), "--layers", "1"]) == 0
+    assert not list(tables.glob("*" + RECORD_SUFFIX))
+    with pytest.warns(UserWarning, match="layers.1.ple.pletable is not used: its rows differ from the checkpoint's"):
+        model = from_pretrained(path, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(model)] == ["verified", "converted"]
+    assert_same_logits(model, reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = from_pretrained(path, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(again)] == ["reused", "reused"]
+    # a record does not vouch for another file put in place of the one it describes
+    shutil.copy(tables / TABLES[0], tmp_path / "saved.pletable")
+    assert main(["convert", str(other), str(tables), "--layers", "0", "--force"]) == 0
+    with pytest.warns(UserWarning, match="layers.0.ple.pletable is not used: its rows differ"):
+        model = from_pretrained(path, table_dir=tables)
+    assert_same_logits(model, reference)
+
+
+def test_a_table_file_of_another_layout_is_refused(checkpoint, tmp_path):
+    path, _, reference = checkpoint
+    other = _save(tiny_model(tiny_config(split_ngram_parts=4, seed=99), seed=21), tmp_path / "other")  # other hash seed
+    tables = tmp_path / "tables"
+    from_pretrained(other, table_dir=tables)
+    with pytest.warns(UserWarning, match="layout hash .* does not match"):
+        model = from_pretrained(path, table_dir=tables)
+    assert_same_logits(model, reference)
+
+
+def test_default_table_folder_is_per_checkpoint_under_the_cache(checkpoint, tmp_path, monkeypatch):
+    path, _, _ = checkpoint
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = default_table_dir(path)
+    assert folder.parent == tmp_path / "cache" / "tables" and folder.name.startswith("tiny-")
+    model = from_pretrained(path)
+    assert {w.table_path.parent for w in patched_layers(model)} == {folder}
+    assert sorted(p.name for p in folder.glob("*.pletable")) == TABLES
+    copy = tmp_path / "elsewhere" / "tiny"
+    shutil.copytree(path, copy)
+    assert default_table_dir(copy) != folder
+
+
+def _quantized_checkpoint(path, fmt, seed):
+    """A checkpoint with fp8 tables (global or per-row scales) saved by ``save_pretrained`` of a
+    patched model, and a model holding the dequantized values (the reference)."""
+    model = tiny_model(tiny_config(split_ngram_parts=4), seed=seed)
+
+    def quantized(weight, layer):
+        q, s = quantize_global(weight) if fmt == "fp8" else quantize_rows(weight, fmt)
+        with torch.no_grad():
+            weight.copy_(q.float() * s)
+        return MemoryTable(q, s)
+
+    patch(model, quantized)
+    _save(model, path)
+    from ple.integrations.transformers import unpatch
+
+    unpatch(model)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_row"])
+def test_quantized_tables_load_exactly(fmt, tmp_path):
+    """The published format (fp8 + global scale) and per-row scales: ple applies the scales; plain
+    transformers (5.24) does not, and reads a dequantized copy instead."""
+    path = tmp_path / "ckpt"
+    reference = _quantized_checkpoint(path, fmt, seed=24)
+    ids, mask = prompts(seed=24)
+    want = generate(reference, ids, mask)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert (
+            f.get_tensor("model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight").dtype == torch.float8_e4m3fn
+        )
+    scale = "weight_scale" if fmt == "fp8" else "shard_3.weight_scale"
+    assert f"model.layers.0.ple.ple_embedding.ngram_embedding.{scale}" in names
+    model = from_pretrained(path, table_dir=tmp_path / "t")
+    assert {w.layer.table.format for w in patched_layers(model)} == {fmt}
+    assert_same_generation(want, generate(model, ids, mask), model)
+    in_memory = from_pretrained(path, table_tier="memory")
+    assert {w.layer.table.format for w in patched_layers(in_memory)} == {fmt}
+    torch.testing.assert_close(logits(in_memory), logits(model), rtol=0, atol=0)
+    plain = Qwen4ExpForCausalLM.from_pretrained(path)  # the scale is dropped: other values
+    assert (logits(plain) - logits(reference)).abs().max() > 0.1
+    dequantize_checkpoint(path, tmp_path / "plain", torch.float32)
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "ple_embedding_dtype" not in config
+    with safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith("weight_scale") for k in f.keys())
+    plain = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "plain")
+    assert torch.equal(logits(plain), logits(reference))
+
+
+def test_a_broken_checkpoint_is_refused_before_loading(checkpoint, tmp_path):
+    path, _, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    f = broken / "model.safetensors"
+    with safe_open(str(f), "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys() if not k.endswith("ngram_embedding.shard_2.weight")}
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing table shard\(s\) \[2\]"):
+        from_pretrained(broken, table_dir=tmp_path / "tables")
+    assert not (tmp_path / "tables").exists()
+
+
+def test_arguments_are_checked(checkpoint, tmp_path):
+    path, _, _ = checkpoint
+    with pytest.raises(ValueError, match="table_tier must be one of"):
+        from_pretrained(path, table_tier="disk")
+    with pytest.raises(ValueError, match="table_dir is for"):
+        from_pretrained(path, table_tier="memory", table_dir=tmp_path)
+    with pytest.raises(ValueError, match="table_cache_rows is for"):
+        from_pretrained(path, table_cache_rows=10, table_dir=tmp_path)
+    with pytest.raises(ValueError, match="state_dict"):
+        from_pretrained(path, state_dict={})
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        from_pretrained(tmp_path / "no" / "such" / "folder")
+    model, info = from_pretrained(
+        path, table_tier="cached", table_cache_rows=16, table_dir=tmp_path, output_loading_info=True
+    )
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert all(w.layer.table.capacity_rows == 16 for w in patched_layers(model))
+
+
+def test_transformers_is_left_as_it_was(checkpoint, tmp_path, monkeypatch):
+    """The patch mapping and the ignore patterns live only for the load, also when it fails."""
+    path, _, _ = checkpoint
+    original = mq.Qwen4ExpTextNGramEmbedding
+    ignore = {c: c.__dict__.get("_keys_to_ignore_on_load_unexpected") for c in vars(mq).values() if isinstance(c, type)}
+    from_pretrained(path, table_dir=tmp_path)
+
+    def boom(self, *a, **k):
+        raise RuntimeError("boom while building")
+
+    monkeypatch.setattr(mq.Qwen4ExpTextPLELayer, "__init__", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        from_pretrained(path, table_dir=tmp_path)
+    monkeypatch.undo()
+    assert mq.Qwen4ExpTextNGramEmbedding is original
+    assert not any("NGramEmbedding" in k for k in get_patch_mapping())
+    assert {c: c.__dict__.get("_keys_to_ignore_on_load_unexpected") for c in ignore} == ignore
+    plain = Qwen4ExpForCausalLM.from_pretrained(path)  # and plain transformers loads the tables again
+    assert plain.model.layers[0].ple.ple_embedding.ngram_embedding.weight.shape[0] > 0
+
+
+def test_a_hub_id_resolves_through_the_hub_cache(checkpoint, tmp_path):
+    path, _, reference = checkpoint
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    shutil.copytree(path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = from_pretrained("someone/tiny", cache_dir=tmp_path / "hub", local_files_only=True, table_dir=tmp_path / "t")
+    assert_same_logits(model, reference)
+    with pytest.raises(FileNotFoundError, match="Hub snapshot could not be had"):
+        from_pretrained("someone/other", cache_dir=tmp_path / "hub", local_files_only=True)
+
+
+def test_an_unsupported_transformers_fails_loudly(checkpoint, tmp_path, monkeypatch):
+    """Too old a version is refused up front; a transformers that builds the tables anyway (here: the
+    swap does nothing) is caught after the load instead of serving a table it may have made up."""
+    import contextlib
+
+    import transformers
+
+    import ple.integrations.transformers as integration
+    from ple.integrations.qwen4_exp import TransformersVersionError
+
+    path, _, _ = checkpoint
+    monkeypatch.setattr(transformers, "__version__", "5.10.0")
+    with pytest.raises(TransformersVersionError, match="transformers 5.10.0 is installed"):
+        from_pretrained(path, table_dir=tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(integration, "tableless_load", contextlib.nullcontext)
+    with pytest.raises(TransformersVersionError, match="did not build the PLE tables the way ple's loader expects"):
+        from_pretrained(path, table_dir=tmp_path)
+
+
+def test_a_multimodal_model_loads_and_saves_back(tmp_path):
+    """``Qwen4ExpForConditionalGeneration``: PLE config under ``text_config``, layers and checkpoint
+    names under ``model.language_model``."""
+    from transformers import Qwen4ExpConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForConditionalGeneration
+
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=16,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
+    config = Qwen4ExpConfig(
+        text_config=tiny_config(split_ngram_parts=4).to_dict(),
+        vision_config=vision,
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
+    )
+    torch.manual_seed(0)
+    model = Qwen4ExpForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ple." in name and ("conv1d" in name or ".norm_" in name):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = from_pretrained(tmp_path / "ckpt", table_dir=tmp_path / "tables")
+    assert type(loaded) is Qwen4ExpForConditionalGeneration
+    assert [w.table_path.name for w in patched_layers(loaded)] == [
+        "model.language_model.layers.0.ple.pletable",
+        "model.language_model.layers.1.ple.pletable",
+    ]
+    assert_same_logits(loaded, model)
+    loaded.save_pretrained(tmp_path / "again")
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as a:
+        with safe_open(str(tmp_path / "again" / "model.safetensors"), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
