@@ -60,7 +60,8 @@ def test_torchrun_data_parallel(tiny_config):
     out = _demo(tiny_config, "--parallel", "dp", "--json", launcher=launcher)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     res = json.loads(out.stdout[out.stdout.index("{") :])
-    assert res["ok"] and res["ranks"] == 2 and res["mode"] == "dp" and res["table"] == "sharded (memory)"
+    # the demo's default tier: the table file, memory-mapped, each rank holding its rows
+    assert res["ok"] and res["ranks"] == 2 and res["mode"] == "dp" and res["table"] == "sharded (mmap)"
 
 
 def test_a_rank_that_dies_fails_the_others(tiny_config):
