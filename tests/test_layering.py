@@ -18,6 +18,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple._native", 2, "native"),
     ("ple.argtypes", 1, "argtypes"),
     ("ple.files", 1, "files"),
+    ("ple.collective", 1, "collective"),
     ("ple.config", 2, "config"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),

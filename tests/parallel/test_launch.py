@@ -1,6 +1,7 @@
 """``ple demo --ranks N --parallel MODE`` and torchrun, end to end: a run that matches exits 0; a rank
 that dies or stalls mid-step makes the others fail with a clear error, never hang (each command runs
-under a hard timeout)."""
+under a hard timeout). Each command gets its own temporary folder (``TMPDIR``): however the ranks
+ended, no ``ple-parallel-*`` folder is left in it."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ HARD_TIMEOUT_S = 240
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
-def _env() -> dict[str, str]:
+def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = str(tmp)
     return env
+
+
+def _left_behind(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("ple-parallel"))
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +38,19 @@ def tiny_config(tmp_path_factory) -> str:
     return str(path)
 
 
-def _demo(config: str, *argv: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def _demo(config: str, tmp: Path, *argv: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``ple demo`` with ``tmp`` as its temporary folder; fail when a ``ple-parallel`` folder is left there."""
     cmd = (launcher or [sys.executable, "-m"]) + ["ple.cli", "demo", "--config", config, "--requests", "5"]
     cmd += ["--slots", "3", "--chunk", "9", *argv]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
+    out = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
+    assert _left_behind(tmp) == [], (out.stderr[-4000:], _left_behind(tmp))
+    return out
 
 
-def test_demo_sp_x_dp_on_four_ranks_matches_one_process(tiny_config):
+def test_demo_sp_x_dp_on_four_ranks_matches_one_process(tiny_config, tmp_path):
     """Two sequence-parallel groups of two (TP x DP), the table file sharded across all four ranks."""
     out = _demo(
-        tiny_config, "--ranks", "4", "--parallel", "sp", "--sp-size", "2", "--table-split", "sharded",
+        tiny_config, tmp_path, "--ranks", "4", "--parallel", "sp", "--sp-size", "2", "--table-split", "sharded",
         "--tier", "mmap", "--parallel-dtype", "bfloat16", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
@@ -55,17 +64,25 @@ def test_demo_sp_x_dp_on_four_ranks_matches_one_process(tiny_config):
     assert pr[0]["rows"] + pr[1]["rows"] == pr[0]["tokens"]
 
 
-def test_torchrun_data_parallel(tiny_config):
+def test_torchrun_data_parallel(tiny_config, tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
-    out = _demo(tiny_config, "--parallel", "dp", "--json", launcher=launcher)
+    out = _demo(tiny_config, tmp_path, "--parallel", "dp", "--json", launcher=launcher)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     res = json.loads(out.stdout[out.stdout.index("{") :])
     # the demo's default tier: the table file, memory-mapped, each rank holding its rows
     assert res["ok"] and res["ranks"] == 2 and res["mode"] == "dp" and res["table"] == "sharded (mmap)"
 
 
-def test_a_rank_that_dies_fails_the_others(tiny_config):
-    out = _demo(tiny_config, "--ranks", "3", "--parallel", "sp", "--fault", "die:1:2", "--dist-timeout", "20")
+def test_torchrun_ranks_that_die_or_are_killed_leave_nothing_behind(tiny_config, tmp_path):
+    """Under torchrun each rank has a temporary folder of its own: gone once its tables are open, so
+    neither rank 1 (it dies) nor rank 0 (the launcher ends it) leaves one behind (checked by _demo)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    out = _demo(tiny_config, tmp_path, "--parallel", "dp", "--fault", "die:1:1", launcher=launcher)
+    assert out.returncode != 0 and "exitcode  : 17" in out.stderr, out.stderr[-4000:]
+
+
+def test_a_rank_that_dies_fails_the_others(tiny_config, tmp_path):
+    out = _demo(tiny_config, tmp_path, "--ranks", "3", "--parallel", "sp", "--fault", "die:1:2", "--dist-timeout", "20")
     assert out.returncode == 1
     err = out.stderr
     assert "ple demo: 3 of 3 ranks failed (rank 0: exit 1, rank 1: exit 17, rank 2: exit 1)" in err, err[-4000:]
@@ -76,8 +93,10 @@ def test_a_rank_that_dies_fails_the_others(tiny_config):
     assert "killed after the grace period" not in err  # the others ended on their own
 
 
-def test_a_rank_that_stalls_fails_the_others_within_the_timeout(tiny_config):
-    out = _demo(tiny_config, "--ranks", "2", "--parallel", "etp", "--fault", "stall:1:2", "--dist-timeout", "3")
+def test_a_rank_that_stalls_fails_the_others_within_the_timeout(tiny_config, tmp_path):
+    out = _demo(
+        tiny_config, tmp_path, "--ranks", "2", "--parallel", "etp", "--fault", "stall:1:2", "--dist-timeout", "3"
+    )
     assert out.returncode == 1
     err = out.stderr
     assert "ple demo: rank 0 of 2: PLE layer 0, 'etp' mode, step 2 failed after 3." in err, err[-4000:]
@@ -86,8 +105,8 @@ def test_a_rank_that_stalls_fails_the_others_within_the_timeout(tiny_config):
     assert "ple demo: 2 of 2 ranks failed (rank 0: exit 1, rank 1: exit -9); killed after the grace period: [1]" in err
 
 
-def test_a_rank_that_raises_is_named_by_the_others(tiny_config):
-    out = _demo(tiny_config, "--ranks", "2", "--parallel", "dp", "--fault", "raise:1:1")
+def test_a_rank_that_raises_is_named_by_the_others(tiny_config, tmp_path):
+    out = _demo(tiny_config, tmp_path, "--ranks", "2", "--parallel", "dp", "--fault", "raise:1:1")
     assert out.returncode == 1
     err = out.stderr
     assert "ple demo: rank 1: InvalidArgumentError: --fault raise:1:1: rank 1 raised at step 1 as asked" in err

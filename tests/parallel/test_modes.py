@@ -114,6 +114,10 @@ def _scenarios(ctx, tmp: Path):
     yield "differ/weights", lambda: _library_differ(ctx, weights_seed=1 if rank == last else 0)
     yield "differ/batch", lambda: _library_differ(ctx, batch_seed=1 if rank == last else 0)
     yield "differ/hidden_rows", lambda: _library_differ(ctx, extra_row=rank == last)
+    yield "differ/check_batches", lambda: _library_differ(ctx, check_batches=rank != last)
+    # records of different lengths used to abort a rank inside gloo (SIGABRT) and hang the others
+    yield "differ/field_count", lambda: _agree({"a": 1, "b": "x", **({"c": 2} if rank == last else {})})
+    yield "differ/field_names", lambda: _agree({"a": 1, ("c" if rank == last else "b"): "x"})
     yield "after", lambda: _serve(serve_rank, _options(world, config=config, seed=99, table_split="sharded"), ctx, tmp)
 
 
@@ -123,8 +127,14 @@ def _serve(serve_rank, opts, ctx, tmp):
     return stats
 
 
-def _library_differ(ctx, weights_seed=0, batch_seed=0, extra_row=False):
-    """ParallelLayer directly: weights, or one step's batch, differ on the last rank."""
+def _agree(fields):
+    from ple.parallel import agree
+
+    agree(fields, "a test's fields")
+
+
+def _library_differ(ctx, weights_seed=0, batch_seed=0, extra_row=False, check_batches=True):
+    """ParallelLayer directly: weights, settings, or one step's batch, differ on the last rank."""
     from ple.config import PLEConfig
     from ple.demo.parallel import Workload, build_layer
     from ple.parallel import ParallelLayer, shard_of
@@ -132,7 +142,7 @@ def _library_differ(ctx, weights_seed=0, batch_seed=0, extra_row=False):
     config = PLEConfig.from_dict(TINY)
     layer, full = build_layer(config, 0, torch.float32, weights_seed)
     layer.set_table(full)
-    player = ParallelLayer(layer, "sp", context=ctx)
+    player = ParallelLayer(layer, "sp", context=ctx, check_batches=check_batches)
     st = Workload(config, seed=batch_seed, requests=4, slots=4, num_spec=0, chunk=8).next_step()
     hidden = shard_of(st.hidden, player.group_size, player.group_rank)
     if extra_row:
@@ -280,6 +290,25 @@ def test_ranks_with_another_batch_fail_together(world):
     _mismatch(results, "differ/batch", "batch")
     for msg in _mismatch(results, "differ/hidden_rows", "hidden_rows"):
         assert "step 0: the batch" in msg
+
+
+def test_ranks_with_other_settings_fail_together(world):
+    w, results = world
+    for msg in _mismatch(results, "differ/check_batches", "check_batches"):
+        assert f"rank {w - 1}: 0" in msg and "configuration" in msg
+
+
+def test_ranks_checking_other_fields_fail_together(world):
+    """Another number of fields (records of other lengths), or other names: every rank raises."""
+    w, results = world
+    others = "rank 0" if w == 2 else f"ranks {', '.join(str(r) for r in range(w - 1))}"
+    for r, (typ, msg) in enumerate(errors(results, "differ/field_count")):
+        assert typ == "RankMismatchError", (r, typ, msg)
+        assert msg.startswith(f"a test's fields: the {w} ranks exchange records of different lengths ("), msg
+        assert f"{others}: 18 words; rank {w - 1}: 24 words" in msg and f"this is rank {r})" in msg
+    for r, (typ, msg) in enumerate(errors(results, "differ/field_names")):
+        assert typ == "RankMismatchError", (r, typ, msg)
+        assert f"the {w} ranks check different sets of fields" in msg and f"this is rank {r})" in msg
 
 
 def test_group_works_after_the_failures(world):

@@ -1,20 +1,31 @@
 """ple.parallel pieces that need no process group: token shards, ids of a shard, the agreement
-encoding, the local launcher, the demo's options and workload."""
+encoding and ple.collective's helpers, the launcher's environment, the local launcher, the demo's
+options and workload."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from ple.collective import differing, exchange_records, hash60, rank_list
 from ple.config import PLEConfig
 from ple.demo import parallel as demo_parallel
 from ple.errors import InvalidArgumentError, UsageError
 from ple.layer import PLELayer
-from ple.parallel import ParallelLayer, local_ngram_ids, shard_of, spawn_local, token_shard
+from ple.parallel import (
+    ParallelLayer,
+    init_from_env,
+    launch_env,
+    local_ngram_ids,
+    shard_of,
+    spawn_local,
+    token_shard,
+)
 from ple.parallel.guard import _decode, _encode
 
 CONFIG = PLEConfig(
@@ -157,3 +168,73 @@ def test_parallel_layer_needs_a_process_group():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(UsageError, match="needs an initialized torch.distributed process group"):
         ParallelLayer(PLELayer(CONFIG, 0), "sp")
+
+
+def test_hash60_and_rank_lists():
+    digest = "0123456789abcdef" * 4  # a sha256 hex digest reads as its own prefix
+    assert hash60(digest) == 0x0123456789ABCDE
+    assert hash60("layout") == hash60(b"layout") == int(hashlib.sha256(b"layout").hexdigest()[:15], 16)
+    assert hash60("ABC") != hash60("abc") and hash60("12") != hash60("012")  # short hex is hashed, not parsed
+    assert all(0 <= hash60(v) < 2**60 for v in (b"", "x", digest.upper()))
+    assert rank_list([3]) == "rank 3" and rank_list([0, 2]) == "ranks 0, 2"
+    assert differing([5, 5, 5]) is None and differing({}) is None
+    assert differing(["a", "b", "a"], repr) == "ranks 0, 2: 'a'; rank 1: 'b'"
+    assert differing({1: 7, 3: 8}) == "rank 1: 7; rank 3: 8"  # some ranks, by their real numbers
+
+
+def test_exchange_records_refuses_a_record_that_is_no_int64_vector():
+    with pytest.raises(InvalidArgumentError, match="t: a record must be a 1-D int64 tensor, got torch.int32"):
+        exchange_records(torch.zeros(3, dtype=torch.int32), what="t")
+    with pytest.raises(InvalidArgumentError, match="a record must be a 1-D int64 tensor"):
+        exchange_records(torch.zeros(2, 2, dtype=torch.int64), what="t")
+
+
+def _launcher_env(monkeypatch, **env):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_launch_env_checks_every_variable(monkeypatch):
+    _launcher_env(monkeypatch, RANK="1", WORLD_SIZE="2")
+    assert launch_env() == (1, 2, 0)  # LOCAL_RANK defaults to 0
+    _launcher_env(monkeypatch, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    assert launch_env().local_rank == 1
+    for env, message in [
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "gpu1"},
+            "environment variable LOCAL_RANK='gpu1' is not an integer",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK=-1 must be >= 0"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "environment variable RANK='x' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "environment variable WORLD_SIZE=0 must be >= 1"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ]:
+        _launcher_env(monkeypatch, **env)
+        with pytest.raises(InvalidArgumentError, match=f"^{message}$"):
+            launch_env()
+    _launcher_env(monkeypatch, WORLD_SIZE="2")
+    with pytest.raises(UsageError, match="environment variable RANK is not set"):
+        launch_env()
+
+
+def test_init_from_env_refuses_a_bad_local_rank_before_joining(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    _launcher_env(monkeypatch, RANK="0", WORLD_SIZE="1", LOCAL_RANK="one")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(InvalidArgumentError, match="LOCAL_RANK='one' is not an integer"):
+        init_from_env("gloo", 5)
+    assert not dist.is_initialized()
+
+
+def test_demo_under_a_launcher_checks_its_world_size(monkeypatch):
+    _launcher_env(monkeypatch, RANK="0", WORLD_SIZE="two")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(InvalidArgumentError, match="WORLD_SIZE='two' is not an integer"):
+        demo_parallel.run(_demo_args("--parallel", "dp"))

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from ..parallel import (
     build_groups,
     collective_failures,
     init_from_env,
+    launch_env,
     report_failure,
     shard_of,
     spawn_local,
@@ -470,8 +472,12 @@ def _fault(opts: Options, ctx: ProcessContext, step: int) -> None:
     raise InvalidArgumentError(f"--fault {opts.fault}: rank {rank} raised at step {step} as asked")
 
 
-def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]:
-    """Run this rank's share of the workload; returns its counts and timings."""
+def serve_rank(opts: Options, ctx: ProcessContext, work: Path, *, scratch: bool = False) -> dict[str, Any]:
+    """Run this rank's share of the workload; returns its counts and timings.
+
+    ``work``: where the "mmap" tier writes its table file. ``scratch=True``: ``work`` is this rank's own
+    temporary folder and is removed as soon as the tables are open (a memory map outlives its file),
+    so a rank that dies or is killed later leaves nothing behind."""
     config = PLEConfig.from_pretrained(opts.config) if opts.config else PLEConfig.from_dict(DEFAULT_CONFIG)
     if not 0 <= opts.layer < config.num_ple_layers:
         raise InvalidArgumentError(f"--layer {opts.layer}: the config has {config.num_ple_layers} PLE layer(s)")
@@ -487,6 +493,8 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path) -> dict[str, Any]
     ref.load_state_dict(layer.state_dict())
     with collective_failures("building the tables", ctx):
         ref_table, table = _tables(opts, config, full, ctx, work)
+    if scratch:
+        shutil.rmtree(work, ignore_errors=True)
     ref.set_table(ref_table)
     layer.set_table(table)
     if opts.mode == "sp":
@@ -554,17 +562,15 @@ def _empty_step(config: PLEConfig) -> Step:
 def worker(opts: Options) -> int:
     """One rank: join the job, serve, gather every rank's results at rank 0, report. Exit status."""
     ctx = init_from_env(opts.backend, opts.timeout_s)
-    tmp = None
+    if opts.workdir:  # the user's, or the spawner's folder (it removes it)
+        work, scratch = Path(opts.workdir), False
+    else:  # a rank of a launcher's job: a folder of its own, removed as soon as possible
+        work, scratch = Path(tempfile.mkdtemp(prefix=f"ple-parallel-{ctx.rank}-")), True
     try:
-        if opts.workdir:
-            work = Path(opts.workdir)
-            work.mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix=f"ple-parallel-{ctx.rank}-")
-            work = Path(tmp.name)
+        work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
-            stats = serve_rank(opts, ctx, work)
+            stats = serve_rank(opts, ctx, work, scratch=scratch)
         except Exception as e:
             _fail(ctx, e)
             return 1
@@ -594,8 +600,8 @@ def worker(opts: Options) -> int:
             _report(opts, ctx, per_rank, stats["coverage"], ok, time.perf_counter() - t0)
         return 0 if ok else 1
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        if scratch:
+            shutil.rmtree(work, ignore_errors=True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -653,10 +659,15 @@ def _report(opts: Options, ctx: ProcessContext, per_rank: list[dict], coverage: 
 
 # ---------------------------------------------------------------------------------------- launching
 def run(args: argparse.Namespace) -> int:
-    """``ple demo --parallel MODE``: a rank of torchrun's job, or spawn ``--ranks`` local ranks."""
+    """``ple demo --parallel MODE``: a rank of torchrun's job, or spawn ``--ranks`` local ranks.
+
+    Spawned ranks write their files (the "mmap" tier's table file) in a folder of this process's
+    temporary folder (or ``--workdir``), removed here however the ranks end (a rank that dies, or
+    is killed after the grace period, cleans nothing itself). A rank of a launcher's job without
+    ``--workdir`` removes its own temporary folder once its tables are open."""
     opts = Options.from_args(args)
     if under_launcher():
-        world = int(os.environ["WORLD_SIZE"])
+        world = launch_env().world_size
         if opts.ranks not in (1, world):
             raise InvalidArgumentError(f"--ranks {opts.ranks}, but the launcher started {world} ranks (WORLD_SIZE)")
         opts.check_world(world)
@@ -664,7 +675,8 @@ def run(args: argparse.Namespace) -> int:
     opts.check_world(opts.ranks)
     with tempfile.TemporaryDirectory(prefix="ple-parallel-") as tmp:
         spec = Path(tmp) / "options.json"
-        spec.write_text(json.dumps(dataclasses.asdict(opts)))
+        ranks_opts = opts if opts.workdir else dataclasses.replace(opts, workdir=str(Path(tmp) / "ranks"))
+        spec.write_text(json.dumps(dataclasses.asdict(ranks_opts)))
         argv = [sys.executable, "-c", _RANK_CODE, str(spec)]
         # a failed rank makes the others fail within the collective timeout (plus the peers' reports)
         grace = opts.timeout_s + 2 * _REPORT_WAIT_S + 3.0

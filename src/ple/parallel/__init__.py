@@ -6,10 +6,12 @@
   batch, the table sharded across them); groups of ``"sp"`` ranks combine with data parallelism
   (:func:`build_groups`). Outputs and state pools are bit-identical to one process.
 - :func:`init_from_env` joins the job ``torchrun`` (or :func:`spawn_local`) started: ``env://``
-  rendezvous, gloo on CPUs, NCCL on ``cuda:LOCAL_RANK``, a bounded collective timeout.
+  rendezvous, gloo on CPUs, NCCL on ``cuda:LOCAL_RANK``, a bounded collective timeout;
+  :func:`launch_env` reads and checks the launcher's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
 - Failing together (:mod:`.guard`): ranks that disagree on configuration, mode, geometry or the
   step's batch raise :class:`RankMismatchError` on every rank before any data collective; a rank
-  that dies or stalls makes the others raise :class:`PeerFailureError` within the timeout.
+  that dies or stalls makes the others raise :class:`PeerFailureError` within the timeout. The
+  exchange under every agreement check is :func:`ple.collective.exchange_records`.
 
 The table side lives in :mod:`ple.table.sharded` (:class:`~ple.table.ShardedTable`). Costs per mode:
 docs/DISTRIBUTED.md.
@@ -19,13 +21,23 @@ from __future__ import annotations
 
 from .groups import Groups, build_groups
 from .guard import PeerFailureError, RankMismatchError, agree, collective_failures, report_failure
-from .launch import BACKENDS, LaunchResult, ProcessContext, init_from_env, spawn_local, under_launcher
+from .launch import (
+    BACKENDS,
+    LaunchEnv,
+    LaunchResult,
+    ProcessContext,
+    init_from_env,
+    launch_env,
+    spawn_local,
+    under_launcher,
+)
 from .modes import MODES, ParallelLayer, batch_digest
 from .sequence import local_ngram_ids, sequence_parallel_forward, shard_of, token_shard
 
 __all__ = [
     "BACKENDS",
     "Groups",
+    "LaunchEnv",
     "LaunchResult",
     "MODES",
     "ParallelLayer",
@@ -37,6 +49,7 @@ __all__ = [
     "build_groups",
     "collective_failures",
     "init_from_env",
+    "launch_env",
     "local_ngram_ids",
     "report_failure",
     "sequence_parallel_forward",

@@ -2,8 +2,9 @@
 
 - :func:`agree` exchanges a few named values (ints or short strings) over a group and raises
   :class:`RankMismatchError` on *every* rank when they differ, naming each field and each rank's
-  value. It is one small all-gather, run before any collective whose shapes depend on those
-  values, so disagreeing ranks never reach a collective that would abort or hang.
+  value. It runs before any collective whose shapes depend on those values, so disagreeing ranks
+  never reach a collective that would abort or hang; the exchange is
+  :func:`ple.collective.exchange_records` (a small all-gather of the lengths, then of the values).
 - :func:`collective_failures` turns a failed collective (a peer that died closes its connections; a
   peer that stalls past the group's timeout makes the wait time out) into a
   :class:`PeerFailureError` saying what this rank was doing, how long it waited, and, through the
@@ -15,15 +16,15 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import PLEError
+from ..collective import RankMismatchError, differing, exchange_records, hash60, rank_list
+from ..errors import ArgumentTypeError, PLEError
 from .launch import ProcessContext
 
 __all__ = ["PeerFailureError", "RankMismatchError", "agree", "collective_failures", "report_failure"]
@@ -32,36 +33,23 @@ _KEY = "ple/failed/"
 _STR_WORDS = 4  # a string field travels as its first 32 UTF-8 bytes plus a hash of all of it
 
 
-class RankMismatchError(PLEError, ValueError):
-    """The ranks of a group disagree on something they must share (configuration, mode, geometry, the
-    step's batch); raised on every rank, before any data collective, with the same list of fields."""
-
-    def __init__(self, message: str, fields: list[str]) -> None:
-        super().__init__(message)
-        self.fields = fields
-
-
 class PeerFailureError(PLEError, RuntimeError):
     """A collective failed because another rank died, raised, or stalled past the group's timeout."""
 
 
 # ---------------------------------------------------------------------- agreement
-def _hash60(data: bytes) -> int:
-    return int(hashlib.sha256(data).hexdigest()[:15], 16)
-
-
 def _encode(value: int | str) -> list[int]:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"agree: field values must be int or str, got {type(value).__name__}")
+        raise ArgumentTypeError(f"agree: field values must be int or str, got {type(value).__name__}")
     if isinstance(value, int):
         return [0, value] + [0] * _STR_WORDS
     raw = value.encode()
     head = raw[: 8 * _STR_WORDS].ljust(8 * _STR_WORDS, b"\0")
     words = [int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True) for i in range(_STR_WORDS)]
-    return [1 if len(raw) <= 8 * _STR_WORDS else 2, _hash60(raw)] + words
+    return [1 if len(raw) <= 8 * _STR_WORDS else 2, hash60(raw)] + words
 
 
-def _decode(row: list[int]) -> str:
+def _decode(row: Sequence[int]) -> str:
     kind, value, *words = row
     if kind == 0:
         return str(value)
@@ -75,23 +63,26 @@ def agree(
     what: str,
     group: Any = None,
     device: torch.device | str = "cpu",
+    *,
+    same_fields: bool = False,
 ) -> None:
     """Check that every rank of ``group`` passes the same ``fields``; raise on every rank if not.
 
     ``what`` names the check in the message (e.g. "PLE layer 0, sequence parallel: configuration").
     The field names are part of the exchange (ranks checking different things disagree too).
     ``device``: where the exchange runs (CPU for gloo, the rank's GPU for an NCCL-only group).
+    ``same_fields=True``: every rank is known to check the same field names (fixed by code and
+    settings the ranks already agreed on), which spares the exchange of record lengths
+    (:func:`ple.collective.exchange_records`): one collective instead of two.
     """
     names = list(fields)
-    rows = [[len(names), _hash60("\0".join(names).encode())] + [0] * _STR_WORDS]
-    rows += [_encode(fields[n]) for n in names]
-    mine = torch.tensor(rows, dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    everyone = [g.cpu().tolist() for g in gathered]
-    me = dist.get_rank(group)
-    if everyone[0][0] != rows[0] or any(e[0] != everyone[0][0] for e in everyone):
+    width = 2 + _STR_WORDS
+    record = [len(names), hash60("\0".join(names).encode())] + [0] * _STR_WORDS
+    for n in names:
+        record += _encode(fields[n])
+    everyone = exchange_records(record, what=what, group=group, device=device, same_length=same_fields)
+    world, me = len(everyone), dist.get_rank(group)
+    if differing([e[:width] for e in everyone]) is not None:
         raise RankMismatchError(
             f"{what}: the {world} ranks check different sets of fields (different ple versions or code paths?) "
             f"(raised on every rank before any data collective; this is rank {me})",
@@ -100,13 +91,11 @@ def agree(
     differ = []
     lines = []
     for i, name in enumerate(names, start=1):
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r, e in enumerate(everyone):
-            groups.setdefault(tuple(e[i][:2]), []).append(r)
-        if len(groups) > 1:
+        # equal (kind, value or hash) means equal words too: group by the whole encoding
+        by_rank = differing([e[i * width : (i + 1) * width] for e in everyone], _decode)
+        if by_rank is not None:
             differ.append(name)
-            parts = "; ".join(f"{_ranks(rs)}: {_decode(everyone[rs[0]][i])}" for rs in groups.values())
-            lines.append(f"  - {name}: {parts}")
+            lines.append(f"  - {name}: {by_rank}")
     if differ:
         body = "\n".join(lines)
         raise RankMismatchError(
@@ -114,10 +103,6 @@ def agree(
             f"collective; this is rank {me}):\n{body}",
             differ,
         )
-
-
-def _ranks(rs: list[int]) -> str:
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
 
 
 # ---------------------------------------------------------------------- failures
@@ -193,7 +178,7 @@ def collective_failures(what: str, context: ProcessContext | None, *, report_wai
             for r, msg in sorted(reports.items()):
                 lines.append(f"  rank {r}: {msg}")
             if silent:
-                lines.append(f"  {_ranks(silent)}: no report (died, or still stalled)")
+                lines.append(f"  {rank_list(silent)}: no report (died, or still stalled)")
             if problem:
                 lines.append(f"  (the rendezvous store could not be read: {problem}; its host, rank 0, may be gone)")
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__

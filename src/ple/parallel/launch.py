@@ -1,10 +1,11 @@
 """Joining a process group the way ``torchrun`` starts one, and starting N local ranks like it.
 
 :func:`init_from_env` reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun``, or :func:`spawn_local`), rendezvouses through
-``env://`` and initializes the default group with a bounded collective timeout: gloo on CPUs, NCCL
-on GPUs with this process's device ``cuda:LOCAL_RANK``. It keeps the rendezvous store so that a
-failed collective can tell which ranks are still there (:mod:`ple.parallel.guard`).
+checked by :func:`launch_env`; ``MASTER_ADDR``, ``MASTER_PORT``: ``torchrun``, or
+:func:`spawn_local`), rendezvouses through ``env://`` and initializes the default group with a
+bounded collective timeout: gloo on CPUs, NCCL on GPUs with this process's device
+``cuda:LOCAL_RANK``. It keeps the rendezvous store so that a failed collective can tell which ranks
+are still there (:mod:`ple.parallel.guard`).
 
 :func:`spawn_local` runs one command as N local ranks with that environment, waits for all of them
 within a deadline, and kills what is left once one rank failed and a grace period passed.
@@ -21,14 +22,23 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError, UsageError
 
-__all__ = ["BACKENDS", "LaunchResult", "ProcessContext", "init_from_env", "spawn_local", "under_launcher"]
+__all__ = [
+    "BACKENDS",
+    "LaunchEnv",
+    "LaunchResult",
+    "ProcessContext",
+    "init_from_env",
+    "launch_env",
+    "spawn_local",
+    "under_launcher",
+]
 
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -61,7 +71,7 @@ class ProcessContext:
         if not dist.is_available() or not dist.is_initialized():
             raise UsageError("no torch.distributed process group is initialized")
         backend = str(dist.get_backend()).lower()
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = _env_int("LOCAL_RANK", 0, default=0)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         return cls(dist.get_rank(), dist.get_world_size(), local, backend, device, float(timeout_s), store)
 
@@ -71,9 +81,12 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in _ENV)
 
 
-def _env_int(name: str, lo: int) -> int:
+def _env_int(name: str, lo: int, default: int | None = None) -> int:
+    """The launcher's integer ``name`` (>= ``lo``); ``default`` when it is unset (None: required)."""
     text = os.environ.get(name)
     if text is None:
+        if default is not None:
+            return default
         raise UsageError(
             f"environment variable {name} is not set: start this process with torchrun or `ple demo --ranks N`"
         )
@@ -84,6 +97,28 @@ def _env_int(name: str, lo: int) -> int:
     if v < lo:
         raise InvalidArgumentError(f"environment variable {name}={v} must be >= {lo}")
     return v
+
+
+class LaunchEnv(NamedTuple):
+    """What the launcher says about this process: ``rank`` of ``world_size``, and ``local_rank`` on
+    this machine (which GPU it uses)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (default 0) from the launcher's environment, checked:
+    :class:`~ple.errors.UsageError` when ``RANK`` or ``WORLD_SIZE`` is unset,
+    :class:`~ple.errors.InvalidArgumentError` naming the variable and its value when one is not an
+    integer, is negative (``WORLD_SIZE`` < 1) or ``RANK`` is not below ``WORLD_SIZE``."""
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local = _env_int("LOCAL_RANK", 0, default=0)
+    if rank >= world:
+        raise InvalidArgumentError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    return LaunchEnv(rank, world, local)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> ProcessContext:
@@ -106,11 +141,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> Proces
         raise InvalidArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
     if dist.is_initialized():
         raise UsageError("a default process group is already initialized in this process")
-    rank = _env_int("RANK", 0)
-    world = _env_int("WORLD_SIZE", 1)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if rank >= world:
-        raise InvalidArgumentError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    rank, world, local = launch_env()
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise UsageError(f"environment variable {name} is not set: start this process with torchrun")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collective import collective_device
 from ..errors import InvalidArgumentError, UsageError
 from ..layer import PLELayer
 from ..runtime.batch import Batch
@@ -74,15 +75,6 @@ def _param_stamp(layer: PLELayer) -> tuple:
     return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in layer.parameters())
 
 
-def _exchange_device(context: ProcessContext | None) -> torch.device:
-    if context is not None:
-        return context.device
-    backend = str(dist.get_backend()).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class ParallelLayer:
     """A :class:`~ple.layer.PLELayer` run by the ranks of a job in ``mode`` (see the module docstring).
 
@@ -117,7 +109,7 @@ class ParallelLayer:
         self.group = group
         self.context = context
         self.check_batches = bool(check_batches)
-        self.device = _exchange_device(context)
+        self.device = collective_device(None, None if context is None else context.device)
         self.group_size = dist.get_world_size(group) if mode != "dp" else 1
         self.group_rank = dist.get_rank(group) if mode != "dp" else 0
         self._steps = itertools.count()
@@ -144,6 +136,7 @@ class ParallelLayer:
             "table_rows": -1 if table is None else table.rows,
             "table_ids": table.ids if isinstance(table, ShardedTable) else "",
             "table_method": table.method if isinstance(table, ShardedTable) else "",
+            "check_batches": int(self.check_batches),
         }
         what = f"PLE layer {layer.ple_layer_index}, {mode!r} mode: configuration"
         with collective_failures(what, context):
@@ -185,10 +178,10 @@ class ParallelLayer:
                     "input_ids": int(input_ids.shape[0]) if input_ids.dim() == 1 else -1,
                     "hidden_rows": int(hidden.shape[0]) if hidden.dim() == 2 else -1,
                     "hidden_dtype": str(hidden.dtype).removeprefix("torch."),
+                    "batch": batch_digest(input_ids, batch) if self.check_batches else "",
                 }
-                if self.check_batches:
-                    fields["batch"] = batch_digest(input_ids, batch)
-                agree(fields, f"{what}: the batch", self.group, self.device)
+                # the same field names on every rank (fixed here; check_batches agreed at construction)
+                agree(fields, f"{what}: the batch", self.group, self.device, same_fields=True)
             if self.mode == "sp":
                 stamp = _param_stamp(layer)
                 if stamp != self._stamp:  # parameters changed in place since: derived buffers are stale

@@ -32,20 +32,23 @@ Collective contract: every rank of the group calls :meth:`ShardedTable.lookup` (
 exchanges one small header (lookup number, token and head counts, dtype, whether the ids are in
 range, per-owner counts): when the ranks disagree on anything they must share, every rank raises
 the same error naming the ranks and values, instead of one process aborting inside the collective
-library and the others waiting. ``verify_ids=True`` also compares a digest of replicated ids.
+library and the others waiting (the exchange is :func:`ple.collective.exchange_records`).
+``verify_ids=True`` also compares a digest of replicated ids.
 Collectives run on the ids' device (NCCL for CUDA ids, gloo for CPU ids); every lookup reads the
 header back to the host (one synchronization on an accelerator).
 
 Construction is itself collective: the ranks exchange a fixed-size fingerprint (total rows,
 head_dim, format, layout hash, global scale, method, ids mode, row range) and, when they disagree
 or their ranges overlap or leave gaps, every rank raises :class:`ShardGeometryError` naming the
-ranks and values, instead of some ranks proceeding into collectives that would never match.
+ranks and values, instead of some ranks proceeding into collectives that would never match (ranks
+whose fingerprints differ in length, i.e. run other ple versions, raise
+:class:`ple.collective.RankMismatchError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import functools
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -54,6 +57,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..collective import collective_device, differing, exchange_records, hash60, rank_list
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import Table, require_stored
 from .file import hash_layout
@@ -142,7 +146,7 @@ _FIELDS = (
     "local_rows",
     "local_errors",
 )
-_HASH_HEX = 15  # layout hashes are compared on their first 60 bits (fits int64)
+_HASH_HEX = 15  # layout hashes are compared on their first 60 bits (hash60: a digest's own prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +175,6 @@ def _nonneg_int(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
 
 
-def _hash_bits(layout_hash: str) -> int:
-    try:
-        return int(layout_hash[:_HASH_HEX], 16)
-    except ValueError:  # not a hex digest: hash the text itself
-        return int(hashlib.sha256(layout_hash.encode()).hexdigest()[:_HASH_HEX], 16)
-
-
 def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash, ids_mode):
     """``(fingerprint, problems)`` of this rank. Never raises: invalid arguments become -1 fields
     and local problems, reported collectively so every rank fails together."""
@@ -203,7 +200,7 @@ def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, lay
     hbits = -1
     if layout_hash is not None:
         if isinstance(layout_hash, str) and layout_hash:
-            hbits = _hash_bits(layout_hash)
+            hbits = hash60(layout_hash)
         else:
             problems.append(f"layout_hash must be a non-empty str or a dict, got {layout_hash!r}")
     fp = _Fingerprint(
@@ -236,23 +233,16 @@ def _render(field: str, v: int) -> str:
     return "invalid" if v < 0 else str(v)
 
 
-def _ranks(rs: Sequence[int]) -> str:
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in rs)
-
-
 def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
     """Problems with the ranks' fingerprints; empty when they describe one table tiled by the ranges."""
     problems: list[str] = []
     failed = [r for r, fp in enumerate(fps) if fp.local_errors]
     if failed:
-        problems.append(f"{_ranks(failed)} could not describe their shard (invalid arguments, listed on that rank)")
+        problems.append(f"{rank_list(failed)} could not describe their shard (invalid arguments, listed on that rank)")
     live = [(r, fp) for r, fp in enumerate(fps) if not fp.local_errors]
     for field in ("total_rows", "head_dim", "format", "layout_hash", "global_scale", "method", "ids_mode"):
-        groups: dict[int, list[int]] = {}
-        for r, fp in live:
-            groups.setdefault(getattr(fp, field), []).append(r)
-        if len(groups) > 1:
-            parts = "; ".join(f"{_ranks(rs)}: {_render(field, v)}" for v, rs in groups.items())
+        parts = differing({r: getattr(fp, field) for r, fp in live}, functools.partial(_render, field))
+        if parts is not None:
             problems.append(f"{field} differs across ranks ({parts})")
     if failed:
         return problems  # the ranges cannot be judged with a rank missing
@@ -299,29 +289,17 @@ def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
 
 
 # ---------------------------------------------------------------------- helpers
-def _collective_device(group, device=None) -> torch.device:
-    """Device of the construction-time exchange: the one given, else what the backend serves (CPU
-    with gloo, the current CUDA device with NCCL alone), the same on every rank."""
-    if device is not None:
-        return torch.device(device)
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _exchange_fingerprints(group, mine: _Fingerprint, device: torch.device) -> list[_Fingerprint]:
-    local = torch.tensor(mine.as_list(), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    return [_Fingerprint.from_list(t.tolist()) for t in gathered]
+def _exchange_fingerprints(group, mine: _Fingerprint, device: torch.device | None) -> list[_Fingerprint]:
+    """Every rank's fingerprint (the same list on every rank: every rank reaches the same verdict)."""
+    records = exchange_records(mine.as_list(), what="ShardedTable: construction", group=group, device=device)
+    return [_Fingerprint.from_list(r) for r in records]
 
 
 def _fail_with_peers(group, problem: str) -> NoReturn:
     """Take part in the construction exchange with a failed fingerprint, then raise: the peers
     reach the same exchange and raise too, instead of waiting for this rank forever."""
     failed = _Fingerprint.from_list([-1] * (len(_FIELDS) - 1) + [1])  # every field invalid, one local error
-    fps = _exchange_fingerprints(group, failed, _collective_device(group))
+    fps = _exchange_fingerprints(group, failed, None)
     rank = dist.get_rank(group)
     raise ShardGeometryError([f"rank {rank} (this rank): {problem}"] + _check_fingerprints(fps), rank, len(fps))
 
@@ -479,7 +457,7 @@ class ShardedTable(Table):
         mine, local_problems = _local_fingerprint(
             local_table, total_rows, row_start, row_stop, method, layout_hash, ids
         )
-        self._exchange_device = _collective_device(group, device)
+        self._exchange_device = collective_device(group, device)
         fps = _exchange_fingerprints(group, mine, self._exchange_device)
         problems = [f"rank {self.rank} (this rank): {p}" for p in local_problems] + _check_fingerprints(fps)
         if problems:
@@ -605,9 +583,9 @@ class ShardedTable(Table):
                 order = torch.argsort(owner, stable=True)
                 counts = torch.bincount(owner, minlength=W)
         mine = torch.cat([torch.stack([torch.as_tensor(f, dtype=torch.int64, device=dev) for f in fields]), counts])
-        gathered = [torch.empty_like(mine) for _ in range(W)]
-        dist.all_gather(gathered, mine, group=self.group)
-        headers = [_Header.from_list(t.tolist()) for t in torch.stack(gathered).cpu()]
+        # 7 + W words on every rank of the group: no exchange of lengths
+        records = exchange_records(mine, what="ShardedTable: lookup header", group=self.group, same_length=True)
+        headers = [_Header.from_list(r) for r in records]
         self._check_headers(headers, number, problem, ids)  # raises on every rank alike
         if self.method == "alltoall":
             assert flat_ok is not None and order is not None
@@ -624,7 +602,9 @@ class ShardedTable(Table):
         rows: list[str] = []
         invalid = [r for r, h in enumerate(headers) if h.dtype < 0]
         if invalid:
-            rows.append(f"{_ranks(invalid)} passed invalid arguments" + (f" (this rank: {problem})" if problem else ""))
+            rows.append(
+                f"{rank_list(invalid)} passed invalid arguments" + (f" (this rank: {problem})" if problem else "")
+            )
         if len({(h.table, h.number) for h in headers}) > 1:
             desc = "; ".join(f"rank {r}: table {h.table}, lookup {h.number}" for r, h in enumerate(headers))
             rows.append(
@@ -651,7 +631,7 @@ class ShardedTable(Table):
                 rows.append(f"ranks looked up different ids although this table's ids are 'replicated' ({desc})")
         bad = [r for r, h in valid if h.bad]
         if bad:
-            rows.append(f"{_ranks(bad)} looked up row ids outside [0, {self.rows})")
+            rows.append(f"{rank_list(bad)} looked up row ids outside [0, {self.rows})")
         if not rows:
             return
         if me in bad and not invalid:

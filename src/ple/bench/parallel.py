@@ -1,6 +1,6 @@
 """Time per step of each parallel mode on 1, 2, 4 ... local gloo processes (docs/DISTRIBUTED.md).
 
-``python -m ple.parallel.bench [--ranks 1,2,4] [--threads 1] [--output FILE]`` spawns each world
+``python -m ple.bench.parallel [--ranks 1,2,4] [--threads 1] [--output FILE]`` spawns each world
 size once per mode with :func:`ple.parallel.spawn_local`; every rank builds the published layer
 geometry (H 2560, HC 4, E 2560, 16 heads of 160, N 3, K 4) with a smaller fp8 table (``--base``
 rows per head, default 65,536: about 1.05 M rows) and times fixed steps, each after a barrier, as the
@@ -32,13 +32,11 @@ import torch.distributed as dist
 
 from ..config import PLEConfig
 from ..layer import PLELayer
+from ..parallel import ParallelLayer, init_from_env, shard_of, spawn_local
 from ..runtime.batch import Batch
 from ..table import MemoryTable
 from ..table.quantize import quantize_global
 from ..table.sharded import ShardedTable
-from .launch import init_from_env, spawn_local
-from .modes import ParallelLayer
-from .sequence import shard_of
 
 __all__ = ["main"]
 
@@ -167,7 +165,7 @@ def _engines_lookup(table: ShardedTable, ids: torch.Tensor, dtype: torch.dtype) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ple.parallel.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ple.bench.parallel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="1,2,4", help="world sizes, comma-separated (default 1,2,4)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"modes, comma-separated (default {','.join(MODES)})")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(Path(args.worker).read_text()))
         return 0
     results: dict[str, dict[str, dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory(prefix="ple-parallel-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ple-bench-parallel-") as tmp:
         for W in (int(x) for x in args.ranks.split(",")):
             for mode in args.modes.split(","):
                 spec = {
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 path = Path(tmp) / f"spec-{mode}-{W}.json"
                 path.write_text(json.dumps(spec))
-                argv_w = [sys.executable, "-m", "ple.parallel.bench", "--worker", str(path)]
+                argv_w = [sys.executable, "-m", "ple.bench.parallel", "--worker", str(path)]
                 res = spawn_local(argv_w, W, deadline_s=3600, grace_s=60)
                 if not res.ok:
                     print(f"{mode} on {W} ranks failed: {res.returncodes}", file=sys.stderr)
