@@ -13,7 +13,9 @@ the table files' pages evicted from the page cache first, so loads read from dis
 - ple, second start: the table files are reused (``--repeats`` fresh processes, medians).
 
 Reported per process: load seconds, generate seconds, peak resident memory (``VmHWM``: anonymous
-plus file-backed pages) and the sampled peaks of each kind; the generated tokens must be equal.
+plus file-backed pages) and the sampled peaks of each kind. Every ple process must generate
+transformers' tokens, with step logits within ``LOGIT_TOLERANCE`` of transformers' (each process
+writes its own logits file); the largest difference is reported.
 Prints a markdown table; ``--json`` writes the samples with the machine description.
 """
 
@@ -28,8 +30,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from ple.bench.runner import machine_info, versions
 from ple.demo.model import build_model, measure, prompts
+
+LOGIT_TOLERANCE = 1e-4
 
 
 def _checkpoint(folder: Path, base: int) -> int:
@@ -57,19 +63,40 @@ def main(argv=None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
             tables = _checkpoint(folder / "ckpt", base)
             print(f"base {base}: tables {tables / 1e6:,.0f} MB", file=sys.stderr)
-            logits = folder / "logits.pt"
-            plain = measure("plain", folder / "ckpt", ids, args.new_tokens, logits, timeout=1800)
-            first = measure("ple", folder / "ckpt", ids, args.new_tokens, logits, table_dir=folder / "tables")
+            plain = measure("plain", folder / "ckpt", ids, args.new_tokens, folder / "logits-plain.pt", timeout=1800)
+            ple_logits = [folder / f"logits-ple-{i}.pt" for i in range(1 + args.repeats)]
+            first = measure("ple", folder / "ckpt", ids, args.new_tokens, ple_logits[0], table_dir=folder / "tables")
             seconds = [
-                measure("ple", folder / "ckpt", ids, args.new_tokens, logits, table_dir=folder / "tables")
-                for _ in range(args.repeats)
+                measure("ple", folder / "ckpt", ids, args.new_tokens, out, table_dir=folder / "tables")
+                for out in ple_logits[1:]
             ]
-            for r in (first, *seconds):
+            want = torch.load(folder / "logits-plain.pt")
+            diff = 0.0
+            for r, out in zip((first, *seconds), ple_logits):
                 if r["tokens"] != plain["tokens"]:
                     raise SystemExit(f"base {base}: ple generated other tokens than transformers")
+                got = torch.load(out)
+                if got.shape != want.shape:
+                    raise SystemExit(
+                        f"base {base}: ple's logits are {list(got.shape)}, transformers' {list(want.shape)}"
+                    )
+                diff = max(diff, float((got - want).abs().max()))
+            if diff > LOGIT_TOLERANCE:
+                raise SystemExit(
+                    f"base {base}: ple's logits differ from transformers' by {diff:.2e} > {LOGIT_TOLERANCE}"
+                )
             if any(r["tables"] != [["reused", "reused"]] for r in seconds):
                 raise SystemExit(f"base {base}: a second start did not reuse the table files")
-            rows.append({"base": base, "table_bytes": tables, "plain": plain, "first": first, "second": seconds})
+            rows.append(
+                {
+                    "base": base,
+                    "table_bytes": tables,
+                    "max_logit_diff": diff,
+                    "plain": plain,
+                    "first": first,
+                    "second": seconds,
+                }
+            )
             shutil.rmtree(folder / "ckpt")  # disk: keep only the table files of the sizes measured
     finally:
         if not args.workdir:
@@ -99,7 +126,8 @@ def main(argv=None) -> int:
         )
         print(
             f"tables {row['table_bytes'] / 1e6:,.0f} MB: peak memory drop {drop / 1e6:,.0f} MB = "
-            f"{drop / row['table_bytes']:.0%} of the tables; 2nd-start load {med(row['second'], 'load_seconds'):.2f} s"
+            f"{drop / row['table_bytes']:.0%} of the tables; 2nd-start load {med(row['second'], 'load_seconds'):.2f} s; "
+            f"max logit diff vs transformers {row['max_logit_diff']:.1e}"
         )
     if args.json:
         out = Path(args.json)

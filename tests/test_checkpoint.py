@@ -882,3 +882,99 @@ def test_no_module_reads_pickles():
     """The loader source never calls torch.load or pickle."""
     src = Path(ckpt.__file__).read_text()
     assert "torch.load" not in src and "pickle" not in src.replace("pickled", "")
+
+
+# ----------------------------------------------------------------------- the public reading helpers
+
+
+def test_read_header_raises_what_the_scan_lists(tmp_path):
+    f = tmp_path / "model.safetensors"
+    save_file({"x": torch.arange(6.0).reshape(2, 3)}, str(f), metadata={"format": "pt"})
+    h = ckpt.read_header(f)
+    assert h.metadata == {"format": "pt"} and list(h.tensors) == ["x"]
+    x = h.tensors["x"]
+    assert (x.dtype, x.shape, x.nbytes) == ("F32", (2, 3), 24) and x.end == f.stat().st_size
+    assert h.raw == f.read_bytes()[8 : 8 + int.from_bytes(f.read_bytes()[:8], "little")]
+    header = json.dumps({"x": {"dtype": "F32", "shape": [4]}}).encode()  # no data_offsets
+    f.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointError, match="malformed safetensors header entry for 'x'"):
+        ckpt.read_header(f)
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    with pytest.raises(CheckpointError, match="is a FIFO, not a regular file"):
+        ckpt.read_header(tmp_path / "fifo.safetensors")
+
+
+def test_checkpoint_files_keep_to_the_folder(tmp_path):
+    _, cfg, mods = tiny_model("short_last")
+    write_checkpoint(tmp_path / "ck", model_tensors(cfg, mods), files=2)
+    files = ckpt.checkpoint_files(tmp_path / "ck")
+    assert len(files) == 2 and all(f.parent == tmp_path / "ck" for f in files)
+    assert ckpt.checkpoint_files(tmp_path / "ck" / INDEX) == files
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "outside.safetensors"))
+    (tmp_path / "ck" / INDEX).write_text(json.dumps({"weight_map": {"x": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match="is not a file name in the model folder"):
+        ckpt.checkpoint_files(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_the_pread_reader_reads_what_safetensors_reads_and_maps_nothing(tmp_path, monkeypatch, sharded):
+    """Every tensor and row range equal to safetensors' reading; a table stored as one tensor is
+    streamed with pread too (safetensors, which maps the file, is never called)."""
+    _, cfg, (mod,) = tiny_model("short_last")
+    lay = cfg.layout(0)
+    tensors = published_tensors(mod, lay, P0, sharded=sharded)
+    write_checkpoint(tmp_path, tensors, files=2)
+    headers = [ckpt.read_header(f) for f in ckpt.checkpoint_files(tmp_path)]
+    with ckpt.PreadReader() as reader:
+        for h in headers:
+            for name, info in h.tensors.items():
+                got = reader.get(info, name)
+                assert got.dtype == tensors[name].dtype and torch.equal(got, tensors[name]), name
+                if got.dim() and got.shape[0] > 3:
+                    assert torch.equal(reader.rows(info, name, 1, 3), tensors[name][1:3]), name
+    entry = scan_checkpoint(tmp_path, cfg).layers[0]
+    assert (entry.whole_table is None) == sharded
+
+    def no_mapping(*a, **k):
+        raise AssertionError("safetensors was asked to read")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_mapping)
+    with ckpt.PreadReader() as reader:
+        rows = torch.cat([r for _, r, _ in iter_table_shards(entry, reader)])
+        table = ckpt.load_table(entry, reader)
+    assert torch.equal(rows, mod.state_dict()[TABLE]) and torch.equal(table.data, rows)
+
+
+def test_the_pread_reader_refuses_a_file_changed_since_the_scan(tmp_path):
+    _, cfg, (mod,) = tiny_model("short_last")
+    tensors = published_tensors(mod, cfg.layout(0), P0)
+    write_checkpoint(tmp_path, tensors, files=1, index=False)
+    entry = scan_checkpoint(tmp_path, cfg).layers[0]
+    name = f"{P0}{EMB}shard_1.weight"
+    f = entry.shards[1].file
+    save_file({**tensors, name: tensors[name][:-1].clone()}, str(f))  # one row fewer
+    with ckpt.PreadReader() as reader:
+        with pytest.raises(
+            CheckpointError, match=r"shard_\d\.weight in .*: F32 .* \(the file changed after it was scanned\)"
+        ):
+            ckpt.load_table(entry, reader)
+    truncate(f, 100)
+    with ckpt.PreadReader() as reader:
+        with pytest.raises(CheckpointError, match="changed after it was scanned"):
+            reader.get(entry.shards[0], f"{P0}{EMB}shard_0.weight")
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan")])
+def test_load_table_checks_every_per_row_scale(tmp_path, value):
+    _, cfg, (mod,) = tiny_model("short_last")
+    lay = cfg.layout(0)
+    table = _fp8_table(lay, 3)
+    scale = torch.rand(lay.padded_rows, 1) + 0.5
+    scale[lay.shard_range(2)[0] + 5, 0] = value
+    write_checkpoint(tmp_path, published_tensors(mod, lay, P0, table=table, row_scale=scale))
+    entry = scan_checkpoint(tmp_path, cfg).layers[0]
+    with ckpt.PreadReader() as reader:
+        with pytest.raises(
+            CheckpointError, match=f"shard_2.weight_scale: the scale of row {lay.shard_range(2)[0] + 5}"
+        ):
+            ckpt.load_table(entry, reader)

@@ -40,6 +40,14 @@ __all__ = [
     "load_ple_weights",
     "iter_table_shards",
     "read_safetensors_header",
+    "read_header",
+    "SafetensorsHeader",
+    "TensorInfo",
+    "checkpoint_files",
+    "load_table",
+    "PreadReader",
+    "SAFETENSORS_DTYPES",
+    "INDEX_NAME",
     "resolve_model",
     "table_shards",
     "table_file_name",
@@ -64,7 +72,7 @@ _DENSE = (
     "conv1d.weight",
 )
 
-_ST_DTYPES = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -78,6 +86,7 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+"""safetensors dtype names -> torch dtypes (those ple reads)."""
 _PLAIN = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _BUFFER_DTYPES = ("I64", "I32", "I16", "I8", "U8", *_FLOAT_DTYPES)
@@ -103,6 +112,10 @@ class TensorInfo:
     begin: int = 0
     end: int = 0
 
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
 
 def _tensor_info(path: Path, meta, data_start: int) -> TensorInfo:
     """One header entry as a :class:`TensorInfo`; ValueError when it is malformed."""
@@ -116,37 +129,50 @@ def _tensor_info(path: Path, meta, data_start: int) -> TensorInfo:
     begin, end = offsets
     if begin > end:
         raise ValueError("data_offsets decrease")
-    t = _ST_DTYPES.get(dtype)
+    t = SAFETENSORS_DTYPES.get(dtype)
     if t is not None and end - begin != math.prod(shape) * torch.empty((), dtype=t).element_size():
         raise ValueError(f"{end - begin} bytes for a {dtype} tensor of shape {shape}")
     return TensorInfo(path, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
-def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | None]:
-    """Tensor names -> info from a safetensors header, and a problem string (not a regular file,
-    malformed, truncated) or None."""
-    try:
-        fd = open_regular(path, "checkpoint file", CheckpointError)
-    except CheckpointError as e:
-        return {}, f"{path.name}: {e.problems[0]}"
-    try:
-        size = os.fstat(fd).st_size
-        raw = os.pread(fd, 8, 0)
-        if len(raw) < 8:
-            return {}, f"{path.name}: not a safetensors file (only {size} bytes)"
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8 or n > 100_000_000:
-            return {}, f"{path.name}: header length {n} exceeds the file size {size} (truncated or not safetensors)"
-        blob = os.pread(fd, n, 8)
-    finally:
-        os.close(fd)
+@dataclasses.dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed safetensors header: ``tensors`` by name (absolute byte ranges), ``metadata``, and
+    the raw header bytes (whose digest identifies the file's layout cheaply)."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    raw: bytes
+
+
+def _parse_header(fd: int, path: Path) -> tuple[SafetensorsHeader, str | None]:
+    """The header of the open safetensors file ``fd``, and a problem (malformed, truncated) or None;
+    with a problem the header holds the entries read before it."""
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        return SafetensorsHeader(path, {}, {}, b""), f"{path.name}: not a safetensors file (only {size} bytes)"
+    (n,) = struct.unpack("<Q", raw)
+    if n > size - 8 or n > 100_000_000:
+        return SafetensorsHeader(path, {}, {}, b""), (
+            f"{path.name}: header length {n} exceeds the file size {size} (truncated or not safetensors)"
+        )
+    blob = os.pread(fd, n, 8)
+    if len(blob) != n:
+        return SafetensorsHeader(path, {}, {}, b""), f"{path.name}: truncated inside its header"
+    out: dict[str, TensorInfo] = {}
     try:
         header = json.loads(blob)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        return {}, f"{path.name}: unreadable safetensors header ({e})"
+        return SafetensorsHeader(path, out, {}, blob), f"{path.name}: unreadable safetensors header ({e})"
     if not isinstance(header, dict):
-        return {}, f"{path.name}: unreadable safetensors header (not a JSON object)"
-    out: dict[str, TensorInfo] = {}
+        return SafetensorsHeader(path, out, {}, blob), f"{path.name}: unreadable safetensors header (not a JSON object)"
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        return SafetensorsHeader(path, out, {}, blob), (
+            f"{path.name}: malformed safetensors __metadata__ (not an object of strings)"
+        )
     end = 0
     for name, meta in header.items():
         if name == "__metadata__":
@@ -156,12 +182,42 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | No
         except (KeyError, TypeError, ValueError, IndexError):
             shown = repr(meta)
             shown = shown if len(shown) <= 200 else shown[:197] + "..."
-            return out, f"{path.name}: malformed safetensors header entry for {name!r}: {shown}"
+            problem = f"{path.name}: malformed safetensors header entry for {name!r}: {shown}"
+            return SafetensorsHeader(path, out, metadata, blob), problem
         end = max(end, info.end)
         out[name] = info
     if end > size:
-        return out, f"{path.name}: truncated: tensor data needs {end} bytes, the file has {size}"
-    return out, None
+        problem = f"{path.name}: truncated: tensor data needs {end} bytes, the file has {size}"
+        return SafetensorsHeader(path, out, metadata, blob), problem
+    return SafetensorsHeader(path, out, metadata, blob), None
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The header of a safetensors file (only the header is read). Raises :class:`CheckpointError`
+    for anything but a regular file with a sound header whose byte ranges fit in the file."""
+    path = Path(path)
+    fd = open_regular(path, "checkpoint file", CheckpointError)
+    try:
+        header, problem = _parse_header(fd, path)
+    finally:
+        os.close(fd)
+    if problem:
+        raise CheckpointError(problem)
+    return header
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | None]:
+    """Tensor names -> info from a safetensors header, and a problem string (not a regular file,
+    malformed, truncated) or None; with a problem, the entries read before it."""
+    try:
+        fd = open_regular(path, "checkpoint file", CheckpointError)
+    except CheckpointError as e:
+        return {}, f"{path.name}: {e.problems[0]}"
+    try:
+        header, problem = _parse_header(fd, path)
+    finally:
+        os.close(fd)
+    return header.tensors, problem
 
 
 def _read_small(info: TensorInfo) -> torch.Tensor:
@@ -174,7 +230,7 @@ def _read_small(info: TensorInfo) -> torch.Tensor:
         os.close(fd)
     if len(blob) != n:
         raise CheckpointError(f"{info.file.name}: truncated at byte {info.begin + len(blob)}")
-    dtype = _ST_DTYPES[info.dtype]
+    dtype = SAFETENSORS_DTYPES[info.dtype]
     flat = torch.frombuffer(bytearray(blob), dtype=dtype) if n else torch.empty(0, dtype=dtype)
     return flat.reshape(info.shape)
 
@@ -199,7 +255,12 @@ def _weight_map_files(root: Path, index: Path) -> list[Path]:
     return sorted(root / f for f in names)
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: a folder (the files its index names, each a plain file
+    name in the folder and present; else its ``*.safetensors``), its index or ``config.json``, or one
+    safetensors file. Pickled weights are refused by name; raises :class:`CheckpointError` or
+    ``FileNotFoundError``."""
+    path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():
         raise CheckpointError(f"{path} is {file_kind(path.stat().st_mode)}, not a regular file")
     if path.is_file():
@@ -274,7 +335,7 @@ def scan_checkpoint(path: str | os.PathLike, config: PLEConfig) -> CheckpointSca
     """Check every PLE layer: names, shapes and dtypes from the safetensors headers, and the values of
     the small tensors (hash buffers equal to what the config implies, a positive finite global
     scale). The table is never read. Problems are listed, not raised (see :func:`check_checkpoint`)."""
-    files = _checkpoint_files(Path(path))
+    files = checkpoint_files(path)
     problems: list[str] = []
     by_layer: dict[int, tuple[str, dict[str, TensorInfo]]] = {}
     seen: dict[str, Path] = {}
@@ -515,18 +576,28 @@ class PLEWeights:
 
 
 class TensorReader:
-    """Reads checkpoint tensors one at a time, keeping one open safetensors handle per file."""
+    """Reads checkpoint tensors one at a time, keeping one open safetensors handle per file (the
+    files are mapped: pages a read touched stay resident until :meth:`close`). For reads that map
+    nothing, use :class:`PreadReader`."""
 
     def __init__(self):
         self._handles = {}
 
-    def get(self, info: TensorInfo, name: str) -> torch.Tensor:
+    def _handle(self, file: Path):
         from safetensors import safe_open
 
-        h = self._handles.get(info.file)
+        h = self._handles.get(file)
         if h is None:
-            h = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        return h.get_tensor(name)
+            h = self._handles[file] = safe_open(str(file), framework="pt")
+        return h
+
+    def get(self, info: TensorInfo, name: str) -> torch.Tensor:
+        """The tensor ``name`` of ``info.file``."""
+        return self._handle(info.file).get_tensor(name)
+
+    def rows(self, info: TensorInfo, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (along the first dimension) of the tensor ``name`` of ``info.file``."""
+        return self._handle(info.file).get_slice(name)[start:stop]
 
     def close(self):
         self._handles.clear()
@@ -538,10 +609,107 @@ class TensorReader:
         self.close()
 
 
+class PreadReader(TensorReader):
+    """A :class:`TensorReader` that reads each tensor (or rows of one) with ``pread`` into a fresh
+    buffer: nothing is mapped, so streaming a table shard by shard keeps the process's resident
+    memory at one shard. Files are opened as regular files only (:func:`ple.files.open_regular`),
+    once each; the header is read again at the first read of a file, and a tensor whose name, dtype,
+    shape or byte range differ from the ``info`` given (the scan's) raises :class:`CheckpointError`
+    (the file changed after it was scanned), as does a file cut short."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._files: dict[Path, tuple[int, SafetensorsHeader]] = {}
+
+    def _open(self, file: Path) -> tuple[int, SafetensorsHeader]:
+        got = self._files.get(file)
+        if got is None:
+            fd = open_regular(file, "checkpoint file", CheckpointError)
+            try:
+                header, problem = _parse_header(fd, file)
+                if problem:
+                    raise CheckpointError(f"{problem} (the file changed after it was scanned)")
+            except BaseException:
+                os.close(fd)
+                raise
+            got = self._files[file] = (fd, header)
+        return got
+
+    def _checked(self, info: TensorInfo, name: str) -> int:
+        """The descriptor of ``info.file`` once its header says what ``info`` says of ``name``."""
+        fd, header = self._open(info.file)
+        now = header.tensors.get(name)
+        if now is None:
+            raise CheckpointError(f"{info.file.name}: no tensor {name!r} (the file changed after it was scanned)")
+        if (now.dtype, now.shape, now.begin, now.end) != (info.dtype, info.shape, info.begin, info.end):
+            raise CheckpointError(
+                f"{name} in {info.file.name}: {now.dtype} {list(now.shape)} at bytes [{now.begin}, {now.end}), "
+                f"expected {info.dtype} {list(info.shape)} at [{info.begin}, {info.end}) "
+                "(the file changed after it was scanned)"
+            )
+        return fd
+
+    def raw(self, info: TensorInfo, name: str, start: int = 0, stop: int | None = None) -> bytearray:
+        """Bytes ``[start, stop)`` of tensor ``name``'s data (offsets within the tensor; default all),
+        whatever its dtype."""
+        fd = self._checked(info, name)
+        stop = info.nbytes if stop is None else stop
+        if not 0 <= start <= stop <= info.nbytes:
+            raise InvalidArgumentError(f"bytes [{start}, {stop}) outside {name}'s {info.nbytes} bytes")
+        return _pread_exact(fd, stop - start, info.begin + start, info.file)
+
+    def get(self, info: TensorInfo, name: str) -> torch.Tensor:
+        return _as_tensor(self.raw(info, name), info, name, info.shape)
+
+    def rows(self, info: TensorInfo, name: str, start: int, stop: int) -> torch.Tensor:
+        n = info.shape[0] if info.shape else 1
+        if not 0 <= start <= stop <= n or not info.shape:
+            raise InvalidArgumentError(f"rows [{start}, {stop}) outside {name}'s shape {list(info.shape)}")
+        row = info.nbytes // n if n else 0
+        shape = (stop - start, *info.shape[1:])
+        return _as_tensor(self.raw(info, name, start * row, stop * row), info, name, shape)
+
+    def __enter__(self) -> PreadReader:
+        return self
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for fd, _ in files.values():
+            os.close(fd)
+        super().close()
+
+
+def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytearray:
+    """``n`` bytes at ``offset`` of ``fd`` (the file ``path``) into a fresh buffer; a file that ends
+    first raises :class:`CheckpointError`."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        k = os.preadv(fd, [view[done:]], offset + done)
+        if k <= 0:
+            raise CheckpointError(
+                f"{path.name} ends at byte {offset + done}, {n - done} bytes before the end of the range read "
+                "(it was cut short after it was scanned)"
+            )
+        done += k
+    return buf
+
+
+def _as_tensor(buf: bytearray, info: TensorInfo, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    t = SAFETENSORS_DTYPES.get(info.dtype)
+    if t is None:
+        raise CheckpointError(f"{name} in {info.file.name}: unsupported safetensors dtype {info.dtype}")
+    if not buf:
+        return torch.empty(shape, dtype=t)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(t).reshape(shape)
+
+
 def iter_table_shards(
     entry: LayerEntry, reader: TensorReader | None = None
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """Yield ``(k, rows [n_k, head_dim], per_row_scale [n_k, 1] | None)`` shard by shard, in order.
+    """Yield ``(k, rows [n_k, head_dim], per_row_scale [n_k, 1] | None)`` shard by shard, in order,
+    read through ``reader`` (default: a :class:`TensorReader` of its own).
 
     An unsharded table is yielded in slices of ``shard_rows`` rows (so memory stays bounded by one shard).
     """
@@ -550,13 +718,9 @@ def iter_table_shards(
     try:
         lay = entry.layout
         if entry.whole_table is not None:
-            from safetensors import safe_open
-
-            with safe_open(str(entry.whole_table.file), framework="pt") as f:
-                sl = f.get_slice(entry.prefix + _TABLE)
-                for k in range(lay.split_parts):
-                    a, b = lay.shard_range(k)
-                    yield k, sl[a:b], None
+            for k in range(lay.split_parts):
+                a, b = lay.shard_range(k)
+                yield k, reader.rows(entry.whole_table, entry.prefix + _TABLE, a, b), None
             return
         for k in range(lay.split_parts):
             info = entry.shards[k]
@@ -573,7 +737,7 @@ def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tupl
     """Read one tensor and insist on the shape and dtype its header promised (the file may have
     changed since the scan; ``copy_`` would otherwise broadcast or convert silently)."""
     t = reader.get(info, name)
-    want_dtype = _ST_DTYPES.get(info.dtype)
+    want_dtype = SAFETENSORS_DTYPES.get(info.dtype)
     if tuple(t.shape) != shape or (want_dtype is not None and t.dtype != want_dtype):
         raise CheckpointError(
             f"{name} in {info.file.name}: read {list(t.shape)} {t.dtype}, expected {list(shape)} {want_dtype} "
@@ -589,8 +753,22 @@ def _read_checked(reader: TensorReader, info: TensorInfo, name: str, shape: tupl
     return t
 
 
-def _load_table(e: LayerEntry, reader: TensorReader, device, progress: bool) -> MemoryTable:
-    """The layer's table, read shard by shard into a fresh :class:`~ple.table.MemoryTable`."""
+def load_table(
+    e: LayerEntry,
+    reader: TensorReader | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> MemoryTable:
+    """PLE layer ``e``'s table (an entry of a scan without problems), read shard by shard through
+    ``reader`` (default: a :class:`TensorReader` of its own; :class:`PreadReader` maps nothing)
+    into a fresh :class:`~ple.table.MemoryTable` ``[padded_rows, head_dim]`` on ``device``, in the
+    checkpoint's format. Every shard must have the shape and dtype the scan found, every scale must
+    be a positive finite number; :class:`CheckpointError` otherwise (the file changed after it was
+    scanned, or holds bad scales)."""
+    if reader is None:
+        with TensorReader() as own:
+            return load_table(e, own, device=device, progress=progress)
     lay = e.layout
     assert e.table_format is not None  # a scan without problems found the format
     table = MemoryTable.empty(lay.padded_rows, lay.head_dim, e.table_format, device=device)
@@ -702,7 +880,7 @@ def load_ple_weights(
         for e in wanted:
             lay = e.layout
             dense = {n: _read_checked(reader, i, e.prefix + n, i.shape).to(device) for n, i in e.dense.items()}
-            table = _load_table(e, reader, device, progress) if with_table else None
+            table = load_table(e, reader, device=device, progress=progress) if with_table else None
             out[e.ple_layer_index] = PLEWeights(
                 ple_layer_index=e.ple_layer_index,
                 prefix=e.prefix,

@@ -99,3 +99,25 @@ def test_bad_arguments_are_one_line_errors(small_config, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--tier", "disk"])
     assert e.value.code == 2
+
+
+def test_a_reused_workdir_is_refused_before_anything_runs(tmp_path, capsys):
+    (tmp_path / "model" / "published").mkdir(parents=True)
+    assert main(["demo", "--quick", "--workdir", str(tmp_path)]) == 1
+    assert "published exists: pass an empty --workdir" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the serving part never ran
+
+
+def test_a_failed_or_stuck_measuring_process_is_named(tmp_path):
+    """A child that fails, or runs past its time limit, is a MeasureError (not a bad-input error)
+    naming the loader and what happened; the stuck one is stopped."""
+    from ple.demo.model import MeasureError, measure
+    from ple.errors import InvalidArgumentError
+
+    with pytest.raises(
+        MeasureError, match=r"(?s)the plain process failed \(exit 1\):\n.*No such file or directory"
+    ) as e:
+        measure("plain", tmp_path / "missing", [[2, 3]], 1, tmp_path / "l.pt", evict=False, timeout=300)
+    assert not isinstance(e.value, InvalidArgumentError)
+    with pytest.raises(MeasureError, match="the ple process ran past its 0.01 s limit and was stopped"):
+        measure("ple", tmp_path / "missing", [[2, 3]], 1, tmp_path / "l.pt", evict=False, timeout=0.01)

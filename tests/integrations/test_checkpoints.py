@@ -1,18 +1,22 @@
 """``dequantize_checkpoint``: a copy whose quantized PLE tables are dequantized exactly as ple's lookup
-dequantizes them, every other tensor and file unchanged; the ``pread`` reader reads what safetensors reads."""
+dequantizes them, every other tensor and file unchanged; the checkpoint read the way ple.checkpoint
+reads every checkpoint (regular files in the folder only, headers checked) before anything is written."""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from ple.checkpoint import load_ple_weights, scan_checkpoint
+from ple.checkpoint import CheckpointError, checkpoint_files, load_ple_weights, scan_checkpoint
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
-from ple.integrations.checkpoints import PreadReader, checkpoint_files, dequantize_checkpoint
+from ple.integrations.checkpoints import dequantize_checkpoint
 
 SMALL = dict(
     hidden_size=32,
@@ -64,12 +68,47 @@ def test_a_sharded_fp8_checkpoint_is_dequantized_exactly(dtype, tmp_path):
     assert not (tmp_path / "dst.partial").exists()
 
 
-def test_the_pread_reader_reads_what_safetensors_reads(tmp_path):
-    cfg = PLEConfig(**SMALL)
-    src = synthesize_checkpoint(cfg, tmp_path / "src", seed=8, files=2)
-    with PreadReader() as reader:
-        for f in checkpoint_files(src):
-            with safe_open(str(f), "pt") as h:
-                for k in h.keys():
-                    got, want = reader.read(f, k), h.get_tensor(k)
-                    assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), k
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    os.mkfifo(src / "model.safetensors")
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            dequantize_checkpoint(src, tmp_path / "dst")
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            failed.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    if t.is_alive():  # blocked opening the FIFO: let it go, then fail
+        os.close(os.open(src / "model.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=30)
+        pytest.fail("dequantize_checkpoint waited on a FIFO")
+    assert len(failed) == 1 and isinstance(failed[0], CheckpointError), failed
+    assert "model.safetensors is a FIFO, not a regular file" in str(failed[0])
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.partial").exists()
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path):
+    save_file({"x": torch.arange(4.0)}, str(tmp_path / "outside.safetensors"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../outside.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"weight_map\['x'\] = '../outside.safetensors' is not a file name"):
+        dequantize_checkpoint(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.partial").exists()
+
+
+def test_a_malformed_header_is_a_checkpoint_error(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2]}}).encode()  # no data_offsets
+    (src / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(CheckpointError, match="malformed safetensors header entry for 'x'"):
+        dequantize_checkpoint(src, tmp_path / "dst")
+    assert not (tmp_path / "dst.partial").exists()

@@ -4,6 +4,7 @@ is unchanged, and never used when stale or foreign."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as mq
 from transformers.monkey_patching import get_patch_mapping
 
 from ple.checkpoint import CheckpointError
+from ple.config import PLEConfig
 from ple.integrations.tables import RECORD_SUFFIX, default_table_dir
 from ple.integrations.transformers import (
     TableStub,
@@ -62,13 +64,13 @@ def assert_same_logits(model, reference) -> None:
 
 def _table_bytes_of(path):
     """``{table tensor name: (file, start, stop)}`` of a checkpoint (absolute byte ranges)."""
-    from ple.integrations.checkpoints import checkpoint_files, read_header
+    from ple.checkpoint import checkpoint_files, read_header
 
     out = {}
     for f in checkpoint_files(path):
-        for name, e in read_header(f).entries.items():
+        for name, e in read_header(f).tensors.items():
             if ".ngram_embedding." in name:
-                out[name] = (f, e.start, e.stop)
+                out[name] = (f, e.begin, e.end)
     return out
 
 
@@ -96,15 +98,97 @@ def test_generates_what_transformers_generates(checkpoint, tier, tmp_path):
     assert_same_generation(want, generate(model, ids, mask), model)
 
 
-def test_a_second_start_reads_no_table_bytes(checkpoint, tmp_path):
-    """After the first start, neither transformers nor ple reads the checkpoint's tables: overwrite
-    their bytes (size, header and modification time kept) and the model still generates the same."""
+class _Reads:
+    """What a load reads from files: every ``pread``/``preadv`` (file, offset, bytes) and every tensor
+    safetensors materializes (``get_tensor``, or indexing a ``get_slice``), ple's and transformers'."""
+
+    def __init__(self, monkeypatch):
+        import safetensors
+        import transformers.modeling_utils as mu
+
+        self.ranges: list[tuple[str, int, int]] = []
+        self.tensors: list[str] = []
+        for name in ("pread", "preadv"):
+            monkeypatch.setattr(os, name, self._spy(getattr(os, name), name))
+        for module in (safetensors, mu):
+            monkeypatch.setattr(module, "safe_open", self._opener(module.safe_open))
+
+    def _spy(self, real, name):
+        def spy(fd, what, offset):
+            n = what if name == "pread" else sum(memoryview(b).nbytes for b in what)
+            self.ranges.append((os.path.realpath(f"/proc/self/fd/{fd}"), offset, n))
+            return real(fd, what, offset)
+
+        return spy
+
+    def _opener(self, real):
+        log = self.tensors
+
+        class Slice:
+            def __init__(self, inner, key):
+                self._inner, self._key = inner, key
+
+            def __getitem__(self, item):
+                log.append(self._key)
+                return self._inner[item]
+
+            def __getattr__(self, name):
+                return getattr(self._inner, name)
+
+        class Handle:
+            def __init__(self, inner):
+                self._inner = inner
+
+            def get_slice(self, key):
+                return Slice(self._inner.get_slice(key), key)
+
+            def get_tensor(self, key):
+                log.append(key)
+                return self._inner.get_tensor(key)
+
+            def __enter__(self):
+                self._inner.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self._inner.__exit__(*exc)
+
+            def __getattr__(self, name):
+                return getattr(self._inner, name)
+
+        return lambda *a, **k: Handle(real(*a, **k))
+
+    def table_reads(self, tables: dict[str, tuple]) -> tuple[list[str], list[tuple[str, int, int]]]:
+        """The table tensors materialized, and the reads overlapping a table's bytes."""
+        spans = [(os.path.realpath(f), a, b) for f, a, b in tables.values()]
+        hits = [r for r in self.ranges for f, a, b in spans if r[0] == f and r[1] < b and a < r[1] + r[2]]
+        return [k for k in self.tensors if k in tables], hits
+
+
+def test_a_second_start_reads_no_table_bytes(checkpoint, tmp_path, monkeypatch):
+    """After the first start, neither transformers nor ple reads the checkpoint's tables: no read
+    touches their bytes (every pread recorded, every tensor safetensors materializes recorded); and
+    with their bytes overwritten (size, header and modification time kept) the model still
+    generates the same."""
     path, _, reference = checkpoint
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
+    tables = _table_bytes_of(copy)
+    reads = _Reads(monkeypatch)
     first = from_pretrained(copy, table_dir=tmp_path / "tables")
     assert [w.prepared.action for w in patched_layers(first)] == ["converted", "converted"]
-    for f, start, stop in _table_bytes_of(copy).values():
+    materialized, hits = reads.table_reads(tables)
+    assert not materialized and hits  # the conversion read the tables, with pread (the spy sees it)
+    assert any(".key_proj." in k for k in reads.tensors)
+    reads.ranges.clear()
+    reads.tensors.clear()
+    second = from_pretrained(copy, table_dir=tmp_path / "tables")
+    assert [w.prepared.action for w in patched_layers(second)] == ["reused", "reused"]
+    materialized, hits = reads.table_reads(tables)
+    assert materialized == [] and hits == []
+    assert any(".key_proj." in k for k in reads.tensors)  # transformers read the dense weights
+    monkeypatch.undo()
+    for f, start, stop in tables.values():
         st = os.stat(f)
         with open(f, "r+b") as fh:
             fh.seek(start)
@@ -157,13 +241,168 @@ def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
 
 
 def test_a_table_file_of_another_layout_is_refused(checkpoint, tmp_path):
+    from ple.cli import main
+
     path, _, reference = checkpoint
     other = _save(tiny_model(tiny_config(split_ngram_parts=4, seed=99), seed=21), tmp_path / "other")  # other hash seed
     tables = tmp_path / "tables"
-    from_pretrained(other, table_dir=tables)
+    assert main(["convert", str(other), str(tables)]) == 0
     with pytest.warns(UserWarning, match="layout hash .* does not match"):
         model = from_pretrained(path, table_dir=tables)
     assert_same_logits(model, reference)
+
+
+def test_one_table_folder_serves_one_checkpoint(checkpoint, tmp_path):
+    """Two checkpoints in one table_dir would convert each other's tables back and forth: the second
+    is refused, the first's files left as they are; once the first folder is gone, the second may
+    take the folder over."""
+    path, _, reference = checkpoint
+    tables = tmp_path / "tables"
+    first = from_pretrained(path, table_dir=tables)
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tables.iterdir()}
+    other_model = tiny_model(tiny_config(split_ngram_parts=4), seed=25)
+    other = _save(other_model, tmp_path / "other")
+    with pytest.raises(ValueError, match=r"table folder .* holds model.layers.0.ple.pletable, PLE layer 0's table of "):
+        from_pretrained(other, table_dir=tables)
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in tables.iterdir()} == before
+    again = from_pretrained(path, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(again)] == ["reused", "reused"]
+    assert_same_logits(first, reference)
+    moved = tmp_path / "moved"
+    shutil.copytree(path, moved)  # a copy (modification times kept) is the same source: reused
+    assert [w.prepared.action for w in patched_layers(from_pretrained(moved, table_dir=tables))] == ["reused"] * 2
+    shutil.rmtree(moved)
+    # a folder retrained in place is converted again (test_a_changed_checkpoint_is_converted_again);
+    # a gone checkpoint's tables may be replaced
+    gone = _save(tiny_model(tiny_config(split_ngram_parts=4), seed=30), tmp_path / "gone")
+    third = tmp_path / "tables3"
+    from_pretrained(gone, table_dir=third)
+    shutil.rmtree(gone)
+    with pytest.warns(UserWarning, match="changed since"):
+        model = from_pretrained(other, table_dir=third)
+    assert [w.prepared.action for w in patched_layers(model)] == ["converted", "converted"]
+    assert_same_logits(model, other_model)
+
+
+def test_a_replaced_table_file_does_not_change_a_loaded_model(tmp_path):
+    """A model keeps serving, saving and (unpatched) holding the table file it opened, even after
+    another load converted a new file in its place (its checkpoint folder retrained)."""
+    from ple.integrations.transformers import unpatch
+
+    a = tiny_model(tiny_config(split_ngram_parts=4), seed=26)
+    ckpt = _save(a, tmp_path / "ckpt")
+    loaded = from_pretrained(ckpt, table_dir=tmp_path / "tables")
+    b = tiny_model(tiny_config(split_ngram_parts=4), seed=27)
+    shutil.rmtree(ckpt)
+    _save(b, ckpt)
+    with pytest.warns(UserWarning, match="changed since"):
+        newer = from_pretrained(ckpt, table_dir=tmp_path / "tables")
+    assert [w.prepared.action for w in patched_layers(newer)] == ["converted", "converted"]
+    assert [w.table_path for w in patched_layers(newer)] == [w.table_path for w in patched_layers(loaded)]
+    assert_same_logits(loaded, a)
+    loaded.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        for i in (0, 1):
+            key = f"model.layers.{i}.ple.ple_embedding.ngram_embedding.shard_{{}}.weight"
+            saved = torch.cat([f.get_tensor(key.format(k)) for k in range(4)])
+            assert torch.equal(saved, a.model.layers[i].ple.ple_embedding.ngram_embedding.weight)
+    unpatch(loaded)
+    for i in (0, 1):
+        got = loaded.model.layers[i].ple.ple_embedding.ngram_embedding.weight
+        assert torch.equal(got, a.model.layers[i].ple.ple_embedding.ngram_embedding.weight)
+    assert_same_logits(newer, b)
+
+
+def test_bad_per_row_scales_are_refused_by_every_tier(tmp_path):
+    """The memory tier reads the table with the loader's own checks: a NaN or negative per-row scale
+    is refused, as the table-file tiers refuse it."""
+    model = tiny_model(tiny_config(split_ngram_parts=4), seed=28)
+    patch(model, lambda weight, layer: MemoryTable(*quantize_rows(weight, "fp8_row")))
+    _save(model, tmp_path / "ckpt")
+    f = tmp_path / "ckpt" / "model.safetensors"
+    with safe_open(str(f), "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    key = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight_scale"
+    tensors[key][3, 0] = -2.0
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"shard_1.weight_scale: the scale of row \d+ is -2.0"):
+        from_pretrained(tmp_path / "ckpt", table_tier="memory")
+    with pytest.raises(ValueError, match=r"the scale of row \d+ is -2.0"):
+        from_pretrained(tmp_path / "ckpt", table_dir=tmp_path / "tables")
+
+
+def test_the_memory_tier_refuses_a_checkpoint_changed_since_the_scan(checkpoint, tmp_path, monkeypatch):
+    import ple.integrations.transformers as integration
+
+    path, _, _ = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    f = copy / "model.safetensors"
+    key = "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight"
+    real_scan = integration.scan_checkpoint
+
+    def scan_then_change(root, config):
+        scan = real_scan(root, config)
+        with safe_open(str(f), "pt") as h:
+            tensors = {k: h.get_tensor(k) for k in h.keys()}
+        tensors[key] = tensors[key][:-1].clone()  # one row fewer
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        return scan
+
+    monkeypatch.setattr(integration, "scan_checkpoint", scan_then_change)
+    with pytest.raises(CheckpointError, match="changed after it was scanned"):
+        from_pretrained(copy, table_tier="memory")
+
+
+def test_the_free_space_check_does_not_count_the_file_being_replaced(checkpoint, tmp_path, monkeypatch):
+    """The new table file is written beside the stale one: only the disk's free space counts."""
+    import ple.integrations.tables as tables_mod
+
+    path, _, _ = checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    tables = tmp_path / "tables"
+    from_pretrained(copy, table_dir=tables)
+    retrained = tiny_model(tiny_config(split_ngram_parts=4), seed=29)
+    shutil.rmtree(copy)
+    _save(retrained, copy)
+    stale = tables / TABLES[0]
+    lay = PLEConfig.from_pretrained(copy).layout(0)
+    need = lay.padded_rows * lay.head_dim * 4  # fp32 rows: what the new file needs
+    assert stale.stat().st_size > need  # before: free space plus the stale file's size sufficed
+    real = shutil.disk_usage
+
+    def just_short(p):
+        return real(p)._replace(free=need - 1)
+
+    monkeypatch.setattr(tables_mod.shutil, "disk_usage", just_short)
+    with pytest.warns(UserWarning, match="changed since"):
+        with pytest.raises(ValueError, match=r"has 0.00 GB free, PLE layer 0's table needs"):
+            from_pretrained(copy, table_dir=tables)
+    assert stale.is_file()
+
+
+@pytest.mark.parametrize(
+    "rows, error, message",
+    [
+        (0, ValueError, "table_cache_rows must be >= 1, got 0"),
+        (-5, ValueError, "table_cache_rows must be >= 1, got -5"),
+        (2.5, TypeError, "table_cache_rows must be an int"),
+        (True, TypeError, "table_cache_rows must be an int"),
+    ],
+)
+def test_table_cache_rows_is_checked_before_any_work(checkpoint, tmp_path, monkeypatch, rows, error, message):
+    import ple.integrations.transformers as integration
+
+    path, _, _ = checkpoint
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(integration, "scan_checkpoint", no_work)
+    with pytest.raises(error, match=message):
+        from_pretrained(path, table_tier="cached", table_cache_rows=rows, table_dir=tmp_path / "t")
+    assert not (tmp_path / "t").exists()
 
 
 def test_default_table_folder_is_per_checkpoint_under_the_cache(checkpoint, tmp_path, monkeypatch):
@@ -260,6 +499,48 @@ def test_arguments_are_checked(checkpoint, tmp_path):
     )
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
     assert all(w.layer.table.capacity_rows == 16 for w in patched_layers(model))
+
+
+def test_plain_loads_in_other_threads_are_unaffected(checkpoint, tmp_path, monkeypatch):
+    """While ple's load has transformers' names swapped, a plain load in another thread builds
+    transformers' own module with its table, and ignores no table keys."""
+    import threading
+
+    import ple.integrations.transformers as integration
+    from ple.integrations.qwen4_exp import TABLE_KEYS
+
+    path, _, reference = checkpoint
+    real = integration.tableless_load
+    original = mq.Qwen4ExpTextNGramEmbedding
+    plain: dict = {}
+
+    def load_plainly():
+        plain["swapped"] = mq.Qwen4ExpTextNGramEmbedding is not original
+        plain["model"], plain["info"] = Qwen4ExpForCausalLM.from_pretrained(path, output_loading_info=True)
+
+    @contextlib.contextmanager
+    def with_a_plain_load_meanwhile():
+        with real() as replacement:
+            t = threading.Thread(target=load_plainly)
+            t.start()
+            t.join()
+            yield replacement
+
+    monkeypatch.setattr(integration, "tableless_load", with_a_plain_load_meanwhile)
+    model = from_pretrained(path, table_dir=tmp_path)
+    assert plain["swapped"]  # the plain load ran inside ple's window
+    assert all(isinstance(w.original.ple_embedding.ngram_embedding, TableStub) for w in patched_layers(model))
+    other = plain["model"]
+    for i in (0, 1):
+        emb = other.model.layers[i].ple.ple_embedding
+        assert type(emb) is original
+        want = reference.model.layers[i].ple.ple_embedding.ngram_embedding.weight
+        assert torch.equal(emb.ngram_embedding.weight, want)
+    assert TABLE_KEYS not in (other._keys_to_ignore_on_load_unexpected or ())
+    assert TABLE_KEYS in model._keys_to_ignore_on_load_unexpected
+    assert plain["info"]["missing_keys"] == set() and plain["info"]["unexpected_keys"] == set()
+    assert torch.equal(logits(other), logits(reference))
+    assert_same_logits(model, reference)
 
 
 def test_transformers_is_left_as_it_was(checkpoint, tmp_path, monkeypatch):

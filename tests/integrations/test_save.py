@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen4ExpForCausalLM
 
+from ple.checkpoint import checkpoint_files
 from ple.errors import UsageError
-from ple.integrations.checkpoints import checkpoint_files
 from ple.integrations.transformers import from_pretrained, patch, patched_layers, unpatch
 from ple.table import MemoryTable, Table, quantize_global
 
@@ -156,3 +156,66 @@ def test_load_state_dict_takes_transformers_names(saved, tmp_path):
             other.load_state_dict(model.state_dict())
     finally:
         unpatch(other)
+
+
+def test_a_patched_model_keeps_its_table_file_when_another_patch_replaces_it(tmp_path):
+    """``patch(..., "mmap", table_dir=same)`` for a second model renames new files over the first
+    model's: the first keeps saving and unpatching the rows of the file it holds."""
+    first = tiny_model(tiny_config(split_ngram_parts=4), seed=36)
+    second = tiny_model(tiny_config(split_ngram_parts=4), seed=37)
+    want = {k: v.clone() for k, v in first.state_dict().items()}
+    want_logits = logits(first)
+    patch(first, "mmap", tmp_path / "tables")  # the module's table released: only the file holds it
+    assert all(w.original.ple_embedding.ngram_embedding.weight.numel() == 0 for w in patched_layers(first))
+    patch(second, "mmap", tmp_path / "tables")
+    assert [w.table_path for w in patched_layers(first)] == [w.table_path for w in patched_layers(second)]
+    first.save_pretrained(tmp_path / "out")
+    saved = tensors(tmp_path / "out")
+    for i in (0, 1):
+        rows = torch.cat(
+            [saved[f"model.layers.{i}.ple.ple_embedding.ngram_embedding.shard_{k}.weight"] for k in range(4)]
+        )
+        assert torch.equal(rows, want[f"model.layers.{i}.ple.ple_embedding.ngram_embedding.weight"])
+    unpatch(first)
+    unpatch(second)
+    got = first.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(logits(first), want_logits)
+
+
+def test_table_file_maps_are_checked_and_outlive_the_table(tmp_path):
+    """``MmapTable.map_rows``: rows (or per-row scales) of the file the table holds, each with a
+    storage of its own; refused once the file was changed in place or the table closed."""
+    from ple.errors import InvalidArgumentError
+    from ple.table import MmapTable, TableFileError, quantize_rows
+
+    model = tiny_model(tiny_config(split_ngram_parts=4), seed=38)
+    weight = model.model.layers[0].ple.ple_embedding.ngram_embedding.weight.detach().clone()
+    _, s = quantize_rows(weight, "fp8_row")
+    patch(model, "mmap", tmp_path / "tables")
+    table = patched_layers(model)[0].layer.table
+    assert isinstance(table, MmapTable)
+    rows = table.map_rows(3, 9)
+    assert torch.equal(rows, weight[3:9]) and rows.untyped_storage().nbytes() == rows.nbytes
+    cow = table.map_rows(copy_on_write=True)
+    cow[0] += 1  # private pages: neither the file nor the table changes
+    assert torch.equal(table.data[0], weight[0]) and torch.equal(table.map_rows(0, 1)[0], weight[0])
+    with pytest.raises(InvalidArgumentError, match=r"rows \[5, 2\) are not within"):
+        table.map_rows(5, 2)
+    with pytest.raises(UsageError, match="has no per-row scales"):
+        table.map_rows(0, 1, scales=True)
+    unpatch(model)
+    patch(model, lambda weight, layer: MemoryTable(*quantize_rows(weight, "fp8_row")))
+    model.save_pretrained(tmp_path / "fp8row")
+    unpatch(model, materialize=True)
+    loaded = from_pretrained(tmp_path / "fp8row", table_dir=tmp_path / "t")
+    table = patched_layers(loaded)[0].layer.table
+    assert torch.equal(table.map_rows(7, 20, scales=True), s[7:20])
+    with open(table.path, "ab") as f:  # changed in place (what ple never does)
+        f.write(b"\0")
+    with pytest.raises(TableFileError, match="was changed in place while mapped"):
+        table.map_rows(0, 1)
+    table.close()
+    with pytest.raises(UsageError, match="was closed"):
+        table.map_rows(0, 1)
+    assert torch.equal(rows, weight[3:9])  # a map outlives the table

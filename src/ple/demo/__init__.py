@@ -130,7 +130,7 @@ def run(args) -> int:
     if parallel.requested(args):
         return parallel.run(args)
     from ..integrations.qwen4_exp import require_transformers
-    from .model import compare
+    from .model import check_workdir, compare
 
     progress = not args.no_progress and sys.stderr.isatty()
     if args.requests is None:
@@ -147,6 +147,8 @@ def run(args) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="ple-demo-")
         work = Path(tmp.name)
     try:
+        if only in (None, "model"):
+            check_workdir(work / "model")  # a reused --workdir is refused before anything runs
         doc: dict[str, Any] = {}
         checks: dict[str, bool] = {}
         # serving first: its peak memory is then this process's own, before the model is built here

@@ -61,11 +61,15 @@ def mapped_bytes(suffix: str) -> tuple[int, int]:
 
 
 def evict(paths) -> None:
-    """Drop the files' clean pages from the page cache (``posix_fadvise(DONTNEED)``; no privileges)."""
+    """Drop the files' clean pages from the page cache (``posix_fadvise(DONTNEED)``; no privileges).
+    Paths that are not regular files (or are gone) are skipped: a FIFO is never waited on."""
+    from ..errors import PLEError
+    from ..files import open_regular
+
     for p in paths:
         try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
+            fd = open_regular(p)
+        except (OSError, PLEError):
             continue
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    from ..integrations.checkpoints import checkpoint_files
+    from ..checkpoint import checkpoint_files
+    from ..files import read_regular
 
     ckpt = Path(args.checkpoint)
     tables = sorted(Path(args.table_dir).glob("*.pletable")) if args.table_dir else []
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         evict([*checkpoint_files(ckpt), *tables])
     ids = torch.tensor(json.loads(args.prompts))
     # imports before the clock starts: load time is the load, not Python importing the modeling code
-    arch = json.loads((ckpt / "config.json").read_text())["architectures"][0]
+    arch = json.loads(read_regular(ckpt / "config.json", "config.json"))["architectures"][0]
     model_class = getattr(transformers, arch)
     from ..integrations.transformers import from_pretrained, patched_layers
 

@@ -22,18 +22,26 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PLEError
 from ..table import MemoryTable
 
 __all__ = [
     "model_config",
     "build_model",
     "save_published",
+    "check_workdir",
     "write_checkpoints",
     "measure",
     "compare",
+    "MeasureError",
     "MODEL_SIZES",
 ]
+
+
+class MeasureError(PLEError, RuntimeError):
+    """A measuring process failed: it exited with an error, was killed, ran past its time limit, or
+    printed no report."""
+
 
 # ngram_vocab_size_base per size: each PLE layer has about 16 x base rows of 4 values
 MODEL_SIZES = {"quick": 60_000, "default": 600_000}
@@ -124,12 +132,19 @@ def save_published(model, out: Path, max_shard_size: str = "64MB") -> dict[str, 
 
 def _table_bytes_on_disk(folder: Path) -> int:
     """Bytes of the table tensors in a checkpoint folder (from the safetensors headers)."""
-    from ..integrations.checkpoints import checkpoint_files, read_header
+    from ..checkpoint import checkpoint_files, read_header
 
     total = 0
     for f in checkpoint_files(folder):
-        total += sum(e.nbytes for n, e in read_header(f).entries.items() if ".ngram_embedding." in n)
+        total += sum(e.nbytes for n, e in read_header(f).tensors.items() if ".ngram_embedding." in n)
     return total
+
+
+def check_workdir(work: Path) -> None:
+    """Refuse a folder that already holds the model part's checkpoints (before any work is done)."""
+    for p in (work / "published", work / "plain"):
+        if os.path.lexists(p):
+            raise InvalidArgumentError(f"{p} exists: pass an empty --workdir")
 
 
 def write_checkpoints(work: Path, base: int, seed: int = 0, progress: bool = False) -> dict[str, Any]:
@@ -140,9 +155,7 @@ def write_checkpoints(work: Path, base: int, seed: int = 0, progress: bool = Fal
     from ..integrations.transformers import dequantize_checkpoint
 
     published, plain = work / "published", work / "plain"
-    for p in (published, plain):
-        if p.exists():
-            raise InvalidArgumentError(f"{p} exists: pass an empty --workdir")
+    check_workdir(work)
     t0 = time.perf_counter()
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
@@ -199,7 +212,10 @@ def measure(
     evict: bool = True,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """Run :mod:`ple.demo.measure` in a fresh process; returns its JSON report."""
+    """Run :mod:`ple.demo.measure` in a fresh process; returns its JSON report.
+
+    Raises :class:`MeasureError` when the process fails, is killed, runs past ``timeout`` seconds
+    (then it is killed) or prints no report; the message ends with the last lines it wrote to stderr."""
     cmd = [sys.executable, "-m", "ple.demo.measure", "--loader", loader, "--checkpoint", str(checkpoint)]
     cmd += ["--prompts", json.dumps(prompt_ids), "--new-tokens", str(new_tokens), "--logits", str(logits_out)]
     cmd += ["--tier", tier, "--starts", str(starts)]
@@ -211,11 +227,29 @@ def measure(
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise MeasureError(
+            f"the {loader} process ran past its {timeout:g} s limit and was stopped" + _tail(err)
+        ) from None
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-        raise InvalidArgumentError(f"the {loader} process failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"failed (exit {proc.returncode})"
+        raise MeasureError(f"the {loader} process {how}" + _tail(proc.stderr))
+    lines = proc.stdout.strip().splitlines()
+    try:
+        report = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        report = None
+    if not isinstance(report, dict):
+        raise MeasureError(f"the {loader} process printed no report" + _tail(proc.stderr))
+    return report
+
+
+def _tail(stderr: str, n: int = 6) -> str:
+    lines = stderr.strip().splitlines()[-n:]
+    return (":\n" + "\n".join(lines)) if lines else ""
 
 
 def compare(

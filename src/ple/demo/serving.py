@@ -230,7 +230,7 @@ def _serving_config(args) -> tuple[PLEConfig, Path | None]:
 
 def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     """The serving part: checkpoint (given or synthesized), table file, layer, workload, checks."""
-    from ..checkpoint import CheckpointError, open_layer_table, scan_checkpoint
+    from ..checkpoint import CheckpointError, scan_checkpoint
     from ..integrations.tables import default_table_dir, prepare_table
     from ..layer import PLELayer
     from ..runtime import tune_host_allocator
@@ -259,9 +259,9 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         # a given checkpoint's table file goes where from_pretrained keeps it (made once, reused)
         folder = default_table_dir(ckpt) if args.checkpoint else work / "serving-tables"
         prepared = prepare_table(entry, config, folder, progress=progress)
-        table = open_layer_table(prepared.path, config, args.layer)
-        if args.tier == "cached":
-            table = CachedTable(table, min(table.rows, 1 << 18))
+        mapped = prepared.table  # opened while checked: the file served is the file checked
+        assert mapped is not None
+        table = CachedTable(mapped, min(mapped.rows, 1 << 18)) if args.tier == "cached" else mapped
     layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
     load_s = time.perf_counter() - t0
     t = layer.table

@@ -9,17 +9,24 @@ mapping, without its walk over every transformers module on each load): its ``ng
 :class:`TableStub` (no parameter, no buffer), so the table is not in the model's state dict,
 transformers never reads its checkpoint tensors, and nothing allocates or initializes it. The
 table's checkpoint keys (renamed from ``shard_{k}.weight`` by transformers' ``Concatenate``
-converter) would be reported as unexpected: the pattern :data:`TABLE_KEYS` is added to
-``_keys_to_ignore_on_load_unexpected`` of the qwen4_exp model classes meanwhile. Both changes are
-process-wide: a lock serializes ple's loads, and everything is restored on exit, errors included.
-After the load, :func:`ple.integrations.transformers.from_pretrained` checks that every PLE module
-got a stub and no table parameter exists, so a transformers that builds the model differently fails
-loudly.
+converter) would be reported as unexpected: the qwen4_exp model classes'
+``_keys_to_ignore_on_load_unexpected`` gain the pattern :data:`TABLE_KEYS` meanwhile.
+
+Only the load that asked for it is affected. The name and the class attributes are process-wide,
+so both changes check a context variable that :func:`tableless_load` sets in its own thread (and
+``asyncio`` task): a model another thread builds meanwhile, a plain transformers load included,
+gets transformers' own ``Qwen4ExpTextNGramEmbedding`` (the replacement runs the original
+constructor and becomes an instance of the original class) and the original ignore patterns. A
+lock serializes ple's loads; everything is restored on exit, errors included. transformers must
+build the model in the thread that called ``from_pretrained`` (5.24 does); if it did not, the
+tables would be built and :func:`ple.integrations.transformers.from_pretrained`'s check after the
+load (every PLE module got a stub, no table parameter exists) fails loudly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
 import sys
 import threading
@@ -51,6 +58,7 @@ TABLE_KEYS = r"\.ple\.ple_embedding\.ngram_embedding\.(shard_\d+\.)?weight(_scal
 _EMBEDDING = "Qwen4ExpTextNGramEmbedding"
 _PATCH_KEY = f"^{_EMBEDDING}$"
 _LOCK = threading.RLock()
+_TABLELESS: contextvars.ContextVar[bool] = contextvars.ContextVar("ple_tableless_load", default=False)
 
 
 class TransformersVersionError(PLEError, RuntimeError):
@@ -136,14 +144,21 @@ def tableless_embedding_class() -> type:
         base = base.__mro__[1]
 
     class TablelessNGramEmbedding(base):  # type: ignore[misc, valid-type]
-        """``Qwen4ExpTextNGramEmbedding`` with its table replaced by a :class:`TableStub`."""
+        """``Qwen4ExpTextNGramEmbedding`` with its table replaced by a :class:`TableStub`, inside
+        :func:`tableless_load`'s context; elsewhere (another thread's load) the original, unchanged."""
 
         _ple_tableless = True
 
-        def __init__(self, config, embedding_dim: int, layer_idx: int, ple_layer_index: int = 0):
+        def __init__(self, *args, **kwargs):
+            # the arguments of Qwen4ExpTextNGramEmbedding: (config, embedding_dim, layer_idx, ple_layer_index)
+            if not _TABLELESS.get():
+                # a build outside ple's load (another thread) while the name is swapped: the original
+                base.__init__(self, *args, **kwargs)
+                self.__class__ = base
+                return
             # Built on meta, so that the table is not allocated even outside from_pretrained.
             with torch.device("meta"):
-                super().__init__(config, embedding_dim, layer_idx, ple_layer_index)
+                super().__init__(*args, **kwargs)
             emb = self._modules.pop("ngram_embedding")
             assert emb is not None
             self.add_module("ngram_embedding", TableStub(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype))
@@ -159,6 +174,20 @@ def tableless_embedding_class() -> type:
     return TablelessNGramEmbedding
 
 
+class _IgnoreTableKeys:
+    """A class's ``_keys_to_ignore_on_load_unexpected`` while a tableless load runs: the class's
+    own value, plus :data:`TABLE_KEYS` when read in the tableless load's context (transformers reads
+    it while building the model, in ``post_init``, and keeps a copy on the instance)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if not _TABLELESS.get():
+            return self.value
+        return [*list(self.value or []), TABLE_KEYS]
+
+
 def _model_classes(mq: Any) -> list[type]:
     base = mq.Qwen4ExpPreTrainedModel
     return [c for c in vars(mq).values() if isinstance(c, type) and issubclass(c, base)]
@@ -166,8 +195,9 @@ def _model_classes(mq: Any) -> list[type]:
 
 @contextlib.contextmanager
 def tableless_load() -> Iterator[type]:
-    """Within this block, transformers builds qwen4_exp models without PLE tables and ignores their
-    checkpoint keys (see the module docstring). Serialized by a lock; restored on exit."""
+    """Within this block, in this thread, transformers builds qwen4_exp models without PLE tables and
+    ignores their checkpoint keys; other threads' builds are unaffected (see the module docstring).
+    Serialized by a lock; restored on exit."""
     mq = require_transformers()
     replacement = tableless_embedding_class()
     with _LOCK:
@@ -185,12 +215,15 @@ def tableless_load() -> Iterator[type]:
                 present = "_keys_to_ignore_on_load_unexpected" in vars(cls)
                 current = vars(cls).get("_keys_to_ignore_on_load_unexpected")
                 saved.append((cls, present, current))
-                setattr(cls, "_keys_to_ignore_on_load_unexpected", [*list(current or []), TABLE_KEYS])  # noqa: B010
+                inner = current.value if isinstance(current, _IgnoreTableKeys) else current  # a nested load
+                setattr(cls, "_keys_to_ignore_on_load_unexpected", _IgnoreTableKeys(inner))  # noqa: B010
+        token = _TABLELESS.set(True)
         try:
             for m in holders:
                 setattr(m, _EMBEDDING, replacement)
             yield replacement
         finally:
+            _TABLELESS.reset(token)
             for m in holders:
                 setattr(m, _EMBEDDING, original)
             for cls, present, value in saved:

@@ -12,12 +12,24 @@ a table file only when
 
 That costs a ``stat`` and a header read per file, whatever the table's size. A table file without
 a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
-and recorded when it matches; a stale or foreign file is converted again, with a warning that says
-why. Nothing is used silently. Conversion streams the checkpoint shard by shard (``pread``, nothing
-mapped) into a ``.partial`` file renamed when complete; concurrent starts take a lock per table.
+and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
+again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
+shard by shard with ``pread`` (:class:`ple.checkpoint.PreadReader`: nothing mapped, a table stored
+as one tensor included) into a ``.partial`` file renamed when complete; concurrent starts take a
+lock per table, and the table is opened (:class:`~ple.table.MmapTable`) while the lock is held, so
+the file checked is the file served.
+
+One folder serves one checkpoint. The record also names the checkpoint folder the table was made
+from; a table of another checkpoint folder that still exists is never replaced:
+:func:`prepare_table` raises :class:`~ple.errors.InvalidArgumentError` instead (two checkpoints
+sharing a folder would otherwise convert each other's tables back and forth on every start). Give
+each checkpoint its own ``table_dir``, or delete the files to hand the folder over.
 
 Without a ``table_dir`` the folder is ``$PLE_CACHE_DIR/tables/<checkpoint folder name>-<hash of its
 absolute path>`` (``PLE_CACHE_DIR`` defaults to ``$XDG_CACHE_HOME/ple``, else ``~/.cache/ple``).
+Such folders are never removed by ple (a Hub checkpoint gets one per downloaded revision, since each
+revision is a folder of its own): delete a folder to reclaim its space; the next start of that
+checkpoint converts its tables again.
 """
 
 from __future__ import annotations
@@ -34,19 +46,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .._native import cache_dir
-from ..checkpoint import LayerEntry, open_layer_table, table_file_name, table_shards, write_layer_table
+from ..checkpoint import (
+    LayerEntry,
+    PreadReader,
+    open_layer_table,
+    read_header,
+    table_file_name,
+    table_shards,
+    write_layer_table,
+)
 from ..config import PLEConfig
-from ..errors import InvalidArgumentError
-from ..table import MemoryTable, TableFileError, compare_with_source, format_info, read_table_header
-from .checkpoints import PreadReader, read_header
+from ..errors import InvalidArgumentError, PLEError
+from ..files import read_regular
+from ..table import MmapTable, TableFileError, compare_with_source, format_info, read_table_header
 
 __all__ = [
     "default_table_dir",
     "prepare_table",
-    "load_memory_table",
     "source_identity",
     "PreparedTable",
     "RECORD_SUFFIX",
@@ -55,6 +72,7 @@ __all__ = [
 RECORD_SUFFIX = ".source.json"
 """Suffix of the record beside a table file: ``<table file name>.source.json``."""
 _RECORD_VERSION = 1
+_MAX_RECORD_BYTES = 1 << 20
 
 
 def default_table_dir(checkpoint: str | os.PathLike) -> Path:
@@ -106,17 +124,34 @@ def _record_path(path: Path) -> Path:
     return path.with_name(path.name + RECORD_SUFFIX)
 
 
-def _write_record(path: Path, source: dict[str, Any]) -> None:
+def _checkpoint_folder(entry: LayerEntry) -> str:
+    """The absolute path of the folder holding the layer's table (what a record names)."""
+    return str(_table_infos(entry)[0].file.parent.resolve())
+
+
+def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], checkpoint: str) -> None:
     record = {
         "record": "ple table source",
         "version": _RECORD_VERSION,
-        "table": _table_identity(read_table_header(path)),
+        "table": _table_identity(header),
         "source": source,
+        "checkpoint": checkpoint,
     }
     rec = _record_path(path)
     tmp = rec.with_name(rec.name + ".partial")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, rec)
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The record beside table file ``path``, or None (none, unreadable, another version)."""
+    try:
+        record = json.loads(read_regular(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError))
+    except (OSError, ValueError, RecursionError, PLEError):
+        return None
+    if not isinstance(record, dict) or record.get("version") != _RECORD_VERSION:
+        return None
+    return record
 
 
 def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -134,42 +169,34 @@ def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "its record does not match"
 
 
-_UNRECORDED = "unrecorded"
-
-
-def _reuse_problem(path: Path, config: PLEConfig, index: int, source: dict[str, Any]) -> str | None:
-    """None when the table file may be reused; else why not (``_UNRECORDED``: sound file, no valid record)."""
-    if not path.exists():
-        return "missing"
+def _foreign_owner(path: Path, record: dict[str, Any] | None, source: dict[str, Any], home: str) -> str | None:
+    """The other checkpoint folder whose table ``path`` holds, when that table must not be replaced:
+    the record vouches for the file there, was made from another source, in a folder other than
+    ``home`` that still exists."""
+    if record is None or record.get("source") == source:
+        return None
+    other = record.get("checkpoint")
+    if not isinstance(other, str) or other == home or not Path(other).is_dir():
+        return None
     try:
-        table = open_layer_table(path, config, index)
-    except (TableFileError, OSError, ValueError) as e:
-        return f"it cannot be used ({e})"
-    header = table.header
-    table.close()
-    try:
-        record = json.loads(_record_path(path).read_text())
-    except (OSError, ValueError):
-        return _UNRECORDED
-    if not isinstance(record, dict) or record.get("version") != _RECORD_VERSION:
-        return _UNRECORDED
-    if record.get("table") != _table_identity(header):
-        return _UNRECORDED
-    if record.get("source") != source:
-        return _describe_change(record.get("source") or {}, source)
-    return None
+        header = read_table_header(path)
+    except (TableFileError, OSError):
+        return None
+    return other if record.get("table") == _table_identity(header) else None
 
 
 @dataclasses.dataclass
 class PreparedTable:
     """A layer's table file and how it was obtained: ``action`` is "reused" (record matched),
     "verified" (no record: compared with the checkpoint row by row, then recorded) or "converted"
-    (with ``reason``: why the existing file was not used, or "missing")."""
+    (with ``reason``: why the existing file was not used, or "missing"). ``table``: the file, opened
+    while it was checked (the caller owns it: serve it, or close it)."""
 
     path: Path
     action: str
     seconds: float
     reason: str | None = None
+    table: MmapTable | None = dataclasses.field(default=None, repr=False)
 
 
 @contextlib.contextmanager
@@ -198,7 +225,13 @@ def prepare_table(
     entry: LayerEntry, config: PLEConfig, table_dir: str | os.PathLike, *, progress: bool = False
 ) -> PreparedTable:
     """The table file of PLE layer ``entry`` in ``table_dir``: reused, verified or converted (see
-    the module docstring). The file keeps the checkpoint's format, so lookups are exact."""
+    the module docstring), returned open (``PreparedTable.table``). The file keeps the checkpoint's
+    format, so lookups are exact.
+
+    Raises:
+        InvalidArgumentError: the folder holds this layer's table for another checkpoint folder that
+            still exists, or lacks the disk space a conversion needs.
+    """
     t0 = time.perf_counter()
     folder = Path(table_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -206,22 +239,39 @@ def prepare_table(
     index = entry.ple_layer_index
     with _lock(path):
         source = source_identity(entry)
-        reason = _reuse_problem(path, config, index, source)
-        if reason is None:
-            return PreparedTable(path, "reused", time.perf_counter() - t0)
-        if reason == _UNRECORDED:
-            with PreadReader() as reader:
-                problems = compare_with_source(path, table_shards(entry, reader))
-            if not problems:
-                _write_record(path, source)
-                return PreparedTable(path, "verified", time.perf_counter() - t0)
-            reason = f"its rows differ from the checkpoint's ({problems[0]}{' ...' if len(problems) > 1 else ''})"
+        home = _checkpoint_folder(entry)
+        record = _read_record(path)
+        other = _foreign_owner(path, record, source, home)
+        if other is not None:
+            raise InvalidArgumentError(
+                f"table folder {folder} holds {path.name}, PLE layer {index}'s table of checkpoint {other}, "
+                f"not of {home}: converting it here would replace that checkpoint's table (and its next start "
+                "would convert it back). Pass each checkpoint a table_dir of its own (the default is one per "
+                f"checkpoint), or delete {path} to give the folder to this checkpoint"
+            )
+        reason = "missing"
+        if os.path.lexists(path):
+            try:
+                table = open_layer_table(path, config, index)
+            except (TableFileError, OSError, ValueError) as e:
+                reason = f"it cannot be used ({e})"
+            else:
+                try:
+                    action, reason = _check_existing(table, path, entry, record, source, home)
+                except BaseException:
+                    table.close()
+                    raise
+                if action is not None:
+                    return PreparedTable(path, action, time.perf_counter() - t0, table=table)
+                table.close()
         if reason != "missing":
             warnings.warn(f"PLE table file {path} is not used: {reason}; converting it again", stacklevel=3)
         _record_path(path).unlink(missing_ok=True)
         assert entry.table_format is not None  # a scan without problems found it
         need = _table_nbytes(config, index, entry.table_format)
-        free = shutil.disk_usage(folder).free + (path.stat().st_size if path.exists() else 0)
+        # the new file is written beside the old one (a .partial renamed at the end): the old one's
+        # space is not free until then
+        free = shutil.disk_usage(folder).free
         if free < need:
             raise InvalidArgumentError(
                 f"table folder {folder} has {free / 1e9:.2f} GB free, PLE layer {index}'s table needs "
@@ -229,24 +279,35 @@ def prepare_table(
             )
         with PreadReader() as reader:
             write_layer_table(table_shards(entry, reader), path, config, index, force=True, progress=progress)
-        _write_record(path, source)
-        return PreparedTable(path, "converted", time.perf_counter() - t0, reason)
+        table = open_layer_table(path, config, index)
+        try:
+            _write_record(path, table.header, source, home)
+        except BaseException:
+            table.close()
+            raise
+        return PreparedTable(path, "converted", time.perf_counter() - t0, reason, table)
 
 
-def load_memory_table(entry: LayerEntry, device: torch.device | str = "cpu") -> MemoryTable:
-    """A layer's table read shard by shard (``pread``) into a fresh :class:`~ple.table.MemoryTable`
-    on ``device``, in the checkpoint's format."""
-    lay = entry.layout
-    assert entry.table_format is not None  # a scan without problems found it
-    table = MemoryTable.empty(lay.padded_rows, lay.head_dim, entry.table_format, device=device)
-    kind = format_info(entry.table_format).scale_kind
+def _check_existing(
+    table: MmapTable,
+    path: Path,
+    entry: LayerEntry,
+    record: dict[str, Any] | None,
+    source: dict[str, Any],
+    home: str,
+) -> tuple[str | None, str]:
+    """``("reused" | "verified", "")`` when the opened table file may serve ``entry``, else
+    ``(None, why not)``."""
+    if record is not None and record.get("table") == _table_identity(table.header):
+        if record.get("source") == source:
+            return "reused", ""
+        return None, _describe_change(record.get("source") or {}, source)
+    # no record vouches for this file: compare it with the checkpoint row by row
     with PreadReader() as reader:
-        for k, rows, scale in table_shards(entry, reader):
-            a, b = lay.shard_range(k)
-            table.data[a:b].copy_(rows)
-            if scale is not None and table.scale is not None:
-                if kind == "row":
-                    table.scale[a:b].copy_(scale)
-                else:
-                    table.scale.copy_(scale.reshape(1))
-    return table
+        problems = compare_with_source(path, table_shards(entry, reader))
+    if problems:
+        return None, f"its rows differ from the checkpoint's ({problems[0]}{' ...' if len(problems) > 1 else ''})"
+    if not table.same_file(path):
+        return None, "it was replaced while being compared with the checkpoint"
+    _write_record(path, table.header, source, home)
+    return "verified", ""

@@ -25,8 +25,9 @@ positions' values and conv inputs, as in the original.
 Saving: a patched module's ``state_dict()`` uses transformers' names for its weights and the
 checkpoint's names for its table (``ple_embedding.ngram_embedding.shard_{k}.weight``, one tensor per
 shard in the table's own format, plus ``weight_scale``: one global ``[1]`` for fp8, ``[rows, 1]``
-per shard for per-row formats). Memory-mapped tables are handed over as maps of the table file, so
-``model.save_pretrained(...)`` streams them from disk and writes the checkpoint layout transformers
+per shard for per-row formats). Memory-mapped tables are handed over as maps of the file the table
+holds (:meth:`ple.MmapTable.map_rows`: the file it serves, even after another was renamed over its
+name), so ``model.save_pretrained(...)`` streams them from disk and writes the checkpoint layout transformers
 writes. transformers 5.24 reads an F8_E4M3 table as a plain cast and ignores ``weight_scale``: for
 plain transformers, write a dequantized copy with :func:`dequantize_checkpoint`. A table whose rows
 this process cannot read (sharded across ranks) refuses to be saved.
@@ -41,27 +42,35 @@ gradient transformers gives it (non-zero only on the rows the batch touched). Ot
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, open_layer_table, scan_checkpoint, write_layer_table
+from ..checkpoint import (
+    CheckpointError,
+    PreadReader,
+    load_table,
+    open_layer_table,
+    scan_checkpoint,
+    table_file_name,
+    write_layer_table,
+)
 from ..config import ConfigError, PLEConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ..files import read_regular
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
-from ..table import TABLE_SUFFIX, CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
+from ..table import CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
 from .checkpoints import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
-from .tables import PreparedTable, default_table_dir, load_memory_table, prepare_table
+from .tables import PreparedTable, default_table_dir, prepare_table
 
 __all__ = [
     "from_pretrained",
@@ -287,18 +296,6 @@ class PatchedPLELayer(nn.Module):
         return original
 
 
-def _cow_map(table: MmapTable) -> torch.Tensor:
-    """The rows of a table file as a copy-on-write memory map: nothing is read until touched, and
-    writes (training) go to private pages, never to the file."""
-    storage = table.storage_dtype
-    np_dtype = {1: np.uint8, 2: np.int16, 4: np.float32}[storage.itemsize]
-    arr = np.memmap(
-        table.path, dtype=np_dtype, mode="c", offset=table.header["data_offset"], shape=(table.rows, table.head_dim)
-    )
-    t = torch.from_numpy(arr)
-    return t if t.dtype == storage else t.view(storage)
-
-
 def _weight_from_table(
     table, dtype: torch.dtype, device, materialize: bool, layer_idx: int
 ) -> Callable[[], torch.Tensor]:
@@ -315,7 +312,9 @@ def _weight_from_table(
         )
     exact = format_info(backing.format).scale_kind == "none" and backing.storage_dtype == dtype
     if exact and isinstance(backing, MmapTable):
-        return lambda: _cow_map(backing).to(device)
+        # a copy-on-write map of the file the table holds: nothing read until touched, training
+        # writes go to private pages, never to the file
+        return lambda: backing.map_rows(copy_on_write=True).to(device)
     if exact:
         return lambda: backing.data.detach().to(device)
     if not materialize:
@@ -348,28 +347,11 @@ def _distinct_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype)
 
 
-def _file_rows(table: MmapTable, a: int, b: int, scale: bool = False) -> torch.Tensor:
-    """Rows ``[a, b)`` of a table file (or their per-row scales) as a sequential read-only map."""
-    np_dtype: Any
-    if scale:
-        shape, np_dtype, offset, dtype = (b - a, 1), np.float32, table.header["scale"]["offset"] + 4 * a, torch.float32
-    else:
-        dtype = table.storage_dtype
-        np_dtype = {1: np.uint8, 2: np.int16, 4: np.float32}[dtype.itemsize]
-        shape, offset = (b - a, table.head_dim), table.header["data_offset"] + a * table.header["row_nbytes"]
-    if b <= a:
-        return torch.empty(shape, dtype=dtype)
-    arr = np.memmap(table.path, dtype=np_dtype, mode="r", offset=offset, shape=shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only on purpose
-        t = torch.from_numpy(arr)
-    return t if t.dtype == dtype else t.view(dtype)
-
-
 def table_state(table: Table, layer: PLELayer, base: str) -> dict[str, torch.Tensor]:
     """A table in checkpoint form: ``{base}shard_{k}.weight`` per shard (plus ``{base}weight_scale``
     or ``{base}shard_{k}.weight_scale``), each tensor with a storage of its own, read from its tier
-    (a table file is mapped, not read). Raises :class:`UsageError` when the rows are not readable here."""
+    (a table file is mapped, not read: new maps of the very file the table holds, whatever its name
+    leads to now). Raises :class:`UsageError` when the rows are not readable here."""
     backing = table.backing if isinstance(table, CachedTable) else table
     if not isinstance(backing, StoredTable):
         raise UsageError(
@@ -383,14 +365,14 @@ def table_state(table: Table, layer: PLELayer, base: str) -> dict[str, torch.Ten
     for k in range(lay.split_parts):
         a, b = lay.shard_range(k)
         if mapped is not None:
-            out[f"{base}shard_{k}.weight"] = _file_rows(mapped, a, b)
+            out[f"{base}shard_{k}.weight"] = mapped.map_rows(a, b)
         else:
             out[f"{base}shard_{k}.weight"] = _distinct_storage(backing.data.detach()[a:b])
         if kind == "row":
             scale = backing.scale
             assert scale is not None
             out[f"{base}shard_{k}.weight_scale"] = (
-                _file_rows(mapped, a, b, scale=True) if mapped is not None else _distinct_storage(scale.detach()[a:b])
+                mapped.map_rows(a, b, scales=True) if mapped is not None else _distinct_storage(scale.detach()[a:b])
             )
     if kind == "global":
         assert backing.scale is not None
@@ -613,7 +595,7 @@ def patch(
                 table = MemoryTable(param if table_grad else weight)
             elif table_tier == "mmap":
                 assert out_dir is not None
-                path = out_dir / f"{qualname}{TABLE_SUFFIX}"
+                path = out_dir / table_file_name(qualname)
                 table = _write_mmap_table(layer, weight, path)
             else:
                 assert callable(table_tier)
@@ -691,14 +673,16 @@ def _local_checkpoint(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
 
 
 def _model_class(root: Path, mq):
-    import json
-
     import transformers
 
-    arch = (json.loads((root / "config.json").read_text()).get("architectures") or [None])[0]
+    try:
+        doc = json.loads(read_regular(root / "config.json", "config.json", 64 << 20, ConfigError))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{root}/config.json is not valid JSON ({e})") from None
+    arch = ((doc.get("architectures") if isinstance(doc, dict) else None) or [None])[0]
     if arch is None:
         return transformers.AutoModelForCausalLM
-    cls = getattr(transformers, arch, None)
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if not isinstance(cls, type) or not issubclass(cls, mq.Qwen4ExpPreTrainedModel):
         raise InvalidArgumentError(
             f"{root}/config.json names architecture {arch!r}, not a transformers qwen4_exp model"
@@ -752,11 +736,14 @@ def from_pretrained(
             the Hub arguments in ``kwargs`` apply).
         table_dir: where the table files live (see :mod:`ple.integrations.tables`): made once,
             streamed shard by shard from the checkpoint, reused while the checkpoint is unchanged.
-            Default: ``$PLE_CACHE_DIR/tables/<folder name>-<hash of its path>`` (``~/.cache/ple``).
+            One folder per checkpoint (a table of another checkpoint folder is never replaced:
+            :class:`InvalidArgumentError`). Default: ``$PLE_CACHE_DIR/tables/<folder name>-<hash of
+            its path>`` (``PLE_CACHE_DIR`` defaults to ``$XDG_CACHE_HOME/ple``, else ``~/.cache/ple``).
         table_tier: ``"mmap"`` (rows read from the page cache on demand), ``"cached"`` (the hottest
             ``table_cache_rows`` rows kept in memory on the model's device, in front of the map) or
             ``"memory"`` (the table read into memory in the checkpoint's format; no table files).
-        table_cache_rows: rows of the ``"cached"`` tier (default :data:`DEFAULT_CACHE_ROWS`).
+        table_cache_rows: rows of the ``"cached"`` tier, an int >= 1 (default :data:`DEFAULT_CACHE_ROWS`);
+            checked before anything is converted or loaded.
         progress: progress bars while converting (default: when stderr is a terminal).
 
     Returns:
@@ -774,6 +761,12 @@ def from_pretrained(
         raise InvalidArgumentError("table_dir is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
     if table_cache_rows is not None and table_tier != "cached":
         raise InvalidArgumentError(f"table_cache_rows is for table_tier='cached', got table_tier={table_tier!r}")
+    if table_cache_rows is not None and (isinstance(table_cache_rows, bool) or not isinstance(table_cache_rows, int)):
+        raise ArgumentTypeError(f"table_cache_rows must be an int (rows kept in memory), got {table_cache_rows!r}")
+    if table_cache_rows is not None and table_cache_rows < 1:
+        raise InvalidArgumentError(
+            f"table_cache_rows must be >= 1, got {table_cache_rows}; for no cache use table_tier='mmap'"
+        )
     refused = sorted(k for k in ("state_dict", "gguf_file", "from_tf", "from_flax", "key_mapping") if k in kwargs)
     if refused:
         raise InvalidArgumentError(f"from_pretrained: {refused} cannot be combined with ple's table loading")
@@ -786,29 +779,39 @@ def from_pretrained(
     if scan.all_problems:
         raise CheckpointError(scan.all_problems)
     show = sys.stderr.isatty() if progress is None else bool(progress)
-    prepared: dict[int, PreparedTable] = {}
-    if table_tier != "memory":
-        folder = Path(table_dir) if table_dir is not None else default_table_dir(root)
-        for e in scan.layers:
-            prepared[e.ple_layer_index] = prepare_table(e, config, folder, progress=show)
-    entries = {e.ple_layer_index: e for e in scan.layers}
     cls = _model_class(root, mq)
-    with tableless_load():
-        model, info = cls.from_pretrained(root, output_loading_info=True, **kwargs)
-    _check_tableless(model, info, config)
+    prepared: dict[int, PreparedTable] = {}
+    try:
+        if table_tier != "memory":
+            folder = Path(table_dir) if table_dir is not None else default_table_dir(root)
+            for e in scan.layers:
+                # opened while checked: the file served is the file checked, whatever replaces it later
+                prepared[e.ple_layer_index] = prepare_table(e, config, folder, progress=show)
+        entries = {e.ple_layer_index: e for e in scan.layers}
+        with tableless_load():
+            model, info = cls.from_pretrained(root, output_loading_info=True, **kwargs)
+        _check_tableless(model, info, config)
 
-    def factory(weight: torch.Tensor, layer: PLELayer) -> Table:
-        idx = layer.ple_layer_index
-        device = layer.key_proj.device
-        if table_tier == "memory":
-            return load_memory_table(entries[idx], device)
-        mapped = open_layer_table(prepared[idx].path, config, idx)
-        if table_tier == "cached":
-            rows = DEFAULT_CACHE_ROWS if table_cache_rows is None else table_cache_rows
-            return CachedTable(mapped, rows, device=device)
-        return mapped
+        def factory(weight: torch.Tensor, layer: PLELayer) -> Table:
+            idx = layer.ple_layer_index
+            device = layer.key_proj.device
+            if table_tier == "memory":
+                # the loader's own checks: shapes and dtypes as scanned, every scale positive and finite
+                with PreadReader() as reader:
+                    return load_table(entries[idx], reader, device=device)
+            mapped = prepared[idx].table
+            assert mapped is not None
+            if table_tier == "cached":
+                rows = DEFAULT_CACHE_ROWS if table_cache_rows is None else table_cache_rows
+                return CachedTable(mapped, rows, device=device)
+            return mapped
 
-    patch(model, factory)
+        patch(model, factory)
+    except BaseException:
+        for made in prepared.values():
+            if made.table is not None:
+                made.table.close()
+        raise
     for wrapper in patched_layers(model):
         p = prepared.get(wrapper.layer.ple_layer_index)
         wrapper.prepared = p

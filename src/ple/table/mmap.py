@@ -11,7 +11,8 @@ microsecond) and raises :class:`TableFileError` when they differ, before touchin
 :meth:`MmapTable.check_file` makes the same check on demand. What is not: a change during a lookup,
 one that keeps both the size and the modification time (the clock's granularity, or a writer that
 resets the time), and reads that bypass the lookup (``data`` read directly, e.g. by a
-:class:`~ple.table.CachedTable` filling its cache).
+:class:`~ple.table.CachedTable` filling its cache; a map from :meth:`MmapTable.map_rows` is checked
+when it is made, not when it is read).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UsageError
+from ..errors import InvalidArgumentError, UsageError
 from .base import StoredTable
 from .file import TableFileError, open_table, shard_bounds
 from .formats import format_info
@@ -137,6 +138,58 @@ class MmapTable(StoredTable):
                 "modification time changed): its rows can no longer be trusted; replace table files by "
                 "renaming a new file over the old one (what ple convert --force does), then open it again"
             )
+
+    def map_rows(
+        self, start: int = 0, stop: int | None = None, *, scales: bool = False, copy_on_write: bool = False
+    ) -> torch.Tensor:
+        """A new map of rows ``[start, stop)`` of the file this table holds: ``[n, head_dim]`` in the
+        storage dtype, or with ``scales=True`` their per-row scales ``[n, 1]`` (float32; per-row
+        formats only).
+
+        The map is made from the table's own descriptor after :meth:`check_file`, so it shows the
+        very file the table serves, even when its name now leads to another file (one renamed over
+        it). Nothing is read until touched. The tensor has a storage of its own and keeps its map
+        alive: it outlives :meth:`close`. Read-only (writing faults), or with ``copy_on_write``
+        writable, writes going to private pages of this process, never to the file."""
+        self.check_file()
+        stop = self.rows if stop is None else stop
+        for v in (start, stop):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidArgumentError(f"start and stop must be integers, got {start!r}, {stop!r}")
+        if not 0 <= start <= stop <= self.rows:
+            raise InvalidArgumentError(f"rows [{start}, {stop}) are not within the table's {self.rows} rows")
+        n = stop - start
+        if scales:
+            if self.header["scale"]["kind"] != "row":
+                raise UsageError(f"a {self.format!r} table has no per-row scales to map")
+            dtype, width, offset = torch.float32, 1, self.header["scale"]["offset"] + 4 * start
+        else:
+            dtype, width = self.storage_dtype, self.head_dim
+            offset = self.header["data_offset"] + start * self.header["row_nbytes"]
+        if n == 0:
+            return torch.empty((0, width), dtype=dtype)
+        np_dtype = np.float32 if scales else _NP_STORAGE[dtype]
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        nbytes = n * width * dtype.itemsize
+        access = mmap.ACCESS_COPY if copy_on_write else mmap.ACCESS_READ
+        buf = mmap.mmap(self._fd, offset - base + nbytes, access=access, offset=base)
+        arr = np.frombuffer(buf, dtype=np_dtype, count=n * width, offset=offset - base).reshape(n, width)
+        with warnings.catch_warnings():
+            # torch warns that a read-only array is not writable: read-only on purpose.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
+        return t if t.dtype == dtype else t.view(dtype)
+
+    def same_file(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` now names the very file this table maps (same device and inode)."""
+        if self._fd < 0:
+            raise UsageError(f"table file {self.path} was closed")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self._fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         self.check_file()
