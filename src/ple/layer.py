@@ -332,8 +332,10 @@ class PLELayer(nn.Module):
         w = self.kv_weight
         tokens = emb.shape[0]
         if emb.device.type == "cpu" and emb.dtype != torch.bfloat16:
-            pad = (-tokens) % _ROW_BLOCK
-            kv = F.linear(F.pad(emb, (0, 0, 0, pad)) if pad else emb, w)[:tokens]
+            # traced code pads whatever T is (a branch on T would specialize an unbacked size)
+            if torch.compiler.is_compiling() or tokens % _ROW_BLOCK:
+                emb = F.pad(emb, (0, 0, 0, (-tokens) % _ROW_BLOCK))
+            kv = F.linear(emb, w)[:tokens]
         else:
             kv = F.linear(emb, w)
         c = self.config.hc_hidden_size
