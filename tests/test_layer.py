@@ -392,3 +392,19 @@ def test_prefetch_handle_is_checked_against_its_inputs():
     with pytest.raises(PrefetchError, match="not bound"):
         layer(h, toks, batch, prefetched=unbound)
     unbound.release()
+
+
+def test_engine_call_refuses_tokens_outside_the_vocabulary_on_the_cpu():
+    from ple.ngram import NgramInputError
+
+    hf, mod, rng = _random_hf(14)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    pool = layer.new_state_pool(1)
+    batch = Batch.build([3], [0], torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id), pool)
+    with pytest.raises(NgramInputError, match=f"token id {cfg.vocab_size} at position 1 is outside"):
+        layer(torch.randn(3, cfg.hc_hidden_size), torch.tensor([1, cfg.vocab_size, 2]), batch)
+    bad_ctx = Batch.build([3], [0], torch.full((1, cfg.ngram_size - 1), -1), pool)
+    with pytest.raises(NgramInputError, match=r"ngram_context\[0, 0\] = -1"):
+        layer(torch.randn(3, cfg.hc_hidden_size), torch.tensor([1, 2, 2]), bad_ctx)
+    assert torch.equal(pool, torch.zeros_like(pool))
