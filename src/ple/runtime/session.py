@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -393,7 +394,7 @@ class Session:
     # ------------------------------------------------------------------ stepping
     def begin(
         self,
-        tokens: Mapping[Hashable, torch.Tensor],
+        tokens: Mapping[Any, torch.Tensor],
         speculative: Iterable[Hashable] = (),
     ) -> SessionStep:
         """Start one packed step: ``{request: tokens [n]}`` (any mix of first chunks, continuations,
@@ -405,7 +406,7 @@ class Session:
         with named_range("ple.session.prepare"):
             return self._begin(tokens, frozenset(speculative))
 
-    def _begin(self, tokens: Mapping[Hashable, torch.Tensor], spec: frozenset) -> SessionStep:
+    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
         requests = self._requests
         for rid in spec:
             if rid not in requests:
@@ -588,7 +589,7 @@ class Session:
 
     def step(
         self,
-        inputs: Mapping[Hashable, tuple[torch.Tensor, torch.Tensor]],
+        inputs: Mapping[Any, tuple[torch.Tensor, torch.Tensor]],
         speculative: Iterable[Hashable] = (),
     ) -> dict[Hashable, torch.Tensor]:
         """Run one packed batch through a session of one layer.
