@@ -30,7 +30,7 @@ from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
 from .table import StoredTable, hash_layout
-from .table.base import TableRef
+from .table.base import TableRef, lookup_through
 
 __all__ = ["PLELayer"]
 
@@ -440,7 +440,7 @@ class PLELayer(nn.Module):
                     self.config.eos_token_id,
                 )
             with ops_library.named_range("ple.lookup"):
-                rows = torch.ops.ple.table_lookup(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                rows = lookup_through(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):

@@ -35,3 +35,17 @@ def test_opcheck_and_an_empty_reference():
     )
     with pytest.raises(InvalidArgumentError, match="holds no table"):
         torch.ops.ple.table_lookup(ids, TableRef(), 4, torch.bfloat16)
+
+
+def test_without_opaque_types_the_table_is_called_directly(monkeypatch):
+    """On a torch without opaque reference types there is no operator; eager lookups still work."""
+    import ple.table.base as base
+
+    data, scale = make_table("int8_row", 40, 3, seed=5)
+    ref = TableRef(MemoryTable(data, scale))
+    ids = random_ids(40, 4, 2, seed=6)
+    want = torch.ops.ple.table_lookup(ids, ref, 3, torch.float32)
+    monkeypatch.setattr(base, "register_opaque_type", None)
+    assert torch.equal(base.lookup_through(ids, ref, 3, torch.float32), want)
+    with pytest.raises(InvalidArgumentError, match="holds no table"):
+        base.lookup_through(ids, TableRef(), 3, torch.float32)
