@@ -1,7 +1,14 @@
-"""Check and time ple's device kernels (n-gram ids, table gather, gate, conv) at serving sizes.
+"""Check and time ple's device kernels (n-gram ids, table gather, gate, conv) at serving sizes, and
+the layer's engine call as serving engines run it.
 
 Run by ``bench/gpu_check.sh`` on a CUDA machine; ``--device cpu --tiny`` runs every code path on
 the CPU (torch fast paths, tiny shapes) to check the script itself.
+
+The engine checks (``engine``) build a layer at the published geometry (bf16, a reduced table on the
+GPU) and a decode batch of 64 requests, then: (1) run the engine call ``layer(hidden, ids, batch)``
+with a prebuilt batch under ``torch.cuda.set_sync_debug_mode("error")``: any host synchronization
+fails the check; (2) capture one decode step in a CUDA graph, replay it on new inputs and compare
+outputs and the state pool with the eager call bit for bit, and time replay against eager.
 
 For each kernel and size: a correctness check first (ids and gathered rows exactly, gate and conv
 within the bf16 tolerance of the torch twin, conv states exactly); a kernel whose check fails is
@@ -48,6 +55,8 @@ class Sizes:
     hc_count: int
     gate_tokens: tuple[int, ...]
     conv: tuple[tuple[str, int, int], ...]  # (label, requests, tokens per request)
+    engine_table_base: int = 300_000  # ngram_vocab_size_base of the engine checks' table
+    engine_requests: int = 64
 
 
 FULL = Sizes(
@@ -73,6 +82,8 @@ TINY = Sizes(
     hc_count=4,
     gate_tokens=(1, 7),
     conv=(("decode", 5, 1), ("prefill", 3, 11)),
+    engine_table_base=1000,
+    engine_requests=3,
 )
 
 
@@ -331,6 +342,135 @@ def check_conv(sizes: Sizes, device: torch.device, timer: Timer, peak: float) ->
     return out
 
 
+def _engine_layer(sizes: Sizes, device: torch.device):
+    """A bf16 PLE layer at the sizes' geometry with random weights and a random table on ``device``."""
+    from ple.config import PLEConfig
+    from ple.layer import PLELayer
+    from ple.table import MemoryTable
+
+    hpn = sizes.num_heads // 2
+    cfg = PLEConfig(
+        hidden_size=sizes.hidden_size,
+        hc_count=sizes.hc_count,
+        ple_embed_dim=sizes.head_dim * sizes.num_heads,
+        ngram_size=3,
+        heads_per_ngram=hpn,
+        vocab_size=248320,
+        eos_token_id=248044,
+        ngram_vocab_size_base=sizes.engine_table_base,
+        ple_layer_ids=(2,),
+    )
+    g = torch.Generator().manual_seed(5)
+    layer = PLELayer(cfg, 0, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = 1 / p.shape[-1] ** 0.5 if "proj" in name else 0.3
+            p.copy_((scale * torch.randn(p.shape, generator=g)).to(device, torch.bfloat16))
+    layer.refresh_weights()
+    lay = layer.layout
+    data, _ = _make_table("bf16", lay.padded_rows, lay.head_dim, device, g)
+    layer.set_table(MemoryTable(data))
+    return layer
+
+
+def check_engine(sizes: Sizes, device: torch.device, timer: Timer, peak: float) -> list[Record]:
+    """The engine call with a prebuilt batch: no host synchronization; a decode step in a CUDA graph."""
+    from ple.runtime import Batch
+
+    layer = _engine_layer(sizes, device)
+    cfg = layer.config
+    r, c = sizes.engine_requests, cfg.hc_hidden_size
+    g = torch.Generator().manual_seed(6)
+    pool = layer.new_state_pool(r)
+    ctx = torch.randint(0, cfg.vocab_size, (r, cfg.ngram_size - 1), generator=g)
+    history = 16
+    warm = Batch.build([history] * r, list(range(r)), ctx, pool, device=device)
+    with torch.no_grad():
+        layer(
+            torch.randn(r * history, c, generator=g).to(device, torch.bfloat16),
+            torch.randint(0, cfg.vocab_size, (r * history,), generator=g).to(device),
+            warm,
+        )
+    batch = Batch.build([1] * r, list(range(r)), ctx, pool, has_initial_state=[True] * r, device=device)
+    hidden = torch.randn(r, c, generator=g).to(device, torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (r,), generator=g).to(device)
+    snapshot = pool.clone()
+    cuda = device.type == "cuda"
+    impl = "eager ops (triton)" if cuda else "eager ops (cpu dry run)"
+    out: list[Record] = []
+    shape = f"decode {r}x1, H {cfg.hidden_size} HC {cfg.hc_count} E {cfg.ple_embed_dim}"
+
+    def step():
+        with torch.no_grad():
+            return layer(hidden, ids, batch)
+
+    step()  # compiles the Triton kernels
+    pool.copy_(snapshot)
+    # 1. no host synchronization in the hot path
+    detail = "n/a on the CPU (ran the same call)"
+    passed = True
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            detail = "no synchronizing call under set_sync_debug_mode('error')"
+        except RuntimeError as e:
+            passed, detail = False, f"synchronized: {str(e).splitlines()[0][:200]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        step()
+    pool.copy_(snapshot)
+    out.append(Record("engine: no host sync", shape, "bf16", impl, passed, detail, r, 0))
+
+    # 2. a decode step captured in a CUDA graph, replayed on new inputs, equal to eager
+    graph = None
+    static_out = None
+    if cuda:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+                pool.copy_(snapshot)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
+        pool.copy_(snapshot)
+    ok, diffs = True, []
+    for k in range(3):
+        hidden.copy_(torch.randn(r, c, generator=g).to(device, torch.bfloat16))
+        ids.copy_(torch.randint(0, cfg.vocab_size, (r,), generator=g).to(device))
+        pool.copy_(snapshot)
+        if graph is not None:
+            graph.replay()
+            got, got_pool = static_out.clone(), pool.clone()
+        else:
+            got, got_pool = step(), pool.clone()
+        pool.copy_(snapshot)
+        want = step()
+        same = torch.equal(got, want) and torch.equal(got_pool, pool)
+        ok &= same
+        if not same:
+            diffs.append(k)
+    detail = (
+        ("replays equal eager (outputs and state pool, 3 inputs)" if ok else f"replays {diffs} differ from eager")
+        if cuda
+        else "n/a on the CPU (eager twice)"
+    )
+    rec = Record("engine: CUDA graph decode step", shape, "bf16", "cuda graph" if cuda else impl, ok, detail, r, 0)
+    if ok:
+        replay = graph.replay if graph is not None else step
+        rec.median_us = timer(replay, reset=lambda: pool.copy_(snapshot)) * 1e6
+        rec.us_per_token = rec.median_us / r
+        eager_us = timer(step, reset=lambda: pool.copy_(snapshot)) * 1e6
+        rec.detail += f"; replay {rec.median_us:.1f} us vs eager {eager_us:.1f} us"
+    out.append(rec)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -345,13 +485,53 @@ def markdown(records: list[Record], peak: float) -> str:
         if not r.passed:
             lines.append(f"| {r.kernel} | {r.shape} | {r.dtype} | {r.impl} | FAILED: {r.detail} | - | - | - | - |")
             continue
-        gbs = "-" if r.achieved_bytes_per_s is None else f"{r.achieved_bytes_per_s / 1e9:.0f}"
-        frac = "-" if r.fraction_of_peak_bw is None else f"{100 * r.fraction_of_peak_bw:.1f}"
-        lines.append(
-            f"| {r.kernel} | {r.shape} | {r.dtype} | {r.impl} | ok | {r.median_us:.1f} | {r.us_per_token:.4f} | "
-            f"{gbs} | {frac} |"
-        )
+        gbs = "-" if not r.achieved_bytes_per_s else f"{r.achieved_bytes_per_s / 1e9:.0f}"
+        frac = "-" if not r.fraction_of_peak_bw else f"{100 * r.fraction_of_peak_bw:.1f}"
+        med = "-" if r.median_us is None else f"{r.median_us:.1f}"
+        per = "-" if r.us_per_token is None else f"{r.us_per_token:.4f}"
+        check = "ok" if r.bytes_moved else f"ok: {r.detail}"
+        lines.append(f"| {r.kernel} | {r.shape} | {r.dtype} | {r.impl} | {check} | {med} | {per} | {gbs} | {frac} |")
     return "\n".join(lines) + "\n"
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def summary(out_dir: Path, device: str, step_rows: list[str]) -> str:
+    """One table of everything the check ran: the script's steps (rows given), every kernel and engine
+    record of ``gpu_kernels.json``, every case of ``bench_<device>.json``."""
+    rows = list(step_rows)
+    kernels = _load(out_dir / "gpu_kernels.json") or {}
+    for r in kernels.get("records", []):
+        what = f"{r['kernel']} {r['shape']} {r['dtype']}"
+        if not r["passed"]:
+            rows.append(f"| {what} | FAILED | - | {r['detail']} |")
+            continue
+        t = "-" if r["median_us"] is None else f"{r['median_us']:.1f} us"
+        frac = r.get("fraction_of_peak_bw")
+        rows.append(f"| {what} | ok | {t} | {f'{100 * frac:.1f} % of peak bandwidth' if frac else r['detail']} |")
+    for k, v in kernels.get("errors", {}).items():
+        rows.append(f"| {k} | ERROR | - | {v} |")
+    bench = _load(out_dir / f"bench_{device}.json") or {}
+    for c in bench.get("cases", []):
+        if c["status"] != "ok":
+            rows.append(f"| bench {c['name']} | REFUSED | - | {(c.get('check') or {}).get('detail', '')} |")
+            continue
+        m, q = c["median_ms"], c["ratios"]
+        parts = [f"transformers {m['transformers']:.3g} ms"]
+        if q["speedup_vs_transformers"]:
+            parts.append(f"{q['speedup_vs_transformers']:.2f}x vs transformers")
+        if q["ple_over_floor"]:
+            parts.append(f"{q['ple_over_floor']:.2f} x floor")
+        met = {True: "target met", False: "target NOT met", None: "no target"}[c["target_met"]]
+        rows.append(f"| bench {c['name']} ({c['shape']}) | ok, {met} | {m['ple']:.3g} ms | {', '.join(parts)} |")
+    if bench:
+        rows.append(f"| {bench['settings'].get('geometry_name', '')} | | | |")
+    return "\n".join(["| check | result | time | detail |", "|---|---|---|---|", *rows]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,8 +548,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for a CPU smoke run of this script)")
     p.add_argument("--table-rows", type=int, default=None, help="rows of the gather benchmark's table")
-    p.add_argument("--only", default=None, help="comma-separated subset of: ids,gather,gate,conv")
+    p.add_argument("--only", default=None, help="comma-separated subset of: ids,gather,gate,conv,engine")
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the one summary table of a finished check in --out (step rows on stdin) and exit",
+    )
     args = p.parse_args(argv)
+    if args.summary:
+        print(summary(Path(args.out), args.device, [ln for ln in sys.stdin.read().splitlines() if ln.strip()]), end="")
+        return 0
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -385,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     timer = Timer(device, args.repeat, args.warmup)
-    steps = {"ids": check_ids, "gather": check_gather, "gate": check_gate, "conv": check_conv}
+    steps = {"ids": check_ids, "gather": check_gather, "gate": check_gate, "conv": check_conv, "engine": check_engine}
     only = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in steps]
     if unknown:

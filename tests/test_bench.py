@@ -249,7 +249,15 @@ def test_select_cases():
     names = lambda spec: [c.name for c in bench_cases.select_cases(spec)]  # noqa: E731
     assert names(None) == names("all") == [c.name for c in bench_cases.CASES]
     assert names("prefill") == ["prefill-long-bf16", "prefill-batch-bf16", "prefill-long-fp32", "prefill-batch-fp32"]
-    assert names("*-bf16") == ["prefill-long-bf16", "prefill-batch-bf16", "decode-bf16", "mixed-bf16"]
+    assert names("*-bf16") == [
+        "prefill-long-bf16",
+        "prefill-batch-bf16",
+        "decode-bf16",
+        "session-decode-bf16",
+        "session-prefill-bf16",
+        "mixed-bf16",
+    ]
+    assert names("session") == ["session-decode-bf16", "session-decode-fp32", "session-prefill-bf16"]
     assert names("decode-fp32,ids,decode-fp32") == ["decode-fp32", "ids"]
     with pytest.raises(ValueError, match="no benchmark case matches 'prefil'.*known cases: ids"):
         bench_cases.select_cases("prefil")
@@ -347,9 +355,31 @@ def test_gpu_check_script_parses_and_its_python_part_runs_on_cpu(tmp_path, monke
     rep = json.loads((tmp_path / "gpu_kernels.json").read_text())
     assert rep["schema"] == mod.SCHEMA and not rep["errors"]
     kernels = {r["kernel"] for r in rep["records"]}
-    assert kernels == {"ngram_ids", "gather", "gate", "conv"}
+    assert kernels == {
+        "ngram_ids",
+        "gather",
+        "gate",
+        "conv",
+        "engine: no host sync",
+        "engine: CUDA graph decode step",
+    }
     for r in rep["records"]:
         assert r["passed"], r
+        if r["kernel"].startswith("engine"):
+            assert "n/a on the CPU" in r["detail"]
+            continue
         assert r["median_us"] > 0 and r["bytes_moved"] > 0
         assert r["fraction_of_peak_bw"] == pytest.approx(r["bytes_moved"] / (r["median_us"] * 1e-6) / 4.8e12)
     assert "| gather |" in (tmp_path / "gpu_kernels.md").read_text()
+
+
+def test_session_cases_pass_their_checks_and_the_report_names_the_geometry(capsys):
+    rc = _run("--quick", "--cases", "session", "--repeat", "1", "--warmup", "0", "--quiet")
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| session-decode-bf16 |" in out and "| session-prefill-bf16 |" in out
+    assert out.rstrip().endswith(bench_cases.QUICK.describe())
+    assert bench_cases.QUICK.describe().startswith("geometry: quick (H 40, HC 4, E 48")
+    assert bench_cases.PUBLISHED.describe().startswith(
+        "geometry: published (H 2560, HC 4, E 2560, N 3, 16 heads of 160"
+    )

@@ -294,3 +294,117 @@ def test_engine_call_projects_through_project(monkeypatch):
     batch = Batch.build([3, 2], [0, 1], torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id), layer.new_state_pool(2))
     layer(torch.randn(5, cfg.hc_hidden_size), _stream(rng, 5, cfg.vocab_size, cfg.eos_token_id), batch)
     assert calls == [(5, layer.layout.embed_dim)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(query_lens=[True, 2]), "query length True must be a non-negative int"),
+        (dict(query_lens=[2.0, 2]), "query length 2.0 must be a non-negative int"),
+        (dict(slot_indices=[True, 1]), r"slot index True outside \[-1, 4\)"),
+        (dict(num_rejected=[0.0, 0]), "num_rejected 0.0 must be an int"),
+        (dict(has_initial_state=[1, 0]), "has_initial_state 1 must be a bool"),
+        (dict(ngram_context=torch.zeros(2, 2)), "ngram_context must be an int32/int64 tensor, got torch.float32"),
+        (dict(num_spec=1.0), "num_spec must be a non-negative int, got 1.0"),
+        (dict(vocab_size=10, ngram_context=torch.tensor([[1, 2], [3, 10]])), r"token 10, outside \[0, vocab_size=10\)"),
+    ],
+)
+def test_batch_refuses_converted_values(kwargs, match):
+    args = dict(
+        query_lens=[2, 2],
+        slot_indices=[0, 1],
+        ngram_context=torch.zeros(2, 2, dtype=torch.long),
+        conv_state=torch.zeros(4, 6, 9),
+    )
+    args.update(kwargs)
+    with pytest.raises(BatchError, match=match):
+        Batch.build(
+            args.pop("query_lens"), args.pop("slot_indices"), args.pop("ngram_context"), args.pop("conv_state"), **args
+        )
+
+
+def test_a_table_of_another_layer_is_refused(tmp_path):
+    from ple.config import PLEConfig
+    from ple.errors import InvalidArgumentError
+    from ple.table import CachedTable, MmapTable
+
+    from .table._helpers import write_file
+
+    cfg = PLEConfig(
+        hidden_size=8,
+        vocab_size=300,
+        eos_token_id=7,
+        heads_per_ngram=2,
+        ngram_size=3,
+        ple_embed_dim=8,
+        ngram_vocab_size_base=600,
+        make_ngram_vocab_size_divisible_by=128,
+        ple_layer_ids=(1, 2),
+    )
+    rows, head_dim = cfg.layout(0).padded_rows, cfg.layout(0).head_dim
+    assert cfg.layout(1).padded_rows == rows  # same geometry, other hashing
+    data = torch.randn(rows, head_dim).bfloat16()
+    path = write_file(tmp_path / "layer1.pletable", "bf16", data, None, 1000, layout=cfg.layout_fields(1))
+    table = MmapTable.open(path)
+    for tier in (table, CachedTable(table, 10)):
+        with pytest.raises(InvalidArgumentError, match="built for another layout"):
+            PLELayer(cfg, 0, table=tier)
+        layer = PLELayer(cfg, 1, table=tier)  # its own layer takes it
+        assert layer.table is tier
+    PLELayer(cfg, 0, table=MemoryTable(data))  # no layout hash: taken on its geometry
+    table.close()
+
+
+def test_prefetch_handle_is_checked_against_its_inputs():
+    from ple.table import PrefetchError
+
+    hf, mod, rng = _random_hf(13)
+    layer = PLELayer.from_transformers(mod)
+    other = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    ctx = torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id)
+    pool = layer.new_state_pool(2)
+    batch = Batch.build([3, 2], [0, 1], ctx, pool)
+    batch2 = Batch.build([3, 2], [0, 1], ctx.clone(), pool)
+    toks = _stream(rng, 5, cfg.vocab_size, cfg.eos_token_id)
+    toks2 = toks.clone()
+    toks2[0] = (toks2[0] + 1) % cfg.vocab_size
+    h = torch.randn(5, cfg.hc_hidden_size)
+    handle = layer.start_prefetch(toks, batch)
+    for args, match in (
+        ((h, toks2, batch), "started for other inputs"),
+        ((h, toks, batch2), "started for other inputs"),
+    ):
+        with pytest.raises(PrefetchError, match=match):
+            layer(*args, prefetched=handle)
+    with pytest.raises(PrefetchError, match="started for other inputs"):
+        other(h, toks, batch, prefetched=handle)
+    assert torch.equal(pool, torch.zeros_like(pool))  # nothing ran
+    out = layer(h, toks, batch, prefetched=handle)  # the right inputs: taken
+    pool.zero_()
+    assert torch.equal(out, layer(h, toks, batch))
+    handle = layer.start_prefetch(toks, batch)
+    toks.add_(0)  # modified in place (same values, new version)
+    with pytest.raises(PrefetchError, match="modified in place"):
+        layer(h, toks, batch, prefetched=handle)
+    handle.release()
+    unbound = layer.table.start_prefetch(layer.ngram_ids(toks, batch), layer.dtype)
+    with pytest.raises(PrefetchError, match="not bound"):
+        layer(h, toks, batch, prefetched=unbound)
+    unbound.release()
+
+
+def test_engine_call_refuses_tokens_outside_the_vocabulary_on_the_cpu():
+    from ple.ngram import NgramInputError
+
+    hf, mod, rng = _random_hf(14)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    pool = layer.new_state_pool(1)
+    batch = Batch.build([3], [0], torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id), pool)
+    with pytest.raises(NgramInputError, match=f"token id {cfg.vocab_size} at position 1 is outside"):
+        layer(torch.randn(3, cfg.hc_hidden_size), torch.tensor([1, cfg.vocab_size, 2]), batch)
+    bad_ctx = Batch.build([3], [0], torch.full((1, cfg.ngram_size - 1), -1), pool)
+    with pytest.raises(NgramInputError, match=r"ngram_context\[0, 0\] = -1"):
+        layer(torch.randn(3, cfg.hc_hidden_size), torch.tensor([1, 2, 2]), bad_ctx)
+    assert torch.equal(pool, torch.zeros_like(pool))

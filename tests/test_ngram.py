@@ -249,3 +249,19 @@ def test_native_kernel_refuses_bad_offsets_even_unchecked():
     for q in (torch.tensor([0, 2, 1]), torch.tensor([0, 1, 5]), torch.tensor([1, 2, 3])):
         with pytest.raises(ValueError, match="query_start_loc is not 0 .. T=3"):
             native.ngram_ids(x, q, ctx, lay, 1)
+
+
+def test_operator_matches_the_checked_entry_point_and_passes_opcheck():
+    from ple.ngram import layout_tensors
+
+    cfg = PLEConfig(hidden_size=8, vocab_size=300, eos_token_id=7, heads_per_ngram=2, ngram_size=4, ple_embed_dim=12)
+    lay = cfg.layout(0)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 300, (23,), generator=g)
+    tokens[5] = 7
+    qsl = torch.tensor([0, 4, 4, 23])
+    ctx = torch.randint(0, 300, (3, 3), generator=g)
+    mult, sizes, offs = layout_tensors(lay, torch.device("cpu"))
+    args = (tokens, qsl, ctx, mult, sizes, offs, lay.heads_per_ngram, cfg.eos_token_id)
+    assert torch.equal(torch.ops.ple.ngram_ids(*args), ngram_ids(tokens, qsl, ctx, lay, cfg.eos_token_id))
+    torch.library.opcheck(torch.ops.ple.ngram_ids.default, args)

@@ -24,13 +24,13 @@ from torch import nn
 
 from .config import PLEConfig
 from .errors import InvalidArgumentError, UsageError
-from .ngram import layout_tensors, ngram_ids
+from .ngram import check_token_range, layout_tensors, ngram_ids
 from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
 from .table import StoredTable, hash_layout
-from .table.base import TableRef
+from .table.base import TableRef, lookup_through
 
 __all__ = ["PLELayer"]
 
@@ -332,8 +332,10 @@ class PLELayer(nn.Module):
         w = self.kv_weight
         tokens = emb.shape[0]
         if emb.device.type == "cpu" and emb.dtype != torch.bfloat16:
-            pad = (-tokens) % _ROW_BLOCK
-            kv = F.linear(F.pad(emb, (0, 0, 0, pad)) if pad else emb, w)[:tokens]
+            # traced code pads whatever T is (a branch on T would specialize an unbacked size)
+            if torch.compiler.is_compiling() or tokens % _ROW_BLOCK:
+                emb = F.pad(emb, (0, 0, 0, (-tokens) % _ROW_BLOCK))
+            kv = F.linear(emb, w)[:tokens]
         else:
             kv = F.linear(emb, w)
         c = self.config.hc_hidden_size
@@ -419,6 +421,9 @@ class PLELayer(nn.Module):
             )
         if token_mask is not None and token_mask.shape != (tokens,):
             raise InvalidArgumentError(f"token_mask must be [T={tokens}], got {tuple(token_mask.shape)}")
+        if rows is None and input_ids.device.type == "cpu" and batch.ngram_context.device.type == "cpu":
+            # host memory: a min/max pass, no synchronization (device tokens are not read here)
+            check_token_range(input_ids, batch.ngram_context, cfg.vocab_size)
 
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, all_conv_inputs):
         """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
@@ -435,7 +440,7 @@ class PLELayer(nn.Module):
                     self.config.eos_token_id,
                 )
             with ops_library.named_range("ple.lookup"):
-                rows = torch.ops.ple.table_lookup(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                rows = lookup_through(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):

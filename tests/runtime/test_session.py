@@ -14,15 +14,15 @@ from ple.runtime import PrefixState, Session, SessionError
 from ..conftest import hf_config, hf_ple_layer
 
 
-@functools.lru_cache(maxsize=4)
-def _layer(variant: int) -> PLELayer:
+@functools.lru_cache(maxsize=8)
+def _layer(variant: int, index: int = 0) -> PLELayer:
     geo = [
         dict(hidden_size=10, hc_count=2, ngram_size=3, heads_per_ngram=2, ple_embed_dim=12, ple_conv_kernel_size=3),
         dict(hidden_size=14, hc_count=3, ngram_size=2, heads_per_ngram=3, ple_embed_dim=9, ple_conv_kernel_size=4),
         dict(hidden_size=6, hc_count=4, ngram_size=4, heads_per_ngram=1, ple_embed_dim=6, ple_conv_kernel_size=2),
     ][variant]
-    hf = hf_config(vocab_size=40, eos_token_id=3, **geo)
-    return PLELayer.from_transformers(hf_ple_layer(hf, 0, seed=variant))
+    hf = hf_config(vocab_size=40, eos_token_id=3, ple_layer_ids=[1, 2], **geo)
+    return PLELayer.from_transformers(hf_ple_layer(hf, index, seed=variant + 10 * index))
 
 
 def _oneshot(layer: PLELayer, hidden: torch.Tensor, tokens: torch.Tensor):
@@ -32,12 +32,16 @@ def _oneshot(layer: PLELayer, hidden: torch.Tensor, tokens: torch.Tensor):
     return hidden + out[0], c[0]
 
 
+def _expected_window(layer, c_hist: torch.Tensor, pos: int) -> torch.Tensor:
+    w = layer.config.conv_window
+    padded = torch.cat([torch.zeros(w, c_hist.shape[1]), c_hist[:pos]])
+    return padded[-w:].t()
+
+
 def _expected_checkpoint(layer, c_hist: torch.Tensor, tokens: torch.Tensor, pos: int) -> PrefixState:
     cfg = layer.config
-    w = cfg.conv_window
-    padded = torch.cat([torch.zeros(w, c_hist.shape[1]), c_hist[:pos]])
     ctx = torch.cat([torch.full((cfg.ngram_size - 1,), cfg.eos_token_id), tokens[:pos]])
-    return PrefixState(padded[-w:].t(), ctx[len(ctx) - (cfg.ngram_size - 1) :], pos)
+    return PrefixState(_expected_window(layer, c_hist, pos), ctx[len(ctx) - (cfg.ngram_size - 1) :], pos)
 
 
 def _assert_checkpoint(got: PrefixState, want: PrefixState, what: str):
@@ -47,16 +51,22 @@ def _assert_checkpoint(got: PrefixState, want: PrefixState, what: str):
 
 
 class _Sim:
-    """Drives a Session through a random schedule and records what every kept token produced."""
+    """Drives a Session through a random schedule and records what every kept token produced.
 
-    def __init__(self, rng: random.Random, layer: PLELayer):
+    With two layers the session runs as a model runs it (begin, run per layer, end), each layer on its
+    own hidden rows; with one, through step(). Prefix states are kept at multiples of prefix_every and
+    at positions named with keep_prefix_at; the pool grows now and then."""
+
+    def __init__(self, rng: random.Random, variant: int):
         self.rng = rng
-        self.layer = layer
-        cfg = layer.config
+        self.layers = [_layer(variant, k) for k in range(rng.choice([1, 1, 2]))]
+        self.layer = self.layers[0]
+        cfg = self.layer.config
         self.cfg = cfg
         self.num_spec = rng.randint(0, 3)
-        self.every = rng.choice([None, 1, 2, 3, 5, 8])
-        self.session = Session(layer, max_requests=rng.randint(1, 4), num_spec=self.num_spec, prefix_every=self.every)
+        self.every = rng.choice([None, None, 1, 2, 3, 5, 8])
+        group = self.layers[0] if len(self.layers) == 1 else self.layers
+        self.session = Session(group, max_requests=rng.randint(1, 4), num_spec=self.num_spec, prefix_every=self.every)
         self.live: dict[int, dict] = {}
         self.done: list[dict] = []
         self.saved: list[tuple[PrefixState, dict]] = []  # checkpoints to resume from, with the history behind them
@@ -66,14 +76,17 @@ class _Sim:
         return self.cfg.eos_token_id if self.rng.random() < 0.2 else self.rng.randrange(self.cfg.vocab_size)
 
     def _row(self):
-        return torch.randn(self.cfg.hc_hidden_size)
+        return torch.randn(len(self.layers), self.cfg.hc_hidden_size)
 
     def add(self):
         if len(self.live) >= self.session.max_requests:
-            return
+            if self.rng.random() < 0.3:
+                self.session.grow(self.session.max_requests + self.rng.randint(1, 2))
+            else:
+                return
         rid = self.next_id
         self.next_id += 1
-        rec = {"tokens": [], "hidden": [], "out": [], "target": self.rng.randint(1, 30)}
+        rec = {"tokens": [], "hidden": [], "out": [], "target": self.rng.randint(1, 30), "named": set()}
         if self.saved and self.rng.random() < 0.4:
             ck, hist = self.rng.choice(self.saved)
             self.session.add(rid, from_state=ck)
@@ -82,32 +95,48 @@ class _Sim:
             rec["target"] = n + self.rng.randint(1, 20)
         else:
             self.session.add(rid)
+        if self.rng.random() < 0.5:  # an engine's block boundaries: any positions
+            start = len(rec["tokens"])
+            named = {start + self.rng.randint(1, 25) for _ in range(self.rng.randint(1, 3))}
+            self.session.keep_prefix_at(rid, sorted(named))
+            rec["named"] = named
         self.live[rid] = rec
 
     def step(self):
         rng = self.rng
         chosen = [r for r in self.live if rng.random() < 0.8]
-        inputs, spec, plans = {}, set(), {}
+        tokens, spec, plans = {}, set(), {}
         for rid in chosen:
-            rec = self.live[rid]
             mode = rng.choice(["prefill", "decode", "spec"] if self.num_spec else ["prefill", "decode"])
             n = {"prefill": rng.randint(1, 9), "decode": 1, "spec": rng.randint(1, 1 + self.num_spec)}[mode]
             toks = [self._token() for _ in range(n)]
             hid = [self._row() for _ in range(n)]
             kept = rng.randint(1, n) if mode == "spec" else n
             kept = rng.choice([kept, 1, n]) if mode == "spec" else n
-            inputs[rid] = (torch.stack(hid), torch.tensor(toks))
+            tokens[rid] = torch.tensor(toks)
             plans[rid] = (toks, hid, kept)
             if mode == "spec":
                 spec.add(rid)
-        out = self.session.step(inputs, speculative=spec)
+        if len(self.layers) == 1:
+            out = self.session.step({r: (torch.stack(plans[r][1])[:, 0], tokens[r]) for r in tokens}, speculative=spec)
+            outs = {r: o[:, None] for r, o in out.items()}
+        else:
+            st = self.session.begin(tokens, speculative=spec)
+            per_layer = []
+            for k in range(len(self.layers)):
+                hidden = torch.cat([torch.stack(plans[r][1])[:, k] for r in st.request_ids]) if plans else None
+                if hidden is None:
+                    hidden = torch.zeros(0, self.cfg.hc_hidden_size)
+                per_layer.append(st.split(self.session.run(st, k, hidden)))
+            self.session.end(st)
+            outs = {r: torch.stack([per_layer[k][r] for k in range(len(self.layers))], dim=1) for r in tokens}
         for rid, (toks, hid, kept) in plans.items():
             rec = self.live[rid]
             if rid in spec:
                 self.session.accept(rid, kept)
             rec["tokens"] += toks[:kept]
             rec["hidden"] += hid[:kept]
-            rec["out"] += list(out[rid][:kept])
+            rec["out"] += list(outs[rid][:kept])
 
     def maybe_finish_or_preempt(self):
         rng = self.rng
@@ -124,27 +153,40 @@ class _Sim:
                 self.session.finish(rid)
                 self.live.pop(rid)
 
+    def _expected_state(self, c_hists, toks, pos) -> PrefixState:
+        want = _expected_checkpoint(self.layer, c_hists[0], toks, pos)
+        if len(self.layers) == 1:
+            return want
+        windows = torch.stack([_expected_window(self.layer, c, pos) for c in c_hists])
+        return PrefixState(windows, want.ngram_context, pos)
+
     def check_request(self, rid):
         rec = self.live[rid]
         if not rec["tokens"]:
             return
         toks = torch.tensor(rec["tokens"])
-        want, c_hist = _oneshot(self.layer, torch.stack(rec["hidden"]), toks)
-        for p, row in enumerate(rec["out"]):
-            if row is not None:
-                torch.testing.assert_close(row, want[p], rtol=1e-5, atol=1e-5, msg=f"request {rid} position {p}")
+        hidden = torch.stack(rec["hidden"])  # [S, layers, C]
+        c_hists = []
+        for k, layer in enumerate(self.layers):
+            want, c_hist = _oneshot(layer, hidden[:, k], toks)
+            c_hists.append(c_hist)
+            for p, row in enumerate(rec["out"]):
+                if row is not None:
+                    torch.testing.assert_close(row[k], want[p], rtol=1e-5, atol=1e-5, msg=f"request {rid} position {p}")
         final = self.session.prefix_state(rid)
-        _assert_checkpoint(final, _expected_checkpoint(self.layer, c_hist, toks, len(toks)), f"final state of {rid}")
-        for pos, ck in self.session.prefix_states(rid).items():
-            assert self.every and pos % self.every == 0
-            _assert_checkpoint(ck, _expected_checkpoint(self.layer, c_hist, toks, pos), f"checkpoint {pos} of {rid}")
+        _assert_checkpoint(final, self._expected_state(c_hists, toks, len(toks)), f"final state of {rid}")
+        kept = self.session.prefix_states(rid)
+        for pos, ck in kept.items():
+            assert (self.every and pos % self.every == 0) or pos in rec["named"], pos
+            _assert_checkpoint(ck, self._expected_state(c_hists, toks, pos), f"checkpoint {pos} of {rid}")
             if self.rng.random() < 0.3:
                 self.saved.append((ck, {"tokens": list(rec["tokens"]), "hidden": list(rec["hidden"])}))
+        # every wanted position reached after the request's own start is there
+        start = next((i for i, o in enumerate(rec["out"]) if o is not None), len(rec["out"]))
+        reached = {p for p in rec["named"] if start < p <= len(toks)}
         if self.every:
-            # every multiple reached after the request's own start is there
-            start = next((i for i, o in enumerate(rec["out"]) if o is not None), len(rec["out"]))
-            reached = {p for p in range(self.every, len(toks) + 1, self.every) if p > start}
-            assert reached <= set(self.session.prefix_states(rid)), (reached, sorted(self.session.prefix_states(rid)))
+            reached |= {p for p in range(self.every, len(toks) + 1, self.every) if p > start}
+        assert reached <= set(kept), (reached, sorted(kept))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -152,7 +194,7 @@ class _Sim:
 def test_random_schedules_match_oneshot(seed, variant):
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    sim = _Sim(rng, _layer(variant))
+    sim = _Sim(rng, variant)
     for _ in range(rng.randint(3, 25)):
         if rng.random() < 0.5 or not sim.live:
             sim.add()
@@ -200,3 +242,178 @@ def test_session_errors_leave_others_unaffected():
         s.finish("b")
     s.add("c")  # the slot is reused
     assert sorted(s.request_ids) == ["a", "c"]
+
+
+def _schedule(rng, cfg, ids, steps, num_spec):
+    """A fixed random schedule: per step {request: (hidden, tokens)}, speculative ids, kept counts."""
+    out = []
+    for _ in range(steps):
+        inputs, spec, kept = {}, set(), {}
+        for rid in ids:
+            mode = rng.choice(["prefill", "decode", "spec"])
+            n = {"prefill": rng.randint(1, 12), "decode": 1, "spec": rng.randint(1, 1 + num_spec)}[mode]
+            inputs[rid] = (torch.randn(n, cfg.hc_hidden_size), torch.randint(0, cfg.vocab_size, (n,)))
+            if mode == "spec":
+                spec.add(rid)
+                kept[rid] = rng.randint(1, n)
+        out.append((inputs, spec, kept))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_pools_equal_engine_pools_bitwise(dtype):
+    """The same schedule through a session keeping token-major rings and one keeping the engine layout:
+    identical outputs and prefix states, and the rings convert to exactly the engine pool."""
+    layer = _layer(1).to(dtype)
+    try:
+        cfg = layer.config
+        rng = random.Random(3)
+        sessions = [Session(layer, 4, num_spec=2, prefix_every=3, state_layout=x) for x in ("ring", "engine")]
+        assert sessions[0]._ring and not sessions[1]._ring
+        for s in sessions:
+            for rid in "abc":
+                s.add(rid)
+        for inputs, spec, kept in _schedule(rng, cfg, "abc", 12, 2):
+            inputs = {r: (h.to(dtype), t) for r, (h, t) in inputs.items()}
+            outs = [s.step(inputs, speculative=spec) for s in sessions]
+            for r in inputs:
+                assert torch.equal(outs[0][r], outs[1][r])
+            for s in sessions:
+                for r, k in kept.items():
+                    s.accept(r, k)
+            assert torch.equal(sessions[0].conv_state, sessions[1].conv_state)
+            for r in "abc":
+                a, b = (s.prefix_states(r) for s in sessions)
+                assert a.keys() == b.keys()
+                for pos in a:
+                    assert torch.equal(a[pos].conv_window, b[pos].conv_window)
+                    assert torch.equal(a[pos].ngram_context, b[pos].ngram_context)
+    finally:
+        layer.to(torch.float32)
+
+
+def test_grow_keeps_every_request_state():
+    layer = _layer(0)
+    cfg = layer.config
+    rng = random.Random(5)
+    grown, fixed = Session(layer, 2, prefix_every=4), Session(layer, 5, prefix_every=4)
+    for s in (grown, fixed):
+        s.add("a")
+        s.add("b")
+    sched = _schedule(rng, cfg, "ab", 6, 0)
+    for i, (inputs, _, _) in enumerate(sched):
+        if i == 3:
+            with pytest.raises(SessionError, match="all 2 slots"):
+                grown.add("c")
+            grown.grow(5)
+            assert grown.max_requests == 5
+            with pytest.raises(SessionError, match=r"max_requests must be an int >= 5"):
+                grown.grow(3)
+            for s in (grown, fixed):
+                s.add("c")
+        if "c" in grown.request_ids:
+            inputs = dict(inputs, c=(torch.randn(2, cfg.hc_hidden_size), torch.tensor([5, 6])))
+        got, want = grown.step(inputs), fixed.step(inputs)
+        for r in inputs:
+            assert torch.equal(got[r], want[r])
+    for r in "abc":
+        assert torch.equal(grown.prefix_state(r).conv_window, fixed.prefix_state(r).conv_window)
+
+
+def test_prefix_states_at_named_positions():
+    layer = _layer(0)
+    cfg = layer.config
+    s = Session(layer, 2)
+    s.add("a")
+    s.keep_prefix_at("a", [3, 7, 8, 20])
+    h = torch.randn(12, cfg.hc_hidden_size)
+    t = torch.randint(0, cfg.vocab_size, (12,))
+    s.step({"a": (h[:5], t[:5])})
+    assert sorted(s.prefix_states("a")) == [3]
+    s.keep_prefix_at("a", [5])  # the current length: taken now
+    with pytest.raises(SessionError, match=r"prefix position 4 must be an int >= its length 5"):
+        s.keep_prefix_at("a", [4])
+    s.step({"a": (h[5:12], t[5:12])})
+    assert sorted(s.prefix_states("a")) == [3, 5, 7, 8]
+    _, c = _oneshot(layer, h, t)
+    for pos, state in s.prefix_states("a").items():
+        _assert_checkpoint(state, _expected_checkpoint(layer, c, t, pos), f"position {pos}")
+
+
+def test_one_session_for_several_layers():
+    layers = [_layer(2, 0), _layer(2, 1)]
+    cfg = layers[0].config
+    s = Session(layers, 3)
+    s.add("x")
+    s.add("y")
+    toks = {"x": torch.tensor([1, 2, 3]), "y": torch.tensor([4])}
+    with pytest.raises(SessionError, match="serves 2 layers"):
+        s.step({"x": (torch.randn(3, cfg.hc_hidden_size), toks["x"])})
+    step = s.begin(toks)
+    with pytest.raises(SessionError, match="during a step"):
+        s.add("z")
+    with pytest.raises(SessionError, match=r"hidden must be \[T, HC\*H\] = \[4, 24\]"):
+        s.run(step, 0, torch.randn(3, cfg.hc_hidden_size))
+    hidden = [torch.randn(4, cfg.hc_hidden_size) for _ in layers]
+    out1 = s.run(step, 1, hidden[1])  # layers in any order, each once
+    with pytest.raises(SessionError, match="layers \\[0\\] have not run"):
+        s.end(step)
+    out0 = s.run(step, 0, hidden[0])
+    with pytest.raises(SessionError, match="layer 0 already ran"):
+        s.run(step, 0, hidden[0])
+    s.end(step)
+    for k, out in enumerate((out0, out1)):
+        want_x, _ = _oneshot(layers[k], hidden[k][:3], toks["x"])
+        torch.testing.assert_close(out[:3], want_x, rtol=1e-5, atol=1e-5)
+    state = s.prefix_state("x")
+    assert state.conv_window.shape == (2, cfg.hc_hidden_size, cfg.conv_window)
+    s2 = Session(layers, 1)
+    s2.add("x2", from_state=state)
+    assert torch.equal(s2.prefix_state("x2").conv_window, state.conv_window)
+    with pytest.raises(SessionError, match=r"is torch.float32 \(2, 24, 4\); this session needs .* \(24, 4\)"):
+        Session(layers[0], 1).add("q", from_state=state)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda L: Session(L, 2.0), "max_requests must be an int >= 1, got 2.0"),
+        (lambda L: Session(L, True), "max_requests must be an int >= 1, got True"),
+        (lambda L: Session(L, 2, num_spec=1.5), "num_spec must be an int >= 0, got 1.5"),
+        (lambda L: Session(L, 2, prefix_every=2.0), "prefix_every must be an int >= 1, got 2.0"),
+    ],
+)
+def test_session_arguments_are_not_converted(make, match):
+    with pytest.raises(SessionError, match=match):
+        make(_layer(0))
+
+
+def test_session_refuses_converted_inputs():
+    layer = _layer(0)
+    cfg = layer.config
+    s = Session(layer, 2, num_spec=1)
+    s.add("a")
+    h = torch.randn(2, cfg.hc_hidden_size)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False])):
+        with pytest.raises(SessionError, match=f"request 'a': tokens must be int32/int64 token ids, got {bad.dtype}"):
+            s.step({"a": (h, bad)})
+    with pytest.raises(SessionError, match=r"request 'a': token 40 at offset 1 is outside \[0, vocab_size=40\)"):
+        s.step({"a": (h, torch.tensor([1, 40]))})
+    s.step({"a": (h, torch.tensor([1, 2]))}, speculative={"a"})
+    for kept in (1.0, True):
+        with pytest.raises(SessionError, match=f"kept={kept!r} outside"):
+            s.accept("a", kept)
+    s.accept("a", 1)
+    good = s.prefix_state("a")
+    bad_states = [
+        (PrefixState(good.conv_window, good.ngram_context, -1), "length -1 must be a non-negative int"),
+        (PrefixState(good.conv_window, good.ngram_context, True), "length True must be a non-negative int"),
+        (PrefixState(good.conv_window * float("nan"), good.ngram_context, 3), "NaN or infinite"),
+        (PrefixState(good.conv_window, good.ngram_context.float(), 3), "must hold integer tokens"),
+        (PrefixState(good.conv_window, good.ngram_context + 100, 3), "tokens outside"),
+    ]
+    for state, match in bad_states:
+        with pytest.raises(SessionError, match=match):
+            s.add("b", from_state=state)
+    assert s.request_ids == ["a"]
+    assert torch.equal(s.prefix_state("a").conv_window, good.conv_window)  # nothing changed

@@ -3,7 +3,9 @@
 A case compares three things on the same rows:
 
 - ``ple``: :class:`ple.layer.PLELayer` called the way an engine calls it (a packed
-  :class:`ple.runtime.Batch` and a state pool), or :func:`ple.ngram.ngram_ids` for ``ids``;
+  :class:`ple.runtime.Batch` and a state pool), or :func:`ple.ngram.ngram_ids` for ``ids``; the
+  ``session-*`` cases run the same steps through the public :class:`ple.Session` (per-request
+  inputs and outputs, contexts and states kept by the session);
 - ``transformers``: ``Qwen4ExpTextPLELayer`` run as transformers runs it (padded
   ``[B, S, HC*H]`` tensors, ``hidden + module(hidden, ids, cache)``, its ``DynamicCache`` for decode);
 - ``floor``: the two projections alone (``F.linear`` of ``[T, E]`` with ``[HC*H + H, E]`` in the
@@ -100,6 +102,17 @@ class Geometry:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line naming the geometry (which one ran is part of every report)."""
+        name = "published" if self == PUBLISHED else "quick" if self == QUICK else "custom"
+        cfg = self.config
+        lay = cfg.layout(0)
+        return (
+            f"geometry: {name} (H {self.hidden_size}, HC {self.hc_count}, E {self.embed_dim}, N {self.ngram_size}, "
+            f"{lay.num_heads} heads of {lay.head_dim}, K {self.conv_kernel_size}; table base {self.table_base:,} = "
+            f"{lay.padded_rows:,} rows)"
+        )
 
 
 PUBLISHED = Geometry()
@@ -662,6 +675,109 @@ def _mixed_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
     return build
 
 
+def _session_decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
+    def build(fx: Fixture) -> Prepared:
+        from ..runtime import Session
+
+        geo = fx.geometry
+        r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.config.hc_hidden_size
+        layer, mod = fx.layer(dtype), fx.module(dtype)
+        hist_t = fx.tokens((r, p), salt=30)
+        hist_h = fx.hidden((r, p, c), dtype, salt=31)
+        step_t = fx.tokens((steps, r), salt=32)
+        step_h = fx.hidden((steps, r, c), dtype, salt=33)
+        session = Session(layer, r)
+        for i in range(r):
+            session.add(i)
+        session.step({i: (hist_h[i], hist_t[i]) for i in range(r)})
+        saved = {i: session.prefix_state(i) for i in range(r)}
+        inputs = [{i: (step_h[s][i : i + 1], step_t[s][i : i + 1]) for i in range(r)} for s in range(steps)]
+        hf = _HFRequests(fx, mod, hist_h, hist_t)
+
+        def reset():
+            for i in range(r):
+                session.finish(i)
+                session.add(i, from_state=saved[i])
+            hf.reset()
+
+        def ple():
+            with torch.no_grad():
+                return [torch.cat(list(session.step(inputs[s]).values())) for s in range(steps)]
+
+        def transformers():
+            with torch.no_grad():
+                return [hf(step_h[s][:, None], step_t[s][:, None]) for s in range(steps)]
+
+        def reference():
+            hf32 = _HFRequests(fx, fx.module(torch.float32), hist_h.float(), hist_t)
+            with torch.no_grad():
+                return [hf32(step_h[s][:, None].float(), step_t[s][:, None]) for s in range(steps)]
+
+        return Prepared(
+            shape=f"{r}x1 x{steps} steps",
+            tokens=r * steps,
+            ple=ple,
+            transformers=transformers,
+            check=lambda a, b: compare_outputs(a, b, dtype, reference),
+            floor=fx.floor([r] * steps, dtype),
+            reset=reset,
+            layer=layer,
+            notes=f"{r} requests with {p} tokens of history each, then {steps} steps of one token through "
+            "ple.Session.step ({request: (hidden, tokens)} in, {request: new hidden} out; the session packs the "
+            "batch, keeps contexts and states); times are per "
+            f"{steps} steps. transformers: its module with DynamicCache(config) of batch {r}",
+        )
+
+    return build
+
+
+def _session_prefill_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
+    def build(fx: Fixture) -> Prepared:
+        from ..runtime import Session
+
+        geo = fx.geometry
+        r, s, c = *geo.prefill_long, geo.config.hc_hidden_size
+        layer, mod = fx.layer(dtype), fx.module(dtype)
+        tokens = fx.tokens((r, s), salt=10 + r)
+        hidden = fx.hidden((r, s, c), dtype, salt=20 + r)
+        session = Session(layer, r)
+        inputs = {i: (hidden[i], tokens[i]) for i in range(r)}
+
+        def reset():
+            for i in list(session.request_ids):
+                session.finish(i)
+            for i in range(r):
+                session.add(i)
+
+        def ple():
+            with torch.no_grad():
+                return list(session.step(inputs).values())
+
+        def transformers():
+            with torch.no_grad():
+                return hidden + mod(hidden, tokens, None)
+
+        def reference():
+            m32 = fx.module(torch.float32)
+            h32 = hidden.float()
+            with torch.no_grad():
+                return h32 + m32(h32, tokens, None)
+
+        return Prepared(
+            shape=f"{r}x{s}",
+            tokens=r * s,
+            ple=ple,
+            transformers=transformers,
+            check=lambda p, t: compare_outputs(p, t, dtype, reference),
+            floor=fx.floor([r * s], dtype),
+            reset=reset,
+            layer=layer,
+            notes="ple: fresh requests' prompts through ple.Session.step; transformers: hidden + module(hidden, ids, None)",
+        )
+
+    return build
+
+
 CASES: tuple[Case, ...] = (
     Case("ids", "ids", None, Targets(speedup_min=20), _build_ids, "n-gram row ids of a [R, S] token batch"),
     Case(
@@ -698,6 +814,30 @@ CASES: tuple[Case, ...] = (
     ),
     Case("decode-bf16", "decode", torch.bfloat16, Targets(2, 1.3), _decode_builder(torch.bfloat16), "decode steps"),
     Case("decode-fp32", "decode", torch.float32, Targets(), _decode_builder(torch.float32), "decode steps"),
+    Case(
+        "session-decode-bf16",
+        "decode",
+        torch.bfloat16,
+        Targets(floor_max=1.25),
+        _session_decode_builder(torch.bfloat16),
+        "decode steps through ple.Session",
+    ),
+    Case(
+        "session-decode-fp32",
+        "decode",
+        torch.float32,
+        Targets(),
+        _session_decode_builder(torch.float32),
+        "decode steps through ple.Session",
+    ),
+    Case(
+        "session-prefill-bf16",
+        "prefill",
+        torch.bfloat16,
+        Targets(floor_max=1.2),
+        _session_prefill_builder(torch.bfloat16),
+        "one long prompt through ple.Session",
+    ),
     Case(
         "mixed-bf16",
         "mixed",

@@ -104,7 +104,7 @@ def profile_case(
 
     print(
         f"\nprofile of {case.name} ({prep.shape}, {prep.tokens} tokens) on {fixture.device}: medians of "
-        f"{repeat} profiled runs (named ranges in the code)",
+        f"{repeat} profiled runs (named ranges in the code); {fixture.geometry.describe()}",
         file=out,
     )
     print(f"{'stage':22s} {'ms':>10s} {'% of ple':>9s} {'us/token':>10s}", file=out)

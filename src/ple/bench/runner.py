@@ -289,9 +289,10 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def markdown_table(records: list[dict[str, Any]]) -> str:
+def markdown_table(records: list[dict[str, Any]], geometry: Geometry | None = None) -> str:
     """One row per case: medians (ms), ratios, target, whether it is met (refused cases say why),
-    and the noise: the largest max / min among the case's timing series (1.00 = steady)."""
+    and the noise: the largest max / min among the case's timing series (1.00 = steady); then a line
+    naming the geometry when given."""
     head = (
         "| case | shape | tokens | ple ms | transformers ms | floor ms | speedup vs tf | ple / floor | target | met "
         "| noise |\n"
@@ -317,7 +318,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             f"| {r['name']} | {r['shape']} | {r['tokens']} | {_fmt(m['ple'])} | {_fmt(m['transformers'])} | "
             f"{_fmt(m['floor'])} | {sp} | {fl} | {t.describe()} | {met} | {noise} |"
         )
-    return head + "\n".join(rows) + "\n"
+    tail = f"\n{geometry.describe()}\n" if geometry is not None else ""
+    return head + "\n".join(rows) + "\n" + tail
 
 
 def _report(
@@ -338,6 +340,7 @@ def _report(
             "device": str(device),
             "seed": args.seed,
             "geometry": geometry.to_dict(),
+            "geometry_name": geometry.describe(),
             "checks": {"fp32_tol": bench_cases.FP32_TOL, "bf16_atol": bench_cases.BF16_ATOL},
         },
         "cases": records,
@@ -409,10 +412,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log)
 
-    log(
-        f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, "
-        f"{'quick geometry' if args.quick else 'published geometry'} (table base {geometry.table_base})"
-    )
+    log(f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, {geometry.describe()}")
     t0 = time.perf_counter()
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     records = [run_case(c, fixture, repeat, args.warmup, log=log, max_repeat=max_repeat) for c in selected]
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     report = _report(args, geometry, records, repeat, device, load_start)
     report["settings"]["max_repeat"] = max_repeat
     report["elapsed_s"] = time.perf_counter() - t0
-    table = markdown_table(records)
+    table = markdown_table(records, geometry)
     if args.json:
         print(json.dumps(report, indent=2), file=out)
     else:

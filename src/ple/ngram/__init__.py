@@ -25,6 +25,7 @@ __all__ = [
     "next_ngram_context",
     "fresh_context",
     "check_ngram_inputs",
+    "check_token_range",
     "layout_tensors",
     "NgramInputError",
 ]
@@ -98,6 +99,23 @@ def check_ngram_inputs(
     devices = {input_ids.device, query_start_loc.device, ngram_context.device}
     if len(devices) > 1 and input_ids.device.type == "cuda":
         raise NgramInputError(f"input_ids, query_start_loc and ngram_context must share a device, got {devices}")
+
+
+def check_token_range(input_ids: torch.Tensor, ngram_context: torch.Tensor, vocab_size: int) -> None:
+    """Raise :class:`NgramInputError` for a token or context value outside ``[0, vocab_size)`` (one
+    min/max pass each on the calling thread; on an accelerator that reads device data)."""
+    bad = _out_of_range(input_ids.detach(), vocab_size)
+    if bad.numel():
+        pos = int(bad[0])
+        raise NgramInputError(
+            f"token id {int(input_ids[pos])} at position {pos} is outside [0, vocab_size={vocab_size})"
+        )
+    bad = _out_of_range(ngram_context.detach(), vocab_size)
+    if bad.numel():
+        r, j = (int(v) for v in bad[0])
+        raise NgramInputError(
+            f"ngram_context[{r}, {j}] = {int(ngram_context[r, j])} (request {r}) is outside [0, vocab_size={vocab_size})"
+        )
 
 
 def _out_of_range(t: torch.Tensor, vocab_size: int) -> torch.Tensor:

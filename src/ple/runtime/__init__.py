@@ -2,13 +2,14 @@
 
 from .batch import DECODE, PREFILL, VERIFY, Batch, BatchError
 from .host import tune_host_allocator
-from .session import PrefixState, Session, SessionError
+from .session import PrefixState, Session, SessionError, SessionStep
 
 __all__ = [
     "Batch",
     "BatchError",
     "Session",
     "SessionError",
+    "SessionStep",
     "PrefixState",
     "PREFILL",
     "DECODE",

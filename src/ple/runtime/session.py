@@ -1,23 +1,37 @@
-"""``Session``: per-request streaming state for users who drive a :class:`PLELayer` themselves.
+"""``Session``: per-request streaming state for users who drive PLE layers themselves.
 
-The session owns everything that changes per request: a slot of the conv state pool, the n-gram
-context, the history length, a pending speculative chunk, and prefix states. Each
-:meth:`Session.step` is one packed batch, whatever the mix of first chunks, continuations, decode
-tokens and speculative chunks.
+The session owns everything that changes per request: a slot of each layer's conv state pool, the
+n-gram context, the history length, a pending speculative chunk, and prefix states. One session
+serves every PLE layer of a model: requests, slots, contexts and lengths are shared, each layer has
+its own state pool. Each step is one packed batch, whatever the mix of first chunks, continuations,
+decode tokens and speculative chunks:
+
+- one layer: :meth:`Session.step` (``{request: (hidden, tokens)}`` in, ``{request: new hidden}`` out);
+- several layers, as a model runs them: :meth:`Session.begin` (tokens), then :meth:`Session.run`
+  once per layer (packed hidden in, packed new hidden out), then :meth:`Session.end`.
+
+On the CPU with the C kernel (bf16/fp32) the pools are kept token-major as rings
+(:mod:`ple.ops.state`): a step writes only its new columns. :attr:`Session.conv_state` and
+:meth:`Session.conv_states` give the engine layout ``[slots, HC*H, (K-1)*N + num_spec]`` (exact copies).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
+from .. import _native
 from ..errors import PLEError
 from ..ngram import next_ngram_context
-from .batch import DECODE, PREFILL, VERIFY, Batch
+from ..ops.library import named_range
+from ..ops.state import ring_to_engine, ring_window
+from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
 
-__all__ = ["Session", "PrefixState", "SessionError"]
+__all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 
 
 class SessionError(PLEError, ValueError):
@@ -28,8 +42,9 @@ class SessionError(PLEError, ValueError):
 class PrefixState:
     """A request's state after ``length`` tokens: enough to resume it exactly.
 
-    ``conv_window [HC*H, (K-1)*N]`` (the last conv inputs, zeros before the start),
-    ``ngram_context [N-1]`` int64 (the last N-1 tokens, EOS-filled).
+    ``conv_window`` the last conv inputs (zeros before the start): ``[HC*H, (K-1)*N]`` for a session
+    of one layer, ``[layers, HC*H, (K-1)*N]`` for several; ``ngram_context [N-1]`` int64 (the last N-1
+    tokens, EOS-filled).
     """
 
     conv_window: torch.Tensor
@@ -45,147 +60,539 @@ class _Pending:
     prev_context: torch.Tensor
     prev_length: int
     prev_window: torch.Tensor | None  # only kept when prefix states may fall inside the chunk
-    conv_input: torch.Tensor | None
+    conv_input: torch.Tensor | None  # [layers, n, C]
 
 
 @dataclasses.dataclass
 class _Request:
     slot: int
-    context: torch.Tensor  # [N-1]
     length: int = 0
     has_state: bool = False
     rejected: int = 0
     pending: _Pending | None = None
     prefix_states: dict[int, PrefixState] = dataclasses.field(default_factory=dict)
+    wanted: set[int] = dataclasses.field(default_factory=set)  # positions the caller named
+
+
+@dataclasses.dataclass
+class SessionStep:
+    """One packed step between :meth:`Session.begin` and :meth:`Session.end`.
+
+    Attributes:
+        request_ids: the requests in packing order.
+        lens: their token counts; ``query_start_loc`` / ``tokens`` / ``batch`` as the layers see them.
+        num_tokens: T.
+    """
+
+    request_ids: list[Hashable]
+    lens: list[int]
+    tokens: torch.Tensor
+    batch: Batch
+    num_tokens: int
+    speculative: frozenset
+    prefix_rows: dict[Hashable, int]  # request -> index, for requests whose chunk holds wanted positions
+    prev_windows: dict[Hashable, torch.Tensor]
+    conv_inputs: list[torch.Tensor | None]
+    done: list[bool]
+    ended: bool = False
+
+    def split(self, packed: torch.Tensor) -> dict[Hashable, torch.Tensor]:
+        """``{request: rows}`` views of a packed ``[T, ...]`` tensor."""
+        return dict(zip(self.request_ids, packed.split(self.lens)))
+
+
+def _positive_int(name: str, v, minimum: int) -> int:
+    if not is_int(v) or v < minimum:
+        raise SessionError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return int(v)
 
 
 class Session:
-    """Streams requests through one :class:`ple.PLELayer`.
+    """Streams requests through the PLE layers of one model.
 
     Args:
-        layer: the layer (weights + table); the session allocates the state pool beside it.
-        max_requests: slots in the pool (live requests at once).
+        layers: one :class:`ple.PLELayer`, or the model's PLE layers in order (one config, one dtype
+            and device); the session allocates a state pool per layer.
+        max_requests: slots in each pool (live requests at once); :meth:`grow` adds more.
         num_spec: the most speculative tokens per verify chunk (a chunk holds 1 + num_spec).
         prefix_every: keep a :class:`PrefixState` at every multiple of this many tokens of each
-            request's (kept) history, positions inside prefill chunks included.
+            request's (kept) history, positions inside prefill chunks included. Other positions
+            (an engine's block boundaries) are named with :meth:`keep_prefix_at`.
+        state_layout: ``"ring"`` (token-major rings, only where the C kernel runs), ``"engine"``
+            (``[slots, HC*H, L]``), or ``"auto"``: rings where the C kernel runs.
     """
 
-    def __init__(self, layer, max_requests: int, num_spec: int = 0, prefix_every: int | None = None):
-        if max_requests < 1:
-            raise SessionError(f"max_requests must be >= 1, got {max_requests}")
-        if num_spec < 0:
-            raise SessionError(f"num_spec must be >= 0, got {num_spec}")
-        if prefix_every is not None and prefix_every < 1:
-            raise SessionError(f"prefix_every must be >= 1 or None, got {prefix_every}")
-        self.layer = layer
+    def __init__(
+        self,
+        layers,
+        max_requests: int,
+        num_spec: int = 0,
+        prefix_every: int | None = None,
+        *,
+        state_layout: str = "auto",
+    ):
+        max_requests = _positive_int("max_requests", max_requests, 1)
+        num_spec = _positive_int("num_spec", num_spec, 0)
+        if prefix_every is not None:
+            prefix_every = _positive_int("prefix_every", prefix_every, 1)
+        group = (layers,) if isinstance(layers, torch.nn.Module) else tuple(layers)
+        if not group or not all(hasattr(x, "config") and hasattr(x, "key_proj") for x in group):
+            raise SessionError(f"layers must be a PLELayer or a non-empty sequence of them, got {layers!r}")
+        first = group[0]
+
+        def shape_of(x) -> tuple:
+            c = x.config
+            return (
+                c.hc_hidden_size,
+                c.conv_window,
+                c.ngram_size,
+                c.eos_token_id,
+                c.vocab_size,
+                x.dtype,
+                x.key_proj.device,
+            )
+
+        for k, x in enumerate(group[1:], 1):
+            if shape_of(x) != shape_of(first):
+                raise SessionError(
+                    f"layer {k} differs from layer 0 in (channels, conv window, n-gram size, eos, vocab, dtype, "
+                    f"device): {shape_of(x)} vs {shape_of(first)}; the layers of one session share them"
+                )
+        self.layers = group
+        self.layer = first
         self.max_requests = max_requests
         self.num_spec = num_spec
         self.prefix_every = prefix_every
-        cfg = layer.config
+        cfg = first.config
+        self._channels = cfg.hc_hidden_size
         self._window = cfg.conv_window
+        self._width = cfg.conv_window + num_spec
         self._eos = cfg.eos_token_id
+        self._vocab = cfg.vocab_size
         self._ctx_len = cfg.ngram_size - 1
-        self.conv_state = layer.new_state_pool(max_requests, num_spec)
+        self._dtype = first.dtype
+        self._device = first.key_proj.device
+        # the C kernel reads and writes ring pools; other paths keep the engine layout
+        native = self._device.type == "cpu" and self._dtype in (torch.bfloat16, torch.float32) and _native.available()
+        if state_layout not in ("auto", "ring", "engine"):
+            raise SessionError(f"state_layout must be 'auto', 'ring' or 'engine', got {state_layout!r}")
+        if state_layout == "ring" and not native:
+            raise SessionError(
+                "state_layout='ring' needs the C kernel (bf16/fp32 CPU layers with the kernels built); use 'auto'"
+            )
+        self._ring = native and state_layout != "engine"
+        self._pools = [self._new_pool(max_requests) for _ in group]
+        self._offsets = [torch.zeros(max_requests, dtype=torch.int64, device=self._device) for _ in group]
+        self._contexts = torch.full((max_requests, self._ctx_len), self._eos, dtype=torch.int64)
         self._free = list(range(max_requests - 1, -1, -1))
         self._requests: dict[Hashable, _Request] = {}
+        self._open: SessionStep | None = None
+
+    def _new_pool(self, slots: int) -> torch.Tensor:
+        shape = (slots, self._width, self._channels) if self._ring else (slots, self._channels, self._width)
+        return torch.zeros(shape, dtype=self._dtype, device=self._device)
 
     # ------------------------------------------------------------------ requests
     @property
     def request_ids(self) -> list[Hashable]:
         return list(self._requests)
 
+    @property
+    def conv_state(self) -> torch.Tensor:
+        """The first layer's pool in the engine layout ``[slots, HC*H, (K-1)*N + num_spec]`` (a copy
+        when the session keeps rings)."""
+        return self.conv_states(0)
+
+    def conv_states(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s pool (index into :attr:`layers`) in the engine layout (a copy for rings)."""
+        if self._ring:
+            return ring_to_engine(self._pools[layer], self._offsets[layer])
+        return self._pools[layer]
+
     def _get(self, request_id) -> _Request:
         try:
             return self._requests[request_id]
-        except KeyError:
+        except (KeyError, TypeError):
             raise SessionError(f"unknown request {request_id!r}") from None
+
+    def _check_idle(self, what: str) -> None:
+        if self._open is not None and not self._open.ended:
+            raise SessionError(f"{what} during a step: call end() first")
 
     def add(self, request_id: Hashable, from_state: PrefixState | None = None) -> None:
         """Start a request, fresh or resuming from a :class:`PrefixState`."""
-        if request_id in self._requests:
+        self._check_idle("add()")
+        try:
+            active = request_id in self._requests
+        except TypeError:
+            raise SessionError(f"request id {request_id!r} is not hashable") from None
+        if active:
             raise SessionError(f"request {request_id!r} is already active")
         if not self._free:
             raise SessionError(f"all {self.max_requests} slots are in use (max_requests); finish a request first")
-        ctx = torch.full((self._ctx_len,), self._eos, dtype=torch.int64)
         if from_state is not None:
-            ck = from_state
-            want = (self.conv_state.shape[1], self._window)
-            if tuple(ck.conv_window.shape) != want or tuple(ck.ngram_context.shape) != (self._ctx_len,):
-                raise SessionError(
-                    f"prefix state has conv_window {tuple(ck.conv_window.shape)} and ngram_context "
-                    f"{tuple(ck.ngram_context.shape)}; this layer needs {want} and ({self._ctx_len},)"
-                )
+            window, ctx = self._check_state(from_state)
         slot = self._free.pop()
-        req = _Request(slot=slot, context=ctx)
+        req = _Request(slot=slot)
+        self._contexts[slot] = self._eos
         if from_state is not None:
-            width = self.conv_state.shape[2]
-            self.conv_state[slot].zero_()
-            self.conv_state[slot, :, width - self._window :] = from_state.conv_window.to(self.conv_state)
-            req.context = from_state.ngram_context.to(torch.int64).clone()
+            for k in range(len(self.layers)):
+                self._write_window(k, slot, window[k])
+            self._contexts[slot] = ctx
             req.length = from_state.length
             req.has_state = True
             self._maybe_keep(req, from_state)
         self._requests[request_id] = req
 
+    def _check_state(self, st: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state's windows as ``[layers, C, W]`` and its context, after checking everything."""
+        if not isinstance(st, PrefixState):
+            raise SessionError(f"from_state must be a PrefixState, got {type(st).__name__}")
+        if not is_int(st.length) or st.length < 0:
+            raise SessionError(f"prefix state length {st.length!r} must be a non-negative int")
+        w = st.conv_window
+        layers = len(self.layers)
+        want = (self._channels, self._window) if layers == 1 else (layers, self._channels, self._window)
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != want or not w.is_floating_point():
+            raise SessionError(
+                f"prefix state conv_window is {getattr(w, 'dtype', type(w).__name__)} "
+                f"{tuple(getattr(w, 'shape', ()))}; this session needs a floating tensor of shape {want}"
+            )
+        if not bool(torch.isfinite(w).all()):
+            raise SessionError("prefix state conv_window holds NaN or infinite values")
+        c = st.ngram_context
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != (self._ctx_len,):
+            raise SessionError(
+                f"prefix state ngram_context has shape {tuple(getattr(c, 'shape', ()))}; needs ({self._ctx_len},)"
+            )
+        if c.dtype not in (torch.int32, torch.int64):
+            raise SessionError(f"prefix state ngram_context must hold integer tokens, got {c.dtype}")
+        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= self._vocab):
+            raise SessionError(f"prefix state ngram_context {c.tolist()} has tokens outside [0, {self._vocab})")
+        return w.reshape(layers, self._channels, self._window), c.to(torch.int64).cpu()
+
+    def _write_window(self, k: int, slot: int, window: torch.Tensor) -> None:
+        pool = self._pools[k]
+        w = window.to(device=pool.device, dtype=pool.dtype)
+        with torch.no_grad():
+            pool[slot].zero_()
+            if self._ring:
+                pool[slot, self._width - self._window :] = w.t()
+                self._offsets[k][slot] = 0
+            else:
+                pool[slot, :, self._width - self._window :] = w
+
     def finish(self, request_id: Hashable) -> None:
         """End a request and free its slot (its prefix states go with it: take them first)."""
+        self._check_idle("finish()")
         req = self._get(request_id)
         del self._requests[request_id]
         self._free.append(req.slot)
 
+    def grow(self, max_requests: int) -> None:
+        """Make room for ``max_requests`` requests (at least the current number); live requests keep
+        their slots and states."""
+        self._check_idle("grow()")
+        max_requests = _positive_int("max_requests", max_requests, self.max_requests)
+        extra = max_requests - self.max_requests
+        if extra == 0:
+            return
+        with torch.no_grad():
+            self._pools = [torch.cat([p, self._new_pool(extra)]) for p in self._pools]
+            self._offsets = [torch.cat([o, o.new_zeros(extra)]) for o in self._offsets]
+            fill = torch.full((extra, self._ctx_len), self._eos, dtype=torch.int64)
+            self._contexts = torch.cat([self._contexts, fill])
+        self._free = list(range(max_requests - 1, self.max_requests - 1, -1)) + self._free
+        self.max_requests = max_requests
+
+    def keep_prefix_at(self, request_id: Hashable, positions: Iterable[int]) -> None:
+        """Also keep a :class:`PrefixState` when the request's kept history reaches each of ``positions``
+        (token counts, e.g. an engine's block boundaries); the current length is taken at once."""
+        req = self._get(request_id)
+        if req.pending is not None:
+            raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
+        wanted = list(positions)
+        for p in wanted:
+            if not is_int(p) or p < req.length:
+                raise SessionError(
+                    f"request {request_id!r}: prefix position {p!r} must be an int >= its length {req.length}"
+                )
+        for p in wanted:
+            if p == req.length:
+                if p > 0:
+                    req.prefix_states[p] = self._state_now(req)
+            else:
+                req.wanted.add(int(p))
+
     # ------------------------------------------------------------------ state views
     def _window_of(self, req: _Request) -> torch.Tensor:
-        """``[C, W]``: the conv window of the request's kept history (a copy)."""
+        """The conv windows of the request's kept history, ``[layers, C, W]`` (a copy)."""
         if not req.has_state:
-            return torch.zeros(self.conv_state.shape[1], self._window, dtype=self.conv_state.dtype)
-        width = self.conv_state.shape[2]
-        end = width - req.rejected
-        return self.conv_state[req.slot, :, end - self._window : end].clone()
+            return torch.zeros(len(self.layers), self._channels, self._window, dtype=self._dtype)
+        end = self._width - req.rejected
+        out = []
+        for k, pool in enumerate(self._pools):
+            if self._ring:
+                out.append(ring_window(pool, self._offsets[k], req.slot, end - self._window, end))
+            else:
+                out.append(pool[req.slot, :, end - self._window : end].clone())
+        return torch.stack(out).cpu()
+
+    def _state(self, windows: torch.Tensor, ctx: torch.Tensor, length: int) -> PrefixState:
+        w = windows[0] if len(self.layers) == 1 else windows
+        return PrefixState(w.contiguous(), ctx, length)
+
+    def _state_now(self, req: _Request) -> PrefixState:
+        return self._state(self._window_of(req), self._contexts[req.slot].clone(), req.length)
 
     def prefix_state(self, request_id: Hashable) -> PrefixState:
         """The request's current state (after its kept history)."""
         req = self._get(request_id)
         if req.pending is not None:
             raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
-        return PrefixState(self._window_of(req), req.context.clone(), req.length)
+        return self._state_now(req)
 
     def prefix_states(self, request_id: Hashable) -> dict[int, PrefixState]:
-        """``{position: PrefixState}`` at every multiple of ``prefix_every`` reached so far."""
+        """``{position: PrefixState}`` at every multiple of ``prefix_every`` and every position named
+        with :meth:`keep_prefix_at`, reached so far."""
         return dict(self._get(request_id).prefix_states)
 
-    def _maybe_keep(self, req: _Request, ck: PrefixState) -> None:
+    def _maybe_keep(self, req: _Request, st: PrefixState) -> None:
         b = self.prefix_every
-        if b and ck.length > 0 and ck.length % b == 0:
-            req.prefix_states[ck.length] = ck
+        if st.length > 0 and ((b and st.length % b == 0) or st.length in req.wanted):
+            req.prefix_states[st.length] = st
+            req.wanted.discard(st.length)
+
+    def _positions_in(self, req: _Request, start: int, n: int) -> list[int]:
+        """Positions in ``(start, start + n]`` where the request keeps a prefix state."""
+        b = self.prefix_every
+        found: set[int] = set()
+        if b:
+            found.update(range((start // b + 1) * b, start + n + 1, b))
+        found.update(p for p in req.wanted if start < p <= start + n)
+        return sorted(found)
 
     def _states_inside(
         self,
-        req_len: int,
+        req: _Request,
+        start: int,
         n: int,
         prev_window: torch.Tensor,
         prev_ctx: torch.Tensor,
         tokens: torch.Tensor,
         c: torch.Tensor,
-    ) -> list[PrefixState]:
-        """Prefix states at multiples of ``prefix_every`` in ``(req_len, req_len + n]``."""
-        b = self.prefix_every
-        out = []
-        first = (req_len // b + 1) * b
-        for pos in range(first, req_len + n + 1, b):
-            k = pos - req_len
-            hist = torch.cat([prev_window, c[:k].t().to(prev_window.dtype)], dim=1)
-            window = hist[:, hist.shape[1] - self._window :].clone()
+    ) -> None:
+        """Keep prefix states at wanted positions in ``(start, start + n]``; ``c [layers, n, C]``."""
+        for pos in self._positions_in(req, start, n):
+            k = pos - start
+            hist = torch.cat([prev_window, c[:, :k].transpose(1, 2).to(prev_window.dtype)], dim=2)
+            window = hist[:, :, hist.shape[2] - self._window :].clone()
             ctx = next_ngram_context(tokens[:k], torch.tensor([0, k]), prev_ctx.view(1, -1))[0]
-            out.append(PrefixState(window, ctx, pos))
-        return out
+            req.prefix_states[pos] = self._state(window, ctx, pos)
+            req.wanted.discard(pos)
 
     # ------------------------------------------------------------------ stepping
+    def begin(
+        self,
+        tokens: Mapping[Any, torch.Tensor],
+        speculative: Iterable[Hashable] = (),
+    ) -> SessionStep:
+        """Start one packed step: ``{request: tokens [n]}`` (any mix of first chunks, continuations,
+        single decode tokens and, for ids in ``speculative``, verify chunks of ``1 .. 1+num_spec``
+        tokens). Then :meth:`run` each layer once with the packed hidden ``[T, HC*H]`` (requests in
+        the order of ``tokens``), then :meth:`end`. Everything is checked here; nothing changes
+        until the first :meth:`run`."""
+        self._check_idle("begin()")
+        with named_range("ple.session.prepare"):
+            return self._begin(tokens, frozenset(speculative))
+
+    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
+        requests = self._requests
+        for rid in spec:
+            if rid not in requests:
+                raise SessionError(f"unknown request {rid!r}")
+            if rid not in tokens:
+                raise SessionError(f"request {rid!r} is marked speculative but has no chunk")
+        order = list(tokens)
+        count = len(order)
+        lens: list[int] = []
+        slots: list[int] = []
+        kinds: list[str] = []
+        has_init: list[bool] = []
+        rejected: list[int] = []
+        toks: list[torch.Tensor] = []
+        prefix_rows: dict[Hashable, int] = {}
+        any_rejected = False
+        decode_only = True
+        max_spec = 1 + self.num_spec
+        wants_prefix = bool(self.prefix_every)
+        for i, rid in enumerate(order):
+            req = requests.get(rid)
+            if req is None:
+                raise SessionError(f"unknown request {rid!r}")
+            t = tokens[rid]
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] < 1:
+                raise SessionError(
+                    f"request {rid!r}: tokens must be a non-empty 1-D tensor, got {tuple(getattr(t, 'shape', ()))}"
+                )
+            if t.dtype not in (torch.int64, torch.int32):
+                raise SessionError(f"request {rid!r}: tokens must be int32/int64 token ids, got {t.dtype}")
+            if req.pending is not None:
+                raise SessionError(f"request {rid!r}: call accept() for its speculative chunk before the next step")
+            n = t.shape[0]
+            is_spec = rid in spec
+            if is_spec and n > max_spec:
+                raise SessionError(
+                    f"request {rid!r}: a speculative chunk holds at most 1 + num_spec = {max_spec} tokens, got {n}"
+                )
+            lens.append(n)
+            slots.append(req.slot)
+            kinds.append(VERIFY if is_spec else (DECODE if n == 1 and req.has_state else PREFILL))
+            has_init.append(req.has_state)
+            rejected.append(req.rejected)
+            any_rejected = any_rejected or req.rejected > 0
+            decode_only = decode_only and n == 1
+            toks.append(t)
+            if (wants_prefix or req.wanted) and self._positions_in(req, req.length, n):
+                prefix_rows[rid] = i
+        packed = torch.cat(toks).to(torch.int64) if toks else torch.zeros(0, dtype=torch.int64)
+        if packed.numel():
+            a = packed.numpy()
+            lo, hi = int(a.min()), int(a.max())
+            if lo < 0 or hi >= self._vocab:
+                pos = int(np.nonzero((a < 0) | (a >= self._vocab))[0][0])
+                r = int(np.searchsorted(np.cumsum(lens), pos, side="right"))
+                raise SessionError(
+                    f"request {order[r]!r}: token {int(a[pos])} at offset {pos - sum(lens[:r])} is outside "
+                    f"[0, vocab_size={self._vocab})"
+                )
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        total = sum(lens)
+        if decode_only:
+            qsl = torch.arange(count + 1, dtype=torch.int64)
+        else:
+            qsl = torch.tensor([0, *_accumulate(lens)], dtype=torch.int64)
+        dev = self._device
+        batch = Batch(
+            query_start_loc=qsl.to(dev),
+            slot_indices=slot_t.to(dev),
+            kinds=tuple(kinds),
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
+            ngram_context=self._contexts.index_select(0, slot_t).to(dev),
+            num_rejected=torch.tensor(rejected, dtype=torch.int64, device=dev)
+            if any_rejected
+            else torch.zeros(count, dtype=torch.int64, device=dev),
+            conv_state=self._pools[0],
+            num_spec=self.num_spec,
+            state_offsets=self._offsets[0] if self._ring else None,
+            token_count=total,
+        )
+        step = SessionStep(
+            request_ids=order,
+            lens=lens,
+            tokens=packed.to(dev),
+            batch=batch,
+            num_tokens=total,
+            speculative=spec,
+            prefix_rows=prefix_rows,
+            prev_windows={rid: self._window_of(requests[rid]) for rid in prefix_rows},
+            conv_inputs=[None] * len(self.layers),
+            done=[False] * len(self.layers),
+        )
+        self._open = step
+        return step
+
+    def run(self, step: SessionStep, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Run layer ``layer`` (index into :attr:`layers`) of an open step: ``hidden [T, HC*H]`` packed
+        in the step's request order; returns the new hidden ``[T, HC*H]``. Each layer runs once."""
+        if step is not self._open or step.ended:
+            raise SessionError("run() needs the open step of this session (from begin(), before end())")
+        if not is_int(layer) or not 0 <= layer < len(self.layers):
+            raise SessionError(f"layer {layer!r} outside [0, {len(self.layers)})")
+        if step.done[layer]:
+            raise SessionError(f"layer {layer} already ran in this step")
+        want = (step.num_tokens, self._channels)
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != want:
+            raise SessionError(f"hidden must be [T, HC*H] = {list(want)}, got {tuple(getattr(hidden, 'shape', ()))}")
+        if hidden.dtype != self._dtype:
+            raise SessionError(f"hidden is {hidden.dtype}; the layers compute in {self._dtype}")
+        if not step.request_ids:
+            step.done[layer] = True
+            return hidden.new_empty(hidden.shape)
+        batch = step.batch
+        if layer:
+            batch = dataclasses.replace(
+                batch, conv_state=self._pools[layer], state_offsets=self._offsets[layer] if self._ring else None
+            )
+        need_c = bool(step.prefix_rows)
+        result = self.layers[layer](hidden, step.tokens, batch, return_conv_input=need_c)
+        step.done[layer] = True
+        if need_c:
+            out, c = result
+            step.conv_inputs[layer] = c
+            return out
+        return result
+
+    def end(self, step: SessionStep) -> None:
+        """Finish an open step after every layer ran: contexts, lengths and prefix states advance."""
+        if step is not self._open or step.ended:
+            raise SessionError("end() needs the open step of this session")
+        if not all(step.done):
+            missing = [k for k, d in enumerate(step.done) if not d]
+            raise SessionError(f"layers {missing} have not run in this step")
+        with named_range("ple.session.update"):
+            self._end(step)
+        step.ended = True
+        self._open = None
+
+    def _end(self, step: SessionStep) -> None:
+        if not step.request_ids:
+            return
+        batch = step.batch
+        old_ctx = batch.ngram_context.cpu()
+        slot_t = batch.slot_indices.cpu()
+        tokens = step.tokens.cpu()
+        if step.num_tokens == len(step.lens):  # one token per request: shift in each token
+            new_ctx = torch.cat([old_ctx[:, 1:], tokens.view(-1, 1)], dim=1) if self._ctx_len else old_ctx
+        else:
+            new_ctx = next_ngram_context(tokens, batch.query_start_loc.cpu(), old_ctx)
+        self._contexts.index_copy_(0, slot_t, new_ctx)
+        starts = None
+        if step.prefix_rows or step.speculative:
+            starts = [0, *_accumulate(step.lens)]
+        conv = None
+        if step.prefix_rows:
+            conv = [c.cpu() for c in step.conv_inputs if c is not None]
+        requests = self._requests
+        for i, rid in enumerate(step.request_ids):
+            req = requests[rid]
+            n = step.lens[i]
+            req.has_state = True
+            req.rejected = 0
+            if rid in step.speculative or rid in step.prefix_rows:
+                assert starts is not None
+                a, e = starts[i], starts[i + 1]
+                rows = None if conv is None or rid not in step.prefix_rows else torch.stack([c[a:e] for c in conv])
+                if rid in step.speculative:
+                    # until accept(), the slot holds all n tokens; accept() sets how many are rolled back
+                    req.pending = _Pending(
+                        tokens=tokens[a:e].clone(),
+                        prev_context=old_ctx[i].clone(),
+                        prev_length=req.length,
+                        prev_window=step.prev_windows.get(rid),
+                        conv_input=rows,
+                    )
+                else:
+                    assert rows is not None
+                    self._states_inside(req, req.length, n, step.prev_windows[rid], old_ctx[i], tokens[a:e], rows)
+            req.length += n
+
     def step(
         self,
-        inputs: Mapping[Hashable, tuple[torch.Tensor, torch.Tensor]],
+        inputs: Mapping[Any, tuple[torch.Tensor, torch.Tensor]],
         speculative: Iterable[Hashable] = (),
     ) -> dict[Hashable, torch.Tensor]:
-        """Run one packed batch.
+        """Run one packed batch through a session of one layer.
 
         Args:
             inputs: ``{request_id: (hidden [n, HC*H], tokens [n])}``; any mix of first chunks,
@@ -196,91 +603,35 @@ class Session:
         Returns:
             ``{request_id: new hidden [n, HC*H]}``.
         """
-        spec = set(speculative)
-        cfg = self.layer.config
-        unknown = [r for r in list(inputs) + list(spec) if r not in self._requests]
-        if unknown:
-            raise SessionError(f"unknown request {unknown[0]!r}")
-        extra = spec - set(inputs)
-        if extra:
-            raise SessionError(f"request {next(iter(extra))!r} is marked speculative but has no chunk")
-        order = list(inputs)
-        lens, slots, kinds, has_init, rejected, ctxs, hs, toks = [], [], [], [], [], [], [], []
-        for rid in order:
-            req = self._requests[rid]
-            hidden, tokens = inputs[rid]
-            n = int(tokens.shape[0]) if tokens.dim() == 1 else -1
-            if n < 1:
-                raise SessionError(f"request {rid!r}: tokens must be a non-empty 1-D tensor, got {tuple(tokens.shape)}")
-            if tuple(hidden.shape) != (n, cfg.hc_hidden_size):
+        if len(self.layers) != 1:
+            raise SessionError(f"this session serves {len(self.layers)} layers: use begin(), run() per layer, end()")
+        hs = []
+        width = self._channels
+        tokens = {}
+        for rid, pair in inputs.items():
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise SessionError(f"request {rid!r}: expected (hidden, tokens), got {type(pair).__name__}")
+            hidden, t = pair
+            n = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 1 else -1
+            if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != (n, width):
                 raise SessionError(
-                    f"request {rid!r}: hidden must be [{n}, {cfg.hc_hidden_size}], got {tuple(hidden.shape)}"
+                    f"request {rid!r}: hidden must be [{n}, {width}], got {tuple(getattr(hidden, 'shape', ()))}"
                 )
-            if req.pending is not None:
-                raise SessionError(f"request {rid!r}: call accept() for its speculative chunk before the next step")
-            if rid in spec and n > 1 + self.num_spec:
-                raise SessionError(
-                    f"request {rid!r}: a speculative chunk holds at most 1 + num_spec = {1 + self.num_spec} tokens, got {n}"
-                )
-            lens.append(n)
-            slots.append(req.slot)
-            kinds.append(VERIFY if rid in spec else (DECODE if n == 1 and req.has_state else PREFILL))
-            has_init.append(req.has_state)
-            rejected.append(req.rejected)
-            ctxs.append(req.context)
             hs.append(hidden)
-            toks.append(tokens.to(torch.int64))
-        batch = Batch.build(
-            lens,
-            slots,
-            torch.stack(ctxs) if ctxs else torch.zeros(0, self._ctx_len, dtype=torch.int64),
-            self.conv_state,
-            kinds=kinds,
-            has_initial_state=has_init,
-            num_rejected=rejected,
-            num_spec=self.num_spec,
-            conv_window=self._window,
-        )
-        if not order:
-            return {}
-        tokens_all = torch.cat(toks)
-        hidden_all = torch.cat(hs)
-        # windows before this step, for prefix states that fall inside a chunk
-        b = self.prefix_every
-        prev_windows = {}
-        for rid, n in zip(order, lens):
-            req = self._requests[rid]
-            if b and (req.length // b != (req.length + n) // b):
-                prev_windows[rid] = self._window_of(req)
-        out, conv_in = self.layer(hidden_all, tokens_all, batch, return_conv_input=True)
-        new_ctx = next_ngram_context(tokens_all, batch.query_start_loc.cpu(), batch.ngram_context.cpu())
-        results = {}
-        for i, rid in enumerate(order):
-            req = self._requests[rid]
-            a, e = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
-            results[rid] = out[a:e]
-            req.has_state = True
-            req.rejected = 0
-            if rid in spec:
-                req.pending = _Pending(
-                    tokens=toks[i],
-                    prev_context=req.context,
-                    prev_length=req.length,
-                    prev_window=prev_windows.get(rid),
-                    conv_input=conv_in[a:e].detach() if rid in prev_windows else None,
-                )
-                # until accept(), the slot holds all n tokens; accept() sets how many are rolled back
-                req.length += e - a
-                req.context = new_ctx[i].clone()
-                continue
-            if rid in prev_windows:
-                for ck in self._states_inside(
-                    req.length, e - a, prev_windows[rid], req.context, toks[i], conv_in[a:e].detach()
-                ):
-                    req.prefix_states[ck.length] = ck
-            req.length += e - a
-            req.context = new_ctx[i].clone()
-        return results
+            tokens[rid] = t
+        step = self.begin(tokens, speculative)
+        try:
+            if not step.request_ids:
+                self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
+                self.end(step)
+                return {}
+            out = self.run(step, 0, torch.cat(hs) if len(hs) > 1 else hs[0])
+        except BaseException:
+            if not step.done[0]:
+                self._open = None  # nothing changed: the step is dropped
+            raise
+        self.end(step)
+        return step.split(out)
 
     def accept(self, request_id: Hashable, kept: int) -> None:
         """Keep the first ``kept`` tokens (``1 <= kept <= n``) of the request's speculative chunk.
@@ -293,12 +644,20 @@ class Session:
         if p is None:
             raise SessionError(f"request {request_id!r} has no speculative chunk to accept")
         n = int(p.tokens.shape[0])
-        if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= n:
+        if not is_int(kept) or not 1 <= kept <= n:
             raise SessionError(f"request {request_id!r}: kept={kept!r} outside 1..{n} (the chunk's length)")
-        if p.prev_window is not None and self.prefix_every:
-            for ck in self._states_inside(p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input):
-                req.prefix_states[ck.length] = ck
-        req.context = next_ngram_context(p.tokens[:kept], torch.tensor([0, kept]), p.prev_context.view(1, -1))[0]
+        if p.prev_window is not None and p.conv_input is not None:
+            self._states_inside(req, p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input)
+        ctx = next_ngram_context(p.tokens[:kept], torch.tensor([0, kept]), p.prev_context.view(1, -1))[0]
+        self._contexts[req.slot] = ctx
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None
+
+
+def _accumulate(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out

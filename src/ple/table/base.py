@@ -33,7 +33,7 @@ from .lookup import dequantize_rows_into, gather_dequant
 from .lookup.torch_impl import gather_rows
 from .prefetch import PrefetchEngine, PrefetchHandle
 
-__all__ = ["Table", "StoredTable", "TableRef", "require_stored"]
+__all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through"]
 
 
 class Table(abc.ABC):
@@ -237,3 +237,14 @@ if register_opaque_type is not None:
     _lib.impl("table_lookup", _lookup, "CPU")
     _lib.impl("table_lookup", _lookup, "CUDA")
     torch.library.register_fake("ple::table_lookup", _lookup_fake, lib=_lib)
+
+
+def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)`` (unchecked ids); on a torch without
+    opaque reference types the operator does not exist and the table is called directly (eager only)."""
+    if register_opaque_type is not None:
+        return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)
+    table = ref.table
+    if table is None:
+        raise InvalidArgumentError("table_lookup: the TableRef holds no table")
+    return table.lookup(ids, dtype, check=False)

@@ -1,0 +1,246 @@
+"""``ple.Session`` steps against the floor (the two projections alone), side by side, published geometry.
+
+    python bench/session_floor.py [--dtype bf16|fp32] [--requests 64] [--steps 4] [--prefill 2048]
+                                  [--repeat 5] [--threads N] [--table-base 300000] [--json PATH]
+
+Builds a PLE layer at the published geometry (H 2560, HC 4, E 2560, 16 heads of 160, K 4; random
+weights, a table of ``--table-base``), checks that ``Session.step`` gives exactly the outputs of the
+engine call on prebuilt batches (the same steps from the same state), then times in rotating order,
+each after an untimed reset of the state: the floor (``F.linear`` of ``[T, 2560] x [12800, 2560]``),
+the engine call ``layer(hidden, ids, batch)`` with prebuilt batches, and ``Session.step`` (per-request
+inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
+``--prefill`` tokens. Prints medians (ms) and ratios to the floor; ``ple bench`` runs the same steps
+with the check against transformers (``session-*`` cases), which costs far more time on a CPU.
+
+``--without-gemm`` replaces ``F.linear`` by its cached result (computed once per shape): what remains
+is everything the layer and the session do besides the projections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ple import PLEConfig, PLELayer, Session, tune_host_allocator
+from ple.runtime import Batch
+from ple.table import MemoryTable
+
+
+def published(table_base: int) -> PLEConfig:
+    return PLEConfig(
+        hidden_size=2560,
+        hc_count=4,
+        ple_embed_dim=2560,
+        ngram_size=3,
+        heads_per_ngram=8,
+        vocab_size=248320,
+        eos_token_id=248044,
+        ngram_vocab_size_base=table_base,
+        make_ngram_vocab_size_divisible_by=128,
+        ple_layer_ids=(2,),
+    )
+
+
+def build_layer(cfg: PLEConfig, dtype: torch.dtype) -> PLELayer:
+    g = torch.Generator().manual_seed(0)
+    layer = PLELayer(cfg, 0, dtype=dtype)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = p.shape[-1] ** -0.5 if "proj" in name else 0.3
+            p.copy_((scale * torch.randn(p.shape, generator=g)).to(dtype))
+    if hasattr(layer, "refresh_weights"):
+        layer.refresh_weights()
+    lay = layer.layout
+    block = torch.randn(65537, lay.head_dim, generator=g).to(dtype)
+    data = torch.empty(lay.padded_rows, lay.head_dim, dtype=dtype)
+    for a in range(0, lay.padded_rows, block.shape[0]):
+        n = min(block.shape[0], lay.padded_rows - a)
+        data[a : a + n].copy_(block[:n])
+    layer.set_table(MemoryTable(data))
+    return layer
+
+
+def _kv_weight(layer: PLELayer) -> torch.Tensor:
+    w = getattr(layer, "kv_weight", None)
+    return w if w is not None else torch.cat([layer.key_proj.detach(), layer.value_proj.detach()])
+
+
+def without_gemm() -> None:
+    """Make ``F.linear`` return a cached result per (shapes, dtype): the GEMM costs nothing."""
+    real = F.linear
+    cache: dict = {}
+
+    def cached(x, w, b=None):
+        key = (tuple(x.shape), tuple(w.shape), x.dtype)
+        if key not in cache:
+            cache[key] = real(x, w, b)
+        return cache[key]
+
+    torch.nn.functional.linear = cached
+
+
+def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
+    """Seconds per call, in rotating order, each call after its untimed reset."""
+    names = list(fns)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(repeat + 1):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            reset[n]()
+            t0 = time.perf_counter()
+            fns[n]()
+            dt = time.perf_counter() - t0
+            if i:
+                out[n].append(dt)
+    return out
+
+
+def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict:
+    cfg = layer.config
+    c, dtype = cfg.hc_hidden_size, layer.dtype
+    g = torch.Generator().manual_seed(1)
+    session = Session(layer, requests)
+    for r in range(requests):
+        session.add(r)
+    session.step(
+        {
+            r: (torch.randn(16, c, generator=g).to(dtype), torch.randint(0, cfg.vocab_size, (16,), generator=g))
+            for r in range(requests)
+        }
+    )
+    saved = {r: session.prefix_state(r) for r in range(requests)}
+    step_h = torch.randn(steps, requests, c, generator=g).to(dtype)
+    step_t = torch.randint(0, cfg.vocab_size, (steps, requests), generator=g)
+    inputs = [{r: (step_h[s, r : r + 1], step_t[s, r : r + 1]) for r in range(requests)} for s in range(steps)]
+    # the engine call on prebuilt batches from the same state
+    pool0 = layer.new_state_pool(requests)
+    for r in range(requests):
+        pool0[r] = saved[r].conv_window.to(dtype)
+    pool = pool0.clone()
+    ctx = torch.stack([saved[r].ngram_context for r in range(requests)])
+    batches = []
+    for s in range(steps):
+        batches.append(
+            Batch.build([1] * requests, list(range(requests)), ctx, pool, has_initial_state=[True] * requests)
+        )
+        ctx = torch.cat([ctx[:, 1:], step_t[s].view(-1, 1)], dim=1)
+
+    def reset_session():
+        for r in range(requests):
+            session.finish(r)
+            session.add(r, from_state=saved[r])
+
+    def run_session():
+        return [torch.cat(list(session.step(inputs[s]).values())) for s in range(steps)]
+
+    def run_engine():
+        return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
+
+    reset_session()
+    pool.copy_(pool0)
+    a, b = run_session(), run_engine()
+    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    w = _kv_weight(layer)
+    x = torch.randn(requests, cfg.ple_embed_dim, generator=g).to(dtype)
+    fns = {"floor": lambda: [F.linear(x, w) for _ in range(steps)], "engine": run_engine, "session": run_session}
+    reset = {"floor": lambda: None, "engine": lambda: pool.copy_(pool0), "session": reset_session}
+    with torch.no_grad():
+        samples = interleaved(fns, reset, repeat)
+    return {"case": f"decode {requests}x1 x{steps} steps", "session_equals_engine": same, "samples": samples}
+
+
+def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
+    cfg = layer.config
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(tokens, cfg.hc_hidden_size, generator=g).to(layer.dtype)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+    session = Session(layer, 1)
+    pool = layer.new_state_pool(1)
+    batch = Batch.build([tokens], [0], torch.full((1, 2), cfg.eos_token_id), pool)
+
+    def reset_session():
+        for r in list(session.request_ids):
+            session.finish(r)
+        session.add(0)
+
+    reset_session()
+    same = torch.equal(session.step({0: (hidden, ids)})[0], layer(hidden, ids, batch))
+    w = _kv_weight(layer)
+    x = torch.randn(tokens, cfg.ple_embed_dim, generator=g).to(layer.dtype)
+    fns = {
+        "floor": lambda: F.linear(x, w),
+        "engine": lambda: layer(hidden, ids, batch),
+        "session": lambda: session.step({0: (hidden, ids)}),
+    }
+    reset = {"floor": lambda: None, "engine": lambda: pool.zero_(), "session": reset_session}
+    with torch.no_grad():
+        samples = interleaved(fns, reset, repeat)
+    return {"case": f"prefill 1x{tokens}", "session_equals_engine": same, "samples": samples}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--table-base", type=int, default=300_000)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
+    args = p.parse_args(argv)
+    tune_host_allocator()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    layer = build_layer(published(args.table_base), dtype)
+    if args.without_gemm:
+        without_gemm()
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results = []
+    if args.requests > 0:
+        results.append(decode_case(layer, args.requests, args.steps, args.repeat))
+    if args.prefill > 0:
+        results.append(prefill_case(layer, args.prefill, args.repeat))
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.lower().startswith("model name")), cpu)
+    except OSError:
+        pass
+    print(
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}"
+        f"{', GEMM cached' if args.without_gemm else ''}, "
+        f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
+    )
+    print("| case | floor ms | engine ms | session ms | engine / floor | session / floor | session = engine |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    ok = True
+    for r in results:
+        med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
+        r["median_ms"] = med
+        ok &= r["session_equals_engine"]
+        print(
+            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['session']:.2f} | "
+            f"{med['engine'] / med['floor']:.3f} | {med['session'] / med['floor']:.3f} | "
+            f"{'yes' if r['session_equals_engine'] else 'NO'} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"dtype": args.dtype, "cpu": cpu, "threads": torch.get_num_threads(), "results": results}, f, indent=2
+            )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
