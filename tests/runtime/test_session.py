@@ -397,6 +397,10 @@ def test_session_refuses_converted_inputs():
     for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True, False])):
         with pytest.raises(SessionError, match=f"request 'a': tokens must be int32/int64 token ids, got {bad.dtype}"):
             s.step({"a": (h, bad)})
+    with pytest.raises(SessionError, match=r"request 'a': tokens must be a 1-D tensor \[n\], got \(1, 2\)"):
+        s.step({"a": (h, torch.tensor([[1, 2]]))})
+    with pytest.raises(SessionError, match=r"request 'a': hidden must be \[2, "):
+        s.step({"a": (h[:1], torch.tensor([1, 2]))})
     with pytest.raises(SessionError, match=r"request 'a': token 40 at offset 1 is outside \[0, vocab_size=40\)"):
         s.step({"a": (h, torch.tensor([1, 40]))})
     s.step({"a": (h, torch.tensor([1, 2]))}, speculative={"a"})

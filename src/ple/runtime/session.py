@@ -612,7 +612,11 @@ class Session:
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise SessionError(f"request {rid!r}: expected (hidden, tokens), got {type(pair).__name__}")
             hidden, t = pair
-            n = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 1 else -1
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise SessionError(
+                    f"request {rid!r}: tokens must be a 1-D tensor [n], got {tuple(getattr(t, 'shape', ()))}"
+                )
+            n = t.shape[0]
             if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != (n, width):
                 raise SessionError(
                     f"request {rid!r}: hidden must be [{n}, {width}], got {tuple(getattr(hidden, 'shape', ()))}"
