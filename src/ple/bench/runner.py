@@ -201,7 +201,7 @@ def run_case(
     rec: dict[str, Any] = {
         "name": case.name,
         "kind": case.kind,
-        "dtype": bench_cases._dtype_name(case.dtype),
+        "dtype": bench_cases.dtype_name(case.dtype),
         "description": case.description,
         "targets": {"speedup_min": case.targets.speedup_min, "floor_max": case.targets.floor_max},
         "status": None,
@@ -376,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for c in bench_cases.CASES:
             print(
-                f"{c.name:22s} {c.kind:8s} {bench_cases._dtype_name(c.dtype):6s} {c.targets.describe():28s} "
+                f"{c.name:22s} {c.kind:8s} {bench_cases.dtype_name(c.dtype):6s} {c.targets.describe():28s} "
                 f"{c.description}",
                 file=out,
             )
