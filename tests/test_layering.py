@@ -6,6 +6,7 @@ another package."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,18 @@ def test_no_import_cycles():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+def test_table_file_names_come_from_one_place():
+    """A table file's name or suffix is spelled in code only where it is defined (``TABLE_SUFFIX``);
+    everything else names table files through it or ``checkpoint.table_file_name``."""
+    home = "ple.table.file"
+    spelled = []
+    for module, path in MODULES.items():
+        if module == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"[\w*./{}-]*\.pletable", node.value):
+                    spelled.append(f"{module}:{node.lineno} {node.value!r}")
+    assert not spelled, "table file names spelled outside ple.table.file: " + "; ".join(spelled)
