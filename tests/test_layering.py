@@ -313,3 +313,18 @@ def test_table_file_names_come_from_one_place():
                 if re.fullmatch(r"[\w*./{}-]*\.pletable", node.value):
                     spelled.append(f"{module}:{node.lineno} {node.value!r}")
     assert not spelled, "table file names spelled outside ple.table.file: " + "; ".join(spelled)
+
+
+def test_architecture_map_lists_the_levels():
+    """docs/ARCHITECTURE.md's map is this table: the same modules and folders at the same levels."""
+    doc = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    block = doc.split("```\nlevel  src/ple/\n", 1)[1].split("```", 1)[0]
+    listed = {m.group(2): int(m.group(1)) for m in re.finditer(r"^(\d+)\s+(\S+)", block, re.MULTILINE)}
+
+    def path(name: str) -> str:
+        rel = name.removeprefix("ple").removeprefix(".").replace(".", "/")
+        if name == "ple":
+            return "__init__.py"
+        return rel + "/" if name in PACKAGES else rel + ".py"
+
+    assert listed == {path(name): level for name, level, _ in LEVELS}
