@@ -114,9 +114,10 @@ def test_closed_stdout_ends_quietly(model):
         env=env,
     )
     assert child.stdout is not None and child.stderr is not None
-    assert child.stdout.readline().startswith(b"token 0: ")
-    child.stdout.close()
-    err = child.stderr.read().decode()
+    with child.stderr:
+        assert child.stdout.readline().startswith(b"token 0: ")
+        child.stdout.close()
+        err = child.stderr.read().decode()
     assert child.wait(timeout=120) == EXIT_PIPE
     assert err == ""
 
