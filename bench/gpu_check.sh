@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check of ple on a CUDA machine, within 10 minutes on one H200 (BUDGET seconds in all):
 #   1. environment (torch sees a GPU; ple, transformers, triton, pytest import; else `pip install -e .[dev]`);
-#   2. the Triton kernels against their references on the GPU (the GPU test files; interpreter runs skipped);
+#   2. the Triton kernels against their references on the GPU (the Triton test files, run natively);
 #   3. bench/gpu_check.py: ids and gather as a fraction of peak HBM bandwidth, gate and conv per token, and
 #      the engine call: no host synchronization with a prebuilt Batch (torch.cuda.set_sync_debug_mode
 #      "error"), a decode step captured in a CUDA graph and replayed (equal to eager, timed);
@@ -125,7 +125,7 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
         if [[ -e "$t" ]]; then tests+=("$t"); else log "note: $t does not exist, skipped"; fi
     done
     if [[ ${#tests[@]} -gt 0 ]]; then
-        run_step tests "${TESTS_TIMEOUT:-200}" "$PY" -m pytest -q -p no:cacheprovider -rs -k "not interpreted" \
+        run_step tests "${TESTS_TIMEOUT:-200}" "$PY" -m pytest -q -p no:cacheprovider -rs \
             --junitxml="$OUT_DIR/tests.xml" "${tests[@]}"
     fi
 fi

@@ -1,14 +1,32 @@
-"""Shared fixtures: golden vectors, transformers reference modules, small configs."""
+"""Shared fixtures: golden vectors, transformers reference modules, small configs, and where the
+Triton kernels run.
+
+Triton kernels run natively on a CUDA device; without one they run on CPU tensors under the Triton
+interpreter. ``@triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, that is when ple
+imports a ``triton_impl`` module, so it is set here, before any test module is imported: every
+Triton test then runs in this process on :data:`TRITON_DEVICE`.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ple.config import PLEConfig
+
+if not torch.cuda.is_available():
+    _defined = sorted(m for m in sys.modules if m.startswith("ple.") and m.endswith(".triton_impl"))
+    assert not _defined, f"Triton kernels were defined before TRITON_INTERPRET was set: {_defined}"
+    os.environ["TRITON_INTERPRET"] = "1"
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""The device of the Triton tests' tensors: the GPU, or the CPU under the interpreter."""
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 """Test vectors made by transformers' qwen4_exp: exact layouts (``layout.json``) and n-gram ids of

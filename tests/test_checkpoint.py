@@ -593,11 +593,11 @@ def test_missing_files_and_paths(tmp_path):
 
 
 def _evil_pickle(marker: Path) -> bytes:
-    """A pickle whose loading creates ``marker`` (as any unpickled .bin can run code)."""
+    """A pickle whose loading creates the folder ``marker`` (as any unpickled .bin can run code)."""
 
     class Payload:
         def __reduce__(self):
-            return (open, (str(marker), "w"))
+            return (os.mkdir, (str(marker),))
 
     return pickle.dumps({"model.language_model.layers.0.ple.key_proj.weight": Payload()})
 

@@ -98,16 +98,32 @@ def test_inspect_checkpoint_ok(tmp_path, capsys, form):
         assert d["problems"] == [] and d["table_format"] == "fp32"
 
 
+def _text_fields(out: str, labels: tuple[str, ...]) -> dict[str, str]:
+    """The value after each label of a text report (a line starting with the label), whitespace
+    collapsed: the tests read content, not column layout."""
+    fields = {}
+    for line in out.splitlines():
+        words = " ".join(line.split())
+        for label in labels:
+            if words.startswith(label + " ") and label not in fields:
+                fields[label] = words[len(label) + 1 :]
+    return fields
+
+
 def test_inspect_text(tmp_path, capsys):
     cfg = model_dir(tmp_path, "short_last")
     lay = cfg.layout(0)
     code, out, _ = run_cli(capsys, "inspect", tmp_path)
     assert code == 0
-    assert f"PLE layer 0 (decoder layer 0)  prefix {PREFIX.format(0)}" in out
-    assert f"multipliers  {list(lay.multipliers)}" in out
-    assert "rows         2,056 (padded 2,064) x 6" in out
-    assert "shards       5 x 413 rows" in out
-    assert "checkpoint   table fp32; OK" in out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert f"PLE layer 0 (decoder layer 0) prefix {PREFIX.format(0)}" in lines
+    fields = _text_fields(out, ("multipliers", "head sizes", "rows", "shards", "checkpoint"))
+    assert fields["multipliers"] == str(list(lay.multipliers))
+    assert fields["head sizes"] == f"{lay.head_sizes[0]} .. {lay.head_sizes[-1]} ({len(lay.head_sizes)} primes)"
+    assert (lay.rows, lay.padded_rows, lay.head_dim, lay.shard_rows) == (2056, 2064, 6, 413)
+    assert fields["rows"] == "2,056 (padded 2,064) x 6"
+    assert fields["shards"] == "5 x 413 rows"
+    assert fields["checkpoint"] == "table fp32; OK"
 
 
 def test_inspect_reads_no_table(tmp_path, capsys, monkeypatch):
@@ -146,9 +162,10 @@ def test_inspect_lists_problems(tmp_path, capsys):
     assert sorted(json.loads(out)["layers"][0]["problems"]) == sorted(want)
     code, out, _ = run_cli(capsys, "inspect", tmp_path)
     assert code == 1
-    assert "PROBLEMS:" in out
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert _text_fields(out, ("checkpoint",))["checkpoint"] == "table fp32; PROBLEMS:"
     for w in want:
-        assert f"    - {w}" in out
+        assert f"- {w}" in lines
 
 
 def test_inspect_checkpoint_wide_problems(tmp_path, capsys):

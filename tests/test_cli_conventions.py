@@ -63,6 +63,7 @@ def test_json_is_one_document_on_stdout_for_every_subcommand(model, tmp_path, ca
         "ids": ["ids", str(model), "--tokens", "5,6,7", "--json"],
         "convert": ["convert", str(model), str(tmp_path / "tables"), "--json"],
         "stats": ["stats", str(model), "--tokens", str(tokens), "--json"],
+        "bench --list": ["bench", "--list", "--json"],
     }
     docs = {}
     for name, argv in runs.items():
@@ -76,6 +77,7 @@ def test_json_is_one_document_on_stdout_for_every_subcommand(model, tmp_path, ca
     assert docs["convert"]["layers"][0]["path"] == str(table)
     assert len(docs["ids"]["ids"]) == 3 and docs["stats"]["tokens"] == 7
     assert [d["ple_layer_index"] for d in docs["inspect"]["layers"]] == [0]
+    assert "decode-fp32" in [c["name"] for c in docs["bench --list"]["cases"]]
 
 
 def test_a_refused_input_is_one_line_and_exit_1(tmp_path):
@@ -112,9 +114,10 @@ def test_closed_stdout_ends_quietly(model):
         env=env,
     )
     assert child.stdout is not None and child.stderr is not None
-    assert child.stdout.readline().startswith(b"token 0: ")
-    child.stdout.close()
-    err = child.stderr.read().decode()
+    with child.stderr:
+        assert child.stdout.readline().startswith(b"token 0: ")
+        child.stdout.close()
+        err = child.stderr.read().decode()
     assert child.wait(timeout=120) == EXIT_PIPE
     assert err == ""
 

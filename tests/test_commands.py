@@ -1,6 +1,7 @@
 """ple convert / verify / stats, end to end on small synthesized checkpoints (``ple demo``: tests/demo)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -84,7 +85,14 @@ def test_convert_to_int8_reports_error(small_checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["convert", str(ckpt), str(tmp_path), "--to", "int8", "--layers", "0"]) == 0
     text = capsys.readouterr().out
-    assert "quantization error" in text and "head  3" in text
+    assert "quantization error" in text
+    per_head = re.findall(r"^\s*head\s+(\d+):\s+max\s+(\S+)\s+rms\s+(\S+)\s*$", text, re.MULTILINE)
+    assert [int(h) for h, _, _ in per_head] == list(range(cfg.num_heads))
+    assert main(["convert", str(ckpt), str(tmp_path / "again"), "--to", "int8", "--layers", "0", "--json"]) == 0
+    (layer,) = json.loads(capsys.readouterr().out)["layers"]
+    want = [(f"{r['max_rel']:.3e}", f"{r['rms_rel']:.3e}") for r in layer["per_head"]]
+    assert [(mx, rms) for _, mx, rms in per_head] == want  # the text shows the JSON document's numbers
+    assert all(0 < float(v) < 0.02 for row in want for v in row), want  # int8 with one scale per row
     (f,) = tmp_path.glob("*.pletable")
     assert MmapTable.open(f).format == "int8_row"
     assert main(["verify", str(f), "--checkpoint", str(ckpt)]) == 0

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ple.errors import InvalidArgumentError
 from ple.ops import dilated_conv
 from ple.ops.conv import reference, torch_impl
 
@@ -209,7 +210,9 @@ def test_validation(fn):
         args.update(kw)
         return fn(**args)
 
-    with pytest.raises(ValueError, match=r"request 1: num_rejected\[1\]=3, expected 0 <= num_rejected <= L-W=2"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"request 1: num_rejected\[1\]=3, expected 0 <= num_rejected <= L-W=2"
+    ):
         call(num_rejected=torch.tensor([0, 3]))
     call(num_rejected=torch.tensor([0, 3]), has_initial_state=torch.tensor([True, False]))  # not read: accepted
     with pytest.raises(ValueError, match=r"query_start_loc\[0\]=1, expected 0"):

@@ -15,7 +15,7 @@ import torch
 from ple.collective import differing, exchange_records, hash60, rank_list
 from ple.config import PLEConfig
 from ple.demo import parallel as demo_parallel
-from ple.errors import InvalidArgumentError, UsageError
+from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ple.layer import PLELayer
 from ple.parallel import (
     ParallelLayer,
@@ -110,6 +110,25 @@ def test_agreement_fields_round_trip(value):
     else:
         assert text.startswith(repr(value[:32])[:-1]) and "hash" in text
     assert _encode(value)[:2] != _encode(f"{value}!")[:2]
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (True, ArgumentTypeError, r"field 'mode' is True \(bool\), expected an int or a str"),
+        (1.5, ArgumentTypeError, r"field 'mode' is 1.5 \(float\), expected an int or a str"),
+        (None, ArgumentTypeError, r"field 'mode' is None \(NoneType\), expected an int or a str"),
+        (list(range(100)), ArgumentTypeError, r"field 'mode' is \[0, 1, 2, .*\.\.\. \(list\)"),
+        (2**63, InvalidArgumentError, r"field 'mode' is 9223372036854775808, outside the int64 range"),
+    ],
+)
+def test_agreement_refuses_a_field_it_cannot_send_by_name(value, error, message):
+    """Refused before any collective (no process group is needed to see it), naming field and value."""
+    from ple.parallel import agree
+
+    with pytest.raises(error, match=r"^PLE layer 0: configuration: " + message):
+        agree({"ranks": 2, "mode": value}, "PLE layer 0: configuration")
+    assert _encode(2**63 - 1)[1] == 2**63 - 1 and _encode(-(2**63))[1] == -(2**63)
 
 
 def test_spawn_local_reports_each_rank_and_kills_stragglers():

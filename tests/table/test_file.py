@@ -183,6 +183,7 @@ def test_killed_writer_leaves_only_a_refused_partial(tmp_path):
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=60)
+        child.stdout.close()
     assert child.returncode == -signal.SIGKILL
     assert not path.exists()
     (partial,) = partials(path)
@@ -349,6 +350,7 @@ def test_writer_in_another_process_is_seen(tmp_path):
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=60)
+        child.stdout.close()
     data, _ = make_table("fp32", 6, 2)
     write_file(path, "fp32", data, None, 6)  # the dead writer's file is stale now: removed
     assert not theirs.exists() and partials(path) == [] and verify_table_file(path) == []

@@ -1,15 +1,14 @@
-"""The Triton gather+dequantize kernel, run by the Triton interpreter on the CPU (tiny shapes)."""
+"""The Triton gather+dequantize kernel: natively on a CUDA device, otherwise on CPU tensors under the
+Triton interpreter (set up by tests/conftest.py; tiny shapes)."""
 
 from __future__ import annotations
-
-import importlib
-import os
 
 import pytest
 import torch
 
 from ple.table import FORMATS, MmapTable, gather_dequant_reference, write_sparse_table_file
 
+from ..conftest import TRITON_DEVICE, TRITON_INTERPRETED
 from ._helpers import DTYPES, assert_same, make_table, random_ids
 
 pytest.importorskip("triton")
@@ -17,33 +16,17 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def tri():
-    """``ple.table.lookup.triton_impl`` with its kernel built for this machine: natively on CUDA,
-    otherwise under the Triton interpreter. ``TRITON_INTERPRET`` is read when a kernel is defined,
-    so it is set (for this module's tests only) before the module is imported or reloaded."""
-    if torch.cuda.is_available():
-        import ple.table.lookup.triton_impl as mod
+    """``ple.table.lookup.triton_impl``, its kernel built natively or for the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-        yield mod
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
+    import ple.table.lookup.triton_impl as mod
 
-        import ple.table.lookup.triton_impl as mod
-
-        if not isinstance(mod._gather_dequant_kernel, InterpretedFunction):
-            mod = importlib.reload(mod)
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    assert isinstance(mod._gather_dequant_kernel, InterpretedFunction) == TRITON_INTERPRETED
+    return mod
 
 
 def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return TRITON_DEVICE
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -47,6 +47,7 @@ __all__ = [
     "PUBLISHED",
     "QUICK",
     "Targets",
+    "dtype_name",
     "select_cases",
 ]
 
@@ -403,13 +404,15 @@ def compare_outputs(ple_out: Any, tf_out: Any, dtype: torch.dtype, reference: Ca
     ok = err_ple <= bound
     return CheckResult(
         ok,
-        f"vs fp32: err(ple) = {err_ple:.3g} {'<=' if ok else '>'} 2 x err(tf {_dtype_name(dtype)}) + {BF16_ATOL:g}"
+        f"vs fp32: err(ple) = {err_ple:.3g} {'<=' if ok else '>'} 2 x err(tf {dtype_name(dtype)}) + {BF16_ATOL:g}"
         f" = {bound:.3g}",
         metrics,
     )
 
 
-def _dtype_name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """The short name a report gives a case's dtype: ``bf16``, ``fp16``, ``fp32``, or ``int64`` for
+    ``None`` (the ``ids`` case, whose outputs are integers)."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", None: "int64"}[dtype]
 
 

@@ -9,14 +9,17 @@ Each run of the case is recorded by ``torch.profiler``; the inclusive time of ev
 per run and the medians over runs are shown (on CUDA the ranges measure what the host waits for:
 the profiler synchronizes at the end of each run only, so device work may land in a later range).
 "other" is ple's time outside the ranges. A ``torch.profiler`` operator table of one run follows.
+With ``--json`` the same numbers are one JSON document (:data:`SCHEMA`), the operator table a list.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
@@ -24,7 +27,9 @@ from torch.profiler import profile as torch_profile
 from .cases import Case, Fixture
 from .timing import measure, median_ms, sync_of
 
-__all__ = ["STAGES", "profile_case", "stage_times"]
+__all__ = ["SCHEMA", "STAGES", "profile_case", "stage_times"]
+
+SCHEMA = "ple-bench-profile/1"
 
 # (range name, label, parent range or None)
 STAGES: tuple[tuple[str, str, str | None], ...] = (
@@ -56,8 +61,10 @@ def profile_case(
     out=sys.stdout,
     log: Callable[[str], None] = lambda s: None,
     top: int = 15,
+    as_json: bool = False,
 ) -> int:
-    """Print the stage breakdown of ple in ``case`` (after its correctness check); 1 if refused."""
+    """Print the stage breakdown of ple in ``case`` (after its correctness check), as text or, with
+    ``as_json``, as one JSON document; returns 1 if the check refused the case, else 0."""
     sync = sync_of(fixture.device)
     log(f"[{case.name}] building")
     prep = case.build(fixture)
@@ -102,6 +109,30 @@ def profile_case(
     other = max(0.0, total - sum(med[n] for n, _, parent in hit if parent is None))
     tokens = max(1, prep.tokens)
 
+    floor_ms = median_ms(ref_samples.get("floor"))
+    references = {k: m for k, m in ((k, median_ms(v)) for k, v in ref_samples.items()) if m is not None}
+    key = "self_cuda_time_total" if fixture.device.type == "cuda" else "self_cpu_time_total"
+    if as_json:
+        doc: dict[str, Any] = {
+            "schema": SCHEMA,
+            "case": case.name,
+            "shape": prep.shape,
+            "tokens": prep.tokens,
+            "device": str(fixture.device),
+            "geometry": fixture.geometry.describe(),
+            "repeat": repeat,
+            "check": result.detail,
+            "stages": [
+                {"range": name, "label": label, "parent": parent, "median_ms": med[name]} for name, label, parent in hit
+            ],
+            "other_ms": other,
+            "total_ms": total,
+            "reference_median_ms": references,
+            "operators": _top_operators(last, key, top) if last is not None else [],
+        }
+        print(json.dumps(doc, indent=2), file=out)
+        return 0
+
     print(
         f"\nprofile of {case.name} ({prep.shape}, {prep.tokens} tokens) on {fixture.device}: medians of "
         f"{repeat} profiled runs (named ranges in the code); {fixture.geometry.describe()}",
@@ -115,18 +146,19 @@ def profile_case(
         )
     print(f"{'other':22s} {other:10.3f} {100 * other / total:8.1f}% {1e3 * other / tokens:10.3f}", file=out)
     print(f"{'ple total':22s} {total:10.3f} {100.0:8.1f}% {1e3 * total / tokens:10.3f}", file=out)
-    floor_ms = median_ms(ref_samples.get("floor"))
-    for k, v in ref_samples.items():
-        m = median_ms(v)
-        if m is None:
-            continue
+    for k, m in references.items():
         label = "floor (projections)" if k == "floor" else k
         print(f"{label:22s} {m:10.3f} {100 * m / total:8.1f}% {1e3 * m / tokens:10.3f}", file=out)
     if "ple.gemm" in med and floor_ms:
         print(f"gemm / floor = {med['ple.gemm'] / floor_ms:.2f}; ple / floor = {total / floor_ms:.2f}", file=out)
 
     if last is not None:
-        key = "self_cuda_time_total" if fixture.device.type == "cuda" else "self_cpu_time_total"
         print(f"\ntorch.profiler, the last run of ple, top {top} operators by {key}:", file=out)
         print(last.key_averages().table(sort_by=key, row_limit=top), file=out)
     return 0
+
+
+def _top_operators(prof, key: str, top: int) -> list[dict[str, Any]]:
+    """The ``top`` operators of a finished ``torch.profiler`` run by ``key`` (self time), in ms."""
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count, key.replace("_total", "_ms"): getattr(e, key) * 1e-3} for e in rows]

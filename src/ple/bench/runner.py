@@ -32,9 +32,21 @@ from . import cases as bench_cases
 from .cases import Case, Fixture, Geometry, Prepared
 from .timing import NOISY, measure, median_ms, spread, sync_of
 
-__all__ = ["SCHEMA", "add_arguments", "main", "run", "run_case", "machine_info", "versions", "markdown_table"]
+__all__ = [
+    "LIST_SCHEMA",
+    "SCHEMA",
+    "add_arguments",
+    "case_fields",
+    "main",
+    "run",
+    "run_case",
+    "machine_info",
+    "versions",
+    "markdown_table",
+]
 
 SCHEMA = "ple-bench/1"
+LIST_SCHEMA = "ple-bench-cases/1"
 DEFAULT_REPEAT = 3
 DEFAULT_MAX_REPEAT = 5
 QUICK_REPEAT = 2
@@ -51,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="comma-separated case names, prefixes or globs (default: all). Known: "
         + ", ".join(c.name for c in bench_cases.CASES),
     )
-    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit (with --json: one JSON document)")
     parser.add_argument(
         "--repeat",
         type=argtypes.positive_int,
@@ -185,6 +197,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def case_fields(case: Case) -> dict[str, Any]:
+    """What a report says of a case before running it (its entry in ``--list --json``)."""
+    return {
+        "name": case.name,
+        "kind": case.kind,
+        "dtype": bench_cases.dtype_name(case.dtype),
+        "description": case.description,
+        "targets": {"speedup_min": case.targets.speedup_min, "floor_max": case.targets.floor_max},
+    }
+
+
 def run_case(
     case: Case,
     fixture: Fixture,
@@ -199,11 +222,7 @@ def run_case(
     A failed or raising check gives ``status`` "check_failed" / "error" and no timings at all.
     """
     rec: dict[str, Any] = {
-        "name": case.name,
-        "kind": case.kind,
-        "dtype": bench_cases._dtype_name(case.dtype),
-        "description": case.description,
-        "targets": {"speedup_min": case.targets.speedup_min, "floor_max": case.targets.floor_max},
+        **case_fields(case),
         "status": None,
         "shape": None,
         "tokens": None,
@@ -374,9 +393,15 @@ def run(args: argparse.Namespace) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     if args.list:
+        if args.json:
+            print(
+                json.dumps({"schema": LIST_SCHEMA, "cases": [case_fields(c) for c in bench_cases.CASES]}, indent=2),
+                file=out,
+            )
+            return 0
         for c in bench_cases.CASES:
             print(
-                f"{c.name:22s} {c.kind:8s} {bench_cases._dtype_name(c.dtype):6s} {c.targets.describe():28s} "
+                f"{c.name:22s} {c.kind:8s} {bench_cases.dtype_name(c.dtype):6s} {c.targets.describe():28s} "
                 f"{c.description}",
                 file=out,
             )
@@ -410,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log)
+        return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log, as_json=args.json)
 
     log(f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, {geometry.describe()}")
     t0 = time.perf_counter()

@@ -129,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     from ..checkpoint import checkpoint_files
     from ..files import read_regular
+    from ..table import TABLE_SUFFIX
 
     ckpt = Path(args.checkpoint)
-    tables = sorted(Path(args.table_dir).glob("*.pletable")) if args.table_dir else []
+    tables = sorted(Path(args.table_dir).glob(f"*{TABLE_SUFFIX}")) if args.table_dir else []
     if args.evict:
         evict([*checkpoint_files(ckpt), *tables])
     ids = torch.tensor(json.loads(args.prompts))
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                     output_logits=True,
                 )
             gens.append(time.perf_counter() - t0)
-            resident, mapped = mapped_bytes(".pletable")
+            resident, mapped = mapped_bytes(TABLE_SUFFIX)
             tokens = out.sequences.tolist()
             logits = torch.stack(list(out.logits))
             if start < args.starts - 1:

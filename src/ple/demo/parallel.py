@@ -434,12 +434,12 @@ def _tables(
 ) -> tuple[Table, Table]:
     """``(reference table, this rank's table)``: a memory tier lives on the rank's device, a table
     file stays mapped (lookups return rows on the ids' device)."""
-    from ..checkpoint import open_layer_table
+    from ..checkpoint import open_layer_table, table_file_name
 
     ids = "replicated" if opts.mode == "etp" else "per_rank"
     dev = ctx.device
     if opts.tier == "mmap":
-        path = _table_file(full, config, opts.layer, work / f"ple_layer_{opts.layer}.rank{ctx.rank}.pletable")
+        path = _table_file(full, config, opts.layer, work / table_file_name(f"ple_layer_{opts.layer}.rank{ctx.rank}"))
         ref = open_layer_table(path, config, opts.layer)
         if opts.split == "sharded":
             return ref, load_sharded(path, None, opts.lookup_method, ids=ids)

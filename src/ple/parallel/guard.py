@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..collective import RankMismatchError, differing, exchange_records, hash60, rank_list
-from ..errors import ArgumentTypeError, PLEError
+from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
 from .launch import ProcessContext
 
 __all__ = ["PeerFailureError", "RankMismatchError", "agree", "collective_failures", "report_failure"]
@@ -38,10 +38,16 @@ class PeerFailureError(PLEError, RuntimeError):
 
 
 # ---------------------------------------------------------------------- agreement
-def _encode(value: int | str) -> list[int]:
+def _encode(value: int | str, name: str = "value", what: str = "agree") -> list[int]:
+    """A field's value as ``2 + _STR_WORDS`` int64 words; refuses (naming the field and the value)
+    anything but an int64 ``int`` or a ``str``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ArgumentTypeError(f"agree: field values must be int or str, got {type(value).__name__}")
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ArgumentTypeError(f"{what}: field {name!r} is {shown} ({type(value).__name__}), expected an int or a str")
     if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise InvalidArgumentError(f"{what}: field {name!r} is {value}, outside the int64 range")
         return [0, value] + [0] * _STR_WORDS
     raw = value.encode()
     head = raw[: 8 * _STR_WORDS].ljust(8 * _STR_WORDS, b"\0")
@@ -79,7 +85,7 @@ def agree(
     width = 2 + _STR_WORDS
     record = [len(names), hash60("\0".join(names).encode())] + [0] * _STR_WORDS
     for n in names:
-        record += _encode(fields[n])
+        record += _encode(fields[n], n, what)
     everyone = exchange_records(record, what=what, group=group, device=device, same_length=same_fields)
     world, me = len(everyone), dist.get_rank(group)
     if differing([e[:width] for e in everyone]) is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_conv_args
+from .checks import check_conv_args
 
 __all__ = ["dilated_conv"]
 

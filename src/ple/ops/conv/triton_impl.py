@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_conv_args
+from .checks import check_conv_args
 
 __all__ = ["dilated_conv"]
 

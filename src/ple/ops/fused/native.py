@@ -17,8 +17,8 @@ import torch
 
 from ... import _native
 from ...errors import InvalidArgumentError
-from ..conv._checks import check_conv_args
-from ..gate._checks import check_gate_args
+from ..conv.checks import check_conv_args
+from ..gate.checks import check_gate_args
 from ..records import ConvWeights, GateWeights, StepMeta
 from ..state import check_ring
 from ._compose import check_stage_inputs, check_token_mask

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..norm.reference import grouped_rms_norm
-from ._checks import check_gate_args
+from .checks import check_gate_args
 
 __all__ = ["ngram_gate"]
 

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ._checks import check_gate_args
+from .checks import check_gate_args
 
 __all__ = ["ngram_gate"]
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_gate_args
+from .checks import check_gate_args
 
 __all__ = ["ngram_gate"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_norm_args
+from .checks import check_norm_args
 
 __all__ = ["grouped_rms_norm"]
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_norm_args
+from .checks import check_norm_args
 
 __all__ = ["grouped_rms_norm"]
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from ...errors import ArgumentTypeError
+from ...errors import ArgumentTypeError, InvalidArgumentError
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -23,8 +23,8 @@ class ConvGeometry:
     num_requests: int  # R
 
 
-def _fail(msg: str) -> ValueError:
-    return ValueError(f"dilated_conv: {msg}")
+def _fail(msg: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"dilated_conv: {msg}")
 
 
 def check_conv_args(
