@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import open_regular
+from ..files import open_regular, parse_json
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
 
@@ -794,11 +794,7 @@ def _read_header(fd: int, path: Path) -> dict[str, Any]:
     n = int.from_bytes(prefix[8:], "little")
     if n > _MAX_HEADER or _PREFIX + n > size:
         raise TableFileError(f"{path}: header length {n} is implausible for a file of {size} bytes")
-    blob = _pread_exact(fd, n, _PREFIX, path)
-    try:
-        header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise TableFileError(f"{path}: header is not valid JSON ({e})") from None
+    header = parse_json(_pread_exact(fd, n, _PREFIX, path), f"{path}: header", TableFileError)
     return _validate(header, path, _PREFIX + n, size)
 
 
