@@ -58,7 +58,7 @@ from ..checkpoint import (
 )
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError, PLEError
-from ..files import read_regular
+from ..files import read_json, write_atomically
 from ..table import MmapTable, TableFileError, compare_with_source, format_info, read_table_header
 
 __all__ = [
@@ -137,17 +137,14 @@ def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], ch
         "source": source,
         "checkpoint": checkpoint,
     }
-    rec = _record_path(path)
-    tmp = rec.with_name(rec.name + ".partial")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, rec)
+    write_atomically(_record_path(path), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
     """The record beside table file ``path``, or None (none, unreadable, another version)."""
     try:
-        record = json.loads(read_regular(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError))
-    except (OSError, ValueError, RecursionError, PLEError):
+        record = read_json(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError)
+    except (OSError, PLEError):
         return None
     if not isinstance(record, dict) or record.get("version") != _RECORD_VERSION:
         return None
@@ -206,7 +203,8 @@ def _lock(path: Path):
     except ImportError:  # pragma: no cover - not POSIX: no inter-process lock
         yield
         return
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    # never through a symbolic link planted at the lock's name
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
