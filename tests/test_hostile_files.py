@@ -125,3 +125,88 @@ def test_concurrent_dequantize_writers_do_not_clobber(fp8_checkpoint, tmp_path, 
     want = load_ple_weights(fp8_checkpoint, cfg)[0].table
     got = load_ple_weights(dst, cfg)[0].table
     assert torch.equal(got.data, want.data.to(torch.bfloat16) * want.scale.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------- native library cache
+
+_ONE_KERNEL_C = "int ple_gate_conv(void) { return 0; }\n"  # ple_ngram_ids is missing
+_BOTH_KERNELS_C = _ONE_KERNEL_C + "int ple_ngram_ids(void) { return 0; }\n"
+
+
+@pytest.fixture
+def libraries(tmp_path) -> tuple[Path, Path]:
+    """Two shared libraries: one exporting only ple_gate_conv, one exporting both kernels' names (the
+    symbols are what the loader checks; nothing calls them here). Needs a C compiler."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler to build the planted library with")
+    out = []
+    for name, code in (("one", _ONE_KERNEL_C), ("both", _BOTH_KERNELS_C)):
+        (tmp_path / f"{name}.c").write_text(code)
+        lib = tmp_path / f"{name}.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / f"{name}.c")], check=True, timeout=120)
+        out.append(lib)
+    return out[0], out[1]
+
+
+def _copying_compiler(tmp_path: Path, library: Path) -> Path:
+    """A stand-in for ``$CC`` whose every build is a copy of ``library`` (builds take no time)."""
+    cc = tmp_path / "copy-cc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "copy cc 1"; exit 0; fi\n'
+        'while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then cp "' + str(library) + '" "$2"; exit $?; fi; shift; done\n'
+        "exit 1\n"
+    )
+    cc.chmod(0o755)
+    return cc
+
+
+@pytest.fixture
+def native_state(monkeypatch, tmp_path):
+    """A clean build state with its own cache folder."""
+    import ple._native as native_build
+
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PLE_NATIVE", raising=False)
+    for name, value in (("_lib", None), ("_error", None), ("_warned", False), ("_library_file", None)):
+        monkeypatch.setattr(native_build, name, value)
+    return native_build
+
+
+def test_cached_library_lacking_a_kernel_is_rebuilt(native_state, libraries, tmp_path, monkeypatch):
+    """A library in the cache that matches its record but lacks a kernel (another build under the
+    same name) is a broken cache: rebuilt, never an AttributeError."""
+    import hashlib
+
+    one, both = libraries
+    monkeypatch.setenv("CC", str(_copying_compiler(tmp_path, both)))
+    native_state.library()
+    (cached,) = (tmp_path / "cache").glob("*.so")
+    planted = one.read_bytes()
+    cached.write_bytes(planted)
+    Path(str(cached) + ".sha256").write_text(f"{hashlib.sha256(planted).hexdigest()} {len(planted)}\n")
+    monkeypatch.setattr(native_state, "_lib", None)
+    lib = native_state.library()
+    assert lib.ple_ngram_ids.argtypes and lib.ple_gate_conv.argtypes
+    assert cached.read_bytes() == both.read_bytes()  # repaired
+
+
+def test_fresh_build_lacking_a_kernel_is_a_failed_build(native_state, libraries, tmp_path, monkeypatch):
+    """A compiler whose library lacks a kernel: the build failed (NativeUnavailable naming the kernel;
+    available() warns once and ple falls back to its PyTorch paths), and nothing is cached."""
+    import warnings
+
+    monkeypatch.setenv("CC", str(_copying_compiler(tmp_path, libraries[0])))
+    with pytest.raises(native_state.NativeUnavailable, match="lacks the kernel ple_ngram_ids"):
+        native_state.library()
+    monkeypatch.setattr(native_state, "_error", None)
+    with pytest.warns(RuntimeWarning, match="lacks the kernel ple_ngram_ids"):
+        assert not native_state.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native_state.available()
+    assert not list((tmp_path / "cache").glob("*.so"))
