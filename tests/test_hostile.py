@@ -222,6 +222,12 @@ def _zero_row_scale(t):
     t[_shard(3, "weight_scale")][4, 0] = 0.0
 
 
+def _f64_row_scale_overflows(t):
+    _to_format(t, torch.int8, row_scale=True)
+    t[_shard(3, "weight_scale")] = t[_shard(3, "weight_scale")].double()
+    t[_shard(3, "weight_scale")][4, 0] = 1e39  # finite in float64, inf in the float32 tables keep
+
+
 CONVERT_REFUSES = {
     "hash_buffers": (_set_buffer, "ngram_heads_offsets = [0, 503, 1012, 1534] but the config implies"),
     "nan_dense": (_nan_dense, "key_proj.weight in", "is nan, not finite"),
@@ -230,6 +236,11 @@ CONVERT_REFUSES = {
         f"{P0}{SCALE} = 0.0: the global scale must be a positive finite number",
     ),
     "zero_row_scale": (_zero_row_scale, "the scale of row 1243 is 0.0", "source shard 3"),
+    "f64_global_scale_overflows": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.tensor([1e39], dtype=torch.float64)),
+        f"{P0}{SCALE} = 1e+39 (inf as float32): the global scale must be a positive finite number",
+    ),
+    "f64_row_scale_overflows": (_f64_row_scale_overflows, "the scale of row 1243 is 1e+39 (inf as float32)"),
     "both_scales": (
         lambda t: _to_format(t, torch.float8_e4m3fn, row_scale=True, scale=torch.ones(1)),
         "both per-row weight_scale tensors and a global",
@@ -254,7 +265,7 @@ def test_convert_refuses_what_the_loader_refuses(tmp_path, capsys, case):
     assert_one_line(code, err, "convert", *parts)
     assert any(parts[0] in p for p in loader.value.problems)
     assert _no_tables(tmp_path / "out")
-    if case not in ("nan_dense", "zero_row_scale"):  # inspect reads no bulk data; the rest it sees
+    if case not in ("nan_dense", "zero_row_scale", "f64_row_scale_overflows"):  # inspect reads no bulk data
         code, out, _ = run(capsys, "inspect", root)
         assert code == 1 and parts[0] in out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,43 @@ def test_fresh_build_lacking_a_kernel_is_a_failed_build(native_state, libraries,
         warnings.simplefilter("error")
         assert not native_state.available()
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+# ---------------------------------------------------------------------------------------------- scales
+
+
+@pytest.mark.parametrize(
+    "fmt, value, shown",
+    [
+        ("int8_row", 1e39, "1e+39 (inf as float32)"),
+        ("fp8_row", 1e-50, "1e-50 (0.0 as float32)"),
+        ("fp8", 1e39, "1e+39 (inf as float32)"),
+        ("int8_row", float("nan"), "nan"),
+    ],
+)
+def test_scales_are_checked_as_float32(fmt, value, shown):
+    """A float64 scale is checked after the cast to the float32 a table keeps: 1e39 (inf) and 1e-50
+    (zero) are refused by value, never served as inf or zero rows."""
+    from ple.errors import InvalidArgumentError
+    from ple.table import MemoryTable
+
+    storage = torch.int8 if fmt == "int8_row" else torch.float8_e4m3fn
+    data = torch.ones(4, 3, dtype=storage)
+    shape = (1,) if fmt == "fp8" else (4, 1)
+    scale = torch.full(shape, 0.5, dtype=torch.float64)
+    scale.view(-1)[-1] = value
+    row = "" if fmt == "fp8" else " of row 3"
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"'{fmt}' table: the scale{row} is {shown}, not a")):
+        MemoryTable(data, scale, fmt)
+
+
+def test_other_float_scales_are_kept_as_float32():
+    from ple.table import MemoryTable
+
+    data = torch.randint(-127, 128, (5, 3), dtype=torch.int8)
+    scale = torch.rand(5, 1, dtype=torch.float64) + 0.25
+    table = MemoryTable(data, scale.to(torch.bfloat16), "int8_row")
+    assert table.scale.dtype == torch.float32 and torch.equal(table.scale, scale.to(torch.bfloat16).float())
+    ids = torch.tensor([[0, 4], [2, 2]])
+    want = (data[ids.reshape(-1)].float() * scale.to(torch.bfloat16).float()[ids.reshape(-1)]).reshape(2, 6)
+    assert torch.equal(table.lookup(ids, torch.float32), want)

@@ -616,12 +616,14 @@ def _small_value_problems(e: LayerEntry) -> list[str]:
     g = e.global_scale
     if g is not None and g.shape in ((1,), ()) and g.dtype in _FLOAT_DTYPES:
         try:
-            value = float(_read_small(g).reshape(-1)[0])
+            read = _read_small(g).reshape(-1)[0]
         except (OSError, CheckpointError) as exc:
             out.append(f"{e.prefix}{_TABLE_SCALE}: could not be read ({exc})")
         else:
-            if not (math.isfinite(value) and value > 0):
-                out.append(f"{e.prefix}{_TABLE_SCALE} = {value}: the global scale must be a positive finite number")
+            value, stored = float(read), float(read.float())  # tables keep float32 scales
+            if not (math.isfinite(stored) and stored > 0):
+                shown = f"{value} ({stored} as float32)" if value != stored and not math.isnan(value) else str(value)
+                out.append(f"{e.prefix}{_TABLE_SCALE} = {shown}: the global scale must be a positive finite number")
     return out
 
 
