@@ -251,3 +251,55 @@ def test_other_float_scales_are_kept_as_float32():
     ids = torch.tensor([[0, 4], [2, 2]])
     want = (data[ids.reshape(-1)].float() * scale.to(torch.bfloat16).float()[ids.reshape(-1)]).reshape(2, 6)
     assert torch.equal(table.lookup(ids, torch.float32), want)
+
+
+def _row_scale_file(path: Path, rows: int = 10, sparse: bool = False) -> Path:
+    from ple.table import TableFileWriter, write_sparse_table_file
+
+    data = torch.randint(-127, 128, (rows, 4), dtype=torch.int8)
+    scale = torch.rand(rows, 1) + 0.5
+    if sparse:
+        return write_sparse_table_file(path, rows, 4, "int8_row", "h", torch.tensor([1, 7]), data[:2], scale[:2])
+    with TableFileWriter(path, rows, 4, "int8_row", 4, "h") as w:
+        for k in range(3):
+            a, b = w.shard_range(k)
+            w.write_shard(k, data[a:b], scale[a:b])
+    return path
+
+
+def _poke_scale(path: Path, row: int, value: float) -> None:
+    import struct
+
+    from ple.table import read_table_header
+
+    offset = read_table_header(path)["scale"]["offset"] + 4 * row
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack("<f", value))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.5])
+def test_mapped_per_row_scales_are_checked_at_open(tmp_path, value):
+    """A damaged per-row scale is refused when the file is opened (one pass over the scales), never
+    served as NaN, infinite, zero or negated rows."""
+    from ple.table import MmapTable, TableFileError
+
+    path = _row_scale_file(tmp_path / "t.pletable")
+    MmapTable.open(path).close()
+    _poke_scale(path, 9, value)
+    with pytest.raises(TableFileError, match=re.escape(f"the per-row scale of row 9 is {value}, not a positive")):
+        MmapTable.open(path)
+
+
+def test_sparse_files_may_hold_zero_scales_but_no_damaged_ones(tmp_path):
+    """Unwritten rows of a sparse file have scale 0 (they read as zeros); NaN is still refused."""
+    from ple.table import MmapTable, TableFileError
+
+    path = _row_scale_file(tmp_path / "s.pletable", sparse=True)
+    table = MmapTable.open(path)
+    rows = table.lookup(torch.tensor([[0, 1]]), torch.float32)
+    table.close()
+    assert torch.equal(rows[0, :4], torch.zeros(4)) and rows[0, 4:].abs().sum() > 0
+    _poke_scale(path, 3, float("nan"))
+    with pytest.raises(TableFileError, match="the per-row scale of row 3 is nan, not a finite number >= 0"):
+        MmapTable.open(path)

@@ -4,13 +4,14 @@ For each PLE layer the folder holds ``<prefix>.pletable`` (the file ``ple conver
 small record ``<prefix>.pletable.source.json`` naming what the table was made from. A start reuses
 a table file only when
 
-- it opens as a complete table file of the layer's geometry and layout hash (header only), and
+- it opens as a complete table file of the layer's geometry and layout hash (its header, and for
+  per-row formats its scales, are read: :meth:`~ple.table.MmapTable.open`), and
 - the record's source identity equals the checkpoint's now: for every safetensors file holding the
   layer's table or scales, its name, size, modification time and the sha256 of its header (which
   lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
   size, the header's per-shard checksums) equals the file's.
 
-That costs a ``stat`` and a header read per file, whatever the table's size. A table file without
+That costs a ``stat`` and a header read per checkpoint file, whatever the table's size. A table file without
 a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
 and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
 again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
