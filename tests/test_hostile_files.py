@@ -303,3 +303,80 @@ def test_sparse_files_may_hold_zero_scales_but_no_damaged_ones(tmp_path):
     _poke_scale(path, 3, float("nan"))
     with pytest.raises(TableFileError, match="the per-row scale of row 3 is nan, not a finite number >= 0"):
         MmapTable.open(path)
+
+
+# ---------------------------------------------------------------------------------------------- sharded table files
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone (ShardedTable needs one)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'rendezvous'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fp32_table_file(path: Path, rows: int = 12) -> tuple[Path, torch.Tensor]:
+    from ple.table import TableFileWriter
+
+    data = torch.randn(rows, 4)
+    with TableFileWriter(path, rows, 4, "fp32", rows, "h") as w:
+        w.write_shard(0, data, None)
+    return path, data
+
+
+def _change_in_place(path: Path) -> None:
+    """Write into the file itself (what ``cp new old`` does), with a new modification time."""
+    from ple.table import read_table_header
+
+    offset = read_table_header(path)["data_offset"]
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\x00" * 16)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+def test_load_sharded_without_device_checks_its_file_like_mmap(one_rank_group, tmp_path):
+    """``load_sharded(device=None)`` serves the mapped rows and, like MmapTable, refuses to serve them
+    once the file was changed in place (it used to serve the changed rows silently)."""
+    from ple.errors import UsageError
+    from ple.table import TableFileError
+    from ple.table.sharded import load_sharded
+
+    path, data = _fp32_table_file(tmp_path / "t.pletable")
+    ids = torch.tensor([[0, 5], [11, 0]])
+    table = load_sharded(path)
+    assert torch.equal(table.lookup(ids, torch.float32), data[ids.reshape(-1)].reshape(2, 8))
+    _change_in_place(path)
+    with pytest.raises(TableFileError, match="was changed in place while mapped"):
+        table.lookup(ids, torch.float32)
+    with pytest.raises(TableFileError, match="was changed in place while mapped"):
+        table.start_prefetch(ids, torch.float32)
+    table.close()
+    with pytest.raises(UsageError, match="was closed"):
+        table.local_table.check_file()
+
+
+def test_load_sharded_to_a_device_reads_the_rows_once(one_rank_group, tmp_path):
+    """With a device the rows are read into memory at load: a later change of the file is not served."""
+    from ple.table.sharded import load_sharded
+
+    path, data = _fp32_table_file(tmp_path / "t.pletable")
+    table = load_sharded(path, device="cpu")
+    _change_in_place(path)
+    ids = torch.tensor([[0, 5], [11, 0]])
+    assert torch.equal(table.lookup(ids, torch.float32), data[ids.reshape(-1)].reshape(2, 8))
