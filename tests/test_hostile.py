@@ -422,6 +422,17 @@ def stats_model(tmp_path):
     return tmp_path
 
 
+def _npy_claiming(shape: tuple[int, ...], data: bytes):
+    """A .npy file whose header claims ``shape`` (int64) over ``data``."""
+
+    def make(p: Path) -> None:
+        with open(p, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": shape})
+            f.write(data)
+
+    return make
+
+
 def _npy_truncated(p: Path) -> None:
     np.save(p, np.arange(100, dtype=np.int64))
     p.write_bytes(p.read_bytes()[:-40])
@@ -443,6 +454,13 @@ STATS = {
     "npy_float": (lambda p: np.save(p, np.ones(3)), "t.npy", "dtype float64, expected integer token ids"),
     "npy_pickle": (lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "t.npy", "not a readable .npy array"),
     "npy_garbage": (lambda p: p.write_bytes(b"\x93NUMPY garbage"), "t.npy", "not a readable .npy array"),
+    "npy_huge_shape": (  # would allocate 7.3 TiB before reading
+        _npy_claiming((10**12,), bytes(64)),
+        "t.npy",
+        "its header says shape (1000000000000,) of int64, 8000000000000 bytes, but 64 bytes follow the header",
+    ),
+    "npy_many_dims": (_npy_claiming((2**40,) * 30, bytes(8)), "t.npy", "bytes, but 8 bytes follow the header"),
+    "npy_trailing_bytes": (_npy_claiming((2,), bytes(17)), "t.npy", "16 bytes, but 17 bytes follow the header"),
     "npy_uint64": (lambda p: np.save(p, np.array([2**64 - 1], dtype=np.uint64)), "t.npy", "does not fit int64"),
 }
 
