@@ -179,6 +179,11 @@ def test_ids_token_lists(tmp_path, capsys):
         ("-5,3", "entry 0 is -5; token ids are >= 0"),
         ("1e3", "entry 0 is '1e3', not an integer token id"),
         ("3,x", "entry 1 is 'x'"),
+        ("1_0", "entry 0 is '1_0', not an integer token id"),  # int() reads 10
+        ("3,+5", "entry 1 is '+5', not an integer token id"),  # int() reads 5
+        ("\u0663", "entry 0 is '\u0663', not an integer token id"),  # ARABIC-INDIC DIGIT THREE: int() reads 3
+        ("\uff11", "entry 0 is '\uff11', not an integer token id"),  # FULLWIDTH DIGIT ONE
+        ("9" * 5000, "entry 0 is '" + "9" * 55 + "...', not an integer token id"),
         (str(10**30), "outside [0, vocab_size=300)"),
     ]:
         code, _, err = run(capsys, "ids", tmp_path, "--tokens", tokens)
@@ -285,6 +290,8 @@ def test_convert_output_problems(ckpt, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "convert", "--layers: no PLE layer 3", "0 (decoder layer 0, ple_layer_ids[0] = 1)")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", "x")
     assert_one_line(code, err, "convert", "--layers: 'x' is not a PLE layer index")
+    code, _, err = run(capsys, "convert", ckpt, out, "--layers", "+0")
+    assert_one_line(code, err, "convert", "--layers: '+0' is not a PLE layer index")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", " , ")
     assert_one_line(code, err, "convert", "--layers: no index given")
     assert not out.exists()
@@ -444,6 +451,9 @@ STATS = {
     "missing": (lambda p: None, "tokens", "is missing"),
     "words": (lambda p: p.write_text("1 2 three"), "tokens.txt", "entry 2 is 'three', not an integer token id"),
     "floats": (lambda p: p.write_text("1 2.5"), "tokens.txt", "entry 1 is '2.5'"),
+    "underscore": (lambda p: p.write_text("1 1_0"), "tokens.txt", "entry 1 is '1_0', not an integer token id"),
+    "plus": (lambda p: p.write_text("+5"), "tokens.txt", "entry 0 is '+5', not an integer token id"),
+    "arabic_digit": (lambda p: p.write_text("1 \u0663"), "tokens.txt", "entry 1 is '\u0663', not an integer"),
     "empty": (lambda p: p.write_text(""), "tokens.txt", "holds no token ids"),
     "binary": (lambda p: p.write_bytes(b"\xff\xfe\x01"), "tokens.txt", "not text"),
     "huge": (lambda p: p.write_text(f"1 {10**30}"), "tokens.txt", "entry 1 is 1" + "0" * 30 + ", outside [0, vocab"),
@@ -490,6 +500,11 @@ def test_stats_layer_out_of_range(stats_model, capsys):
         (["demo", "--chunk", "0"], "argument --chunk: 0 is out of range"),
         (["demo", "--requests", "0"], "argument --requests: 0 is out of range"),
         (["demo", "--requests", "x"], "argument --requests: 'x' is not an integer"),
+        (["demo", "--slots", " 5"], "argument --slots: ' 5' is not an integer"),
+        (["demo", "--slots", "1_0"], "argument --slots: '1_0' is not an integer"),
+        (["demo", "--chunk", "+8"], "argument --chunk: '+8' is not an integer"),
+        (["ids", "m", "--tokens", "1", "--layer", "\u0663"], "argument --layer: '\u0663' is not an integer"),
+        (["stats", "m", "--tokens", "t", "--layer", "0_0"], "argument --layer: '0_0' is not an integer"),
         (["demo", "--num-spec", "-1"], "argument --num-spec: -1 is out of range: expected an integer >= 0"),
         (["demo", "--layer", "-2"], "argument --layer: -2 is out of range"),
         (["bench", "--threads", "0"], "argument --threads: 0 is out of range"),

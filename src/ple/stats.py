@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from numpy.lib import format as npy_format
 
+from .argtypes import parse_int, shown
 from .config import PLEConfig
 from .errors import InvalidArgumentError
 from .files import open_regular
@@ -29,8 +30,9 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
     separated by spaces, commas or newlines.
 
     Refuses, naming the file and the first offending entry: a path that is not a regular file, an
-    empty stream, a ``.npy`` file that is truncated, pickled or not of an integer dtype, text that is
-    not an integer, negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
+    empty stream, a ``.npy`` file that is truncated, pickled, not of an integer dtype or whose header
+    does not match its size, text that is not an integer in ASCII digits (:func:`ple.argtypes.parse_int`),
+    negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
     """
     p = Path(path)
     if not p.exists():
@@ -53,10 +55,11 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
         values = []
         top = vocab_size if vocab_size is not None else 1 << 63
         for i, w in enumerate(words):
-            try:
-                v = int(w)
-            except ValueError:
-                raise InvalidArgumentError(f"token file {p}: entry {i} is {w!r}, not an integer token id") from None
+            v = parse_int(w)
+            if v is None:
+                raise InvalidArgumentError(
+                    f"token file {p}: entry {i} is {shown(w)}, not an integer token id (ASCII digits 0-9)"
+                )
             if not 0 <= v < top:
                 limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2^63)"
                 raise InvalidArgumentError(f"token file {p}: entry {i} is {v}, outside {limit}")
