@@ -140,7 +140,7 @@ def parse_tokens(text: str) -> list[int]:
     for i, t in enumerate(parts):
         v = parse_int(t)
         if v is None:
-            raise InvalidArgumentError(f"--tokens: entry {i} is {shown(t)}, not an integer token id (ASCII digits 0-9)")
+            raise InvalidArgumentError(f"--tokens: entry {i} is {shown(t)}, not an integer token id")
         if v < 0:
             raise InvalidArgumentError(f"--tokens: entry {i} is {v}; token ids are >= 0")
         out.append(v)

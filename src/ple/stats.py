@@ -57,9 +57,7 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
         for i, w in enumerate(words):
             v = parse_int(w)
             if v is None:
-                raise InvalidArgumentError(
-                    f"token file {p}: entry {i} is {shown(w)}, not an integer token id (ASCII digits 0-9)"
-                )
+                raise InvalidArgumentError(f"token file {p}: entry {i} is {shown(w)}, not an integer token id")
             if not 0 <= v < top:
                 limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2^63)"
                 raise InvalidArgumentError(f"token file {p}: entry {i} is {v}, outside {limit}")
