@@ -546,8 +546,8 @@ def test_truncated_file(tmp_path, cut):
     [
         (b"\x10\x00", "not a safetensors file (only 2 bytes)"),
         ((10**6).to_bytes(8, "little") + b"{}", "header length 1000000 exceeds the file size 10"),
-        ((4).to_bytes(8, "little") + b"{no}", "unreadable safetensors header"),
-        ((2).to_bytes(8, "little") + b"[]", "unreadable safetensors header"),
+        ((4).to_bytes(8, "little") + b"{no}", "the safetensors header is not valid JSON"),
+        ((2).to_bytes(8, "little") + b"[]", "the safetensors header is not a JSON object"),
         ((11).to_bytes(8, "little") + b'{"a": "b"}\n', "malformed safetensors header entry for 'a'"),
     ],
 )
@@ -868,7 +868,9 @@ def test_failure_mid_way_returns_nothing(tmp_path, monkeypatch, damage):
         result = load_ple_weights(tmp_path, cfg)
     assert result == "untouched"
     msg = str(err.value)
-    if damage in ("truncate", "delete"):
+    if damage == "truncate":  # the safetensors library's error, naming the file
+        assert f"{victim.name}: the safetensors library cannot read it" in msg
+    elif damage == "delete":
         assert "reading failed" in msg
     else:
         assert f"{PREFIX.format(1)}{EMB}shard_4" in msg and "changed after it was scanned" in msg

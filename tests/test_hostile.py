@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,6 +179,11 @@ def test_ids_token_lists(tmp_path, capsys):
         ("-5,3", "entry 0 is -5; token ids are >= 0"),
         ("1e3", "entry 0 is '1e3', not an integer token id"),
         ("3,x", "entry 1 is 'x'"),
+        ("1_0", "entry 0 is '1_0', not an integer token id"),  # int() reads 10
+        ("3,+5", "entry 1 is '+5', not an integer token id"),  # int() reads 5
+        ("\u0663", "entry 0 is '\u0663', not an integer token id"),  # ARABIC-INDIC DIGIT THREE: int() reads 3
+        ("\uff11", "entry 0 is '\uff11', not an integer token id"),  # FULLWIDTH DIGIT ONE
+        ("9" * 5000, "entry 0 is '" + "9" * 55 + "...', not an integer token id"),
         (str(10**30), "outside [0, vocab_size=300)"),
     ]:
         code, _, err = run(capsys, "ids", tmp_path, "--tokens", tokens)
@@ -221,6 +227,12 @@ def _zero_row_scale(t):
     t[_shard(3, "weight_scale")][4, 0] = 0.0
 
 
+def _f64_row_scale_overflows(t):
+    _to_format(t, torch.int8, row_scale=True)
+    t[_shard(3, "weight_scale")] = t[_shard(3, "weight_scale")].double()
+    t[_shard(3, "weight_scale")][4, 0] = 1e39  # finite in float64, inf in the float32 tables keep
+
+
 CONVERT_REFUSES = {
     "hash_buffers": (_set_buffer, "ngram_heads_offsets = [0, 503, 1012, 1534] but the config implies"),
     "nan_dense": (_nan_dense, "key_proj.weight in", "is nan, not finite"),
@@ -229,6 +241,11 @@ CONVERT_REFUSES = {
         f"{P0}{SCALE} = 0.0: the global scale must be a positive finite number",
     ),
     "zero_row_scale": (_zero_row_scale, "the scale of row 1243 is 0.0", "source shard 3"),
+    "f64_global_scale_overflows": (
+        lambda t: _to_format(t, torch.float8_e4m3fn, scale=torch.tensor([1e39], dtype=torch.float64)),
+        f"{P0}{SCALE} = 1e+39 (inf as float32): the global scale must be a positive finite number",
+    ),
+    "f64_row_scale_overflows": (_f64_row_scale_overflows, "the scale of row 1243 is 1e+39 (inf as float32)"),
     "both_scales": (
         lambda t: _to_format(t, torch.float8_e4m3fn, row_scale=True, scale=torch.ones(1)),
         "both per-row weight_scale tensors and a global",
@@ -253,7 +270,7 @@ def test_convert_refuses_what_the_loader_refuses(tmp_path, capsys, case):
     assert_one_line(code, err, "convert", *parts)
     assert any(parts[0] in p for p in loader.value.problems)
     assert _no_tables(tmp_path / "out")
-    if case not in ("nan_dense", "zero_row_scale"):  # inspect reads no bulk data; the rest it sees
+    if case not in ("nan_dense", "zero_row_scale", "f64_row_scale_overflows"):  # inspect reads no bulk data
         code, out, _ = run(capsys, "inspect", root)
         assert code == 1 and parts[0] in out
 
@@ -273,6 +290,8 @@ def test_convert_output_problems(ckpt, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "convert", "--layers: no PLE layer 3", "0 (decoder layer 0, ple_layer_ids[0] = 1)")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", "x")
     assert_one_line(code, err, "convert", "--layers: 'x' is not a PLE layer index")
+    code, _, err = run(capsys, "convert", ckpt, out, "--layers", "+0")
+    assert_one_line(code, err, "convert", "--layers: '+0' is not a PLE layer index")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", " , ")
     assert_one_line(code, err, "convert", "--layers: no index given")
     assert not out.exists()
@@ -410,6 +429,17 @@ def stats_model(tmp_path):
     return tmp_path
 
 
+def _npy_claiming(shape: tuple[int, ...], data: bytes):
+    """A .npy file whose header claims ``shape`` (int64) over ``data``."""
+
+    def make(p: Path) -> None:
+        with open(p, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": shape})
+            f.write(data)
+
+    return make
+
+
 def _npy_truncated(p: Path) -> None:
     np.save(p, np.arange(100, dtype=np.int64))
     p.write_bytes(p.read_bytes()[:-40])
@@ -421,6 +451,9 @@ STATS = {
     "missing": (lambda p: None, "tokens", "is missing"),
     "words": (lambda p: p.write_text("1 2 three"), "tokens.txt", "entry 2 is 'three', not an integer token id"),
     "floats": (lambda p: p.write_text("1 2.5"), "tokens.txt", "entry 1 is '2.5'"),
+    "underscore": (lambda p: p.write_text("1 1_0"), "tokens.txt", "entry 1 is '1_0', not an integer token id"),
+    "plus": (lambda p: p.write_text("+5"), "tokens.txt", "entry 0 is '+5', not an integer token id"),
+    "arabic_digit": (lambda p: p.write_text("1 \u0663"), "tokens.txt", "entry 1 is '\u0663', not an integer"),
     "empty": (lambda p: p.write_text(""), "tokens.txt", "holds no token ids"),
     "binary": (lambda p: p.write_bytes(b"\xff\xfe\x01"), "tokens.txt", "not text"),
     "huge": (lambda p: p.write_text(f"1 {10**30}"), "tokens.txt", "entry 1 is 1" + "0" * 30 + ", outside [0, vocab"),
@@ -431,6 +464,13 @@ STATS = {
     "npy_float": (lambda p: np.save(p, np.ones(3)), "t.npy", "dtype float64, expected integer token ids"),
     "npy_pickle": (lambda p: np.save(p, np.array([{"a": 1}], dtype=object)), "t.npy", "not a readable .npy array"),
     "npy_garbage": (lambda p: p.write_bytes(b"\x93NUMPY garbage"), "t.npy", "not a readable .npy array"),
+    "npy_huge_shape": (  # would allocate 7.3 TiB before reading
+        _npy_claiming((10**12,), bytes(64)),
+        "t.npy",
+        "its header says shape (1000000000000,) of int64, 8000000000000 bytes, but 64 bytes follow the header",
+    ),
+    "npy_many_dims": (_npy_claiming((2**40,) * 30, bytes(8)), "t.npy", "bytes, but 8 bytes follow the header"),
+    "npy_trailing_bytes": (_npy_claiming((2,), bytes(17)), "t.npy", "16 bytes, but 17 bytes follow the header"),
     "npy_uint64": (lambda p: np.save(p, np.array([2**64 - 1], dtype=np.uint64)), "t.npy", "does not fit int64"),
 }
 
@@ -460,6 +500,11 @@ def test_stats_layer_out_of_range(stats_model, capsys):
         (["demo", "--chunk", "0"], "argument --chunk: 0 is out of range"),
         (["demo", "--requests", "0"], "argument --requests: 0 is out of range"),
         (["demo", "--requests", "x"], "argument --requests: 'x' is not an integer"),
+        (["demo", "--slots", " 5"], "argument --slots: ' 5' is not an integer"),
+        (["demo", "--slots", "1_0"], "argument --slots: '1_0' is not an integer"),
+        (["demo", "--chunk", "+8"], "argument --chunk: '+8' is not an integer"),
+        (["ids", "m", "--tokens", "1", "--layer", "\u0663"], "argument --layer: '\u0663' is not an integer"),
+        (["stats", "m", "--tokens", "t", "--layer", "0_0"], "argument --layer: '0_0' is not an integer"),
         (["demo", "--num-spec", "-1"], "argument --num-spec: -1 is out of range: expected an integer >= 0"),
         (["demo", "--layer", "-2"], "argument --layer: -2 is out of range"),
         (["bench", "--threads", "0"], "argument --threads: 0 is out of range"),
@@ -477,3 +522,209 @@ def test_wrong_command_lines_exit_2(capsys, argv, message):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and message in err.splitlines()[-1], err
+
+
+# ---------------------------------------------------------------------------------------------- JSON limits
+
+_HUGE = "1" * 5000  # more digits than Python converts to an int (sys.get_int_max_str_digits(): 4300)
+
+
+def _safetensors_bytes(header: str, data: bytes = b"") -> bytes:
+    blob = header.encode()
+    return len(blob).to_bytes(8, "little") + blob + data
+
+
+def test_huge_integer_in_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"hidden_size": ' + _HUGE + ', "eos_token_id": 7}')
+    code, _, err = run(capsys, "inspect", tmp_path)
+    assert_one_line(code, err, "inspect", f"config {tmp_path / 'config.json'} is not valid JSON", "4300 digits")
+    assert len(err) < 400
+
+
+def test_huge_integer_in_index_json(ckpt, tmp_path, capsys):
+    index = ckpt / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    index.write_text(json.dumps(doc).replace('"metadata": {}', '"metadata": {"total_size": ' + _HUGE + "}"))
+    assert _HUGE in index.read_text()
+    for command, args in (("inspect", [ckpt]), ("convert", [ckpt, tmp_path / "out"])):
+        code, _, err = run(capsys, command, *args)
+        assert_one_line(code, err, command, f"checkpoint index {index} is not valid JSON", "4300 digits")
+
+
+def test_huge_integer_in_safetensors_header(ckpt, tmp_path, capsys):
+    (ckpt / "model.safetensors.index.json").unlink()
+    (ckpt / "zz.safetensors").write_bytes(
+        _safetensors_bytes('{"a": {"dtype": "U8", "shape": [' + _HUGE + '], "data_offsets": [0, 0]}}')
+    )
+    code, out, err = run(capsys, "inspect", ckpt)
+    assert code == 1 and err == "", err
+    assert "zz.safetensors: the safetensors header is not valid JSON (Exceeds the limit (4300 digits)" in out
+    code, _, err = run(capsys, "convert", ckpt, tmp_path / "out")
+    assert_one_line(code, err, "convert", "zz.safetensors: the safetensors header is not valid JSON")
+
+
+def test_huge_integer_in_table_file_header(tmp_path, capsys):
+    from ple.table import TableFileError, read_table_header
+
+    blob = ('{"magic": "ple-table", "rows": ' + _HUGE + "}").encode()
+    path = tmp_path / "t.pletable"
+    path.write_bytes(b"PLETABLE" + len(blob).to_bytes(8, "little") + blob)
+    code, out, err = run(capsys, "verify", path)
+    assert code == 1 and err == "" and out == f"problem: {path}: header is not valid JSON " + out.split("JSON ", 1)[1]
+    assert "4300 digits" in out
+    for opener in (read_table_header, MmapTable.open):
+        with pytest.raises(TableFileError, match="header is not valid JSON"):
+            opener(path)
+
+
+def _long_layer_name(t):
+    t[f"model.language_model.layers.{'1' * 10_000}.ple.key_proj.weight"] = torch.zeros(1)
+
+
+def _long_shard_name(t):
+    t[f"{P0}ple_embedding.ngram_embedding.shard_{'2' * 10_000}.weight"] = torch.zeros(1)
+
+
+def _arabic_layer_name(t):
+    t["model.language_model.layers.\u0663.ple.key_proj.weight"] = torch.zeros(1)  # ARABIC-INDIC DIGIT THREE
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (_long_layer_name, "the layer '" + "1" * 36 + "... is not a decoder layer number"),
+        (_arabic_layer_name, "the layer '\u0663' is not a decoder layer number"),
+        (_long_shard_name, f"unexpected tensor {P0}ple_embedding.ngram_embedding.shard_2222"),
+    ],
+    ids=["long_layer", "arabic_layer", "long_shard"],
+)
+def test_tensor_names_with_bad_numbers(tmp_path, capsys, mutate, message):
+    """A layer or shard number of 10,000 digits (or of another script's digits) is no index: the name
+    is a problem named in one short line, never an int conversion error."""
+    from ple.checkpoint import CheckpointError, load_ple_weights
+    from ple.config import PLEConfig
+
+    root = _mutated(tmp_path, mutate)
+    code, out, err = run(capsys, "inspect", root)
+    assert code == 1 and err == "" and message in out, out
+    assert max(len(line) for line in out.splitlines()) < 400
+    code, _, err = run(capsys, "convert", root, tmp_path / "out")
+    assert_one_line(code, err, "convert", message)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_ple_weights(root, PLEConfig.from_pretrained(root))
+
+
+# ---------------------------------------------------------------------------------------------- safetensors byte ranges
+
+
+def _append_byte(root: Path) -> Path:
+    victim = sorted(root.glob("*.safetensors"))[0]
+    with open(victim, "ab") as f:
+        f.write(b"\0")
+    return victim
+
+
+def test_trailing_byte_after_the_tensor_data(ckpt, tmp_path, capsys):
+    """One byte after the last tensor: safetensors refuses the file, so every ple reader refuses it
+    too, naming the file (inspect used to pass it and convert to fail inside the library)."""
+    out = tmp_path / "out"
+    assert run(capsys, "convert", ckpt, out)[0] == 0
+    (table,) = out.glob("*.pletable")
+    victim = _append_byte(ckpt)
+    size = victim.stat().st_size
+    message = f"{victim.name}: 1 bytes after the end of the tensor data (byte {size - 1}; the file has {size})"
+    code, text, err = run(capsys, "inspect", ckpt)
+    assert code == 1 and err == "" and message in text
+    code, _, err = run(capsys, "convert", ckpt, tmp_path / "out2")
+    assert_one_line(code, err, "convert", message)
+    code, text, err = run(capsys, "verify", table, "--checkpoint", ckpt)
+    assert code == 1 and err == "" and text == f"problem: {message}: a damaged or foreign file\n"
+
+
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        (
+            '{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, '
+            '"b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]}}',
+            b"xxxxx",
+            "bytes [{s2}, {s3}) after 'a' belong to no tensor",
+        ),
+        (
+            '{"a": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}',
+            b"xxx",
+            "bytes [{s0}, {s1}) before the first tensor belong to no tensor",
+        ),
+        (
+            '{"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}, '
+            '"b": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}',
+            b"xxxx",
+            "tensor 'b' at bytes [{s2}, {s4}) overlaps 'a'",
+        ),
+        (
+            '{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, '
+            '"a": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}}',
+            b"xxxx",
+            "bytes [{s0}, {s2}) before the first tensor belong to no tensor",
+        ),
+        (
+            '{"a": {"dtype": "F32", "shape": [' + "1" * 4000 + ", " + "1" * 4000 + '], "data_offsets": [0, 4]}}',
+            b"xxxx",
+            "needs more than the file's 4 data bytes",
+        ),
+        ('{"a": {"dtype": "F8_E8M0", "shape": [3], "data_offsets": [0, 3]}}', b"xxx", None),
+        ('{"a": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}', b"xxx", None),
+        ('{"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}', b"xx", "2 bytes for a F4 tensor of shape [3]"),
+        ('{"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 2]}}', b"xx", "unknown dtype 'Q7'"),
+        (
+            '{"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}, '
+            '"b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+            b"xx",
+            None,
+        ),
+    ],
+    ids=["gap", "gap_first", "overlap", "duplicate_name", "huge_shape", "e8m0", "f4", "f4_size", "unknown", "empty"],
+)
+def test_safetensors_byte_ranges_tile_the_file(tmp_path, header, data, message):
+    """The header's byte ranges are checked as the safetensors library checks them: a file ple's scan
+    passes is one the library opens, and one ple refuses the library refuses too."""
+    from safetensors import safe_open
+
+    from ple.checkpoint import read_safetensors_header
+
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(_safetensors_bytes(header, data))
+    infos, problem = read_safetensors_header(path)
+    start = 8 + len(header.encode())
+    try:
+        with safe_open(str(path), "np") as f:
+            for name in f.keys():
+                f.get_slice(name)
+        library = None
+    except Exception as e:
+        library = e
+    if message is None:
+        assert problem is None and library is None and sorted(infos) == sorted(json.loads(header))
+    else:
+        want = message.format(**{f"s{k}": start + k for k in range(6)})
+        assert problem is not None and problem.startswith("x.safetensors: ") and want in problem, problem
+        assert library is not None, "the library opened a file ple refuses"
+
+
+def test_safetensors_library_errors_name_the_file(ckpt):
+    """A file that changes after the scan: what the safetensors library raises reaches the caller as a
+    CheckpointError naming the file."""
+    from ple.checkpoint import CheckpointError, TensorReader, scan_checkpoint
+    from ple.config import PLEConfig
+
+    cfg = PLEConfig.from_pretrained(ckpt)
+    (layer,) = scan_checkpoint(ckpt, cfg).layers
+    name, info = next(iter(layer.dense.items()))
+    _append_byte_to(info.file)
+    with TensorReader() as reader, pytest.raises(CheckpointError, match=f"{info.file.name}: the safetensors library"):
+        reader.get(info, layer.prefix + name)
+
+
+def _append_byte_to(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"\0")

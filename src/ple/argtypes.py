@@ -1,22 +1,46 @@
 """argparse value types shared by the ``ple`` subcommands: a bad value is a usage error (exit 2) that
-names the value and the range."""
+names the value and the range. Integers (here and in token lists) are read by :func:`parse_int`."""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
-__all__ = ["positive_int", "non_negative_int", "device"]
+__all__ = ["positive_int", "non_negative_int", "integer", "device", "parse_int", "shown"]
+
+MAX_INT_DIGITS = 1000
+"""Most digits :func:`parse_int` reads (far beyond any id or count; Python's own limit is 4300)."""
+
+_ASCII_INT = re.compile(rf"-?[0-9]{{1,{MAX_INT_DIGITS}}}")
+
+
+def parse_int(text: str) -> int | None:
+    """The integer ``text`` spells in ASCII digits with an optional leading ``-`` and nothing else; None
+    for anything else ``int()`` would also take (``"+5"``, ``"1_0"``, ``" 5"``, digits of other
+    scripts such as ``"٣"``) or refuse, and for more than :data:`MAX_INT_DIGITS` digits."""
+    return int(text) if _ASCII_INT.fullmatch(text) else None
+
+
+def shown(text: str, limit: int = 60) -> str:
+    """``repr(text)`` for a message, a long one cut short."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
 def _int_at_least(text: str, lo: int) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    v = integer(text)
     if v < lo:
         raise argparse.ArgumentTypeError(f"{v} is out of range: expected an integer >= {lo}")
+    return v
+
+
+def integer(text: str) -> int:
+    """An integer in ASCII digits, optionally negative (:func:`parse_int`)."""
+    v = parse_int(text)
+    if v is None:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer")
     return v
 
 

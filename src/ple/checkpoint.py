@@ -13,7 +13,6 @@ dense weights by the loader). Pickled formats are never opened; only regular fil
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -25,7 +24,7 @@ import torch
 
 from .config import ConfigError, PLEConfig
 from .errors import InvalidArgumentError, PLEError
-from .files import file_kind, open_regular, read_regular
+from .files import file_kind, open_regular, parse_json, read_json, require_regular
 from .layout import Layout
 from .table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
 from .table.formats import check_scale_values
@@ -58,8 +57,11 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.)(?P<rest>.+)$")
-_SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(?P<k>\d+)\.(?P<what>weight|weight_scale)$")
+# Layer and shard numbers: ASCII digits, at most 9 (a decoder layer or shard index beyond 10^9 is no
+# index; a longer digit run, or digits of another script, leaves the name unmatched).
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>[0-9]{1,9})\.ple\.)(?P<rest>.+)$")
+_ANY_LAYER_RE = re.compile(r"^(?:.*\.)?layers\.(?P<layer>[^.]*)\.ple\.")
+_SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(?P<k>[0-9]{1,9})\.(?P<what>weight|weight_scale)$")
 _TABLE = "ple_embedding.ngram_embedding.weight"
 _TABLE_SCALE = "ple_embedding.ngram_embedding.weight_scale"
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
@@ -87,6 +89,17 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 """safetensors dtype names -> torch dtypes (those ple reads)."""
+_DTYPE_BITS: dict[str, int] = {
+    **{name: 8 for name in ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ")},
+    **{name: 16 for name in ("I16", "U16", "F16", "BF16")},
+    **{name: 32 for name in ("I32", "U32", "F32")},
+    **{name: 64 for name in ("I64", "U64", "F64", "C64")},
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+"""Bits per element of every dtype a safetensors file may hold (the format's list): a header entry's
+byte range is checked against its shape for each, and an unknown dtype is a malformed entry."""
 _PLAIN = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _BUFFER_DTYPES = ("I64", "I32", "I16", "I8", "U8", *_FLOAT_DTYPES)
@@ -117,8 +130,18 @@ class TensorInfo:
         return self.end - self.begin
 
 
-def _tensor_info(path: Path, meta, data_start: int) -> TensorInfo:
-    """One header entry as a :class:`TensorInfo`; ValueError when it is malformed."""
+class _PastTheEnd(ValueError):
+    """A header entry whose data ends past the end of the file (``end``: its end offset in the data)."""
+
+    def __init__(self, end: int) -> None:
+        super().__init__(end)
+        self.end = end
+
+
+def _tensor_info(path: Path, meta, data_start: int, data_size: int) -> TensorInfo:
+    """One header entry as a :class:`TensorInfo`; ValueError when it is malformed: not an object of
+    ``dtype``, ``shape`` and ``data_offsets``, a dtype safetensors does not know, offsets that decrease
+    or pass the end of the file's data (``data_size`` bytes), or a byte count other than the shape's."""
     if not isinstance(meta, dict):
         raise ValueError("not an object")
     dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
@@ -126,13 +149,56 @@ def _tensor_info(path: Path, meta, data_start: int) -> TensorInfo:
         raise ValueError("dtype, shape or data_offsets malformed")
     if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in [*shape, *offsets]):
         raise ValueError("negative or non-integer sizes")
+    bits = _DTYPE_BITS.get(dtype)
+    if bits is None:
+        raise ValueError(f"unknown dtype {dtype!r}")
     begin, end = offsets
     if begin > end:
         raise ValueError("data_offsets decrease")
-    t = SAFETENSORS_DTYPES.get(dtype)
-    if t is not None and end - begin != math.prod(shape) * torch.empty((), dtype=t).element_size():
-        raise ValueError(f"{end - begin} bytes for a {dtype} tensor of shape {shape}")
+    if end > data_size:
+        raise _PastTheEnd(end)
+    numel = 1
+    for d in shape:  # stops early: a shape of huge dimensions costs no huge product
+        numel *= d
+        if numel * bits > 8 * data_size:
+            raise ValueError(
+                f"a {dtype} tensor of shape {_cut(str(shape), 100)} needs more than the file's {data_size} data bytes"
+            )
+    if numel * bits != 8 * (end - begin):
+        raise ValueError(f"{end - begin} bytes for a {dtype} tensor of shape {_cut(str(shape), 100)}")
     return TensorInfo(path, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _coverage_problem(path: Path, tensors: dict[str, TensorInfo], data_start: int, size: int) -> str | None:
+    """Whether the tensors' byte ranges tile the file's data exactly, as safetensors requires (and its
+    library checks when it opens the file): in offset order each range starts where the one before
+    ends, the first at the data's start, the last at the file's end. None when they do."""
+    at, last = data_start, None
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != at:
+            where = f"after {_shown(last)}" if last is not None else "before the first tensor"
+            if info.begin > at:
+                return (
+                    f"{path.name}: bytes [{at}, {info.begin}) {where} belong to no tensor "
+                    "(tensor data must be contiguous)"
+                )
+            return f"{path.name}: tensor {_shown(name)} at bytes [{info.begin}, {info.end}) overlaps {_shown(last)}"
+        at, last = info.end, name
+    if at != size:
+        return (
+            f"{path.name}: {size - at} bytes after the end of the tensor data (byte {at}; the file has {size}): "
+            "a damaged or foreign file"
+        )
+    return None
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shown(name: str | None) -> str:
+    """A tensor name for a message: quoted, a long one cut short."""
+    return _cut(repr(name), 120)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +213,9 @@ class SafetensorsHeader:
 
 
 def _parse_header(fd: int, path: Path) -> tuple[SafetensorsHeader, str | None]:
-    """The header of the open safetensors file ``fd``, and a problem (malformed, truncated) or None;
-    with a problem the header holds the entries read before it."""
+    """The header of the open safetensors file ``fd``, and a problem (malformed, truncated, tensor data
+    that does not tile the rest of the file) or None; with a problem the header holds the entries
+    read before it."""
     size = os.fstat(fd).st_size
     raw = os.pread(fd, 8, 0)
     if len(raw) < 8:
@@ -163,33 +230,33 @@ def _parse_header(fd: int, path: Path) -> tuple[SafetensorsHeader, str | None]:
         return SafetensorsHeader(path, {}, {}, b""), f"{path.name}: truncated inside its header"
     out: dict[str, TensorInfo] = {}
     try:
-        header = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        return SafetensorsHeader(path, out, {}, blob), f"{path.name}: unreadable safetensors header ({e})"
+        header = parse_json(blob, f"{path.name}: the safetensors header", CheckpointError)
+    except CheckpointError as e:
+        return SafetensorsHeader(path, out, {}, blob), str(e.problems[0])
     if not isinstance(header, dict):
-        return SafetensorsHeader(path, out, {}, blob), f"{path.name}: unreadable safetensors header (not a JSON object)"
+        return SafetensorsHeader(path, out, {}, blob), f"{path.name}: the safetensors header is not a JSON object"
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         return SafetensorsHeader(path, out, {}, blob), (
             f"{path.name}: malformed safetensors __metadata__ (not an object of strings)"
         )
-    end = 0
+    data_start = 8 + n
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         try:
-            info = _tensor_info(path, meta, 8 + n)
-        except (KeyError, TypeError, ValueError, IndexError):
-            shown = repr(meta)
-            shown = shown if len(shown) <= 200 else shown[:197] + "..."
-            problem = f"{path.name}: malformed safetensors header entry for {name!r}: {shown}"
+            info = _tensor_info(path, meta, data_start, size - data_start)
+        except _PastTheEnd as exc:
+            problem = f"{path.name}: truncated: tensor data needs {data_start + exc.end} bytes, the file has {size}"
             return SafetensorsHeader(path, out, metadata, blob), problem
-        end = max(end, info.end)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            why = f" ({exc})" if isinstance(exc, ValueError) else ""
+            problem = (
+                f"{path.name}: malformed safetensors header entry for {_shown(name)}: {_cut(repr(meta), 200)}{why}"
+            )
+            return SafetensorsHeader(path, out, metadata, blob), problem
         out[name] = info
-    if end > size:
-        problem = f"{path.name}: truncated: tensor data needs {end} bytes, the file has {size}"
-        return SafetensorsHeader(path, out, metadata, blob), problem
-    return SafetensorsHeader(path, out, metadata, blob), None
+    return SafetensorsHeader(path, out, metadata, blob), _coverage_problem(path, out, data_start, size)
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
@@ -237,11 +304,7 @@ def _read_small(info: TensorInfo) -> torch.Tensor:
 
 def _weight_map_files(root: Path, index: Path) -> list[Path]:
     """The files a ``model.safetensors.index.json`` names, each a plain file name in ``root``."""
-    blob = read_regular(index, "checkpoint index", _MAX_INDEX_BYTES, CheckpointError)
-    try:
-        doc = json.loads(blob)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{INDEX_NAME} is not valid JSON ({e})") from None
+    doc = read_json(index, "checkpoint index", _MAX_INDEX_BYTES, CheckpointError)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f'{INDEX_NAME} has no "weight_map" object mapping tensor names to files')
@@ -346,6 +409,12 @@ def scan_checkpoint(path: str | os.PathLike, config: PLEConfig) -> CheckpointSca
         for name, info in infos.items():
             m = _LAYER_RE.match(name)
             if not m:
+                loose = _ANY_LAYER_RE.match(name)
+                if loose:  # named like a PLE tensor, but its layer is no decoder layer number
+                    problems.append(
+                        f"{fp.name}: tensor {_shown(name)}: the layer {_cut(repr(loose['layer']), 40)} is not a "
+                        "decoder layer number (ASCII digits, at most 9)"
+                    )
                 continue
             if name in seen:
                 problems.append(f"{name} appears twice: in {seen[name].name} and {fp.name}")
@@ -400,7 +469,7 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
         else:
             e.unexpected.append(prefix + rest)
     for name in e.unexpected:
-        p(f"unexpected tensor {name}")
+        p(f"unexpected tensor {_cut(name, 200)}")
     c, h, emb, k = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
     want = {
         "key_proj.weight": (c, emb),
@@ -547,12 +616,14 @@ def _small_value_problems(e: LayerEntry) -> list[str]:
     g = e.global_scale
     if g is not None and g.shape in ((1,), ()) and g.dtype in _FLOAT_DTYPES:
         try:
-            value = float(_read_small(g).reshape(-1)[0])
+            read = _read_small(g).reshape(-1)[0]
         except (OSError, CheckpointError) as exc:
             out.append(f"{e.prefix}{_TABLE_SCALE}: could not be read ({exc})")
         else:
-            if not (math.isfinite(value) and value > 0):
-                out.append(f"{e.prefix}{_TABLE_SCALE} = {value}: the global scale must be a positive finite number")
+            value, stored = float(read), float(read.float())  # tables keep float32 scales
+            if not (math.isfinite(stored) and stored > 0):
+                shown = f"{value} ({stored} as float32)" if value != stored and not math.isnan(value) else str(value)
+                out.append(f"{e.prefix}{_TABLE_SCALE} = {shown}: the global scale must be a positive finite number")
     return out
 
 
@@ -578,7 +649,10 @@ class PLEWeights:
 class TensorReader:
     """Reads checkpoint tensors one at a time, keeping one open safetensors handle per file (the
     files are mapped: pages a read touched stay resident until :meth:`close`). For reads that map
-    nothing, use :class:`PreadReader`."""
+    nothing, use :class:`PreadReader`.
+
+    Only regular files are opened; whatever the safetensors library refuses (a file that changed
+    since it was scanned, a damaged header) raises :class:`CheckpointError` naming the file."""
 
     def __init__(self):
         self._handles = {}
@@ -588,16 +662,17 @@ class TensorReader:
 
         h = self._handles.get(file)
         if h is None:
-            h = self._handles[file] = safe_open(str(file), framework="pt")
+            require_regular(file, "checkpoint file", CheckpointError)
+            h = self._handles[file] = _safetensors_call(file, safe_open, str(file), framework="pt")
         return h
 
     def get(self, info: TensorInfo, name: str) -> torch.Tensor:
         """The tensor ``name`` of ``info.file``."""
-        return self._handle(info.file).get_tensor(name)
+        return _safetensors_call(info.file, lambda: self._handle(info.file).get_tensor(name))
 
     def rows(self, info: TensorInfo, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (along the first dimension) of the tensor ``name`` of ``info.file``."""
-        return self._handle(info.file).get_slice(name)[start:stop]
+        return _safetensors_call(info.file, lambda: self._handle(info.file).get_slice(name)[start:stop])
 
     def close(self):
         self._handles.clear()
@@ -607,6 +682,17 @@ class TensorReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _safetensors_call(file: Path, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a call into the safetensors library; what the library raises becomes a
+    :class:`CheckpointError` naming ``file``."""
+    from safetensors import SafetensorError
+
+    try:
+        return fn(*args, **kwargs)
+    except SafetensorError as e:
+        raise CheckpointError(f"{file.name}: the safetensors library cannot read it: {e}") from None
 
 
 class PreadReader(TensorReader):

@@ -27,7 +27,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from . import __version__, commands, demo
+from . import __version__, argtypes, commands, demo
 from .bench import runner
 from .errors import PLEError
 
@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ids", "the table rows each token of a fresh request reads")
     p.add_argument("path", help="config.json or model directory")
     p.add_argument("--tokens", required=True, help="token ids separated by commas or spaces, e.g. 3,17,248044,9")
-    p.add_argument("--layer", type=int, default=0, help="PLE layer index: position in ple_layer_ids (default 0)")
+    p.add_argument(
+        "--layer", type=argtypes.integer, default=0, help="PLE layer index: position in ple_layer_ids (default 0)"
+    )
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.ids)
 
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("stats", "row traffic of a token stream: distinct rows, reuse, bucket load")
     p.add_argument("path", help="config.json or model directory")
     p.add_argument("--tokens", required=True, help="token file: .npy, or text with integers")
-    p.add_argument("--layer", type=int, default=0, help="PLE layer index (default 0)")
+    p.add_argument("--layer", type=argtypes.integer, default=0, help="PLE layer index (default 0)")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.stats)
 

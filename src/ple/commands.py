@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .argtypes import parse_int, shown
 from .checkpoint import (
     CheckpointError,
     check_checkpoint,
@@ -129,17 +130,17 @@ _TOKEN_SEP = re.compile(r"[,\s]+")
 
 
 def parse_tokens(text: str) -> list[int]:
-    """Token ids from ``"3,17,248044"`` or ``"3 17 248044"``; refuses empty lists, non-integers and
-    negative ids, naming the offending entry."""
+    """Token ids from ``"3,17,248044"`` or ``"3 17 248044"``; refuses empty lists, anything but ASCII
+    digits (``"+5"``, ``"1_0"``, ``"٣"``: :func:`ple.argtypes.parse_int`) and negative ids, naming the
+    offending entry."""
     parts = [t for t in _TOKEN_SEP.split(text.strip()) if t]
     if not parts:
         raise InvalidArgumentError(f"--tokens: no token ids in {text!r} (expected e.g. 3,17,248044,9)")
     out = []
     for i, t in enumerate(parts):
-        try:
-            v = int(t)
-        except ValueError:
-            raise InvalidArgumentError(f"--tokens: entry {i} is {t!r}, not an integer token id") from None
+        v = parse_int(t)
+        if v is None:
+            raise InvalidArgumentError(f"--tokens: entry {i} is {shown(t)}, not an integer token id")
         if v < 0:
             raise InvalidArgumentError(f"--tokens: entry {i} is {v}; token ids are >= 0")
         out.append(v)
@@ -184,10 +185,9 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
         return None
     out = []
     for part in [p for p in _TOKEN_SEP.split(text.strip()) if p]:
-        try:
-            idx = int(part)
-        except ValueError:
-            raise InvalidArgumentError(f"--layers: {part!r} is not a PLE layer index") from None
+        idx = parse_int(part)
+        if idx is None:
+            raise InvalidArgumentError(f"--layers: {shown(part)} is not a PLE layer index")
         if not 0 <= idx < cfg.num_ple_layers:
             raise InvalidArgumentError(f"--layers: no PLE layer {idx}; {_layer_index_help(cfg)}")
         out.append(idx)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from .errors import PLEError
-from .files import read_regular
+from .files import read_json
 from .layout import Layout, compute_layout
 
 __all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES", "LIMITS", "MAX_HEADS", "MAX_HEAD_PRIMES"]
@@ -146,12 +145,7 @@ class PLEConfig:
             p = p / "config.json"
         if not p.exists():
             raise FileNotFoundError(f"no config.json at {p}")
-        blob = read_regular(p, "config", _MAX_CONFIG_BYTES, ConfigError)
-        try:
-            d = json.loads(blob)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ConfigError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(p, "config", _MAX_CONFIG_BYTES, ConfigError))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

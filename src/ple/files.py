@@ -1,19 +1,43 @@
-"""Opening the files ple reads: regular files only.
+"""Opening the files ple reads, parsing the JSON it reads, writing the small files it writes.
 
-A FIFO, a device or a socket named like a checkpoint, a ``config.json`` or a table file would block
-a reader forever (or stream without end); a folder is never a file. :func:`open_regular` opens
-without blocking and refuses anything but a regular file, naming what it found; symbolic links are
-followed (a link to a regular file is fine).
+Reading: regular files only. A FIFO, a device or a socket named like a checkpoint, a
+``config.json`` or a table file would block a reader forever (or stream without end); a folder is
+never a file. :func:`open_regular` opens without blocking and refuses anything but a regular file,
+naming what it found; symbolic links are followed (a link to a regular file is fine).
+
+JSON: :func:`parse_json` and :func:`read_json` turn every way ``json`` refuses hostile input
+(malformed text, bytes that are no Unicode, nesting deeper than the recursion limit, an integer of
+more digits than Python converts) into the caller's error naming the file.
+
+Writing: :func:`write_atomically` replaces a file all or nothing through a temporary file of its
+own (random name, created exclusively, never through a symbolic link); :func:`make_partial_dir`
+makes such a private folder for a writer that builds a whole folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import stat
+from pathlib import Path
+from typing import Any
 
 from .errors import InvalidArgumentError, PLEError
 
-__all__ = ["file_kind", "open_regular", "read_regular", "require_regular"]
+__all__ = [
+    "file_kind",
+    "make_partial_dir",
+    "open_regular",
+    "parse_json",
+    "read_json",
+    "read_regular",
+    "require_regular",
+    "write_atomically",
+]
+
+PARTIAL_SUFFIX = ".partial"
+"""The suffix of the temporary files and folders writers fill before renaming them into place."""
 
 
 def file_kind(mode: int) -> str:
@@ -86,3 +110,87 @@ def read_regular(
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+
+
+def parse_json(blob: bytes | str, what: str, error: type[PLEError] = InvalidArgumentError) -> Any:
+    """``json.loads(blob)``; ``error`` naming ``what`` (say ``"config /m/config.json"``) when it is not
+    valid JSON: malformed text, bytes that are not UTF-8/16/32, nesting deeper than Python's recursion
+    limit, or an integer of more digits than Python converts (``sys.get_int_max_str_digits()``)."""
+    try:
+        return json.loads(blob)
+    except RecursionError:
+        raise error(f"{what} is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors; so is a too long integer
+        reason = str(e) if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else str(e).split(";")[0]
+        raise error(f"{what} is not valid JSON ({reason})") from None
+
+
+def read_json(
+    path: str | os.PathLike, what: str = "file", limit: int = 64 << 20, error: type[PLEError] = InvalidArgumentError
+) -> Any:
+    """The parsed JSON of a small regular file (:func:`read_regular`, then :func:`parse_json`);
+    every problem raises ``error`` naming ``what`` and the path (a missing file: ``FileNotFoundError``)."""
+    return parse_json(read_regular(path, what, limit, error), f"{what} {os.fspath(path)}", error)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _partial_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(6)}{PARTIAL_SUFFIX}")
+
+
+def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with a file holding ``data``, all or nothing.
+
+    The bytes go to a temporary file of a random name in the same folder
+    (``<name>.<pid>-<random>.partial``), created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing
+    already at that name (a symbolic link planted there, another writer's file) is followed, reused
+    or truncated. The file is fsync'd and renamed over ``path`` (``os.replace``), so a reader sees the
+    old file or the new one, never a mix; concurrent writers each write their own file and the last
+    rename wins. On any error (the disk full, an interruption) the temporary file is removed and
+    ``path`` is left as it was. ``mode`` is the new file's permissions (less the umask)."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = _partial_name(path)
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            continue
+    else:  # 16 random names taken
+        raise FileExistsError(f"could not create a temporary file beside {path}: every name tried exists")
+    try:
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def make_partial_dir(path: str | os.PathLike) -> Path:
+    """A new empty folder beside ``path`` to build ``path`` in: ``<name>.<pid>-<random>.partial``,
+    made with ``mkdir`` (which never follows or reuses what is already at a name), permissions
+    0o777 less the umask. The caller fills it and renames it to ``path``, or removes it."""
+    path = Path(path)
+    for _ in range(16):
+        tmp = _partial_name(path)
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temporary folder beside {path}: every name tried exists")

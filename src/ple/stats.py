@@ -6,12 +6,16 @@ rows (reuse), and bucket load — how many distinct n-grams share a row (the has
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
+from numpy.lib import format as npy_format
 
+from .argtypes import parse_int, shown
 from .config import PLEConfig
 from .errors import InvalidArgumentError
 from .files import open_regular
@@ -26,8 +30,9 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
     separated by spaces, commas or newlines.
 
     Refuses, naming the file and the first offending entry: a path that is not a regular file, an
-    empty stream, a ``.npy`` file that is truncated, pickled or not of an integer dtype, text that is
-    not an integer, negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
+    empty stream, a ``.npy`` file that is truncated, pickled, not of an integer dtype or whose header
+    does not match its size, text that is not an integer in ASCII digits (:func:`ple.argtypes.parse_int`),
+    negative ids, and (given ``vocab_size``) ids outside ``[0, vocab_size)``.
     """
     p = Path(path)
     if not p.exists():
@@ -35,15 +40,10 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
     fd = open_regular(p, "token file")  # a folder, a FIFO or a device is refused, never read
     with os.fdopen(fd, "rb") as f:
         if p.suffix == ".npy":
-            try:
-                arr = np.load(f, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as e:
-                raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
+            arr = _read_npy(f, p)
         else:
             blob = f.read()
     if p.suffix == ".npy":
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidArgumentError(f"token file {p}: dtype {arr.dtype}, expected integer token ids")
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
             raise InvalidArgumentError(f"token file {p}: id {int(arr.max())} does not fit int64")
         tokens = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64)))
@@ -55,10 +55,9 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
         values = []
         top = vocab_size if vocab_size is not None else 1 << 63
         for i, w in enumerate(words):
-            try:
-                v = int(w)
-            except ValueError:
-                raise InvalidArgumentError(f"token file {p}: entry {i} is {w!r}, not an integer token id") from None
+            v = parse_int(w)
+            if v is None:
+                raise InvalidArgumentError(f"token file {p}: entry {i} is {shown(w)}, not an integer token id")
             if not 0 <= v < top:
                 limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2^63)"
                 raise InvalidArgumentError(f"token file {p}: entry {i} is {v}, outside {limit}")
@@ -73,6 +72,37 @@ def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> t
         limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
         raise InvalidArgumentError(f"token file {p}: entry {i} is {bad}, outside {limit}")
     return tokens
+
+
+def _read_npy(f: BinaryIO, p: Path) -> np.ndarray:
+    """The integer array of an open ``.npy`` file. Its header is read first and checked against the
+    file's size before anything is allocated: a header claiming a shape larger (or smaller) than the
+    data the file holds is refused, as are pickled objects and non-integer dtypes."""
+    try:
+        version = npy_format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran_order, dtype = npy_format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = npy_format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"format version {version[0]}.{version[1]} (integer arrays are 1.0 or 2.0)")
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
+    if dtype.hasobject:
+        raise InvalidArgumentError(f"token file {p}: not a readable .npy array (it holds pickled objects)")
+    if not np.issubdtype(dtype, np.integer):
+        raise InvalidArgumentError(f"token file {p}: dtype {dtype}, expected integer token ids")
+    need = math.prod(shape) * dtype.itemsize
+    have = os.fstat(f.fileno()).st_size - f.tell()
+    if need != have:
+        raise InvalidArgumentError(
+            f"token file {p}: not a readable .npy array (its header says shape {shape} of {dtype}, {need} bytes, "
+            f"but {have} bytes follow the header)"
+        )
+    data = f.read(have)
+    if len(data) != have:
+        raise InvalidArgumentError(f"token file {p}: not a readable .npy array (it shrank while being read)")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
 def _top_share(counts: torch.Tensor, fraction: float) -> float:

@@ -399,7 +399,28 @@ def _worker_scenarios(rank: int, world: int, files: Path):
         ids = make_ids(ROWS, world, 9, seed=1)
         return [first.lookup(ids, torch.float32), second.lookup(ids, torch.float32)]
 
+    def file_changed(method):
+        # each rank maps its own copy of the file; the last rank's copy is written into in place
+        own = files / f"own-{method}-{rank}.table"
+        own.write_bytes((files / "a.table").read_bytes())
+        table = load_sharded(own, method=method)
+        first = table.lookup(make_ids(ROWS, world, 9, seed=1), torch.float32)
+        if rank == last:
+            st = own.stat()
+            with open(own, "r+b") as f:
+                f.seek(st.st_size - 4)
+                f.write(b"\x00\x00\x80\x3f")  # the last per-row scale, now 1.0
+            os.utime(own, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        try:
+            table.lookup(make_ids(ROWS, world, 9, seed=1), torch.float32)
+            err = None
+        except Exception as e:
+            err = (type(e).__name__, str(e))
+        return {"first": first, "err": err}
+
     yield "errors/bad_id", bad_id
+    for method in METHODS:
+        yield f"errors/file_changed/{method}", lambda m=method: file_changed(m)
     yield "errors/ids_differ", ids_differ
     for method in METHODS:
         for ids_mode in IDS_MODES:
@@ -730,6 +751,26 @@ def test_bad_id_on_one_rank_raises_everywhere(world):
             assert typ == "IdOutOfRangeError" and f"row id {ROWS} at (token 4, head 1)" in msg
         else:
             assert typ == "ShardedLookupError" and f"rank {w - 1} looked up row ids outside [0, {ROWS})" in msg
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_table_file_changed_on_one_rank_raises_everywhere(world, method, tmp_path):
+    """load_sharded(device=None) maps the file: when one rank's file is written into in place, every
+    rank raises before any row moves (that rank names its file), instead of serving changed rows."""
+    w, results = world
+    want = MmapTable.open(write_table_file(tmp_path / "a.table", "A")).lookup(
+        make_ids(ROWS, w, 9, seed=1), torch.float32
+    )
+    for r, res in enumerate(ok(results, f"errors/file_changed/{method}")):
+        assert_same_bits(res["first"], want, f"rank {r}, before the change")
+        typ, msg = res["err"]
+        if r == w - 1:
+            assert typ == "TableFileError" and f"own-{method}-{r}.table was changed in place while mapped" in msg
+        else:
+            assert (
+                typ == "ShardedLookupError"
+                and f"rank {w - 1} cannot serve rows: the local table file was changed" in msg
+            )
 
 
 def test_verify_ids_catches_unreplicated_batch(world):

@@ -13,7 +13,7 @@ library's bytes, checks them against that record, and loads its own private copy
 bytes (an anonymous memory file), never the cache file itself: a truncated, damaged or half-written
 library in the cache is rebuilt instead of loaded, and a cache file changed later cannot kill a
 process that loaded it (a mapped file cut short raises SIGBUS). A library that matches its record
-but does not load is rebuilt too.
+but does not load, or lacks one of the kernels, is rebuilt too.
 
 :func:`library` returns the loaded library or raises :class:`NativeUnavailable` with the reason;
 :func:`available` is the non-raising check (it warns once, with the reason, when the build fails).
@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 from ..errors import PLEError
-from ..files import read_regular
+from ..files import read_regular, write_atomically
 
 __all__ = ["NativeUnavailable", "available", "cache_dir", "library"]
 
@@ -128,16 +128,27 @@ def _record(data: bytes) -> str:
     return f"{hashlib.sha256(data).hexdigest()} {len(data)}\n"
 
 
+_loaded_fds: list[int] = []
+"""Descriptors of the memory files loaded libraries came from, open while the process runs."""
+
+
 def _dlopen_copy(data: bytes, folder: Path) -> ctypes.CDLL:
     """Load a private copy of the library bytes ``data``: an anonymous memory file where the OS has
-    them, else a temporary file removed once loaded. The cache file is never mapped."""
+    them, else a temporary file removed once loaded. The cache file is never mapped.
+
+    A memory file that loaded stays open: the dynamic loader takes a name it has loaded before
+    (``/proc/self/fd/N``, N reused once closed) for that library and would hand back the old one
+    instead of loading these bytes (a rebuild after a damaged cache would get the damaged library)."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("ple_cpu", getattr(os, "MFD_CLOEXEC", 0))
         try:
             _write_all(fd, data)
-            return ctypes.CDLL(f"/proc/self/fd/{fd}")
-        finally:
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except BaseException:
             os.close(fd)
+            raise
+        _loaded_fds.append(fd)
+        return lib
     fd, tmp = tempfile.mkstemp(prefix="ple_cpu-load.", suffix=".so", dir=folder)
     try:
         _write_all(fd, data)
@@ -157,7 +168,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _load_cached(target: Path, stamp: Path) -> ctypes.CDLL | None:
-    """The cached library if its bytes match its record and it loads; None otherwise (rebuild)."""
+    """The cached library if its bytes match its record, it loads and it has every kernel; None
+    otherwise (rebuild)."""
     try:
         record = read_regular(stamp, "library record", 4096).decode("ascii", "replace")
         data = read_regular(target, "library", _MAX_LIBRARY_BYTES)
@@ -166,24 +178,13 @@ def _load_cached(target: Path, stamp: Path) -> ctypes.CDLL | None:
     if record != _record(data):
         return None  # truncated, damaged, or a record of another build
     try:
-        return _dlopen_copy(data, target.parent)
+        lib = _dlopen_copy(data, target.parent)
     except OSError:
         return None
-
-
-def _replace_atomically(folder: Path, final: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".partial", dir=folder)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, final)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    if _missing_symbol(lib) is not None:
+        return None  # another library under this name (a damaged cache): rebuilt
+    _declare(lib)
+    return lib
 
 
 def _compile(cc: str, folder: Path, name: str) -> bytes:
@@ -227,16 +228,33 @@ def _build() -> ctypes.CDLL:
             lib = _dlopen_copy(data, folder)
         except OSError as e:
             raise NativeUnavailable(f"the freshly built {name} does not load: {e}") from e
+        missing = _missing_symbol(lib)
+        if missing is not None:
+            raise NativeUnavailable(f"the freshly built {name} lacks the kernel {missing}")
+        _declare(lib)
         # the library first, then its record: a reader between the two sees a mismatch and rebuilds
         try:
-            _replace_atomically(folder, target, data)
-            _replace_atomically(folder, stamp, _record(data).encode())
+            write_atomically(target, data, 0o600)
+            write_atomically(stamp, _record(data).encode(), 0o600)
         except OSError:
             pass  # a cache that cannot be written is rebuilt by the next process; this one has its library
     global _library_file
     _library_file = target
-    _declare(lib)
     return lib
+
+
+_SYMBOLS = ("ple_gate_conv", "ple_ngram_ids")
+"""The functions the library must export (what :func:`_declare` declares)."""
+
+
+def _missing_symbol(lib: ctypes.CDLL) -> str | None:
+    """The first of :data:`_SYMBOLS` the library lacks, or None."""
+    for name in _SYMBOLS:
+        try:
+            getattr(lib, name)
+        except AttributeError:
+            return name
+    return None
 
 
 def _declare(lib: ctypes.CDLL) -> None:

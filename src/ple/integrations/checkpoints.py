@@ -11,6 +11,7 @@ like a checkpoint file is refused, never waited on). No transformers import here
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from ..checkpoint import (
     read_header,
 )
 from ..errors import InvalidArgumentError
-from ..files import file_kind, open_regular, read_regular
+from ..files import file_kind, make_partial_dir, open_regular, read_json, write_atomically
 from ..table import dequantize
 
 __all__ = ["dequantize_checkpoint"]
@@ -41,8 +42,8 @@ __all__ = ["dequantize_checkpoint"]
 _ST_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _CHUNK_BYTES = 64 << 20
 _MAX_JSON_BYTES = 64 << 20
-_TABLE_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.(?:shard_(?P<k>\d+)\.)?weight$")
-_SCALE_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.(?:shard_(?P<k>\d+)\.)?weight_scale$")
+_TABLE_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.(?:shard_[0-9]{1,9}\.)?weight$")
+_SCALE_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.(?:shard_[0-9]{1,9}\.)?weight_scale$")
 
 #: (file, name, info) of a tensor
 _Where = tuple[Path, str, TensorInfo]
@@ -118,10 +119,7 @@ def _copy_file(src: Path, dst: Path) -> None:
 
 
 def _json(path: Path, what: str) -> dict:
-    try:
-        doc = json.loads(read_regular(path, what, _MAX_JSON_BYTES, CheckpointError))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    doc = read_json(path, what, _MAX_JSON_BYTES, CheckpointError)
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     return doc
@@ -138,8 +136,11 @@ def dequantize_checkpoint(
     correctly. Other tensors are copied byte for byte, other files as they are (subfolders are not
     copied); ``ple_embedding_dtype`` is removed from ``config.json``. Streams in chunks of 64 MiB.
 
-    ``dst`` must not exist; it is built at ``dst + ".partial"`` and renamed when complete. The
-    folder is checked (files, headers, what else it holds) before anything is written; raises
+    ``dst`` must not exist; it is built in a new folder of its own beside it
+    (``<dst>.<pid>-<random>.partial``, see :func:`ple.files.make_partial_dir`) and renamed to ``dst``
+    when complete, so concurrent writers never share files: the first to finish wins, the others
+    raise ``FileExistsError``, and a failed or interrupted one leaves nothing. The folder is
+    checked (files, headers, what else it holds) before anything is written; raises
     :class:`~ple.checkpoint.CheckpointError` for a checkpoint that cannot be read.
     """
     src, dst = Path(src), Path(dst)
@@ -154,9 +155,8 @@ def dequantize_checkpoint(
     config = _json(src / "config.json", "config.json") if (src / "config.json") in others else None
     index = _json(src / INDEX_NAME, "checkpoint index") if os.path.lexists(src / INDEX_NAME) else None
     scales = _scales(headers)
-    partial = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = make_partial_dir(dst)
     try:
         weight_map: dict[str, str] = {}
         total = 0
@@ -170,17 +170,30 @@ def dequantize_checkpoint(
             config.pop("ple_embedding_dtype", None)
             if isinstance(config.get("text_config"), dict):
                 config["text_config"].pop("ple_embedding_dtype", None)
-            (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_atomically(partial / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
         if index is not None:
             index["weight_map"] = dict(sorted(weight_map.items()))
             metadata = index.get("metadata")
             index["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "total_size": total}
-            (partial / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(partial, dst)
+            write_atomically(partial / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        _publish_folder(partial, dst)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return dst
+
+
+def _publish_folder(partial: Path, dst: Path) -> None:
+    """Rename the finished folder ``partial`` to ``dst``, which must not exist (another writer that
+    finished first keeps its copy)."""
+    if os.path.lexists(dst):
+        raise FileExistsError(f"{dst} appeared while the copy was written (another writer finished first)")
+    try:
+        os.rename(partial, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise FileExistsError(f"{dst} appeared while the copy was written (another writer finished first)") from e
+        raise
 
 
 def _dequantize_file(

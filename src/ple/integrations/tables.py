@@ -4,13 +4,14 @@ For each PLE layer the folder holds ``<prefix>.pletable`` (the file ``ple conver
 small record ``<prefix>.pletable.source.json`` naming what the table was made from. A start reuses
 a table file only when
 
-- it opens as a complete table file of the layer's geometry and layout hash (header only), and
+- it opens as a complete table file of the layer's geometry and layout hash (its header, and for
+  per-row formats its scales, are read: :meth:`~ple.table.MmapTable.open`), and
 - the record's source identity equals the checkpoint's now: for every safetensors file holding the
   layer's table or scales, its name, size, modification time and the sha256 of its header (which
   lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
   size, the header's per-shard checksums) equals the file's.
 
-That costs a ``stat`` and a header read per file, whatever the table's size. A table file without
+That costs a ``stat`` and a header read per checkpoint file, whatever the table's size. A table file without
 a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
 and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
 again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
@@ -58,7 +59,7 @@ from ..checkpoint import (
 )
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError, PLEError
-from ..files import read_regular
+from ..files import read_json, write_atomically
 from ..table import MmapTable, TableFileError, compare_with_source, format_info, read_table_header
 
 __all__ = [
@@ -137,17 +138,14 @@ def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], ch
         "source": source,
         "checkpoint": checkpoint,
     }
-    rec = _record_path(path)
-    tmp = rec.with_name(rec.name + ".partial")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, rec)
+    write_atomically(_record_path(path), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
     """The record beside table file ``path``, or None (none, unreadable, another version)."""
     try:
-        record = json.loads(read_regular(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError))
-    except (OSError, ValueError, RecursionError, PLEError):
+        record = read_json(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError)
+    except (OSError, PLEError):
         return None
     if not isinstance(record, dict) or record.get("version") != _RECORD_VERSION:
         return None
@@ -206,7 +204,8 @@ def _lock(path: Path):
     except ImportError:  # pragma: no cover - not POSIX: no inter-process lock
         yield
         return
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    # never through a symbolic link planted at the lock's name
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -42,7 +42,6 @@ gradient transformers gives it (non-zero only on the rows the batch touched). Ot
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -64,7 +63,7 @@ from ..checkpoint import (
 )
 from ..config import ConfigError, PLEConfig
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from ..files import read_regular
+from ..files import read_json
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
 from ..table import CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
@@ -675,10 +674,7 @@ def _local_checkpoint(path: str | os.PathLike, kwargs: dict[str, Any]) -> Path:
 def _model_class(root: Path, mq):
     import transformers
 
-    try:
-        doc = json.loads(read_regular(root / "config.json", "config.json", 64 << 20, ConfigError))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{root}/config.json is not valid JSON ({e})") from None
+    doc = read_json(root / "config.json", "config", 64 << 20, ConfigError)
     arch = ((doc.get("architectures") if isinstance(doc, dict) else None) or [None])[0]
     if arch is None:
         return transformers.AutoModelForCausalLM

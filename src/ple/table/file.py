@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import open_regular
+from ..files import open_regular, parse_json
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
 
@@ -794,11 +794,7 @@ def _read_header(fd: int, path: Path) -> dict[str, Any]:
     n = int.from_bytes(prefix[8:], "little")
     if n > _MAX_HEADER or _PREFIX + n > size:
         raise TableFileError(f"{path}: header length {n} is implausible for a file of {size} bytes")
-    blob = _pread_exact(fd, n, _PREFIX, path)
-    try:
-        header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise TableFileError(f"{path}: header is not valid JSON ({e})") from None
+    header = parse_json(_pread_exact(fd, n, _PREFIX, path), f"{path}: header", TableFileError)
     return _validate(header, path, _PREFIX + n, size)
 
 
@@ -823,6 +819,29 @@ def _read_global_scale(fd: int, header: dict[str, Any], path: Path) -> float:
     return value
 
 
+def _check_row_scales(fd: int, header: dict[str, Any], path: Path) -> None:
+    """Raise :class:`TableFileError` naming the first per-row scale that is not a positive finite
+    number (in a sparse file, where unwritten rows have scale 0: not a finite number >= 0). The
+    scales are read with ``pread`` in chunks of 8 MiB (nothing mapped, memory bounded): 4 bytes per
+    row, 1.3 GB for the published geometry's 320 million rows, read once at open."""
+    rows, offset = header["rows"], header["scale"]["offset"]
+    floor = np.float32(0.0)
+    step = _READ_CHUNK // 4
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        values = np.frombuffer(_pread_exact(fd, 4 * (stop - start), offset + 4 * start, path), dtype="<f4")
+        low, high = values.min(), values.max()  # NaN propagates into both
+        if (low > floor or (header["sparse"] and low == floor)) and high < np.inf:
+            continue
+        ok = np.isfinite(values) & ((values >= floor) if header["sparse"] else (values > floor))
+        i = int(np.argmin(ok))
+        expected = "a finite number >= 0" if header["sparse"] else "a positive finite number"
+        raise TableFileError(
+            f"{path}: the per-row scale of row {start + i} is {float(values[i])}, not {expected} "
+            "(the file was damaged or written by something else than ple)"
+        )
+
+
 def open_table(
     path: str | os.PathLike, expected_layout_hash: str | dict | None = None
 ) -> tuple[int, dict[str, Any], os.stat_result]:
@@ -830,8 +849,9 @@ def open_table(
     caller closes it), the validated header, and the file's status at open.
 
     Raises :class:`TableFileError` for a ``.partial`` name, an incomplete header, everything
-    :func:`read_table_header` refuses, a global scale that is not a positive finite number, and
-    (given ``expected_layout_hash``, a hash or a fields dict) a file built for another layout."""
+    :func:`read_table_header` refuses, a global scale or a per-row scale that is not a positive
+    finite number (every per-row scale is read once, see :func:`_check_row_scales`), and (given
+    ``expected_layout_hash``, a hash or a fields dict) a file built for another layout."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise TableFileError(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
@@ -849,7 +869,13 @@ def open_table(
                     f"{path}: layout hash {header['layout_hash']} does not match the expected {want} "
                     f"(the table was built for another configuration; file layout fields: {header.get('layout')})"
                 )
-        return fd, header, os.fstat(fd)
+        st = os.fstat(fd)
+        if header["scale"]["kind"] == "row":  # after the cheap checks: a foreign file costs no scan
+            _check_row_scales(fd, header, path)
+            now = os.fstat(fd)
+            if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise TableFileError(f"{path} was changed while its scales were checked: open it again")
+        return fd, header, st
     except BaseException:
         os.close(fd)
         raise

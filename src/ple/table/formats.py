@@ -22,6 +22,7 @@ checkpoint loading).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -129,18 +130,24 @@ def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: 
 
 def check_scale_values(scale: torch.Tensor, what: str = "table scale", first_row: int = 0) -> None:
     """Refuse a scale tensor (``[1]`` global or ``[n, 1]`` per row) holding a value that is not a
-    positive finite number, naming the first such value and its row (``first_row`` + its index).
+    positive finite number once cast to float32 (the dtype tables store scales in: a float64 scale
+    of 1e39 would become inf, one of 1e-50 zero), naming the first such value and its row
+    (``first_row`` + its index).
 
     On an accelerator this reads one flag back to the host (a synchronization)."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         got = type(scale).__name__ if not isinstance(scale, torch.Tensor) else scale.dtype
         raise InvalidArgumentError(f"{what} must be a floating point tensor, got {got}")
     flat = scale.detach().reshape(-1)
-    bad = ~(torch.isfinite(flat) & (flat > 0))
+    stored = flat.float()  # what a table keeps (no copy when already float32)
+    bad = ~(torch.isfinite(stored) & (stored > 0))
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         where = "" if flat.numel() == 1 and scale.dim() <= 1 else f" of row {first_row + i}"
-        raise InvalidArgumentError(f"{what}: the scale{where} is {float(flat[i])}, not a positive finite number")
+        value, as_stored = float(flat[i]), float(stored[i])
+        changed = flat.dtype != torch.float32 and value != as_stored and not math.isnan(value)
+        shown = f"{value} ({as_stored} as float32)" if changed else str(value)
+        raise InvalidArgumentError(f"{what}: the scale{where} is {shown}, not a positive finite number")
 
 
 class IdOutOfRangeError(PLEError, IndexError):

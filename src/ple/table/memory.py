@@ -12,12 +12,13 @@ __all__ = ["MemoryTable", "PinnedHostTable"]
 
 
 def _normalize_scale(data: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor | None:
+    """The scale as the table keeps it: float32 on the data's device, each value checked after the cast."""
     if scale is None:
         return None
     check_scale_values(scale, f"{fmt!r} table")
     if format_info(fmt).scale_kind == "global":
         scale = scale.reshape(1)
-    return scale.to(data.device)
+    return scale.to(device=data.device, dtype=torch.float32)
 
 
 def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bool = False):
@@ -61,8 +62,10 @@ class MemoryTable(_TensorTable):
         scale: None (plain), ``[1]`` (global; a scalar is accepted) or ``[rows, 1]`` (per row).
         format: format name; inferred from ``data``/``scale`` when None, validated when given.
 
-    The tensors are used as given (no copy), except that a scale is moved to the data's device.
-    Every scale must be a positive finite number (one pass over the scales, at construction).
+    The tensors are used as given (no copy), except that a scale is moved to the data's device as
+    float32 (a copy when it is another dtype or elsewhere). Every scale must be a positive finite
+    float32 number (one pass over the scales, at construction): a float64 scale of 1e39 is refused,
+    never stored as inf.
     """
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None = None, format: str | None = None) -> None:

@@ -101,10 +101,12 @@ class MmapTable(StoredTable):
     ) -> MmapTable:
         """Map a complete table file, after the one validation every reader makes (see
         :func:`ple.table.read_table_header`): refuses ``.partial`` files, incomplete or damaged
-        headers, inconsistent geometry, a wrong file size, a global scale that is not a positive
-        finite number, and (when ``expected_layout_hash`` is given, as a hash or a fields dict) a
-        file built for another layout. Row checksums are not computed here (see
-        :func:`ple.table.verify_table_file`).
+        headers, inconsistent geometry, a wrong file size, a global or per-row scale that is not a
+        positive finite number, and (when ``expected_layout_hash`` is given, as a hash or a fields
+        dict) a file built for another layout. Per-row scales are read once, with ``pread`` in
+        8 MiB chunks (4 bytes per row: about 40 ms per 32 million rows from the page cache on a
+        2-core EPYC, so about 0.4 s for the published 320 million rows); rows are not read, and
+        row checksums are not computed here (see :func:`ple.table.verify_table_file`).
 
         ``random_access`` advises the kernel that reads are scattered (``MADV_RANDOM``): a page
         fault then reads one page instead of a read-ahead window (a 160-byte row would otherwise

@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from ..collective import collective_device, differing, exchange_records, hash60, rank_list
 from ..errors import InvalidArgumentError, PLEError, UsageError
-from .base import Table, require_stored
-from .file import hash_layout
+from .base import StoredTable, Table, require_stored
+from .file import TableFileError, hash_layout
 from .formats import ACTIVATION_DTYPES, FORMATS, check_ids
 from .memory import MemoryTable
 from .mmap import MmapTable
@@ -327,12 +327,13 @@ class _Header:
     dtype: int  # index into ACTIVATION_DTYPES
     bad: int  # 1 when an id lies outside the table
     digest: int  # of replicated ids, with verify_ids
+    stale: int  # 1 when this rank's table file was changed in place (or closed): its rows cannot be served
     counts: tuple[int, ...]  # alltoall: ids this rank sends to each rank
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> _Header:
-        n, k, t, g, d, b, h = (int(x) for x in v[:7])
-        return cls(n, k, t, g, d, b, h, tuple(int(x) for x in v[7:]))
+        n, k, t, g, d, b, h, s = (int(x) for x in v[:8])
+        return cls(n, k, t, g, d, b, h, s, tuple(int(x) for x in v[8:]))
 
 
 def _lookup_problem(ids: Any, dtype: Any) -> str | None:
@@ -565,7 +566,8 @@ class ShardedTable(Table):
         problem = _lookup_problem(ids, dtype)
         dev = ids.device if problem is None else self._exchange_device
         W = self.world_size
-        fields: list[torch.Tensor | int] = [number, self._serial, -1, -1, -1, 0, 0]
+        file_error = self._file_error()
+        fields: list[torch.Tensor | int] = [number, self._serial, -1, -1, -1, 0, 0, int(file_error is not None)]
         counts = torch.zeros(W, dtype=torch.int64, device=dev)
         owner = order = flat_ok = None
         if problem is None:
@@ -583,10 +585,10 @@ class ShardedTable(Table):
                 order = torch.argsort(owner, stable=True)
                 counts = torch.bincount(owner, minlength=W)
         mine = torch.cat([torch.stack([torch.as_tensor(f, dtype=torch.int64, device=dev) for f in fields]), counts])
-        # 7 + W words on every rank of the group: no exchange of lengths
+        # 8 + W words on every rank of the group: no exchange of lengths
         records = exchange_records(mine, what="ShardedTable: lookup header", group=self.group, same_length=True)
         headers = [_Header.from_list(r) for r in records]
-        self._check_headers(headers, number, problem, ids)  # raises on every rank alike
+        self._check_headers(headers, number, problem, ids, file_error)  # raises on every rank alike
         if self.method == "alltoall":
             assert flat_ok is not None and order is not None
             recv = [h.counts[self.rank] for h in headers]
@@ -595,7 +597,21 @@ class ShardedTable(Table):
             return self._start_allreduce(ids, dtype)
         return self._start_reduce_scatter(ids, dtype, [h.tokens for h in headers])
 
-    def _check_headers(self, headers: list[_Header], number: int, problem: str | None, ids) -> None:
+    def _file_error(self) -> PLEError | None:
+        """Why this rank's local table, when it serves rows from a file (``check_file``), cannot serve
+        them now (the file changed in place, or the table was closed); None otherwise."""
+        check = getattr(self.local_table, "check_file", None)
+        if check is None:
+            return None
+        try:
+            check()
+        except (TableFileError, UsageError) as e:
+            return e
+        return None
+
+    def _check_headers(
+        self, headers: list[_Header], number: int, problem: str | None, ids, file_error: PLEError | None = None
+    ) -> None:
         """Raise the same error on every rank when the ranks' headers disagree (identical decisions
         everywhere, since every rank sees every header)."""
         me, W = self.rank, self.world_size
@@ -632,8 +648,16 @@ class ShardedTable(Table):
         bad = [r for r, h in valid if h.bad]
         if bad:
             rows.append(f"{rank_list(bad)} looked up row ids outside [0, {self.rows})")
+        stale = [r for r, h in enumerate(headers) if h.stale]
+        if stale:
+            rows.append(
+                f"{rank_list(stale)} cannot serve rows: the local table file was changed in place (or the table "
+                "closed) since it was opened"
+            )
         if not rows:
             return
+        if file_error is not None:
+            raise file_error  # names the file
         if me in bad and not invalid:
             check_ids(ids, self.rows)  # raises with the id and its position
         text = "; ".join(rows)
@@ -757,6 +781,55 @@ def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTabl
     return MemoryTable(data, scale, table.format)
 
 
+class _MappedRows(StoredTable):
+    """Rows ``[a, b)`` of a memory-mapped table file as one rank's local table: views of the file's
+    map (nothing copied; a lookup reads only the pages it touches), checked like the full
+    :class:`MmapTable`'s: every lookup first compares the file's size and modification time with
+    those at open (:meth:`check_file`), and a :class:`ShardedTable` makes that check on every rank
+    before any row moves. Closing it closes the file."""
+
+    def __init__(self, full: MmapTable, a: int, b: int) -> None:
+        super().__init__(full.format, b - a, full.head_dim)
+        self.path = full.path
+        self.header = full.header
+        self._full = full
+        scale = full.scale
+        self._rows: torch.Tensor | None = full.data[a:b]
+        self._scale = scale[a:b] if scale is not None and scale.dim() == 2 else scale
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._rows is None:
+            raise UsageError(f"table file {self.path} was closed")
+        return self._rows
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def layout_hash(self) -> str:
+        return self._full.layout_hash
+
+    def check_file(self) -> None:
+        """Raise :class:`~ple.table.TableFileError` if the file was changed in place since it was
+        opened (see :meth:`MmapTable.check_file`)."""
+        self._full.check_file()
+
+    def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        self.check_file()
+        super()._lookup_into(ids, out)
+
+    def close(self) -> None:
+        super().close()
+        self._rows = self._scale = None
+        self._full.close()
+
+
 def load_sharded(
     path: str | os.PathLike,
     group=None,
@@ -771,8 +844,11 @@ def load_sharded(
 ) -> ShardedTable:
     """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
 
-    ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read); a device
-    (``"cpu"``, ``"cuda:3"``) reads them into memory there. The file's layout hash is part of the
+    ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read) and checked
+    as an :class:`MmapTable` checks its file: a lookup raises :class:`~ple.table.TableFileError` on
+    the rank whose file was changed in place since it was opened (and :class:`ShardedLookupError`
+    on the others), before any row moves. A device (``"cpu"``, ``"cuda:3"``) reads the rows into
+    memory there and closes the file. The file's layout hash is part of the
     fingerprint the ranks compare, so ranks that opened different files fail together.
     Row range: ``row_range``, or :func:`shard_rows` over the file's rows with ``align`` (default:
     the file's own shard rows are not imposed; pass ``align=header['shard_rows']`` to keep them).
@@ -781,7 +857,14 @@ def load_sharded(
     try:
         full = MmapTable.open(path, expected_layout_hash)
         a, b = row_range if row_range is not None else shard_rows(full.rows, world, rank, align=align)
-        local = _slice_table(full, a, b, device, copy=device is not None)
+        if not 0 <= a <= b <= full.rows:
+            raise InvalidArgumentError(f"row range [{a}, {b}) is not within the table's [0, {full.rows})")
+        local: Table
+        if device is None:
+            local = _MappedRows(full, a, b)
+        else:
+            local = _slice_table(full, a, b, device, copy=True)
+            full.close()
     except Exception as e:
         _fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
     return ShardedTable(
