@@ -20,6 +20,7 @@ from transformers.monkey_patching import get_patch_mapping
 
 from ple.checkpoint import CheckpointError
 from ple.config import PLEConfig
+from ple.errors import InvalidArgumentError
 from ple.integrations.tables import RECORD_SUFFIX, default_table_dir
 from ple.integrations.transformers import (
     TableStub,
@@ -238,6 +239,42 @@ def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
     with pytest.warns(UserWarning, match="layers.0.ple.pletable is not used: its rows differ"):
         model = from_pretrained(path, table_dir=tables)
     assert_same_logits(model, reference)
+
+
+def test_a_table_file_changed_in_place_is_compared_again(checkpoint, tmp_path):
+    """The record vouches for the table file it was written beside, not for whatever that file holds
+    later: a file touched or edited in place (header and checksums kept) is compared with the
+    checkpoint row by row before it serves again. (An edit that also puts the old modification time
+    back is what ``ple verify`` is for: it checks every shard's checksum.)"""
+    from ple.table.file import read_table_header
+
+    path, _, reference = checkpoint
+    tables = tmp_path / "tables"
+    from_pretrained(path, table_dir=tables)
+    target = tables / TABLES[0]
+    st = os.stat(target)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched: rows the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = from_pretrained(path, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(model)] == ["verified", "reused"]
+    header = read_table_header(target)
+    with open(target, "r+b") as f:  # one row edited in place: size, header and checksums kept
+        f.seek(header["data_offset"] + header["row_nbytes"] * 5)
+        f.write(b"\x7f" * header["row_nbytes"])
+    with pytest.warns(UserWarning, match="layers.0.ple.pletable is not used: its rows differ from the checkpoint's"):
+        model = from_pretrained(path, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(model)] == ["converted", "reused"]
+    assert_same_logits(model, reference)
+
+
+def test_a_table_dir_that_cannot_be_a_folder_is_named(checkpoint, tmp_path):
+    path, _, _ = checkpoint
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for bad in (afile, afile / "below"):
+        with pytest.raises(InvalidArgumentError, match=f"table_dir {bad} cannot be a folder of table files"):
+            from_pretrained(path, table_dir=bad)
 
 
 def test_a_table_file_of_another_layout_is_refused(checkpoint, tmp_path):

@@ -9,7 +9,9 @@ a table file only when
 - the record's source identity equals the checkpoint's now: for every safetensors file holding the
   layer's table or scales, its name, size, modification time and the sha256 of its header (which
   lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
-  size, the header's per-shard checksums) equals the file's.
+  size, the header's per-shard checksums) equals the file's; and the table file itself is the one
+  recorded (its size, modification time, inode and device): a table file changed in place since
+  (a copy over it, an edit, a copy of the folder elsewhere) is compared with the checkpoint again.
 
 That costs a ``stat`` and a header read per checkpoint file, whatever the table's size. A table file without
 a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
@@ -72,7 +74,7 @@ __all__ = [
 
 RECORD_SUFFIX = ".source.json"
 """Suffix of the record beside a table file: ``<table file name>.source.json``."""
-_RECORD_VERSION = 1
+_RECORD_VERSION = 2
 _MAX_RECORD_BYTES = 1 << 20
 
 
@@ -121,6 +123,12 @@ def _table_identity(header: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _file_identity(path: Path) -> dict[str, int]:
+    """The table file as the file system knows it: changed by any write to it or any file put in its place."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "device": st.st_dev}
+
+
 def _record_path(path: Path) -> Path:
     return path.with_name(path.name + RECORD_SUFFIX)
 
@@ -135,6 +143,7 @@ def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], ch
         "record": "ple table source",
         "version": _RECORD_VERSION,
         "table": _table_identity(header),
+        "file": _file_identity(path),
         "source": source,
         "checkpoint": checkpoint,
     }
@@ -228,12 +237,16 @@ def prepare_table(
     format, so lookups are exact.
 
     Raises:
-        InvalidArgumentError: the folder holds this layer's table for another checkpoint folder that
-            still exists, or lacks the disk space a conversion needs.
+        InvalidArgumentError: ``table_dir`` is not a folder and cannot be made one; the folder holds
+            this layer's table for another checkpoint folder that still exists, or lacks the disk
+            space a conversion needs.
     """
     t0 = time.perf_counter()
     folder = Path(table_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError(f"table_dir {folder} cannot be a folder of table files: {e.strerror or e}") from e
     path = folder / table_file_name(entry.prefix)
     index = entry.ple_layer_index
     with _lock(path):
@@ -297,7 +310,11 @@ def _check_existing(
 ) -> tuple[str | None, str]:
     """``("reused" | "verified", "")`` when the opened table file may serve ``entry``, else
     ``(None, why not)``."""
-    if record is not None and record.get("table") == _table_identity(table.header):
+    if (
+        record is not None
+        and record.get("table") == _table_identity(table.header)
+        and record.get("file") == _file_identity(path)
+    ):
         if record.get("source") == source:
             return "reused", ""
         return None, _describe_change(record.get("source") or {}, source)
