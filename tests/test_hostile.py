@@ -471,6 +471,7 @@ STATS = {
     ),
     "npy_many_dims": (_npy_claiming((2**40,) * 30, bytes(8)), "t.npy", "bytes, but 8 bytes follow the header"),
     "npy_trailing_bytes": (_npy_claiming((2,), bytes(17)), "t.npy", "16 bytes, but 17 bytes follow the header"),
+    "npy_negative_dims": (_npy_claiming((-1, -2), bytes(16)), "t.npy", "its header says shape (-1, -2)"),
     "npy_uint64": (lambda p: np.save(p, np.array([2**64 - 1], dtype=np.uint64)), "t.npy", "does not fit int64"),
 }
 

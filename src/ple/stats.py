@@ -92,6 +92,8 @@ def _read_npy(f: BinaryIO, p: Path) -> np.ndarray:
         raise InvalidArgumentError(f"token file {p}: not a readable .npy array (it holds pickled objects)")
     if not np.issubdtype(dtype, np.integer):
         raise InvalidArgumentError(f"token file {p}: dtype {dtype}, expected integer token ids")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise InvalidArgumentError(f"token file {p}: not a readable .npy array (its header says shape {shape})")
     need = math.prod(shape) * dtype.itemsize
     have = os.fstat(f.fileno()).st_size - f.tell()
     if need != have:
