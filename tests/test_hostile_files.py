@@ -380,3 +380,17 @@ def test_load_sharded_to_a_device_reads_the_rows_once(one_rank_group, tmp_path):
     _change_in_place(path)
     ids = torch.tensor([[0, 5], [11, 0]])
     assert torch.equal(table.lookup(ids, torch.float32), data[ids.reshape(-1)].reshape(2, 8))
+
+
+def test_scale_rows_limits_the_scale_check_to_the_rows_served(tmp_path):
+    """``scale_rows`` limits the open's scale check to the rows a process serves (``load_sharded``:
+    each rank its own, tests/table/test_sharded.py)."""
+    from ple.table import MmapTable, TableFileError
+
+    path = _row_scale_file(tmp_path / "t.pletable")
+    _poke_scale(path, 9, float("nan"))
+    MmapTable.open(path, scale_rows=(0, 9)).close()
+    with pytest.raises(TableFileError, match="the per-row scale of row 9 is nan"):
+        MmapTable.open(path, scale_rows=(5, 10))
+    with pytest.raises(TableFileError, match=re.escape("rows [5, 11) are not within [0, 10)")):
+        MmapTable.open(path, scale_rows=(5, 11))

@@ -418,7 +418,20 @@ def _worker_scenarios(rank: int, world: int, files: Path):
             err = (type(e).__name__, str(e))
         return {"first": first, "err": err}
 
+    def damaged_scale_of_the_last_rank():
+        # every rank maps its own copy, each with the last row's scale (the last rank's row) damaged
+        own = files / f"nan-scale-{rank}.table"
+        data = bytearray((files / "a.table").read_bytes())
+        data[-4:] = b"\x00\x00\xc0\x7f"  # NaN
+        own.write_bytes(bytes(data))
+        try:
+            load_sharded(own)
+        except Exception as e:
+            return (type(e).__name__, str(e))
+        return None
+
     yield "errors/bad_id", bad_id
+    yield "errors/damaged_scale_of_the_last_rank", damaged_scale_of_the_last_rank
     for method in METHODS:
         yield f"errors/file_changed/{method}", lambda m=method: file_changed(m)
     yield "errors/ids_differ", ids_differ
@@ -771,6 +784,20 @@ def test_table_file_changed_on_one_rank_raises_everywhere(world, method, tmp_pat
                 typ == "ShardedLookupError"
                 and f"rank {w - 1} cannot serve rows: the local table file was changed" in msg
             )
+
+
+def test_each_rank_checks_the_scales_of_its_own_rows(world):
+    """load_sharded checks the per-row scales of each rank's own rows only: a damaged scale of the
+    last rank's rows is refused there, and the other ranks fail with it (not for their own open)."""
+    w, results = world
+    for r, res in enumerate(ok(results, "errors/damaged_scale_of_the_last_rank")):
+        typ, msg = res
+        assert typ == "ShardGeometryError" and "(this rank)" not in msg.replace(f"rank {w - 1} (this rank)", ""), msg
+        if r == w - 1:
+            assert f"rank {r} (this rank): could not open its shard" in msg
+            assert f"the per-row scale of row {ROWS - 1} is nan" in msg
+        else:
+            assert f"rank {w - 1} could not describe their shard" in msg and "could not open" not in msg, msg
 
 
 def test_verify_ids_catches_unreplicated_batch(world):

@@ -819,16 +819,18 @@ def _read_global_scale(fd: int, header: dict[str, Any], path: Path) -> float:
     return value
 
 
-def _check_row_scales(fd: int, header: dict[str, Any], path: Path) -> None:
-    """Raise :class:`TableFileError` naming the first per-row scale that is not a positive finite
-    number (in a sparse file, where unwritten rows have scale 0: not a finite number >= 0). The
-    scales are read with ``pread`` in chunks of 8 MiB (nothing mapped, memory bounded): 4 bytes per
-    row, 1.3 GB for the published geometry's 320 million rows, read once at open."""
-    rows, offset = header["rows"], header["scale"]["offset"]
+def _check_row_scales(fd: int, header: dict[str, Any], path: Path, rows: tuple[int, int] | None = None) -> None:
+    """Raise :class:`TableFileError` naming the first per-row scale of ``rows`` (``[first, end)``,
+    default all) that is not a positive finite number (in a sparse file, where unwritten rows have
+    scale 0: not a finite number >= 0). The scales are read with ``pread`` in chunks of 8 MiB
+    (nothing mapped, memory bounded): 4 bytes per row, 1.3 GB for the published geometry's 320
+    million rows, read once at open."""
+    first, end = rows if rows is not None else (0, header["rows"])
+    offset = header["scale"]["offset"]
     floor = np.float32(0.0)
     step = _READ_CHUNK // 4
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
+    for start in range(first, end, step):
+        stop = min(end, start + step)
         values = np.frombuffer(_pread_exact(fd, 4 * (stop - start), offset + 4 * start, path), dtype="<f4")
         low, high = values.min(), values.max()  # NaN propagates into both
         if (low > floor or (header["sparse"] and low == floor)) and high < np.inf:
@@ -843,7 +845,10 @@ def _check_row_scales(fd: int, header: dict[str, Any], path: Path) -> None:
 
 
 def open_table(
-    path: str | os.PathLike, expected_layout_hash: str | dict | None = None
+    path: str | os.PathLike,
+    expected_layout_hash: str | dict | None = None,
+    *,
+    scale_rows: tuple[int, int] | None = None,
 ) -> tuple[int, dict[str, Any], os.stat_result]:
     """``(fd, header, stat)`` of a complete table file that may be mapped: a read-only descriptor (the
     caller closes it), the validated header, and the file's status at open.
@@ -851,7 +856,9 @@ def open_table(
     Raises :class:`TableFileError` for a ``.partial`` name, an incomplete header, everything
     :func:`read_table_header` refuses, a global scale or a per-row scale that is not a positive
     finite number (every per-row scale is read once, see :func:`_check_row_scales`), and (given
-    ``expected_layout_hash``, a hash or a fields dict) a file built for another layout."""
+    ``expected_layout_hash``, a hash or a fields dict) a file built for another layout.
+    ``scale_rows=(first, end)`` checks the per-row scales of those rows only (a rank serving a
+    range of rows); a range outside the file's rows is a :class:`TableFileError`."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise TableFileError(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
@@ -870,8 +877,12 @@ def open_table(
                     f"(the table was built for another configuration; file layout fields: {header.get('layout')})"
                 )
         st = os.fstat(fd)
+        if scale_rows is not None and not 0 <= scale_rows[0] <= scale_rows[1] <= header["rows"]:
+            raise TableFileError(
+                f"{path}: rows [{scale_rows[0]}, {scale_rows[1]}) are not within [0, {header['rows']})"
+            )
         if header["scale"]["kind"] == "row":  # after the cheap checks: a foreign file costs no scan
-            _check_row_scales(fd, header, path)
+            _check_row_scales(fd, header, path, scale_rows)
             now = os.fstat(fd)
             if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise TableFileError(f"{path} was changed while its scales were checked: open it again")

@@ -65,10 +65,15 @@ class MmapTable(StoredTable):
     """
 
     def __init__(
-        self, path: str | os.PathLike, expected_layout_hash: str | dict | None = None, *, random_access: bool = True
+        self,
+        path: str | os.PathLike,
+        expected_layout_hash: str | dict | None = None,
+        *,
+        random_access: bool = True,
+        scale_rows: tuple[int, int] | None = None,
     ) -> None:
         path = Path(path)
-        fd, header, st = open_table(path, expected_layout_hash)
+        fd, header, st = open_table(path, expected_layout_hash, scale_rows=scale_rows)
         try:
             super().__init__(header["format"], header["rows"], header["head_dim"])
             self.path = path
@@ -97,7 +102,12 @@ class MmapTable(StoredTable):
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, expected_layout_hash: str | dict | None = None, *, random_access: bool = True
+        cls,
+        path: str | os.PathLike,
+        expected_layout_hash: str | dict | None = None,
+        *,
+        random_access: bool = True,
+        scale_rows: tuple[int, int] | None = None,
     ) -> MmapTable:
         """Map a complete table file, after the one validation every reader makes (see
         :func:`ple.table.read_table_header`): refuses ``.partial`` files, incomplete or damaged
@@ -110,8 +120,12 @@ class MmapTable(StoredTable):
 
         ``random_access`` advises the kernel that reads are scattered (``MADV_RANDOM``): a page
         fault then reads one page instead of a read-ahead window (a 160-byte row would otherwise
-        pull in up to 128 KiB). Pass False for sequential scans of the whole table."""
-        return cls(path, expected_layout_hash, random_access=random_access)
+        pull in up to 128 KiB). Pass False for sequential scans of the whole table.
+
+        ``scale_rows=(first, end)``: check the per-row scales of those rows only, for a process that
+        serves no others (a rank's shard, :func:`ple.table.load_sharded`); rows outside the range
+        are served unchecked."""
+        return cls(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
 
     @property
     def data(self) -> torch.Tensor:

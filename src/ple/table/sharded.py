@@ -60,7 +60,7 @@ import torch.distributed as dist
 from ..collective import collective_device, differing, exchange_records, hash60, rank_list
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import StoredTable, Table, require_stored
-from .file import TableFileError, hash_layout
+from .file import TableFileError, hash_layout, read_table_header
 from .formats import ACTIVATION_DTYPES, FORMATS, check_ids
 from .memory import MemoryTable
 from .mmap import MmapTable
@@ -784,9 +784,12 @@ def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTabl
 class _MappedRows(StoredTable):
     """Rows ``[a, b)`` of a memory-mapped table file as one rank's local table: views of the file's
     map (nothing copied; a lookup reads only the pages it touches), checked like the full
-    :class:`MmapTable`'s: every lookup first compares the file's size and modification time with
-    those at open (:meth:`check_file`), and a :class:`ShardedTable` makes that check on every rank
-    before any row moves. Closing it closes the file."""
+    :class:`MmapTable`'s: a :class:`ShardedTable` compares the file's size and modification time
+    with those at open (:meth:`check_file`) on every rank in the header of every lookup, before any
+    row moves, so all ranks fail together. The rows themselves are read without a second check: one
+    that failed on one rank alone, after the header, would leave the others waiting in the next
+    collective (a change during a lookup goes undetected, as for :class:`MmapTable`). Closing it
+    closes the file."""
 
     def __init__(self, full: MmapTable, a: int, b: int) -> None:
         super().__init__(full.format, b - a, full.head_dim)
@@ -820,10 +823,6 @@ class _MappedRows(StoredTable):
         opened (see :meth:`MmapTable.check_file`)."""
         self._full.check_file()
 
-    def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        self.check_file()
-        super()._lookup_into(ids, out)
-
     def close(self) -> None:
         super().close()
         self._rows = self._scale = None
@@ -844,6 +843,7 @@ def load_sharded(
 ) -> ShardedTable:
     """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
 
+    Each rank checks the per-row scales of its own rows only (``MmapTable.open(scale_rows=)``).
     ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read) and checked
     as an :class:`MmapTable` checks its file: a lookup raises :class:`~ple.table.TableFileError` on
     the rank whose file was changed in place since it was opened (and :class:`ShardedLookupError`
@@ -855,10 +855,12 @@ def load_sharded(
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     try:
-        full = MmapTable.open(path, expected_layout_hash)
-        a, b = row_range if row_range is not None else shard_rows(full.rows, world, rank, align=align)
-        if not 0 <= a <= b <= full.rows:
-            raise InvalidArgumentError(f"row range [{a}, {b}) is not within the table's [0, {full.rows})")
+        rows = read_table_header(path)["rows"]
+        a, b = row_range if row_range is not None else shard_rows(rows, world, rank, align=align)
+        if not 0 <= a <= b <= rows:
+            raise InvalidArgumentError(f"row range [{a}, {b}) is not within the table's [0, {rows})")
+        # each rank checks the per-row scales of its own rows only
+        full = MmapTable.open(path, expected_layout_hash, scale_rows=(a, b))
         local: Table
         if device is None:
             local = _MappedRows(full, a, b)
