@@ -10,10 +10,11 @@ a table file only when
   layer's table or scales, its name, size, modification time and the sha256 of its header (which
   lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
   size, the header's per-shard checksums) equals the file's; and the table file itself is the one
-  recorded (its size, modification time, inode and device): a table file changed in place since
+  recorded (its size, modification time and inode): a table file changed in place since
   (a copy over it, an edit, a copy of the folder elsewhere) is compared with the checkpoint again.
 
-That costs a ``stat`` and a header read per checkpoint file, whatever the table's size. A table file without
+That costs a ``stat`` and a header read per checkpoint file, and opening the table file reads its
+per-row scales when it has them (4 bytes per row, checked at every open); never the rows. A table file without
 a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
 and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
 again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
@@ -124,9 +125,11 @@ def _table_identity(header: dict[str, Any]) -> dict[str, Any]:
 
 
 def _file_identity(path: Path) -> dict[str, int]:
-    """The table file as the file system knows it: changed by any write to it or any file put in its place."""
+    """The table file as the file system knows it: changed by any write to it or any file put in its
+    place. (Not the device number: network and overlay file systems do not keep it stable, and hosts
+    sharing a folder see different ones.)"""
     st = os.stat(path)
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "device": st.st_dev}
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
 def _record_path(path: Path) -> Path:
