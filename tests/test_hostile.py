@@ -683,8 +683,26 @@ def test_trailing_byte_after_the_tensor_data(ckpt, tmp_path, capsys):
             b"xx",
             None,
         ),
+        (
+            '{"a": {"dtype": "F32", "shape": [1099511627776, 0], "data_offsets": [0, 0]}, '
+            '"b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}',
+            b"xx",
+            None,
+        ),
     ],
-    ids=["gap", "gap_first", "overlap", "duplicate_name", "huge_shape", "e8m0", "f4", "f4_size", "unknown", "empty"],
+    ids=[
+        "gap",
+        "gap_first",
+        "overlap",
+        "duplicate_name",
+        "huge_shape",
+        "e8m0",
+        "f4",
+        "f4_size",
+        "unknown",
+        "empty",
+        "empty_huge_dim",
+    ],  # fmt: skip
 )
 def test_safetensors_byte_ranges_tile_the_file(tmp_path, header, data, message):
     """The header's byte ranges are checked as the safetensors library checks them: a file ple's scan

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import ple.integrations.checkpoints as deq
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
-from ple.files import make_partial_dir, write_atomically
+from ple.files import partial_dir, sweep_partial_dirs, write_atomically
 from ple.integrations.checkpoints import dequantize_checkpoint
 from ple.integrations.tables import RECORD_SUFFIX, prepare_table
 
@@ -65,9 +66,36 @@ def test_write_atomically_follows_no_link_and_leaves_nothing_on_failure(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a.json.partial", "victim", "victim2"]
 
 
-def test_partial_dirs_are_private_to_their_writer(tmp_path):
-    a, b = make_partial_dir(tmp_path / "out"), make_partial_dir(tmp_path / "out")
-    assert a != b and a.is_dir() and b.is_dir() and a.name.endswith(".partial") and a.name.startswith("out.")
+def test_partial_dirs_are_private_to_their_writer_and_swept_once_it_died(tmp_path):
+    """Each writer builds in a folder of its own, locked while it works; the next writer removes the
+    folders no process holds (a writer killed mid-way), older than a minute, and nothing else."""
+    out = tmp_path / "out"
+    old = time.time() - 3600
+    dead = tmp_path / "out.4242-0123456789ab.partial"  # a killed writer's folder, an hour old
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "shard.safetensors").write_bytes(b"x" * 100)
+    os.utime(dead, (old, old))
+    young = tmp_path / "out.4243-0123456789ab.partial"  # just made: its writer may not have locked it yet
+    young.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "out.4244-0123456789ab.partial").symlink_to(victim)
+    other = tmp_path / "outer.4245-0123456789ab.partial"  # another name's folder
+    other.mkdir()
+    os.utime(other, (old, old))
+    with partial_dir(out) as a:
+        assert not dead.exists() and young.is_dir() and victim.is_dir() and other.is_dir()
+        assert not (tmp_path / "out.4244-0123456789ab.partial").exists()
+        os.utime(a, (old, old))  # old, but its writer is at work: never swept
+        with partial_dir(out) as b:
+            assert a != b and a.is_dir() and b.is_dir()
+            assert a.name.endswith(".partial") and a.name.startswith("out.")
+        assert sweep_partial_dirs(out) == [] and a.is_dir()
+    with pytest.raises(RuntimeError, match="failed"):
+        with partial_dir(out) as c:
+            (c / "half").write_bytes(b"half")
+            raise RuntimeError("failed")
+    assert not c.exists()
 
 
 @pytest.fixture(scope="module")

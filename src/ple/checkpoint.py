@@ -157,8 +157,8 @@ def _tensor_info(path: Path, meta, data_start: int, data_size: int) -> TensorInf
         raise ValueError("data_offsets decrease")
     if end > data_size:
         raise _PastTheEnd(end)
-    numel = 1
-    for d in shape:  # stops early: a shape of huge dimensions costs no huge product
+    numel = 0 if 0 in shape else 1  # a zero-size tensor of any other dimensions is valid
+    for d in shape if numel else ():  # stops early: a shape of huge dimensions costs no huge product
         numel *= d
         if numel * bits > 8 * data_size:
             raise ValueError(

@@ -10,16 +10,19 @@ JSON: :func:`parse_json` and :func:`read_json` turn every way ``json`` refuses h
 more digits than Python converts) into the caller's error naming the file.
 
 Writing: :func:`write_atomically` replaces a file all or nothing through a temporary file of its
-own (random name, created exclusively, never through a symbolic link); :func:`make_partial_dir`
-makes such a private folder for a writer that builds a whole folder.
+own (random name, created exclusively, never through a symbolic link); :func:`partial_dir`
+makes such a private folder for a writer that builds a whole folder, locked while it works, so
+folders of writers that died are swept away by the next one (:func:`sweep_partial_dirs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,9 @@ from .errors import InvalidArgumentError, PLEError
 
 __all__ = [
     "file_kind",
-    "make_partial_dir",
+    "fsync_dir",
+    "partial_dir",
+    "sweep_partial_dirs",
     "open_regular",
     "parse_json",
     "read_json",
@@ -149,22 +154,24 @@ def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) ->
     The bytes go to a temporary file of a random name in the same folder
     (``<name>.<pid>-<random>.partial``), created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing
     already at that name (a symbolic link planted there, another writer's file) is followed, reused
-    or truncated. The file is fsync'd and renamed over ``path`` (``os.replace``), so a reader sees the
-    old file or the new one, never a mix; concurrent writers each write their own file and the last
+    or truncated. The file is fsync'd and renamed over ``path`` (``os.replace``; then the folder is
+    fsync'd), so a reader sees the old file or the new one, never a mix; concurrent writers each write their own file and the last
     rename wins. On any error (the disk full, an interruption) the temporary file is removed and
     ``path`` is left as it was. ``mode`` is the new file's permissions (less the umask)."""
     path = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(16):
-        tmp = _partial_name(path)
-        try:
-            fd = os.open(tmp, flags, mode)
-            break
-        except FileExistsError:
-            continue
-    else:  # 16 random names taken
-        raise FileExistsError(f"could not create a temporary file beside {path}: every name tried exists")
+    tmp: Path | None = None
     try:
+        for _ in range(16):
+            name = _partial_name(path)
+            try:
+                fd = os.open(name, flags, mode)
+            except FileExistsError:
+                continue
+            tmp = name
+            break
+        else:  # 16 random names taken
+            raise FileExistsError(f"could not create a temporary file beside {path}: every name tried exists")
         try:
             view = memoryview(data).cast("B")
             while view:
@@ -173,24 +180,119 @@ def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) ->
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        tmp = None
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
 
 
-def make_partial_dir(path: str | os.PathLike) -> Path:
-    """A new empty folder beside ``path`` to build ``path`` in: ``<name>.<pid>-<random>.partial``,
-    made with ``mkdir`` (which never follows or reuses what is already at a name), permissions
-    0o777 less the umask. The caller fills it and renames it to ``path``, or removes it."""
+_STALE_PARTIAL_S = 60.0  # a writer locks its folder within microseconds of making it
+
+
+def _lock_dir(folder: Path, blocking: bool) -> int | None:
+    """A descriptor of ``folder`` holding an exclusive ``flock`` on it, or None when another process
+    holds it (``blocking=False``) or locks are unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def sweep_partial_dirs(path: str | os.PathLike) -> list[Path]:
+    """Remove the folders that dead writers of ``path`` left (``<name>.<pid>-<random>.partial``,
+    see :func:`partial_dir`): those no process holds locked, made more than a minute ago (a
+    symbolic link of such a name is removed, never followed). Returns the folders removed."""
+    import re
+    import shutil
+    import time
+
     path = Path(path)
+    pattern = re.compile(re.escape(path.name) + r"\.\d+-[0-9a-f]{12}" + re.escape(PARTIAL_SUFFIX))
+    removed: list[Path] = []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        p = path.parent / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)  # the link itself; its target is never touched
+                removed.append(p)
+            continue
+        if not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < _STALE_PARTIAL_S:
+            continue
+        try:
+            fd = _lock_dir(p, blocking=False)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # its writer is at work
+        try:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def partial_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A new empty folder beside ``path`` to build ``path`` in, for the duration of the block:
+    ``<name>.<pid>-<random>.partial``, made with ``mkdir`` (which never follows or reuses what is
+    already at a name), permissions 0o777 less the umask, and locked (``flock``) while the block
+    runs, so :func:`sweep_partial_dirs` (run here first) removes only folders of writers that died.
+    The block fills the folder and renames it to ``path``; if it raises, the folder is removed."""
+    import shutil
+
+    path = Path(path)
+    sweep_partial_dirs(path)
     for _ in range(16):
         tmp = _partial_name(path)
         try:
             os.mkdir(tmp, 0o777)
-            return tmp
+            break
         except FileExistsError:
             continue
-    raise FileExistsError(f"could not create a temporary folder beside {path}: every name tried exists")
+    else:
+        raise FileExistsError(f"could not create a temporary folder beside {path}: every name tried exists")
+    fd: int | None = None
+    try:
+        fd = _lock_dir(tmp, blocking=True)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a rename or a new entry in ``folder`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

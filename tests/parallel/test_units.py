@@ -227,6 +227,7 @@ def test_launch_env_checks_every_variable(monkeypatch):
         ),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "environment variable LOCAL_RANK=-1 must be >= 0"),
         ({"RANK": "x", "WORLD_SIZE": "2"}, "environment variable RANK='x' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "1_0"}, "environment variable WORLD_SIZE='1_0' is not an integer"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, "environment variable WORLD_SIZE=0 must be >= 1"),
         ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
     ]:

@@ -15,7 +15,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import stat
 import struct
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from ..checkpoint import (
     read_header,
 )
 from ..errors import InvalidArgumentError
-from ..files import file_kind, make_partial_dir, open_regular, read_json, write_atomically
+from ..files import file_kind, fsync_dir, open_regular, partial_dir, read_json, write_atomically
 from ..table import dequantize
 
 __all__ = ["dequantize_checkpoint"]
@@ -112,6 +111,7 @@ def _copy_file(src: Path, dst: Path) -> None:
         try:
             while chunk := os.read(fd, _CHUNK_BYTES):
                 _write_all(out, chunk)
+            os.fsync(out)
         finally:
             os.close(out)
     finally:
@@ -137,9 +137,10 @@ def dequantize_checkpoint(
     copied); ``ple_embedding_dtype`` is removed from ``config.json``. Streams in chunks of 64 MiB.
 
     ``dst`` must not exist; it is built in a new folder of its own beside it
-    (``<dst>.<pid>-<random>.partial``, see :func:`ple.files.make_partial_dir`) and renamed to ``dst``
-    when complete, so concurrent writers never share files: the first to finish wins, the others
-    raise ``FileExistsError``, and a failed or interrupted one leaves nothing. The folder is
+    (``<dst>.<pid>-<random>.partial``, see :func:`ple.files.partial_dir`), every file fsync'd, and
+    renamed to ``dst`` when complete, so concurrent writers never share files: the first to finish
+    wins, the others raise ``FileExistsError``; a failed or interrupted one removes its folder, and
+    the folder of one that was killed is removed by the next call for ``dst``. The folder is
     checked (files, headers, what else it holds) before anything is written; raises
     :class:`~ple.checkpoint.CheckpointError` for a checkpoint that cannot be read.
     """
@@ -156,8 +157,7 @@ def dequantize_checkpoint(
     index = _json(src / INDEX_NAME, "checkpoint index") if os.path.lexists(src / INDEX_NAME) else None
     scales = _scales(headers)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    partial = make_partial_dir(dst)
-    try:
+    with partial_dir(dst) as partial:
         weight_map: dict[str, str] = {}
         total = 0
         with PreadReader() as reader:
@@ -176,10 +176,9 @@ def dequantize_checkpoint(
             metadata = index.get("metadata")
             index["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "total_size": total}
             write_atomically(partial / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        fsync_dir(partial)
         _publish_folder(partial, dst)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    fsync_dir(dst.parent)
     return dst
 
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..argtypes import parse_int, shown
 from ..errors import InvalidArgumentError, UsageError
 
 __all__ = [
@@ -90,10 +91,9 @@ def _env_int(name: str, lo: int, default: int | None = None) -> int:
         raise UsageError(
             f"environment variable {name} is not set: start this process with torchrun or `ple demo --ranks N`"
         )
-    try:
-        v = int(text)
-    except ValueError:
-        raise InvalidArgumentError(f"environment variable {name}={text!r} is not an integer") from None
+    v = parse_int(text)
+    if v is None:
+        raise InvalidArgumentError(f"environment variable {name}={shown(text)} is not an integer")
     if v < lo:
         raise InvalidArgumentError(f"environment variable {name}={v} must be >= {lo}")
     return v

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import open_regular, parse_json
+from ..files import PARTIAL_SUFFIX, open_regular, parse_json
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
 
@@ -84,7 +84,6 @@ __all__ = [
 MAGIC = b"PLETABLE"
 VERSION = 2
 """The table file format version this module writes and reads (2: the header is checksummed)."""
-PARTIAL_SUFFIX = ".partial"
 TABLE_SUFFIX = ".pletable"
 """The file name suffix of table files (``ple convert`` writes ``<layer prefix>.pletable``)."""
 _ALIGN = 4096
