@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
+import shutil
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,13 +34,13 @@ from .errors import InvalidArgumentError, PLEError
 __all__ = [
     "file_kind",
     "fsync_dir",
-    "partial_dir",
-    "sweep_partial_dirs",
     "open_regular",
     "parse_json",
+    "partial_dir",
     "read_json",
     "read_regular",
     "require_regular",
+    "sweep_partial_dirs",
     "write_atomically",
 ]
 
@@ -155,8 +158,8 @@ def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) ->
     (``<name>.<pid>-<random>.partial``), created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing
     already at that name (a symbolic link planted there, another writer's file) is followed, reused
     or truncated. The file is fsync'd and renamed over ``path`` (``os.replace``; then the folder is
-    fsync'd), so a reader sees the old file or the new one, never a mix; concurrent writers each write their own file and the last
-    rename wins. On any error (the disk full, an interruption) the temporary file is removed and
+    fsync'd), so a reader sees the old file or the new one, never a mix; concurrent writers each
+    write their own file and the last rename wins. On any error (the disk full, an interruption) the temporary file is removed and
     ``path`` is left as it was. ``mode`` is the new file's permissions (less the umask)."""
     path = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -212,10 +215,6 @@ def sweep_partial_dirs(path: str | os.PathLike) -> list[Path]:
     """Remove the folders that dead writers of ``path`` left (``<name>.<pid>-<random>.partial``,
     see :func:`partial_dir`): those no process holds locked, made more than a minute ago (a
     symbolic link of such a name is removed, never followed). Returns the folders removed."""
-    import re
-    import shutil
-    import time
-
     path = Path(path)
     pattern = re.compile(re.escape(path.name) + r"\.\d+-[0-9a-f]{12}" + re.escape(PARTIAL_SUFFIX))
     removed: list[Path] = []
@@ -259,8 +258,6 @@ def partial_dir(path: str | os.PathLike) -> Iterator[Path]:
     already at a name), permissions 0o777 less the umask, and locked (``flock``) while the block
     runs, so :func:`sweep_partial_dirs` (run here first) removes only folders of writers that died.
     The block fills the folder and renames it to ``path``; if it raises, the folder is removed."""
-    import shutil
-
     path = Path(path)
     sweep_partial_dirs(path)
     for _ in range(16):
