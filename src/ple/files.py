@@ -37,6 +37,7 @@ __all__ = [
     "open_regular",
     "parse_json",
     "partial_dir",
+    "partial_entries",
     "read_json",
     "read_regular",
     "require_regular",
@@ -211,6 +212,29 @@ def _lock_dir(folder: Path, blocking: bool) -> int | None:
     return fd
 
 
+def partial_entries(folder: Path, pattern: re.Pattern[str]) -> Iterator[tuple[Path, os.stat_result]]:
+    """The entries of ``folder`` whose names match ``pattern`` (writers' temporary files or folders),
+    with their ``lstat``; a symbolic link of such a name is removed on the way, never followed (its
+    target is never touched). A folder that cannot be listed has none."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        p = folder / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+            continue
+        yield p, st
+
+
 def sweep_partial_dirs(path: str | os.PathLike) -> list[Path]:
     """Remove the folders that dead writers of ``path`` left (``<name>.<pid>-<random>.partial``,
     see :func:`partial_dir`): those no process holds locked, made more than a minute ago (a
@@ -218,23 +242,7 @@ def sweep_partial_dirs(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     pattern = re.compile(re.escape(path.name) + r"\.\d+-[0-9a-f]{12}" + re.escape(PARTIAL_SUFFIX))
     removed: list[Path] = []
-    try:
-        names = os.listdir(path.parent)
-    except OSError:
-        return removed
-    for name in names:
-        if not pattern.fullmatch(name):
-            continue
-        p = path.parent / name
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)  # the link itself; its target is never touched
-                removed.append(p)
-            continue
+    for p, st in partial_entries(path.parent, pattern):
         if not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < _STALE_PARTIAL_S:
             continue
         try:

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import PARTIAL_SUFFIX, open_regular, parse_json
+from ..files import PARTIAL_SUFFIX, open_regular, parse_json, partial_entries
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
 
@@ -217,26 +217,8 @@ def _same_file(path: Path, st: os.stat_result) -> bool:
 def _sweep_partials(path: Path) -> list[Path]:
     """Remove the temporary files that crashed writers of ``path`` left (a symbolic link of such a name
     is removed, never followed); returns those of writers still at work (locked), left alone."""
-    pattern = _partial_pattern(path.name)
     live: list[Path] = []
-    try:
-        names = os.listdir(path.parent)
-    except OSError:
-        return live
-    for entry in names:
-        if not pattern.fullmatch(entry):
-            continue
-        p = path.parent / entry
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            try:
-                os.unlink(p)  # the link itself; its target is never touched
-            except FileNotFoundError:
-                pass
-            continue
+    for p, st in partial_entries(path.parent, _partial_pattern(path.name)):
         if not stat.S_ISREG(st.st_mode):
             continue
         try:
