@@ -261,6 +261,10 @@ def test_select_cases():
     assert names("decode-fp32,ids,decode-fp32") == ["decode-fp32", "ids"]
     with pytest.raises(ValueError, match="no benchmark case matches 'prefil'.*known cases: ids"):
         bench_cases.select_cases("prefil")
+    assert names("all") == names(None) and len(names(None)) == len(bench_cases.CASES)
+    for empty in ("", " , "):
+        with pytest.raises(ValueError, match=r"names no case \(say 'all' for every case\)"):
+            bench_cases.select_cases(empty)
 
 
 def test_bad_arguments(capsys):

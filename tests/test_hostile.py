@@ -357,7 +357,11 @@ _INTERRUPTED_CHILD = textwrap.dedent(
 )
 
 
-def test_ctrl_c_during_convert(ckpt, tmp_path):
+@pytest.mark.parametrize(
+    "sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["int", "term"]
+)
+def test_ctrl_c_or_sigterm_during_convert(ckpt, tmp_path, sig, code, said):
+    """Ctrl-C and SIGTERM (what ``timeout``, ``kill`` and job runners send) run the same cleanup."""
     out, marker = tmp_path / "out", tmp_path / "marker"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     child = subprocess.Popen(
@@ -373,14 +377,14 @@ def test_ctrl_c_during_convert(ckpt, tmp_path):
             time.sleep(0.05)
         assert marker.exists(), child.communicate(timeout=30)
         assert any(p.name.endswith(".partial") for p in out.iterdir())
-        child.send_signal(signal.SIGINT)
+        child.send_signal(sig)
         stdout, stderr = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert child.returncode == 130, stderr
-    assert stderr == "ple convert: interrupted\n"
+    assert child.returncode == code, stderr
+    assert stderr == f"ple convert: {said}\n"
     assert list(out.iterdir()) == []
 
 
@@ -497,7 +501,10 @@ def test_stats_layer_out_of_range(stats_model, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["demo", "--slots", "0"], "argument --slots: 0 is out of range: expected an integer >= 1"),
+        (["demo", "--slots", "0"], "argument --slots: 0 is out of range: expected an integer in [1, 4,096]"),
+        (["demo", "--slots", "100000000000"], "argument --slots: 100000000000 is out of range: expected an integer in"),
+        (["demo", "--requests", "1000000000"], "argument --requests: 1000000000 is out of range"),
+        (["demo", "--new-tokens", "10000000"], "argument --new-tokens: 10000000 is out of range"),
         (["demo", "--chunk", "0"], "argument --chunk: 0 is out of range"),
         (["demo", "--requests", "0"], "argument --requests: 0 is out of range"),
         (["demo", "--requests", "x"], "argument --requests: 'x' is not an integer"),
@@ -506,7 +513,7 @@ def test_stats_layer_out_of_range(stats_model, capsys):
         (["demo", "--chunk", "+8"], "argument --chunk: '+8' is not an integer"),
         (["ids", "m", "--tokens", "1", "--layer", "\u0663"], "argument --layer: '\u0663' is not an integer"),
         (["stats", "m", "--tokens", "t", "--layer", "0_0"], "argument --layer: '0_0' is not an integer"),
-        (["demo", "--num-spec", "-1"], "argument --num-spec: -1 is out of range: expected an integer >= 0"),
+        (["demo", "--num-spec", "-1"], "argument --num-spec: -1 is out of range: expected an integer in [0, 64]"),
         (["demo", "--layer", "-2"], "argument --layer: -2 is out of range"),
         (["bench", "--threads", "0"], "argument --threads: 0 is out of range"),
         (["bench", "--repeat", "0"], "argument --repeat: 0 is out of range"),

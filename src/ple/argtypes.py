@@ -8,7 +8,7 @@ import re
 
 import torch
 
-__all__ = ["positive_int", "non_negative_int", "integer", "device", "parse_int", "shown"]
+__all__ = ["positive_int", "non_negative_int", "int_between", "integer", "device", "parse_int", "shown"]
 
 MAX_INT_DIGITS = 1000
 """Most digits :func:`parse_int` reads (far beyond any id or count; Python's own limit is 4300)."""
@@ -52,6 +52,19 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _int_at_least(text, 0)
+
+
+def int_between(lo: int, hi: int):
+    """An argparse type: an integer in ``[lo, hi]`` (a bound on what a run can hold, named when hit)."""
+
+    def check(text: str) -> int:
+        v = integer(text)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range: expected an integer in [{lo:,}, {hi:,}]")
+        return v
+
+    check.__name__ = f"integer in [{lo}, {hi}]"
+    return check
 
 
 def device(text: str) -> torch.device:

@@ -11,6 +11,7 @@ Exit status, the same for every subcommand:
   argparse's usage message and the error;
 - 130: interrupted (Ctrl-C); the temporary file being written is removed (table files already
   published stay: each is complete);
+- 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup;
 - 141: stdout was closed early (``ple ... | head``), quietly.
 
 Any other exception is a bug in ple and shows its traceback.
@@ -24,20 +25,42 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from . import __version__, argtypes, commands, demo
 from .bench import runner
 from .errors import PLEError
 
-__all__ = ["build_parser", "main", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_PIPE"]
+__all__ = [
+    "build_parser",
+    "main",
+    "EXIT_OK",
+    "EXIT_PROBLEM",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "EXIT_PIPE",
+    "EXIT_TERMINATED",
+    "Terminated",
+]
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 0, 1, 2, 130, 141, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (a KeyboardInterrupt, so whatever cleans up after Ctrl-C
+    cleans up after it too)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
 
 _EPILOG = (
     "exit status: 0 ok; 1 a problem with the input or data (one line on stderr); 2 a wrong command line; "
-    "130 interrupted; 141 output closed early"
+    "130 interrupted; 141 output closed early; 143 terminated"
 )
 
 
@@ -117,8 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ple`` command; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(_values_may_start_with_dash(list(sys.argv[1:] if argv is None else argv)))
     name = f"ple {args.command}"
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.fn(args) or 0)
+    except Terminated:
+        print(f"{name}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -133,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PLEError, OSError) as e:
         print(f"{name}: {_one_line(e)}", file=sys.stderr)
         return EXIT_PROBLEM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _one_line(e: BaseException) -> str:

@@ -456,3 +456,35 @@ def test_session_refuses_converted_inputs():
             s.add("b", from_state=state)
     assert s.request_ids == ["a"]
     assert torch.equal(s.prefix_state("a").conv_window, good.conv_window)  # nothing changed
+
+
+def test_requests_that_cannot_be_held_and_odd_arguments_are_refused_by_name():
+    """State that cannot be allocated, ``speculative=`` that is not a collection of ids (a string
+    would read as its characters), and tokens on another device end in a SessionError; nothing
+    changes."""
+    layer = _layer(0)
+    cfg = layer.config
+    with pytest.raises(SessionError, match=r"100,000,000,000 slots of conv state .* cannot be allocated"):
+        Session(layer, 10**11)
+    s = Session(layer, 2, num_spec=1)
+    with pytest.raises(SessionError, match=r"99,999,999,998 slots of conv state .* cannot be allocated"):
+        s.grow(10**11)
+    assert s.max_requests == 2 and s.conv_state.shape[0] == 2
+    s = Session(layer, 3, num_spec=1)
+    for rid in ("a", "b", "ab"):
+        s.add(rid)
+    h = torch.randn(1, cfg.hc_hidden_size)
+    t = torch.tensor([3])
+    with pytest.raises(
+        SessionError, match=r"speculative must be a collection of request ids \(e.g. \{'a'\}\), got 'ab'"
+    ):
+        s.step({"ab": (h, t)}, speculative="ab")
+    with pytest.raises(SessionError, match="speculative must be a collection of request ids .*, got 5"):
+        s.step({"ab": (h, t)}, speculative=5)
+    with pytest.raises(SessionError, match="speculative holds a request id that is not hashable"):
+        s.step({"ab": (h, t)}, speculative=[["a"]])
+    with pytest.raises(SessionError, match="request 'ab': tokens are on meta; give them on the CPU or cpu"):
+        s.step({"ab": (h, t.to("meta"))})
+    s.step({"ab": (h, t)}, speculative={"ab"})  # the set form works, and nothing else was marked
+    s.accept("ab", 1)
+    s.step({"a": (h, t), "b": (h, t)})

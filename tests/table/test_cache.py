@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from ple.errors import UsageError
+from ple.errors import InvalidArgumentError, UsageError
 from ple.table import (
     FORMATS,
     CachedTable,
@@ -228,6 +228,19 @@ def test_rejects_bad_arguments():
         CachedTable(table, 5, max_tracked=4)
     with pytest.raises(TypeError, match="reads the table's rows directly, which a Tensor does not hold"):
         CachedTable(torch.zeros(3, 3), 5)
+    bad_devices = [
+        ("bogus", r"device must be a torch device \(cpu, cuda, cuda:1\), got 'bogus'"),
+        (True, "device must be a torch device .*, got True"),
+        ("meta", "device meta is not a device tables can live on"),
+    ]
+    if not torch.cuda.is_available():
+        bad_devices += [("cuda", "device cuda: CUDA is not available"), (3, "device must be a torch device .*, got 3")]
+    else:
+        bad_devices += [(f"cuda:{torch.cuda.device_count()}", "CUDA device")]
+    for device, message in bad_devices:
+        with pytest.raises(InvalidArgumentError, match=message):
+            CachedTable(table, 5, device=device)
+    assert CachedTable(table, 5, device="cpu").device == torch.device("cpu")
 
     class Remote(Table):
         """A lookup-only tier (rows elsewhere, as for a table sharded across ranks)."""

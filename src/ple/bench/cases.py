@@ -854,15 +854,19 @@ CASES: tuple[Case, ...] = (
 
 def select_cases(spec: str | None) -> list[Case]:
     """Cases named by a comma-separated list of names, prefixes (``prefill``) or globs (``*-bf16``);
-    None or ``all`` selects every case. Unknown names raise ``ValueError`` listing the known ones."""
+    None or ``all`` selects every case. Unknown names raise ``ValueError`` listing the known ones, and
+    so does an empty list (say ``all``: an unset variable in a script must not select every case)."""
     import fnmatch
 
-    if spec is None or spec.strip() in ("", "all"):
+    if spec is None or spec.strip() == "all":
         return list(CASES)
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise InvalidArgumentError(
+            f"--cases {spec!r} names no case (say 'all' for every case); known cases: {', '.join(c.name for c in CASES)}"
+        )
     chosen: list[Case] = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
+    for part in parts:
         hits = [c for c in CASES if c.name == part or c.name.startswith(part + "-") or fnmatch.fnmatch(c.name, part)]
         if not hits:
             raise InvalidArgumentError(

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import int_between, non_negative_int
 from . import parallel
 from .model import MODEL_SIZES
 from .serving import DEMO_CONFIG, print_serving, run_serving, serve, synthesize_checkpoint
@@ -45,11 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")
     p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")
-    p.add_argument("--requests", type=positive_int, default=None, help="requests in the workload (default 16, quick 6)")
-    p.add_argument("--slots", type=positive_int, default=8, help="concurrent requests (state slots)")
-    p.add_argument("--num-spec", type=non_negative_int, default=3, help="speculative tokens per verify chunk")
-    p.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk size")
-    p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens each prompt generates (model part)")
+    p.add_argument(
+        "--requests", type=int_between(1, 100_000), default=None, help="requests in the workload (default 16, quick 6)"
+    )
+    p.add_argument("--slots", type=int_between(1, 4096), default=8, help="concurrent requests (state slots)")
+    p.add_argument("--num-spec", type=int_between(0, 64), default=3, help="speculative tokens per verify chunk")
+    p.add_argument("--chunk", type=int_between(1, 1 << 20), default=64, help="prefill chunk size")
+    p.add_argument(
+        "--new-tokens", type=int_between(1, 100_000), default=16, help="tokens each prompt generates (model part)"
+    )
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--workdir", help="keep the checkpoints and table files here (an empty or new folder)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")

@@ -190,7 +190,16 @@ class Session:
 
     def _new_pool(self, slots: int) -> torch.Tensor:
         shape = (slots, self._width, self._channels) if self._ring else (slots, self._channels, self._width)
-        return torch.zeros(shape, dtype=self._dtype, device=self._device)
+        try:
+            return torch.zeros(shape, dtype=self._dtype, device=self._device)
+        except (RuntimeError, MemoryError) as e:
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+                raise
+            nbytes = slots * self._width * self._channels * self._dtype.itemsize
+            raise SessionError(
+                f"{slots:,} slots of conv state ({nbytes / 2**30:,.1f} GiB per layer, {self._dtype}) cannot be "
+                f"allocated on {self._device}: ask for fewer requests (max_requests)"
+            ) from None
 
     # ------------------------------------------------------------------ requests
     @property
@@ -298,7 +307,15 @@ class Session:
         if extra == 0:
             return
         with torch.no_grad():
-            self._pools = [torch.cat([p, self._new_pool(extra)]) for p in self._pools]
+            try:
+                pools = [torch.cat([p, self._new_pool(extra)]) for p in self._pools]
+            except (RuntimeError, MemoryError) as e:  # the old pools stay as they were
+                if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+                    raise
+                raise SessionError(
+                    f"growing to {max_requests:,} slots: the conv state cannot be allocated on {self._device}"
+                ) from None
+            self._pools = pools
             self._offsets = [torch.cat([o, o.new_zeros(extra)]) for o in self._offsets]
             fill = torch.full((extra, self._ctx_len), self._eos, dtype=torch.int64)
             self._contexts = torch.cat([self._contexts, fill])
@@ -404,7 +421,7 @@ class Session:
         until the first :meth:`run`."""
         self._check_idle("begin()")
         with named_range("ple.session.prepare"):
-            return self._begin(tokens, frozenset(speculative))
+            return self._begin(tokens, _request_set("speculative", speculative))
 
     def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
         requests = self._requests
@@ -437,6 +454,8 @@ class Session:
                 )
             if t.dtype not in (torch.int64, torch.int32):
                 raise SessionError(f"request {rid!r}: tokens must be int32/int64 token ids, got {t.dtype}")
+            if t.device.type not in ("cpu", self._device.type):
+                raise SessionError(f"request {rid!r}: tokens are on {t.device}; give them on the CPU or {self._device}")
             if req.pending is not None:
                 raise SessionError(f"request {rid!r}: call accept() for its speculative chunk before the next step")
             n = t.shape[0]
@@ -457,7 +476,7 @@ class Session:
                 prefix_rows[rid] = i
         packed = torch.cat(toks).to(torch.int64) if toks else torch.zeros(0, dtype=torch.int64)
         if packed.numel():
-            a = packed.numpy()
+            a = packed.cpu().numpy()
             lo, hi = int(a.min()), int(a.max())
             if lo < 0 or hi >= self._vocab:
                 pos = int(np.nonzero((a < 0) | (a >= self._vocab))[0][0])
@@ -657,6 +676,17 @@ class Session:
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None
+
+
+def _request_set(name: str, ids) -> frozenset:
+    """``ids`` (a collection of request ids) as a set; a string, a single id or unhashable ids are
+    refused (a string would read as its characters)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise SessionError(f"{name} must be a collection of request ids (e.g. {{'a'}}), got {ids!r}")
+    try:
+        return frozenset(ids)
+    except TypeError:
+        raise SessionError(f"{name} holds a request id that is not hashable: {ids!r}") from None
 
 
 def _accumulate(xs: list[int]) -> list[int]:

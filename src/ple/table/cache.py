@@ -37,7 +37,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .base import StoredTable, require_stored
-from .formats import format_info
+from .formats import format_info, table_device
 from .lookup import dequantize_rows_into
 from .lookup.torch_impl import gather_rows
 
@@ -164,7 +164,7 @@ class CachedTable(StoredTable):
         self.refresh_every = refresh_every
         self.decay = float(decay)
         self.max_tracked = max_tracked
-        self._cache_device = torch.device(device) if device is not None else backing.device
+        self._cache_device = table_device(device) if device is not None else backing.device
         self._scale_kind = format_info(self.format).scale_kind
         self._lock = threading.Lock()  # counts, pending ids, statistics
         self._refresh_lock = threading.Lock()

@@ -37,6 +37,7 @@ __all__ = [
     "check_table_tensors",
     "check_scale_values",
     "check_ids",
+    "table_device",
     "IdOutOfRangeError",
 ]
 
@@ -173,6 +174,27 @@ def check_ids(ids: torch.Tensor, rows: int) -> None:
         raise IdOutOfRangeError(
             f"row id {int(ids[t, g])} at (token {t}, head {g}) is out of range: the table has rows [0, {rows})"
         )
+
+
+def table_device(device, what: str = "device") -> torch.device:
+    """``device`` (a ``torch.device``, a name such as ``"cuda:1"``, or an index of a CUDA device) as a
+    device tables can live on, here: the CPU or a CUDA device this process sees; anything else is an
+    :class:`InvalidArgumentError` naming ``what`` and the value."""
+    if isinstance(device, bool):
+        raise InvalidArgumentError(f"{what} must be a torch device (cpu, cuda, cuda:1), got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(f"{what} must be a torch device (cpu, cuda, cuda:1), got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise InvalidArgumentError(f"{what} {dev} is not a device tables can live on (cpu or cuda)")
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(f"{what} {dev}: CUDA is not available in this process")
+    if dev.index is not None and not 0 <= dev.index < torch.cuda.device_count():
+        raise InvalidArgumentError(f"{what} {dev}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def check_activation_dtype(dtype: torch.dtype) -> None:

@@ -61,7 +61,7 @@ from ..collective import collective_device, differing, exchange_records, hash60,
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import StoredTable, Table, require_stored
 from .file import TableFileError, hash_layout, read_table_header
-from .formats import ACTIVATION_DTYPES, FORMATS, check_ids
+from .formats import ACTIVATION_DTYPES, FORMATS, check_ids, table_device
 from .memory import MemoryTable
 from .mmap import MmapTable
 from .prefetch import PrefetchHandle
@@ -865,7 +865,7 @@ def load_sharded(
         if device is None:
             local = _MappedRows(full, a, b)
         else:
-            local = _slice_table(full, a, b, device, copy=True)
+            local = _slice_table(full, a, b, table_device(device), copy=True)
             full.close()
     except Exception as e:
         _fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
