@@ -458,6 +458,41 @@ def _build_ids(fx: Fixture) -> Prepared:
     )
 
 
+def _prefill_references(fx: Fixture, mod, hidden: torch.Tensor, tokens: torch.Tensor):
+    """transformers' module on fresh prompts ``hidden [R, S, HC*H]``, ``tokens [R, S]`` in the case's
+    dtype, and the fp32 module on the same inputs (the reference both are judged against)."""
+
+    def transformers():
+        with torch.no_grad():
+            return hidden + mod(hidden, tokens, None)
+
+    def reference():
+        m32 = fx.module(torch.float32)
+        h32 = hidden.float()
+        with torch.no_grad():
+            return h32 + m32(h32, tokens, None)
+
+    return transformers, reference
+
+
+def _decode_references(fx: Fixture, hf, hist_h, hist_t, step_h: torch.Tensor, step_t: torch.Tensor):
+    """Decode steps ``step_h [steps, R, HC*H]``, ``step_t [steps, R]`` through transformers' module
+    (``hf``, an ``_HFRequests`` after the history ``hist_h``/``hist_t``), and through the fp32 module
+    from the same history (the reference)."""
+    steps = step_t.shape[0]
+
+    def transformers():
+        with torch.no_grad():
+            return [hf(step_h[s][:, None], step_t[s][:, None]) for s in range(steps)]
+
+    def reference():
+        hf32 = _HFRequests(fx, fx.module(torch.float32), hist_h.float(), hist_t)
+        with torch.no_grad():
+            return [hf32(step_h[s][:, None].float(), step_t[s][:, None]) for s in range(steps)]
+
+    return transformers, reference
+
+
 def _prefill_builder(which: str, dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
     def build(fx: Fixture) -> Prepared:
         from ..runtime import Batch
@@ -477,15 +512,7 @@ def _prefill_builder(which: str, dtype: torch.dtype) -> Callable[[Fixture], Prep
             with torch.no_grad():
                 return layer(flat_h, flat_t, batch)
 
-        def transformers():
-            with torch.no_grad():
-                return hidden + mod(hidden, tokens, None)
-
-        def reference():
-            m32 = fx.module(torch.float32)
-            h32 = hidden.float()
-            with torch.no_grad():
-                return h32 + m32(h32, tokens, None)
+        transformers, reference = _prefill_references(fx, mod, hidden, tokens)
 
         return Prepared(
             shape=f"{r}x{s}",
@@ -579,14 +606,7 @@ def _decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
             with torch.no_grad():
                 return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
 
-        def transformers():
-            with torch.no_grad():
-                return [hf(step_h[s][:, None], step_t[s][:, None]) for s in range(steps)]
-
-        def reference():
-            hf32 = _HFRequests(fx, fx.module(torch.float32), hist_h.float(), hist_t)
-            with torch.no_grad():
-                return [hf32(step_h[s][:, None].float(), step_t[s][:, None]) for s in range(steps)]
+        transformers, reference = _decode_references(fx, hf, hist_h, hist_t, step_h, step_t)
 
         return Prepared(
             shape=f"{r}x1 x{steps} steps",
@@ -707,14 +727,7 @@ def _session_decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]
             with torch.no_grad():
                 return [torch.cat(list(session.step(inputs[s]).values())) for s in range(steps)]
 
-        def transformers():
-            with torch.no_grad():
-                return [hf(step_h[s][:, None], step_t[s][:, None]) for s in range(steps)]
-
-        def reference():
-            hf32 = _HFRequests(fx, fx.module(torch.float32), hist_h.float(), hist_t)
-            with torch.no_grad():
-                return [hf32(step_h[s][:, None].float(), step_t[s][:, None]) for s in range(steps)]
+        transformers, reference = _decode_references(fx, hf, hist_h, hist_t, step_h, step_t)
 
         return Prepared(
             shape=f"{r}x1 x{steps} steps",
@@ -756,15 +769,7 @@ def _session_prefill_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared
             with torch.no_grad():
                 return list(session.step(inputs).values())
 
-        def transformers():
-            with torch.no_grad():
-                return hidden + mod(hidden, tokens, None)
-
-        def reference():
-            m32 = fx.module(torch.float32)
-            h32 = hidden.float()
-            with torch.no_grad():
-                return h32 + m32(h32, tokens, None)
+        transformers, reference = _prefill_references(fx, mod, hidden, tokens)
 
         return Prepared(
             shape=f"{r}x{s}",
