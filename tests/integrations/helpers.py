@@ -6,6 +6,8 @@ import torch
 from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
+from ple.demo.model import randomize_ple_weights
+
 EOS = 5
 VOCAB = 97
 LOGIT_ATOL = 1e-4  # logits are O(1) (initializer_range 0.1); the PLE moves them by O(1)
@@ -55,20 +57,7 @@ def tiny_model(config: Qwen4ExpTextConfig | None = None, seed: int = 0, random_t
     """A random-weight model whose PLE weights are all non-trivial (conv and norms init to zero)."""
     torch.manual_seed(seed)
     model = Qwen4ExpForCausalLM(config or tiny_config()).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ple." not in name:
-                continue
-            if name.endswith("ngram_embedding.weight"):
-                if random_table:
-                    p.copy_(torch.randn(p.shape, generator=g))
-            elif ".norm_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    randomize_ple_weights(model, seed + 1, table=random_table)
     return model
 
 

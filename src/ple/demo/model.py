@@ -28,6 +28,7 @@ from ..table import MemoryTable
 __all__ = [
     "model_config",
     "build_model",
+    "randomize_ple_weights",
     "save_published",
     "check_workdir",
     "write_checkpoints",
@@ -96,18 +97,28 @@ def build_model(base: int, seed: int = 0):
 
     torch.manual_seed(seed)
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**model_config(base))).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    randomize_ple_weights(model, seed + 1)
+    return model
+
+
+def randomize_ple_weights(model, seed: int, table: bool = False) -> None:
+    """Give every PLE weight of ``model`` random values from ``seed``: norms ``0.3 * N(0, 1)``, conv
+    taps ``0.5 * N(0, 1)``, projections ``N(0, 1) / sqrt(fan_in)`` (transformers initializes norms and
+    conv to zero, which would hide the table); with ``table``, the n-gram tables ``N(0, 1)`` too."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".ple." not in name or name.endswith("ngram_embedding.weight"):
+            if ".ple." not in name:
                 continue
-            if ".norm_" in name:
+            if name.endswith("ngram_embedding.weight"):
+                if table:
+                    p.copy_(torch.randn(p.shape, generator=g))
+            elif ".norm_" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
             elif "conv1d" in name:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return model
 
 
 def _quantize_global(weight: torch.Tensor) -> MemoryTable:
