@@ -33,6 +33,22 @@ GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 token streams with EOS where it matters (``ngram_ids.json``)."""
 
 
+SMALL = dict(
+    hidden_size=32,
+    hc_count=2,
+    ple_layer_ids=(2, 3),
+    ple_embed_dim=32,
+    ngram_size=3,
+    heads_per_ngram=2,
+    vocab_size=500,
+    ngram_vocab_size_base=700,
+    make_ngram_vocab_size_divisible_by=64,
+    split_ngram_parts=7,
+    eos_token_id=2,
+)
+"""PLE fields of a small two-layer model for synthesized checkpoints (``ple.demo.synthesize_checkpoint``)."""
+
+
 def load_golden(name: str):
     with open(GOLDEN / name) as f:
         return json.load(f)

@@ -18,19 +18,7 @@ from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
 from ple.integrations.checkpoints import dequantize_checkpoint
 
-SMALL = dict(
-    hidden_size=32,
-    hc_count=2,
-    ple_layer_ids=(2, 3),
-    ple_embed_dim=32,
-    ngram_size=3,
-    heads_per_ngram=2,
-    vocab_size=500,
-    ngram_vocab_size_base=700,
-    make_ngram_vocab_size_divisible_by=64,
-    split_ngram_parts=7,
-    eos_token_id=2,
-)
+from ..conftest import SMALL
 
 
 def _all(folder) -> dict[str, torch.Tensor]:
