@@ -61,6 +61,36 @@ def tiny_model(config: Qwen4ExpTextConfig | None = None, seed: int = 0, random_t
     return model
 
 
+def tiny_multimodal_model(text_config: Qwen4ExpTextConfig | None = None, seed: int = 0):
+    """A random-weight ``Qwen4ExpForConditionalGeneration`` (a one-block vision tower) around
+    ``text_config`` (default :func:`tiny_config`): PLE config under ``text_config``, layers under
+    ``model.language_model``; PLE weights as :func:`tiny_model` gives them."""
+    from transformers import Qwen4ExpConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForConditionalGeneration
+
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=16,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
+    config = Qwen4ExpConfig(
+        text_config=(text_config or tiny_config()).to_dict(),
+        vision_config=vision,
+        image_token_id=90,
+        video_token_id=91,
+        vision_start_token_id=92,
+        vision_end_token_id=93,
+    )
+    torch.manual_seed(seed)
+    model = Qwen4ExpForConditionalGeneration(config).eval()
+    randomize_ple_weights(model, seed + 1, table=True)
+    return model
+
+
 def prompts(seed: int = 0):
     """Three prompts of lengths 7, 4 and 2, left-padded; the first holds an EOS."""
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ from .helpers import (
     prompts,
     tiny_config,
     tiny_model,
+    tiny_multimodal_model,
 )
 
 
@@ -144,33 +145,7 @@ def test_text_model_forward_without_cache():
 
 def test_multimodal_model_generates_the_same_tokens():
     """``Qwen4ExpForConditionalGeneration``: PLE config under ``text_config``, layers under ``language_model``."""
-    from transformers import Qwen4ExpConfig
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForConditionalGeneration
-
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=16,
-        num_heads=2,
-        out_hidden_size=16,
-        patch_size=4,
-        num_position_embeddings=16,
-    )
-    config = Qwen4ExpConfig(
-        text_config=tiny_config().to_dict(),
-        vision_config=vision,
-        image_token_id=90,
-        video_token_id=91,
-        vision_start_token_id=92,
-        vision_end_token_id=93,
-    )
-    torch.manual_seed(0)
-    model = Qwen4ExpForConditionalGeneration(config).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ple." in name and ("conv1d" in name or ".norm_" in name):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model = tiny_multimodal_model()
     ids, mask = prompts(seed=1)
     want = generate(model, ids, mask)
     patch(model)
