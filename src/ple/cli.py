@@ -11,8 +11,8 @@ Exit status, the same for every subcommand:
   argparse's usage message and the error;
 - 130: interrupted (Ctrl-C); the temporary file being written is removed (table files already
   published stay: each is complete);
-- 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup;
-- 141: stdout was closed early (``ple ... | head``), quietly.
+- 141: stdout was closed early (``ple ... | head``), quietly;
+- 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup as 130.
 
 Any other exception is a bug in ple and shows its traceback.
 

@@ -193,7 +193,7 @@ class Session:
         try:
             return torch.zeros(shape, dtype=self._dtype, device=self._device)
         except (RuntimeError, MemoryError) as e:
-            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+            if not _out_of_memory(e):
                 raise
             nbytes = slots * self._width * self._channels * self._dtype.itemsize
             raise SessionError(
@@ -310,7 +310,7 @@ class Session:
             try:
                 pools = [torch.cat([p, self._new_pool(extra)]) for p in self._pools]
             except (RuntimeError, MemoryError) as e:  # the old pools stay as they were
-                if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+                if not _out_of_memory(e):
                     raise
                 raise SessionError(
                     f"growing to {max_requests:,} slots: the conv state cannot be allocated on {self._device}"
@@ -676,6 +676,11 @@ class Session:
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocator's refusal (host or device), not another failure."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "alloc" in str(e)
 
 
 def _request_set(name: str, ids) -> frozenset:
