@@ -358,10 +358,13 @@ _INTERRUPTED_CHILD = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["int", "term"]
+    "sig, code, said",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")],
+    ids=["int", "term", "hup"],
 )
 def test_ctrl_c_or_sigterm_during_convert(ckpt, tmp_path, sig, code, said):
-    """Ctrl-C and SIGTERM (what ``timeout``, ``kill`` and job runners send) run the same cleanup."""
+    """Ctrl-C, SIGTERM (what ``timeout``, ``kill`` and job runners send) and SIGHUP (a closed terminal)
+    run the same cleanup."""
     out, marker = tmp_path / "out", tmp_path / "marker"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     child = subprocess.Popen(

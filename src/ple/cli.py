@@ -9,9 +9,10 @@ Exit status, the same for every subcommand:
   problems found (``inspect``, ``verify``, on stdout);
 - 2: the command line itself is wrong (unknown option, missing argument, a value out of range):
   argparse's usage message and the error;
-- 130: interrupted (Ctrl-C); the temporary file being written is removed (table files already
-  published stay: each is complete);
+- 130: interrupted (Ctrl-C); the temporary files being written are removed (table files already
+  published stay: each is complete), and so is ``ple demo``'s temporary folder;
 - 141: stdout was closed early (``ple ... | head``), quietly;
+- 129: hung up (SIGHUP: the terminal was closed): the same cleanup as 130;
 - 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup as 130.
 
 Any other exception is a bug in ple and shows its traceback.
@@ -43,10 +44,13 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_PIPE",
     "EXIT_TERMINATED",
+    "EXIT_HANGUP",
     "Terminated",
+    "HungUp",
 ]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 0, 1, 2, 130, 141, 143
+EXIT_HANGUP = 129
 
 
 class Terminated(KeyboardInterrupt):
@@ -54,13 +58,21 @@ class Terminated(KeyboardInterrupt):
     cleans up after it too)."""
 
 
+class HungUp(KeyboardInterrupt):
+    """SIGHUP (the terminal was closed), raised where the command is, with the cleanup of Ctrl-C."""
+
+
 def _on_sigterm(signum, frame) -> None:
     raise Terminated()
 
 
+def _on_sighup(signum, frame) -> None:
+    raise HungUp()
+
+
 _EPILOG = (
     "exit status: 0 ok; 1 a problem with the input or data (one line on stderr); 2 a wrong command line; "
-    "130 interrupted; 141 output closed early; 143 terminated"
+    "129 hung up; 130 interrupted; 141 output closed early; 143 terminated"
 )
 
 
@@ -140,14 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ple`` command; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(_values_may_start_with_dash(list(sys.argv[1:] if argv is None else argv)))
     name = f"ple {args.command}"
-    previous = None
+    previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        for sig, handler in ((signal.SIGTERM, _on_sigterm), (signal.SIGHUP, _on_sighup)):
+            previous[sig] = signal.signal(sig, handler)
     try:
         return int(args.fn(args) or 0)
     except Terminated:
         print(f"{name}: terminated", file=sys.stderr)
         return EXIT_TERMINATED
+    except HungUp:
+        try:  # the terminal may be gone: writing to it can fail
+            print(f"{name}: hung up", file=sys.stderr)
+        except OSError:
+            pass
+        return EXIT_HANGUP
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -163,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {_one_line(e)}", file=sys.stderr)
         return EXIT_PROBLEM
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def _one_line(e: BaseException) -> str:

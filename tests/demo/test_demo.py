@@ -4,6 +4,12 @@ serving workload, every check passing; the CLI conventions (--json, --output, ex
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +116,48 @@ def test_a_failed_or_stuck_measuring_process_is_named(tmp_path):
     assert not isinstance(e.value, InvalidArgumentError)
     with pytest.raises(MeasureError, match="the ple process ran past its 0.01 s limit and was stopped"):
         measure("ple", tmp_path / "missing", [[2, 3]], 1, tmp_path / "l.pt", evict=False, timeout=0.01)
+
+
+_HUNG_UP_CHILD = """
+import sys, time
+from pathlib import Path
+import ple.demo as demo
+
+def stuck(args, work, progress):
+    (work / "table.bin").write_bytes(bytes(1 << 20))
+    Path(sys.argv[1]).write_text("working")
+    time.sleep(120)
+
+demo.run_serving = stuck
+from ple.cli import main
+sys.exit(main(["demo", "--quick", "--only", "serving"]))
+"""
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGHUP, 129, "hung up"), (signal.SIGTERM, 143, "terminated")])
+def test_a_closed_terminal_leaves_no_temporary_folder(tmp_path, sig, code, said):
+    """SIGHUP (the terminal closed) and SIGTERM end the demo with the cleanup of Ctrl-C: its
+    ``ple-demo-*`` folder in ``$TMPDIR`` is removed, and the exit status says which signal."""
+    tmpdir, marker = tmp_path / "tmp", tmp_path / "marker"
+    tmpdir.mkdir()
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": src}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_UP_CHILD, str(marker)], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), child.communicate(timeout=30)
+        (work,) = tmpdir.iterdir()
+        assert work.name.startswith("ple-demo-") and (work / "table.bin").exists()
+        child.send_signal(sig)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == code, stderr
+    assert stderr == f"ple demo: {said}\n"
+    assert list(tmpdir.iterdir()) == []
