@@ -14,6 +14,7 @@ import torch
 import ple.ngram
 from ple.bench import cases as bench_cases
 from ple.bench import runner, timing
+from ple.cli import main
 from ple.layer import PLELayer
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -267,17 +268,28 @@ def test_select_cases():
             bench_cases.select_cases(empty)
 
 
-def test_bad_arguments(capsys):
-    # values argparse can judge alone are usage errors (exit 2), the rest bad input (exit 1)
+def test_bad_arguments(capsys, monkeypatch):
+    # wrong values of the command line are usage errors (exit 2), whether argparse or the run finds them
     for argv in (("--repeat", "0"), ("--threads", "0"), ("--device", "bogus"), ("--warmup", "-1")):
         with pytest.raises(SystemExit) as e:
             _args("--quick", *argv)
         assert e.value.code == 2
         assert argv[0] in capsys.readouterr().err
-    assert _run("--quick", "--cases", "nope") == 1
-    assert "no benchmark case matches 'nope'" in capsys.readouterr().err
-    assert _run("--quick", "--repeat", "3", "--max-repeat", "2") == 1
-    assert _run("--quick", "--profile", "prefill") == 1  # matches four cases
+    for argv, said in [
+        (("--cases", "nope"), "no benchmark case matches 'nope'"),
+        (("--repeat", "3", "--max-repeat", "2"), "need --repeat >= 1, --warmup >= 0 and --max-repeat >= --repeat"),
+        (("--profile", "prefill"), "--profile needs one case"),  # matches four cases
+    ]:
+        assert main(["bench", "--quick", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: ple bench ") and f"ple bench: error: {said}" in err, err
+        with pytest.raises(SystemExit) as e:
+            runner.main(["--quick", *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    # a GPU the machine lacks is a problem of the environment: exit 1, one line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--quick", "--cases", "ids", "--device", "cuda"]) == 1
+    assert capsys.readouterr().err == "ple bench: --device cuda: CUDA is not available on this machine\n"
 
 
 def test_python_dash_m_lists_cases():

@@ -276,12 +276,14 @@ def test_ids_text(published_like, capsys):
 
 def test_ids_errors(published_like, capsys):
     root, _, _ = published_like
+    # values out of range, whether argparse or the command finds them: exit 2 with the command's usage
     code, _, err = run_cli(capsys, "ids", root, "--tokens", "3,248320")
-    assert code == 1 and err == "ple ids: --tokens: entry 1 is 248320, outside [0, vocab_size=248320)\n"
+    assert code == 2 and err.startswith("usage: ple ids ")
+    assert err.endswith("\nple ids: error: --tokens: entry 1 is 248320, outside [0, vocab_size=248320)\n")
     code, _, err = run_cli(capsys, "ids", root, "--tokens", "3", "--layer", "2")
-    assert code == 1 and "--layer 2: no such PLE layer" in err and "0 (decoder layer 1, ple_layer_ids[0] = 2)" in err
+    assert code == 2 and "--layer 2: no such PLE layer" in err and "0 (decoder layer 1, ple_layer_ids[0] = 2)" in err
     code, _, err = run_cli(capsys, "ids", root, "--tokens", "3,x")
-    assert code == 1 and err == "ple ids: --tokens: entry 1 is 'x', not an integer token id\n"
+    assert code == 2 and err.endswith("\nple ids: error: --tokens: entry 1 is 'x', not an integer token id\n")
 
 
 def test_module_entry_point(tmp_path, capsys):

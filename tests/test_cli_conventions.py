@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ple
+from ple import cli
 from ple.cli import EXIT_PIPE, EXIT_PROBLEM, EXIT_USAGE, main
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
@@ -49,10 +51,17 @@ def model(tmp_path_factory):
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--version"])
-    assert e.value.code == 0
+    assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"ple {ple.__version__}\n"
+
+
+def test_version_imports_no_torch():
+    """``ple --version`` answers without importing torch (seconds on a cold start)."""
+    code = "import sys; from ple.cli import main; main(['--version']); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"ple {ple.__version__}\n[]\n"
 
 
 def test_json_is_one_document_on_stdout_for_every_subcommand(model, tmp_path, capsys):
@@ -94,10 +103,27 @@ def test_a_wrong_command_line_is_exit_2():
     assert proc.returncode == EXIT_USAGE and "argument --requests: 0 is out of range" in proc.stderr
 
 
+def test_an_unknown_option_shows_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "examples/published-config.json", "--jsn"])
+    assert e.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ple inspect ") and err.endswith("ple inspect: error: unrecognized arguments: --jsn\n")
+
+
+def test_verify_of_a_missing_file_is_one_line(tmp_path, capsys):
+    """As for every other command: one line on stderr, nothing on stdout, exit 1."""
+    missing = tmp_path / "absent.pletable"
+    assert main(["verify", str(missing)]) == EXIT_PROBLEM
+    assert capsys.readouterr() == ("", f"ple verify: No such file or directory: {missing}\n")
+    assert main(["verify", str(missing), "--json"]) == EXIT_PROBLEM
+    assert capsys.readouterr() == ("", f"ple verify: No such file or directory: {missing}\n")
+
+
 def test_negative_and_empty_tokens_are_refused_by_name(model, capsys):
-    assert main(["ids", str(model), "--tokens", "-5,3"]) == EXIT_PROBLEM
-    assert capsys.readouterr().err == "ple ids: --tokens: entry 0 is -5; token ids are >= 0\n"
-    assert main(["ids", str(model), "--tokens", " , "]) == EXIT_PROBLEM
+    assert main(["ids", str(model), "--tokens", "-5,3"]) == EXIT_USAGE
+    assert capsys.readouterr().err.endswith("\nple ids: error: --tokens: entry 0 is -5; token ids are >= 0\n")
+    assert main(["ids", str(model), "--tokens", " , "]) == EXIT_USAGE
     assert "no token ids" in capsys.readouterr().err
     assert main(["ids", str(model), "--tokens", "1 2 3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == [1, 2, 3]
@@ -127,3 +153,11 @@ def test_no_progress_bars_without_a_terminal(model, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # tqdm writes to stderr; with no terminal there is none
     assert "wrote" in proc.stdout
+
+
+def test_the_readme_table_lists_every_exit_status():
+    """The README's table of exit statuses and the statuses ``ple`` returns are the same list, in order."""
+    readme = (SRC.parent / "README.md").read_text()
+    table = readme.split("Exit status, the same for every command:", 1)[1].split("\n\n", 2)[1]
+    listed = [int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)]
+    assert listed == sorted({getattr(cli, n) for n in cli.__all__ if n.startswith("EXIT_")})

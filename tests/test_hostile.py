@@ -52,6 +52,17 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+def assert_usage_error(code: int, err: str, command: str, *parts: str) -> None:
+    """Exit 2: the command's usage, then ``ple <command>: error: ...`` containing every part."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith(f"usage: ple {command} ") and lines[-1].startswith(f"ple {command}: error: "), err
+    assert all(line.startswith(" ") for line in lines[1:-1]), err  # the usage's continuation lines
+    for p in parts:
+        assert p in lines[-1], (p, err)
+
+
 def assert_one_line(code: int, err: str, command: str, *parts: str) -> None:
     """Exit 1 and exactly one line on stderr, ``ple <command>: ...`` containing every part."""
     assert code == 1, err
@@ -187,9 +198,9 @@ def test_ids_token_lists(tmp_path, capsys):
         (str(10**30), "outside [0, vocab_size=300)"),
     ]:
         code, _, err = run(capsys, "ids", tmp_path, "--tokens", tokens)
-        assert_one_line(code, err, "ids", message)
+        assert_usage_error(code, err, "ids", message)
     code, _, err = run(capsys, "ids", tmp_path, "--tokens", "1", "--layer", "3")
-    assert_one_line(code, err, "ids", "--layer 3: no such PLE layer", "positions in ple_layer_ids")
+    assert_usage_error(code, err, "ids", "--layer 3: no such PLE layer", "positions in ple_layer_ids")
 
 
 # ---------------------------------------------------------------------------------------------- convert
@@ -287,13 +298,13 @@ def test_malformed_index_through_the_command(ckpt, tmp_path, capsys, index):
 def test_convert_output_problems(ckpt, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", "3")
-    assert_one_line(code, err, "convert", "--layers: no PLE layer 3", "0 (decoder layer 0, ple_layer_ids[0] = 1)")
+    assert_usage_error(code, err, "convert", "--layers: no PLE layer 3", "0 (decoder layer 0, ple_layer_ids[0] = 1)")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", "x")
-    assert_one_line(code, err, "convert", "--layers: 'x' is not a PLE layer index")
+    assert_usage_error(code, err, "convert", "--layers: 'x' is not a PLE layer index")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", "+0")
-    assert_one_line(code, err, "convert", "--layers: '+0' is not a PLE layer index")
+    assert_usage_error(code, err, "convert", "--layers: '+0' is not a PLE layer index")
     code, _, err = run(capsys, "convert", ckpt, out, "--layers", " , ")
-    assert_one_line(code, err, "convert", "--layers: no index given")
+    assert_usage_error(code, err, "convert", "--layers: no index given")
     assert not out.exists()
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -495,7 +506,7 @@ def test_stats_token_files(stats_model, capsys, case):
 def test_stats_layer_out_of_range(stats_model, capsys):
     (stats_model / "t.txt").write_text("1 2 3")
     code, _, err = run(capsys, "stats", stats_model, "--tokens", stats_model / "t.txt", "--layer", "1")
-    assert_one_line(code, err, "stats", "--layer 1: no such PLE layer")
+    assert_usage_error(code, err, "stats", "--layer 1: no such PLE layer")
 
 
 # ---------------------------------------------------------------------------------------------- demo, bench arguments

@@ -2,16 +2,27 @@
 
 Levels: n-gram semantics (:mod:`ple.ngram`), table storage and lookup (:mod:`ple.table`), the
 layer and its streaming runtime (:mod:`ple.layer`, :mod:`ple.runtime`).
+
+``import ple`` itself is light (it does not import torch, so ``ple --version`` answers at once): the
+names below are imported on first use. Using one of them, or importing a submodule, loads what it
+needs (the ``torch.ops.ple`` operators are registered by :mod:`ple.ops` and by the modules that use
+them: ``ple.ngram_ids``, ``ple.PLELayer``, the tables).
 """
 
-from .checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
-from .config import ConfigError, PLEConfig
-from .errors import PLEError
-from .layer import PLELayer
-from .layout import Layout
-from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
-from .runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
-from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, ShardedTable, StoredTable, Table
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
+    from .config import ConfigError, PLEConfig
+    from .errors import PLEError
+    from .layer import PLELayer
+    from .layout import Layout
+    from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
+    from .runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
+    from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, ShardedTable, StoredTable, Table
 
 __version__ = "0.2.0"
 """The package version (the only place it is written; ``pyproject.toml`` reads it from here)."""
@@ -44,3 +55,46 @@ __all__ = [
     "CachedTable",
     "ShardedTable",
 ]
+
+_WHERE = {
+    "CheckpointError": ".checkpoint",
+    "PLEWeights": ".checkpoint",
+    "load_ple_weights": ".checkpoint",
+    "scan_checkpoint": ".checkpoint",
+    "ConfigError": ".config",
+    "PLEConfig": ".config",
+    "PLEError": ".errors",
+    "PLELayer": ".layer",
+    "Layout": ".layout",
+    "NgramInputError": ".ngram",
+    "fresh_context": ".ngram",
+    "next_ngram_context": ".ngram",
+    "ngram_ids": ".ngram",
+    "Batch": ".runtime",
+    "BatchError": ".runtime",
+    "PrefixState": ".runtime",
+    "Session": ".runtime",
+    "SessionError": ".runtime",
+    "tune_host_allocator": ".runtime",
+    "CachedTable": ".table",
+    "MemoryTable": ".table",
+    "MmapTable": ".table",
+    "PinnedHostTable": ".table",
+    "ShardedTable": ".table",
+    "StoredTable": ".table",
+    "Table": ".table",
+}
+"""The module each public name comes from (imported on first use)."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'ple' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,5 +1,6 @@
 """argparse value types shared by the ``ple`` subcommands: a bad value is a usage error (exit 2) that
-names the value and the range. Integers (here and in token lists) are read by :func:`parse_int`."""
+names the value and the range (values judged against the data, once read, raise
+:class:`~ple.errors.CommandLineError`: exit 2 too). Integers (here and in token lists) are read by :func:`parse_int`."""
 
 from __future__ import annotations
 
@@ -68,13 +69,13 @@ def int_between(lo: int, hi: int):
 
 
 def device(text: str) -> torch.device:
-    """A torch device name this machine has (``cpu``, ``cuda``, ``cuda:1``)."""
+    """A torch device name (``cpu``, ``cuda``, ``cuda:1``); whether this machine has it is the
+    command's check (a missing GPU is a problem of the environment, exit status 1, not of the command
+    line)."""
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{text!r}: ple runs on cpu or cuda devices")
     return dev

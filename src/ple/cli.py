@@ -3,16 +3,18 @@
 Exit status, the same for every subcommand:
 
 - 0: done, and nothing wrong was found;
-- 1: the input, the data or the environment has a problem (a bad value, a damaged or mismatching
-  file, a failed check, a path that cannot be read or written, a full disk: every
-  :class:`~ple.errors.PLEError` and ``OSError``); the reason is one line on stderr, or the list of
-  problems found (``inspect``, ``verify``, on stdout);
-- 2: the command line itself is wrong (unknown option, missing argument, a value out of range):
-  argparse's usage message and the error;
+- 1: the data or the environment has a problem (a damaged or mismatching file, a bad value inside
+  a file, a failed check, no GPU for ``--device cuda``, a path that cannot be read or written, a
+  full disk: every :class:`~ple.errors.PLEError` and ``OSError``); the reason is one line on
+  stderr, or the list of problems found (``inspect``, ``verify``, on stdout);
+- 2: the command line itself is wrong: an unknown option, a missing argument, or a value that is
+  malformed or out of range, whether argparse sees it (``--ranks 0``) or the command once it has read
+  the data the value refers to (``--layer 5`` of a model with two PLE layers, a token id past the
+  vocabulary): the command's usage and the error (:class:`~ple.errors.CommandLineError`);
+- 129: hung up (SIGHUP: the terminal was closed): the same cleanup as 130;
 - 130: interrupted (Ctrl-C); the temporary files being written are removed (table files already
   published stay: each is complete), and so is ``ple demo``'s temporary folder;
 - 141: stdout was closed early (``ple ... | head``), quietly;
-- 129: hung up (SIGHUP: the terminal was closed): the same cleanup as 130;
 - 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup as 130.
 
 Any other exception is a bug in ple and shows its traceback.
@@ -30,10 +32,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
-from . import __version__, argtypes, commands, demo
-from .bench import runner
-from .errors import PLEError
+from . import __version__
+from .errors import CommandLineError, PLEError
 
 __all__ = [
     "build_parser",
@@ -71,18 +73,25 @@ def _on_sighup(signum, frame) -> None:
 
 
 _EPILOG = (
-    "exit status: 0 ok; 1 a problem with the input or data (one line on stderr); 2 a wrong command line; "
+    "exit status: 0 ok; 1 a problem with the data or the environment (one line on stderr); "
+    "2 a wrong command line (a value out of range included); "
     "129 hung up; 130 interrupted; 141 output closed early; 143 terminated"
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported here, not at the top: ``ple --version`` answers without importing torch
+    from . import argtypes, commands, demo
+    from .bench import runner
+
     ap = argparse.ArgumentParser(prog="ple", description="PLE layer tools", epilog=_EPILOG)
     ap.add_argument("--version", action="version", version=f"ple {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=_EPILOG)
+        p = sub.add_parser(name, help=help, description=help, epilog=_EPILOG)
+        p.set_defaults(parser=p)  # for the usage of a value refused once the command runs
+        return p
 
     json_help = "print one JSON document on stdout instead of the text report"
 
@@ -150,9 +159,15 @@ def _values_may_start_with_dash(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ple`` command; returns the exit status (see the module docstring)."""
-    args = build_parser().parse_args(_values_may_start_with_dash(list(sys.argv[1:] if argv is None else argv)))
+    argv = _values_may_start_with_dash(list(sys.argv[1:] if argv is None else argv))
+    if argv == ["--version"]:  # at once, without building the parser (which imports torch)
+        print(f"ple {__version__}")
+        return EXIT_OK
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     name = f"ple {args.command}"
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig, handler in ((signal.SIGTERM, _on_sigterm), (signal.SIGHUP, _on_sighup)):
             previous[sig] = signal.signal(sig, handler)
@@ -178,12 +193,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_PIPE
+    except CommandLineError as e:
+        print(args.parser.format_usage().rstrip("\n"), file=sys.stderr)
+        print(f"{name}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except (PLEError, OSError) as e:
         print(f"{name}: {_one_line(e)}", file=sys.stderr)
         return EXIT_PROBLEM
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
 
 
 def _one_line(e: BaseException) -> str:

@@ -9,7 +9,9 @@ prints them as one line.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ from .checkpoint import (
     write_layer_table,
 )
 from .config import PLEConfig
-from .errors import InvalidArgumentError
+from .errors import CommandLineError, InvalidArgumentError
 from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
@@ -67,7 +69,7 @@ def _layer_index_help(cfg: PLEConfig) -> str:
 
 def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
     if not 0 <= idx < cfg.num_ple_layers:
-        raise InvalidArgumentError(f"--layer {idx}: no such PLE layer; {_layer_index_help(cfg)}")
+        raise CommandLineError(f"--layer {idx}: no such PLE layer; {_layer_index_help(cfg)}")
 
 
 # ---------------------------------------------------------------------------------------------- inspect
@@ -132,17 +134,17 @@ _TOKEN_SEP = re.compile(r"[,\s]+")
 def parse_tokens(text: str) -> list[int]:
     """Token ids from ``"3,17,248044"`` or ``"3 17 248044"``; refuses empty lists, anything but ASCII
     digits (``"+5"``, ``"1_0"``, ``"٣"``: :func:`ple.argtypes.parse_int`) and negative ids, naming the
-    offending entry."""
+    offending entry (a :class:`~ple.errors.CommandLineError`: exit status 2)."""
     parts = [t for t in _TOKEN_SEP.split(text.strip()) if t]
     if not parts:
-        raise InvalidArgumentError(f"--tokens: no token ids in {text!r} (expected e.g. 3,17,248044,9)")
+        raise CommandLineError(f"--tokens: no token ids in {text!r} (expected e.g. 3,17,248044,9)")
     out = []
     for i, t in enumerate(parts):
         v = parse_int(t)
         if v is None:
-            raise InvalidArgumentError(f"--tokens: entry {i} is {shown(t)}, not an integer token id")
+            raise CommandLineError(f"--tokens: entry {i} is {shown(t)}, not an integer token id")
         if v < 0:
-            raise InvalidArgumentError(f"--tokens: entry {i} is {v}; token ids are >= 0")
+            raise CommandLineError(f"--tokens: entry {i} is {v}; token ids are >= 0")
         out.append(v)
     return out
 
@@ -160,7 +162,7 @@ def ids(args: argparse.Namespace) -> int:
     bad = [(i, t) for i, t in enumerate(tokens) if t >= cfg.vocab_size]
     if bad:
         i, t = bad[0]
-        raise InvalidArgumentError(f"--tokens: entry {i} is {t}, outside [0, vocab_size={cfg.vocab_size})")
+        raise CommandLineError(f"--tokens: entry {i} is {t}, outside [0, vocab_size={cfg.vocab_size})")
     x = torch.tensor(tokens, dtype=torch.int64)
     rows = ngram_ids(x, torch.tensor([0, len(tokens)]), fresh_context(1, lay, cfg.eos_token_id), lay, cfg.eos_token_id)
     if args.json:
@@ -187,12 +189,12 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
     for part in [p for p in _TOKEN_SEP.split(text.strip()) if p]:
         idx = parse_int(part)
         if idx is None:
-            raise InvalidArgumentError(f"--layers: {shown(part)} is not a PLE layer index")
+            raise CommandLineError(f"--layers: {shown(part)} is not a PLE layer index")
         if not 0 <= idx < cfg.num_ple_layers:
-            raise InvalidArgumentError(f"--layers: no PLE layer {idx}; {_layer_index_help(cfg)}")
+            raise CommandLineError(f"--layers: no PLE layer {idx}; {_layer_index_help(cfg)}")
         out.append(idx)
     if not out:
-        raise InvalidArgumentError(f"--layers: no index given; {_layer_index_help(cfg)}")
+        raise CommandLineError(f"--layers: no index given; {_layer_index_help(cfg)}")
     return out
 
 
@@ -242,7 +244,13 @@ def convert(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    """Recompute a table file's checksums; with ``--checkpoint``, compare it with its source."""
+    """Recompute a table file's checksums; with ``--checkpoint``, compare it with its source.
+
+    A file that cannot be read at all (missing, no permission) is one line on stderr, as for every
+    command; what is wrong inside a file it can read is listed on stdout."""
+    os.stat(args.file)  # FileNotFoundError, NotADirectoryError, PermissionError: ple.cli's one line
+    if not os.access(args.file, os.R_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(args.file))
     problems = verify_table_file(args.file)
     if args.checkpoint and not problems:
         problems += _compare_with_checkpoint(args.file, args.checkpoint)

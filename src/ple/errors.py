@@ -9,7 +9,7 @@ beside the code that raises them (``ConfigError`` in :mod:`ple.config`, ``TableF
 
 from __future__ import annotations
 
-__all__ = ["PLEError", "InvalidArgumentError", "ArgumentTypeError", "UsageError"]
+__all__ = ["PLEError", "InvalidArgumentError", "ArgumentTypeError", "UsageError", "CommandLineError"]
 
 
 class PLEError(Exception):
@@ -27,3 +27,10 @@ class ArgumentTypeError(PLEError, TypeError):
 class UsageError(PLEError, RuntimeError):
     """An object was used in a state that does not allow the call (a closed table, a layer without a
     table, a handle already released)."""
+
+
+class CommandLineError(InvalidArgumentError):
+    """A value given on the ``ple`` command line that the command cannot use, found once it has read
+    what the value refers to (a PLE layer index the config does not have, a token id past the
+    vocabulary, options that do not fit together): exit status 2 with the command's usage, like the
+    values argparse refuses itself."""

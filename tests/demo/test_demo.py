@@ -89,8 +89,9 @@ def test_serving_an_existing_checkpoint_reuses_its_table_file(small_config, tmp_
 
 
 def test_bad_arguments_are_one_line_errors(small_config, tmp_path, capsys):
-    assert main(["demo", "--config", str(small_config), "--layer", "5"]) == 1
-    assert "--layer 5: the config has 2 PLE layer(s)" in capsys.readouterr().err
+    assert main(["demo", "--config", str(small_config), "--layer", "5", "--workdir", str(tmp_path / "w")]) == 2
+    assert "ple demo: error: --layer 5: the config has 2 PLE layer(s)" in capsys.readouterr().err
+    assert list((tmp_path / "w").iterdir()) == []  # refused before anything was written
     with pytest.raises(SystemExit) as e:
         main(["demo", "--tier", "disk"])
     assert e.value.code == 2

@@ -177,7 +177,7 @@ def test_demo_refuses_ranks_without_a_mode():
     out = subprocess.run(
         [sys.executable, "-m", "ple.cli", "demo", "--ranks", "2"], capture_output=True, text=True, timeout=120
     )
-    assert out.returncode == 1 and "--parallel" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "--parallel" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_parallel_layer_needs_a_process_group():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import argtypes
-from ..errors import InvalidArgumentError
+from ..errors import CommandLineError, PLEError
 from . import cases as bench_cases
 from .cases import Case, Fixture, Geometry, Prepared
 from .timing import NOISY, measure, median_ms, spread, sync_of
@@ -103,7 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m ple.bench", description="Benchmark the PLE layer against transformers' qwen4_exp module."
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except CommandLineError as e:
+        parser.error(str(e))  # exit status 2 with the usage, as ``ple bench`` does
+    except PLEError as e:
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 1
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -375,7 +382,7 @@ def _geometry(args) -> Geometry:
     geo = bench_cases.QUICK if args.quick else bench_cases.PUBLISHED
     if args.table_base is not None:
         if args.table_base < 2:
-            raise InvalidArgumentError(f"--table-base must be >= 2, got {args.table_base}")
+            raise CommandLineError(f"--table-base must be >= 2, got {args.table_base}")
         geo = dataclasses.replace(geo, table_base=args.table_base)
     return geo
 
@@ -410,18 +417,20 @@ def run(args: argparse.Namespace) -> int:
     max_repeat = args.max_repeat
     if max_repeat is None:
         max_repeat = repeat if args.quick else max(repeat, DEFAULT_MAX_REPEAT)
+    # wrong values of the command line: exit status 2 with the usage (ple.cli), like argparse's own
+    if repeat < 1 or args.warmup < 0 or max_repeat < repeat:
+        raise CommandLineError(
+            f"need --repeat >= 1, --warmup >= 0 and --max-repeat >= --repeat, got {repeat}, {args.warmup} "
+            f"and {max_repeat}"
+        )
     try:
-        if repeat < 1 or args.warmup < 0 or max_repeat < repeat:
-            raise InvalidArgumentError(
-                f"need --repeat >= 1, --warmup >= 0 and --max-repeat >= --repeat, got {repeat}, {args.warmup} "
-                f"and {max_repeat}"
-            )
         selected = bench_cases.select_cases(args.profile if args.profile else args.cases)
-        geometry = _geometry(args)
-        device = torch.device(args.device)
     except ValueError as e:
-        print(f"ple bench: {e}", file=sys.stderr)
-        return 1
+        raise CommandLineError(str(e)) from None
+    geometry = _geometry(args)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # the machine, not the command line: exit 1
+        raise PLEError(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fixture = Fixture(geometry, device, seed=args.seed)
@@ -430,11 +439,9 @@ def run(args: argparse.Namespace) -> int:
         from .profile import profile_case
 
         if len(selected) != 1:
-            print(
-                f"ple bench: --profile needs one case, {args.profile!r} matches {', '.join(c.name for c in selected)}",
-                file=sys.stderr,
+            raise CommandLineError(
+                f"--profile needs one case, {args.profile!r} matches {', '.join(c.name for c in selected)}"
             )
-            return 1
         return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log, as_json=args.json)
 
     log(f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, {geometry.describe()}")

@@ -34,7 +34,7 @@ import torch
 
 from ..argtypes import positive_int
 from ..config import PLEConfig
-from ..errors import InvalidArgumentError
+from ..errors import CommandLineError, InvalidArgumentError
 from ..layer import PLELayer
 from ..ngram import next_ngram_context
 from ..parallel import (
@@ -162,9 +162,9 @@ class Options:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
         if args.parallel is None:
-            raise InvalidArgumentError(f"--ranks {args.ranks}: say how to split the work with --parallel {{sp,etp,dp}}")
+            raise CommandLineError(f"--ranks {args.ranks}: say how to split the work with --parallel {{sp,etp,dp}}")
         if not args.dist_timeout > 0:
-            raise InvalidArgumentError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+            raise CommandLineError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
         defaults = cls(mode=args.parallel, ranks=args.ranks)
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
         kw.update(
@@ -180,21 +180,21 @@ class Options:
 
     def check(self) -> None:
         if self.mode not in MODES:
-            raise InvalidArgumentError(f"--parallel {self.mode!r} is not one of {list(MODES)}")
+            raise CommandLineError(f"--parallel {self.mode!r} is not one of {list(MODES)}")
         if self.tier not in ("memory", "mmap"):
-            raise InvalidArgumentError(f"--tier {self.tier!r}: the parallel demo keeps tables in memory or mmap")
+            raise CommandLineError(f"--tier {self.tier!r}: the parallel demo keeps tables in memory or mmap")
         if self.fault is not None:
             parse_fault(self.fault)
         for name in ("requests", "slots", "chunk"):
             if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"--{name} must be >= 1, got {getattr(self, name)}")
+                raise CommandLineError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
     def check_world(self, world: int) -> None:
         """Refuse what cannot run on ``world`` ranks (before any rank starts)."""
         if self.mode == "sp" and self.sp_size is not None and world % self.sp_size:
-            raise InvalidArgumentError(f"--sp-size {self.sp_size} does not divide the {world} ranks")
+            raise CommandLineError(f"--sp-size {self.sp_size} does not divide the {world} ranks")
         if self.fault is not None and parse_fault(self.fault)[1] >= world:
-            raise InvalidArgumentError(f"--fault {self.fault}: there are only ranks 0..{world - 1}")
+            raise CommandLineError(f"--fault {self.fault}: there are only ranks 0..{world - 1}")
 
     def agreed(self, config: PLEConfig, sp_size: int) -> dict[str, int | str]:
         """What every rank of one run must share (compared before anything else)."""
@@ -226,9 +226,9 @@ def parse_fault(text: str) -> tuple[str, int, int]:
     try:
         kind, rank, step = parts[0], int(parts[1]), int(parts[2])
     except (IndexError, ValueError):
-        raise InvalidArgumentError(f"--fault {text!r}: expected KIND:RANK:STEP, e.g. die:1:3") from None
+        raise CommandLineError(f"--fault {text!r}: expected KIND:RANK:STEP, e.g. die:1:3") from None
     if kind not in _FAULTS or rank < 0 or step < 0 or len(parts) != 3:
-        raise InvalidArgumentError(f"--fault {text!r}: KIND is one of {list(_FAULTS)}, RANK and STEP >= 0")
+        raise CommandLineError(f"--fault {text!r}: KIND is one of {list(_FAULTS)}, RANK and STEP >= 0")
     return kind, rank, step
 
 
@@ -480,7 +480,7 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path, *, scratch: bool 
     so a rank that dies or is killed later leaves nothing behind."""
     config = PLEConfig.from_pretrained(opts.config) if opts.config else PLEConfig.from_dict(DEFAULT_CONFIG)
     if not 0 <= opts.layer < config.num_ple_layers:
-        raise InvalidArgumentError(f"--layer {opts.layer}: the config has {config.num_ple_layers} PLE layer(s)")
+        raise CommandLineError(f"--layer {opts.layer}: the config has {config.num_ple_layers} PLE layer(s)")
     sp_size = opts.sp_size or ctx.world_size
     what = "ple demo: the run's options"
     with collective_failures(what, ctx):
@@ -669,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
     if under_launcher():
         world = launch_env().world_size
         if opts.ranks not in (1, world):
-            raise InvalidArgumentError(f"--ranks {opts.ranks}, but the launcher started {world} ranks (WORLD_SIZE)")
+            raise CommandLineError(f"--ranks {opts.ranks}, but the launcher started {world} ranks (WORLD_SIZE)")
         opts.check_world(world)
         return worker(opts)
     opts.check_world(opts.ranks)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..config import PLEConfig
-from ..errors import InvalidArgumentError
+from ..errors import CommandLineError, InvalidArgumentError
 from ..table import CachedTable, Table, format_info
 
 __all__ = ["DEMO_CONFIG", "SERVING_BASES", "synthesize_checkpoint", "serve", "run_serving", "print_serving"]
@@ -237,6 +237,10 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
 
     tune_host_allocator()
     config, ckpt = _serving_config(args)
+    if not 0 <= args.layer < config.num_ple_layers:  # before anything is written
+        raise CommandLineError(
+            f"--layer {args.layer}: the config has {config.num_ple_layers} PLE layer(s) (indexes into ple_layer_ids)"
+        )
     if ckpt is None:
         t0 = time.perf_counter()
         ckpt = synthesize_checkpoint(config, work / "serving-checkpoint", seed=args.seed)
@@ -244,10 +248,6 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         synth_s = time.perf_counter() - t0
     else:
         source, synth_s = f"checkpoint {ckpt}", 0.0
-    if not 0 <= args.layer < config.num_ple_layers:
-        raise InvalidArgumentError(
-            f"--layer {args.layer}: the config has {config.num_ple_layers} PLE layer(s) (indexes into ple_layer_ids)"
-        )
     t0 = time.perf_counter()
     table: Table | None = None
     prepared = None
