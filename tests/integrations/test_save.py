@@ -4,6 +4,7 @@ writes (its names, the table in its format, streamed from its tier) or refuses; 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -11,11 +12,17 @@ from safetensors import safe_open
 from transformers import Qwen4ExpForCausalLM
 
 from ple.checkpoint import checkpoint_files
-from ple.errors import UsageError
-from ple.integrations.transformers import from_pretrained, patch, patched_layers, unpatch
+from ple.errors import InvalidArgumentError, UsageError
+from ple.integrations.transformers import (
+    ScaledTableWarning,
+    from_pretrained,
+    patch,
+    patched_layers,
+    unpatch,
+)
 from ple.table import MemoryTable, Table, quantize_global
 
-from .helpers import LOGIT_ATOL, prompts, tiny_config, tiny_model
+from .helpers import LOGIT_ATOL, generate, prompts, tiny_config, tiny_model
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:
@@ -219,3 +226,53 @@ def test_table_file_maps_are_checked_and_outlive_the_table(tmp_path):
     with pytest.raises(UsageError, match="was closed"):
         table.map_rows(0, 1)
     assert torch.equal(rows, weight[3:9])  # a map outlives the table
+
+
+def test_an_fp8_model_saved_for_plain_transformers(tmp_path):
+    """A model loaded from an fp8 checkpoint (the published format) saves its tables as fp8 + scale
+    (ple reads that back exactly; plain transformers ignores the scale), with a warning naming the
+    remedy; ``save_pretrained(..., dequantize=dtype)`` writes what plain transformers reads correctly."""
+    model = tiny_model(tiny_config(split_ngram_parts=4), seed=38)
+
+    def quantized(weight, layer):
+        q, s = quantize_global(weight)
+        return MemoryTable(q, s)
+
+    patch(model, quantized)
+    try:
+        with pytest.warns(ScaledTableWarning, match=r"pass dequantize=torch\.bfloat16"):
+            model.save_pretrained(tmp_path / "fp8")
+    finally:
+        unpatch(model)
+    assert "save_pretrained" not in model.__dict__  # unpatch gives transformers' own method back
+    loaded = from_pretrained(tmp_path / "fp8", table_dir=tmp_path / "tables")
+    ids, mask = prompts(seed=38)
+    want = generate(loaded, ids, mask)
+    # without the remedy: a warning, and plain transformers reads other values
+    with pytest.warns(ScaledTableWarning, match="plain transformers 5.24 ignores weight_scale"):
+        loaded.save_pretrained(tmp_path / "as-is")
+    assert (logits(Qwen4ExpForCausalLM.from_pretrained(tmp_path / "as-is")) - logits(loaded)).abs().max() > 0.1
+    # with it: no warning, no scales in the files, and plain transformers generates what ple does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded.save_pretrained(tmp_path / "plain", dequantize=torch.float32)
+    saved = tensors(tmp_path / "plain")
+    assert not any(k.endswith("weight_scale") for k in saved)
+    assert saved["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"].dtype == torch.float32
+    assert not list(tmp_path.glob(".plain.*"))  # the staging folder is gone
+    plain = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "plain")
+    got = generate(plain, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(want.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=LOGIT_ATOL)
+    # bf16 tables: the scale applied in bf16, as ple's lookup does in a bf16 model
+    loaded.save_pretrained(tmp_path / "plain-bf16", dequantize=torch.bfloat16)
+    rows = tensors(tmp_path / "plain-bf16")["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"]
+    fp8 = tensors(tmp_path / "fp8")
+    q = fp8["model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"]
+    scale = fp8["model.layers.0.ple.ple_embedding.ngram_embedding.weight_scale"]
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, q.to(torch.bfloat16) * scale.to(torch.bfloat16))
+    with pytest.raises(FileExistsError, match="writes a new folder"):
+        loaded.save_pretrained(tmp_path / "plain", dequantize=torch.float32)
+    with pytest.raises(InvalidArgumentError, match="dequantize must be torch.bfloat16"):
+        loaded.save_pretrained(tmp_path / "other", dequantize=torch.int8)

@@ -28,9 +28,12 @@ shard in the table's own format, plus ``weight_scale``: one global ``[1]`` for f
 per shard for per-row formats). Memory-mapped tables are handed over as maps of the file the table
 holds (:meth:`ple.MmapTable.map_rows`: the file it serves, even after another was renamed over its
 name), so ``model.save_pretrained(...)`` streams them from disk and writes the checkpoint layout transformers
-writes. transformers 5.24 reads an F8_E4M3 table as a plain cast and ignores ``weight_scale``: for
-plain transformers, write a dequantized copy with :func:`dequantize_checkpoint`. A table whose rows
-this process cannot read (sharded across ranks) refuses to be saved.
+writes. transformers 5.24 reads an F8_E4M3 table as a plain cast and ignores ``weight_scale``: so
+``save_pretrained`` of a model whose tables carry scales warns (:class:`ScaledTableWarning`), and
+``save_pretrained(dst, dequantize=torch.bfloat16)`` writes the form plain transformers reads
+correctly (the tables dequantized, no ``weight_scale``; :func:`dequantize_checkpoint` does the same
+to a checkpoint folder). A table whose rows this process cannot read (sharded across ranks) refuses
+to be saved.
 
 Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
 :meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
@@ -43,8 +46,11 @@ gradient transformers gives it (non-zero only on the rows the batch touched). Ot
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
+import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,6 +90,7 @@ __all__ = [
     "TABLE_TIERS",
     "LOAD_TIERS",
     "DEFAULT_CACHE_ROWS",
+    "ScaledTableWarning",
 ]
 
 TABLE_TIERS = ("memory", "mmap")
@@ -107,6 +114,71 @@ _DENSE = {
 }
 _TABLE_PREFIX = "ple_embedding.ngram_embedding."
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+
+
+class ScaledTableWarning(UserWarning):
+    """``save_pretrained`` wrote PLE tables with scales (fp8/int8 + ``weight_scale``), which ple reads
+    back exactly and plain transformers (5.24) reads as a plain cast, ignoring the scales."""
+
+
+def _scaled_formats(model: nn.Module) -> list[str]:
+    """The formats of the patched tables of ``model`` that carry scales (one entry per such layer)."""
+    out = []
+    for w in patched_layers(model):
+        table = w.layer.table
+        backing = table.backing if isinstance(table, CachedTable) else table
+        fmt = getattr(backing, "format", None)
+        if fmt is not None and format_info(fmt).scale_kind != "none":
+            out.append(fmt)
+    return out
+
+
+def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args, dequantize=None, **kwargs) -> Any:
+    """transformers' ``save_pretrained`` of a patched model, plus ``dequantize``.
+
+    ``dequantize=None`` writes each table in its own format (fp8/int8 tables with their
+    ``weight_scale``: what ple loads back exactly) and warns (:class:`ScaledTableWarning`) when a
+    table carries scales, since plain transformers 5.24 ignores them. ``dequantize=torch.bfloat16``
+    (or ``float16``/``float32``) writes the form plain transformers reads correctly: the model is
+    saved beside ``save_directory`` first, then copied by :func:`dequantize_checkpoint` (streamed,
+    tables dequantized as ``q.to(dtype) * scale.to(dtype)``, ``ple_embedding_dtype`` dropped from the
+    config); ``save_directory`` must then be new (or an empty folder) and ``push_to_hub`` is refused.
+    """
+    cls: Any = type(model)  # a transformers PreTrainedModel (patch installs this only there)
+    save = cls.save_pretrained
+    if dequantize is None:
+        scaled = _scaled_formats(model)
+        if scaled:
+            warnings.warn(
+                f"save_pretrained: {len(scaled)} PLE table(s) saved as {'/'.join(sorted(set(scaled)))} with their "
+                "weight_scale; ple loads them back exactly, but plain transformers 5.24 ignores weight_scale and "
+                "reads other values. For plain transformers pass dequantize=torch.bfloat16 (or copy the "
+                "checkpoint with ple.integrations.transformers.dequantize_checkpoint)",
+                ScaledTableWarning,
+                stacklevel=2,
+            )
+        return save(model, save_directory, *args, **kwargs)
+    if dequantize not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InvalidArgumentError(
+            f"dequantize must be torch.bfloat16, torch.float16 or torch.float32 (or None), got {dequantize!r}"
+        )
+    if kwargs.get("push_to_hub"):
+        raise InvalidArgumentError("save_pretrained: dequantize= writes a local folder; push it in a second step")
+    dst = Path(save_directory)
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        dst.rmdir()  # an empty folder made for the copy
+    if os.path.lexists(dst):
+        raise FileExistsError(f"{dst} exists: save_pretrained(..., dequantize=...) writes a new folder")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".save", dir=dst.parent))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ScaledTableWarning)
+            save(model, staged, *args, **kwargs)
+        dequantize_checkpoint(staged, dst, dequantize)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return None
 
 
 class PatchedPLELayer(nn.Module):
@@ -621,6 +693,9 @@ def patch(
         raise
     if done:
         done[0][2]._table_dir = tmp  # removed once, by the first wrapper unpatched
+    if callable(getattr(type(model), "save_pretrained", None)):
+        # on the instance: ``model.save_pretrained(..., dequantize=...)``, and the warning for scaled tables
+        model.__dict__["save_pretrained"] = types.MethodType(_save_pretrained, model)
     return model
 
 
@@ -641,6 +716,9 @@ def unpatch(model: nn.Module, *, materialize: bool = False) -> nn.Module:
         if wrapper._table_dir is not None:
             wrapper._table_dir.cleanup()
             wrapper._table_dir = None
+    saver = model.__dict__.get("save_pretrained")
+    if isinstance(saver, types.MethodType) and saver.__func__ is _save_pretrained:
+        del model.__dict__["save_pretrained"]
     return model
 
 
