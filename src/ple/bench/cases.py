@@ -47,6 +47,7 @@ __all__ = [
     "PUBLISHED",
     "QUICK",
     "Targets",
+    "gemm_tokens",
     "dtype_name",
     "select_cases",
 ]
@@ -786,13 +787,15 @@ def _session_prefill_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared
     return build
 
 
+# The targets are the goals: what ple adds to the GEMM it cannot avoid (ple / floor, bf16, the dtype
+# served). Speed-ups against transformers are reported, not targeted: they measure transformers.
 CASES: tuple[Case, ...] = (
-    Case("ids", "ids", None, Targets(speedup_min=20), _build_ids, "n-gram row ids of a [R, S] token batch"),
+    Case("ids", "ids", None, Targets(), _build_ids, "n-gram row ids of a [R, S] token batch"),
     Case(
         "prefill-long-bf16",
         "prefill",
         torch.bfloat16,
-        Targets(3, 1.3),
+        Targets(floor_max=1.3),
         _prefill_builder("long", torch.bfloat16),
         "one long fresh prompt",
     ),
@@ -800,7 +803,7 @@ CASES: tuple[Case, ...] = (
         "prefill-batch-bf16",
         "prefill",
         torch.bfloat16,
-        Targets(3, 1.3),
+        Targets(floor_max=1.3),
         _prefill_builder("batch", torch.bfloat16),
         "a batch of fresh prompts",
     ),
@@ -820,7 +823,14 @@ CASES: tuple[Case, ...] = (
         _prefill_builder("batch", torch.float32),
         "a batch of fresh prompts",
     ),
-    Case("decode-bf16", "decode", torch.bfloat16, Targets(2, 1.3), _decode_builder(torch.bfloat16), "decode steps"),
+    Case(
+        "decode-bf16",
+        "decode",
+        torch.bfloat16,
+        Targets(floor_max=1.3),
+        _decode_builder(torch.bfloat16),
+        "decode steps",
+    ),
     Case("decode-fp32", "decode", torch.float32, Targets(), _decode_builder(torch.float32), "decode steps"),
     Case(
         "session-decode-bf16",
@@ -850,11 +860,24 @@ CASES: tuple[Case, ...] = (
         "mixed-bf16",
         "mixed",
         torch.bfloat16,
-        Targets(speedup_min=3),
+        Targets(),
         _mixed_builder(torch.bfloat16),
         "decode rows and continuation chunks in one step",
     ),
 )
+
+
+def gemm_tokens(case: Case, geo: Geometry) -> int:
+    """Rows one call of ``case`` sends through the projections' GEMM (0 for ``ids``): what its run
+    time scales with, for the runner's estimate before anything is built."""
+    if case.kind == "ids":
+        return 0
+    if case.kind == "prefill":
+        r, s = geo.prefill_batch if "batch" in case.name else geo.prefill_long
+        return r * s
+    if case.kind == "decode":
+        return geo.decode_requests * geo.decode_steps
+    return geo.mixed_decode + geo.mixed_prefill[0] * geo.mixed_prefill[1]
 
 
 def select_cases(spec: str | None) -> list[Case]:

@@ -6,6 +6,11 @@ timings. Then each repetition runs ``ple``, ``transformers`` and ``floor`` in ro
 drift on a shared machine hits all three alike), each after the case's untimed ``reset``; the
 report gives medians and their ratios. ``--profile CASE`` instead splits ple's time into stages.
 
+Before the first case the runner says how long the run should take (an estimate from one GEMM
+timed per dtype on this machine: bf16 without bf16 instructions takes hours at the published
+geometry), then reports each case as it goes (``[i/N]``, time left) and, within a long case, its
+timing rounds.
+
 Exit status: 0 when every selected case passed its check, 1 when one was refused, 2 for bad
 arguments. Targets that are not met are reported, not failed.
 """
@@ -47,6 +52,11 @@ __all__ = [
 
 SCHEMA = "ple-bench/1"
 LIST_SCHEMA = "ple-bench-cases/1"
+ROUND_LOG_SECONDS = 20.0
+"""Within a case, a timing round is reported when this long has passed since the last line."""
+FLOORS_PER_ROUND = 5.0
+"""A timing round (ple, transformers, the floor) costs about this many floor GEMMs (ple ~1.2,
+transformers ~2-3): the estimate's unit."""
 DEFAULT_REPEAT = 3
 DEFAULT_MAX_REPEAT = 5
 QUICK_REPEAT = 2
@@ -200,6 +210,77 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- estimate
+
+
+def _gemm_flops_per_second(geo: Geometry, dtype: torch.dtype, device: torch.device, rows: int = 64) -> float:
+    """This machine's rate for the projections' GEMM (``[rows, E] x [E, HC*H + H]``) in ``dtype``:
+    the best of two calls after one untimed."""
+    g = torch.Generator().manual_seed(0)
+    cfg = geo.config
+    x = torch.randn(rows, geo.embed_dim, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(geo.embed_dim, cfg.hc_hidden_size + cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
+    sync = sync_of(device)
+    best = float("inf")
+    for i in range(3):
+        sync()
+        t0 = time.perf_counter()
+        x @ w
+        sync()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2.0 * x.shape[0] * w.shape[0] * w.shape[1] / max(best, 1e-9)
+
+
+def estimate_seconds(
+    cases: Sequence[Case], geo: Geometry, device: torch.device, repeat: int, warmup: int, max_repeat: int
+) -> dict[str, Any]:
+    """How long the timed part of a run should take here, before anything is built: per case, its
+    GEMM rows (:func:`ple.bench.cases.gemm_tokens`) x the rate one GEMM of its dtype reaches on this
+    machine x :data:`FLOORS_PER_ROUND` per round (warm-up, ``repeat`` rounds and the check; up to
+    ``max_repeat`` rounds when timings are noisy). Returns ``{"cases": {name: s}, "low_s", "high_s",
+    "gflops": {dtype: rate}}``."""
+    cfg = geo.config
+    flops_per_row = 2.0 * geo.embed_dim * (cfg.hc_hidden_size + cfg.hidden_size)
+    rates = {dt: _gemm_flops_per_second(geo, dt, device) for dt in dict.fromkeys(c.dtype for c in cases if c.dtype)}
+    per_round = {
+        c.name: 0.0
+        if c.dtype is None
+        else FLOORS_PER_ROUND * bench_cases.gemm_tokens(c, geo) * flops_per_row / rates[c.dtype]
+        for c in cases
+    }
+    return {
+        "cases": {n: s * (warmup + repeat + 1) for n, s in per_round.items()},
+        "low_s": sum(per_round.values()) * (warmup + repeat + 1),
+        "high_s": sum(per_round.values()) * (warmup + max(repeat, max_repeat) + 1),
+        "gflops": {bench_cases.dtype_name(dt): r / 1e9 for dt, r in rates.items()},
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def describe_estimate(est: dict[str, Any], cases: Sequence[Case], device: torch.device) -> str:
+    """One line: the expected duration, the GEMM rates it rests on, and a hint when it is long."""
+    low, high = est["low_s"], est["high_s"]
+    span = _duration(low) if _duration(low) == _duration(high) else f"{_duration(low)} to {_duration(high)}"
+    rates = ", ".join(f"{k} {v:,.3g} GFLOP/s" for k, v in est["gflops"].items())
+    text = f"expected to take about {span} of timed runs" + (f" (one GEMM here: {rates})" if rates else "")
+    bf16, fp32 = est["gflops"].get("bf16"), est["gflops"].get("fp32")
+    if bf16 is not None and fp32 is not None and bf16 < fp32 / 2:
+        text += f"; bf16 GEMMs run {fp32 / bf16:.0f}x slower than fp32 here, so the bf16 cases are slow"
+    elif bf16 is not None and device.type == "cpu" and not {"avx512_bf16", "amx_bf16"} & set(_cpu_flags()):
+        text += "; this CPU has no bf16 instructions, so the bf16 cases are slow"
+    if low > 600:
+        text += "; for a shorter run: --quick, or --cases with fewer cases (ple bench --list)"
+    return text
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
@@ -279,7 +360,17 @@ def run_case(
     fns = {"ple": prep.ple, "transformers": prep.transformers}
     if prep.floor is not None:
         fns["floor"] = prep.floor
-    samples = measure(fns, repeat, warmup, prep.reset, sync, max_repeat)
+    t_timing = last_line = time.perf_counter()
+    planned = f"{warmup + repeat}" + ("+" if max_repeat is not None and max_repeat > repeat else "")
+
+    def on_round(i: int) -> None:
+        nonlocal last_line
+        now = time.perf_counter()
+        if now - last_line >= ROUND_LOG_SECONDS:
+            last_line = now
+            log(f"[{case.name}] timing round {i + 1} of {planned} done ({now - t_timing:.0f} s)")
+
+    samples = measure(fns, repeat, warmup, prep.reset, sync, max_repeat, on_round=on_round)
     aux = measure(prep.aux, repeat, warmup, prep.reset, sync, max_repeat) if prep.aux else {}
     med = {k: median_ms(samples.get(k)) for k in ("ple", "transformers", "floor")}
     speedup = _ratio(med["transformers"], med["ple"])
@@ -445,9 +536,22 @@ def run(args: argparse.Namespace) -> int:
         return profile_case(selected[0], fixture, repeat, args.warmup, out=out, log=log, as_json=args.json)
 
     log(f"ple bench: {len(selected)} case(s) on {device}, repeat {repeat}, warmup {args.warmup}, {geometry.describe()}")
+    est = estimate_seconds(selected, geometry, device, repeat, args.warmup, max_repeat)
+    log(f"ple bench: {describe_estimate(est, selected, device)}")
     t0 = time.perf_counter()
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    records = [run_case(c, fixture, repeat, args.warmup, log=log, max_repeat=max_repeat) for c in selected]
+    records = []
+    for i, c in enumerate(selected):
+        log(f"ple bench: [{i + 1}/{len(selected)}] {c.name}")
+        records.append(run_case(c, fixture, repeat, args.warmup, log=log, max_repeat=max_repeat))
+        if i + 1 < len(selected):
+            spent = time.perf_counter() - t0
+            done_est = sum(est["cases"][d.name] for d in selected[: i + 1])
+            pace = spent / done_est if done_est > 1.0 else 1.0  # how the estimate has held so far
+            left = pace * sum(est["cases"][d.name] for d in selected[i + 1 :])
+            log(
+                f"ple bench: [{i + 1}/{len(selected)}] {c.name} finished; {_duration(spent)} so far, about {_duration(left)} left"
+            )
     log(f"ple bench: done in {time.perf_counter() - t0:.1f}s")
     report = _report(args, geometry, records, repeat, device, load_start)
     report["settings"]["max_repeat"] = max_repeat

@@ -42,9 +42,11 @@ def measure(
     sync: Callable[[], None] = lambda: None,
     max_repeat: int | None = None,
     noisy: float = NOISY,
+    on_round: Callable[[int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, interleaved in rotating order: ``repeat`` samples each,
-    then more rounds (up to ``max_repeat``) while some series is noisy (max / min > ``noisy``)."""
+    then more rounds (up to ``max_repeat``) while some series is noisy (max / min > ``noisy``).
+    ``on_round(i)`` is called after round ``i`` (warm-up rounds included; for progress reports)."""
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     limit = max(repeat, max_repeat or repeat)
@@ -58,6 +60,8 @@ def measure(
             dt = _timed(fns[name], reset, sync)
             if i >= warmup:
                 samples[name].append(dt)
+        if on_round is not None:
+            on_round(i)
         i += 1
 
 
