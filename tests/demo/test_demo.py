@@ -34,7 +34,11 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
     """``ple demo --quick``: both parts, every check, one JSON document."""
     out = tmp_path / "demo.json"
     rc = main(["demo", "--quick", "--json", "--output", str(out), "--workdir", str(tmp_path / "work")])
-    doc = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    # without a terminal the run still says what it does, in the order of the report
+    said = [line for line in captured.err.splitlines() if line.startswith("ple demo: ")]
+    assert said[0].startswith("ple demo: 1/2 serving workload") and said[1].startswith("ple demo: 2/2 the user's path")
     assert rc == 0, doc["checks"]
     assert json.loads(out.read_text())["checks"] == doc["checks"]
     assert doc["ok"] and set(doc["checks"]) == {
@@ -48,6 +52,10 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
     assert model["tokens_equal"] and model["max_logit_diff"] <= 1e-4
     assert len(model["plain"]["tokens"]) == model["prompts"]
     assert model["ple"]["tables"] == [["converted", "converted"], ["reused", "reused"]]
+    # every column is a fresh process: the 2nd start too
+    pids = [model["plain"]["pid"], *model["ple"]["pids"]]
+    assert len(set(pids)) == 3 and os.getpid() not in pids
+    assert len(model["ple"]["peak_rss_bytes_per_start"]) == len(model["ple"]["load_seconds"]) == 2
     assert model["checkpoint"]["published_table_bytes"] * 4 == pytest.approx(
         model["checkpoint"]["table_bytes_in_memory"], rel=1e-3
     )
@@ -57,6 +65,16 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
     assert serving["checked_tokens"] > 0 and serving["worst_error_vs_tolerance"] <= 1
     assert all(serving["phases"][p]["steps"] > 0 for p in ("prefill", "decode", "verify"))
     assert serving["table_file"]["action"] == "converted"
+    assert serving["published_geometry"]
+    # the text report of the same results: its labels say what was measured
+    from ple.demo import _print_model
+
+    _print_model(model)
+    text = capsys.readouterr().out
+    assert "each column is a process of its own" in text and "transformers, fp32 tables" in text
+    assert f"{model['checkpoint']['published_files']} file" in text and "1 files" not in text
+    if model["memory_saved_share_of_tables"] > 1:
+        assert "over 100 %: transformers' peak holds the tables twice" in text
 
 
 @pytest.mark.parametrize("tier", ["mmap", "cached", "memory"])
@@ -67,7 +85,8 @@ def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     lines = [" ".join(line.split()) for line in text.splitlines()]  # content, not column layout
-    assert "equals the one-shot reference" in text and "checks : all passed (1 checks)" in lines
+    assert "equals the one-shot reference" in text and "checks : all passed (1 check)" in lines
+    assert "== serving: one PLE layer through a Session ==" in lines  # not the published geometry
     res = json.loads(out.read_text())["serving"]
     assert res["tier"] == tier and res["checked_tokens"] > 0
     assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
@@ -160,5 +179,5 @@ def test_a_closed_terminal_leaves_no_temporary_folder(tmp_path, sig, code, said)
             child.kill()
             child.wait()
     assert child.returncode == code, stderr
-    assert stderr == f"ple demo: {said}\n"
+    assert stderr.splitlines()[-1] == f"ple demo: {said}" and "Traceback" not in stderr
     assert list(tmpdir.iterdir()) == []

@@ -77,25 +77,33 @@ def _model_checks(res: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _print_model(res: dict[str, Any]) -> None:
+def _part(parts: list[str], name: str) -> str:
+    """``"1/2 "`` when both parts run (progress and report number them alike), else nothing."""
+    return f"{parts.index(name) + 1}/{len(parts)} " if len(parts) > 1 else ""
+
+
+def _print_model(res: dict[str, Any], number: str = "") -> None:
     ck, plain, ple = res["checkpoint"], res["plain"], res["ple"]
     rows = " + ".join(f"{r[0]:,} x {r[1]}" for r in ck["tables"])
-    print("== the user's path: a qwen4_exp model with its PLE tables on disk ==")
+    print(f"== {number}the user's path: a qwen4_exp model with its PLE tables on disk ==")
     print(f"model      : random-weight qwen4_exp (hidden 64, 4 layers, 2 PLE layers), tables {rows}")
+    files = ck["published_files"]
     print(
         f"checkpoint : save_pretrained in the published layout: fp8 tables + global scale, "
-        f"{ck['published_files']} files, {_mb(ck['published_bytes'])} (tables {_mb(ck['published_table_bytes'])})"
+        f"{files} file{'s' if files != 1 else ''}, {_mb(ck['published_bytes'])} "
+        f"(tables {_mb(ck['published_table_bytes'])})"
     )
     print(
         f"plain copy : tables dequantized to fp32 for plain transformers ({_mb(ck['plain_bytes'])}); "
         "transformers reads fp8 tables as a plain cast and ignores weight_scale"
     )
     first, second = ple["tables"][0], ple["tables"][-1]
-    print(f"\n| {'fresh process':28s} | transformers | ple, 1st start | ple, 2nd start |")
-    print(f"|{'-' * 30}|-------------:|---------------:|---------------:|")
+    print("\neach column is a process of its own, started with the files evicted from the page cache")
+    print(f"| {'':28s} | transformers, fp32 tables | ple, 1st start | ple, 2nd start |")
+    print(f"|{'-' * 30}|--------------------------:|---------------:|---------------:|")
 
     def row(name, a, b, c):
-        print(f"| {name:28s} | {a:>12s} | {b:>14s} | {c:>14s} |")
+        print(f"| {name:28s} | {a:>25s} | {b:>14s} | {c:>14s} |")
 
     row(
         "load (s)", f"{plain['load_seconds'][0]:.2f}", f"{ple['load_seconds'][0]:.2f}", f"{ple['load_seconds'][-1]:.2f}"
@@ -109,7 +117,8 @@ def _print_model(res: dict[str, Any]) -> None:
         f"{ple['generate_seconds'][0]:.2f}",
         f"{ple['generate_seconds'][-1]:.2f}",
     )
-    row("peak resident, process", _mb(plain["peak_rss_bytes"]), _mb(ple["peak_rss_bytes"]), "(same process)")
+    peaks = ple.get("peak_rss_bytes_per_start", [ple["peak_rss_bytes"]] * 2)
+    row("peak resident, process", _mb(plain["peak_rss_bytes"]), _mb(peaks[0]), _mb(peaks[-1]))
     print()
     print(
         f"tokens equal       : {'yes' if res['tokens_equal'] else 'NO'} ({res['prompts']} prompts x {res['new_tokens']} new tokens)"
@@ -123,9 +132,16 @@ def _print_model(res: dict[str, Any]) -> None:
     kept = res["table_bytes_kept_in_memory"]
     what = "the tables' in-memory size" if not kept else "what the tables take beyond ple's fp8 copy in memory"
     print(
-        f"memory saved       : {_mb(res['memory_saved_bytes'])} = {res['memory_saved_share_of_tables']:.0%} of "
-        f"{what} (check: >= {MEMORY_CHECK:.0%})"
+        f"memory saved       : {_mb(res['memory_saved_bytes'])} of peak resident memory (ple's higher start) = "
+        f"{res['memory_saved_share_of_tables']:.0%} of {what} (check: >= {MEMORY_CHECK:.0%})"
     )
+    if "memory_saved_anon_bytes" in res and res["memory_saved_share_of_tables"] > 1:
+        pad = " " * 21
+        print(f"{pad}over 100 %: transformers' peak holds the tables twice, as the model's fp32 copy")
+        print(
+            f"{pad}(here about {_mb(res['memory_saved_anon_bytes'])} of anonymous memory) and as the checkpoint "
+            f"pages it maps while loading ({_mb(res['memory_saved_file_bytes'])} of file pages)"
+        )
 
 
 def run(args) -> int:
@@ -155,18 +171,28 @@ def run(args) -> int:
             check_workdir(work / "model")  # a reused --workdir is refused before anything runs
         doc: dict[str, Any] = {}
         checks: dict[str, bool] = {}
-        # serving first: its peak memory is then this process's own, before the model is built here
-        if only in (None, "serving"):
-            if progress:
-                print("ple demo: serving workload ...", file=sys.stderr)
+        parts = [p for p in ("serving", "model") if only in (None, p)]
+
+        def say(msg: str) -> None:  # on stderr, terminal or not: a long run says what it is doing
+            print(f"ple demo: {msg}", file=sys.stderr, flush=True)
+
+        # serving first (and reported first): its peak memory is then this process's own, before the
+        # model is built here
+        if "serving" in parts:
+            say(f"{_part(parts, 'serving')}serving workload: a PLE layer through a Session ...")
             doc["serving"] = run_serving(args, work, progress)
             checks["serving_outputs_equal_reference"] = doc["serving"]["ok"]
-        if only in (None, "model"):
-            if progress:
-                print("ple demo: model, plain transformers vs ple (fresh processes) ...", file=sys.stderr)
+        if "model" in parts:
+            say(f"{_part(parts, 'model')}the user's path: plain transformers vs ple, each in a fresh process ...")
             base = MODEL_SIZES["quick" if args.quick else "default"]
             doc["model"] = compare(
-                work / "model", base, seed=args.seed, new_tokens=args.new_tokens, tier=args.tier, progress=progress
+                work / "model",
+                base,
+                seed=args.seed,
+                new_tokens=args.new_tokens,
+                tier=args.tier,
+                progress=progress,
+                say=lambda msg: say(f"  {msg}"),
             )
             checks.update(_model_checks(doc["model"]))
         doc["checks"] = checks
@@ -177,15 +203,20 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(doc, indent=1))
             return 0 if doc["ok"] else 1
-        if "model" in doc:
-            _print_model(doc["model"])
-            print()
         if "serving" in doc:
-            print("== serving: one PLE layer at the published geometry through a Session ==")
-            print_serving(doc["serving"])
+            res = doc["serving"]
+            what = "one PLE layer at the published geometry" if res["published_geometry"] else "one PLE layer"
+            print(f"== {_part(parts, 'serving')}serving: {what} through a Session ==")
+            print_serving(res)
+            print()
+        if "model" in doc:
+            _print_model(doc["model"], _part(parts, "model"))
             print()
         failed = [k for k, v in checks.items() if not v]
-        print(f"checks : {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} ({len(checks)} checks)")
+        n = len(checks)
+        print(
+            f"checks : {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} ({n} check{'s' if n != 1 else ''})"
+        )
         print(f"wall   : {doc['wall_seconds']:.1f} s")
         return 0 if doc["ok"] else 1
     finally:

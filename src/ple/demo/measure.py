@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "table_resident_bytes": resident,
         "table_mapped_bytes": mapped,
         "tokens": tokens,
+        "pid": os.getpid(),
     }
     print(json.dumps(report))
     return 0

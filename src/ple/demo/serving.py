@@ -270,8 +270,13 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     info = format_info(t.format)
     row_bytes = t.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
     lay = config.layout(args.layer)
+    published = PLEConfig.from_dict(DEMO_CONFIG)
     res.update(
         source=source,
+        published_geometry=all(
+            getattr(config, k) == getattr(published, k)
+            for k in ("hidden_size", "hc_count", "ple_embed_dim", "num_heads", "head_dim", "ple_conv_kernel_size")
+        ),
         geometry=(
             f"H {config.hidden_size}, HC {config.hc_count}, E {config.ple_embed_dim}, "
             f"{lay.num_heads} heads of {lay.head_dim}, K {config.ple_conv_kernel_size}"
