@@ -6,8 +6,8 @@ buffers, compared with the config; the global fp8 scale, a positive finite numbe
 table, and lists every problem it sees. :func:`check_checkpoint` raises on those problems (for the
 layers asked for) and, on request, checks the dense weights' values; :func:`load_ple_weights`,
 ``ple convert`` and ``ple verify --checkpoint`` all go through it. Values of the bulk data are
-checked as they stream by whoever reads them (per-row scales by the loader and the converter, the
-dense weights by the loader). Pickled formats are never opened; only regular files are read.
+checked as they stream by whoever reads them (per-row scales and finite table rows by the loader
+and the converter, the dense weights by the loader). Pickled formats are never opened; only regular files are read.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .errors import InvalidArgumentError, PLEError
 from .files import file_kind, open_regular, parse_json, read_json, require_regular
 from .layout import Layout
 from .table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
+from .table.convert import nonfinite_problem
 from .table.formats import check_scale_values
 
 __all__ = [
@@ -872,6 +873,9 @@ def load_table(
                 f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
                 f"{data.dtype} (the file changed after it was scanned)"
             )
+        problem = nonfinite_problem(sk, rows, a)
+        if problem:  # a NaN row (an fp8 NaN byte included) would be served as it is
+            raise CheckpointError(f"{name}: {problem}")
         data[a:b].copy_(rows)
         if scale is not None and tscale is not None:
             if tuple(scale.shape) != (b - a, 1):
