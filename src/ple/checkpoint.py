@@ -57,6 +57,8 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+"""The one-file checkpoint name transformers loads first (before an index) from a model folder."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Layer and shard numbers: ASCII digits, at most 9 (a decoder layer or shard index beyond 10^9 is no
 # index; a longer digit run, or digits of another script, leaves the name unmatched).
@@ -352,8 +354,24 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
         missing = [p.name for p in files if not p.exists()]
         if missing:
             raise CheckpointError([f"{INDEX_NAME} names missing file(s): {', '.join(missing)}"])
+        single = path / SINGLE_NAME
+        if os.path.lexists(single) and files != [single]:
+            # transformers loads the single file when both are there: serving the index's tables
+            # beside its dense weights would mix two models
+            raise CheckpointError(
+                f"{path} holds both {SINGLE_NAME} and {INDEX_NAME} (naming {len(files)} other file(s)): "
+                f"transformers loads {SINGLE_NAME} and ignores the index; remove the one that is not this model"
+            )
         return files
     files = sorted(path.glob("*.safetensors"))
+    broken = []
+    for f in files:
+        try:
+            os.stat(f)
+        except OSError as e:  # a symbolic link in a loop, or to nothing
+            broken.append(f"{f.name} cannot be opened: {e.strerror or e}")
+    if broken:
+        raise CheckpointError(broken)
     if not files:
         pickled = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickled:
