@@ -52,6 +52,7 @@ from ..parallel import (
     spawn_local,
     under_launcher,
 )
+from ..parallel.launch import check_timeout
 from ..runtime import Batch
 from ..table import MemoryTable, Table
 from ..table.quantize import quantize_global
@@ -163,8 +164,7 @@ class Options:
     def from_args(cls, args: argparse.Namespace) -> Options:
         if args.parallel is None:
             raise InvalidArgumentError(f"--ranks {args.ranks}: say how to split the work with --parallel {{sp,etp,dp}}")
-        if not args.dist_timeout > 0:
-            raise InvalidArgumentError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+        check_timeout(args.dist_timeout, "--dist-timeout")
         defaults = cls(mode=args.parallel, ranks=args.ranks)
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
         kw.update(
