@@ -182,3 +182,30 @@ def test_ids_text_report_of_24000_tokens_costs_about_what_json_costs(published_v
     text_s = min(_ids(published_vocab, toks)[0] for _ in range(2))
     json_s = min(_ids(published_vocab, toks, "--json")[0] for _ in range(2))
     assert text_s < 6 * json_s + 0.5, (text_s, json_s)  # the quadratic report took 45x
+
+
+def test_a_spawned_rank_whose_peer_never_starts_says_so_in_one_line(tmp_path):
+    """Rank 1 exits before joining; rank 0, spawned as ``ple demo --ranks`` spawns ranks, ends in one
+    line naming the rendezvous, not a traceback."""
+    import dataclasses
+    import json
+
+    from ple.demo.parallel import Options
+
+    spec = tmp_path / "options.json"
+    spec.write_text(json.dumps(dataclasses.asdict(Options(mode="sp", ranks=2, timeout_s=1.0, workdir=str(tmp_path)))))
+    code = (
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1': sys.exit(0)\n"
+        "from ple.demo.parallel import rank_main\n"
+        "sys.exit(rank_main(sys.argv[1:]))\n"
+    )
+    env = {"PYTHONPATH": str(SRC)}
+    res = launch.spawn_local(
+        [sys.executable, "-c", code, str(spec)], 2, deadline_s=120, grace_s=60, env=env, capture=True
+    )
+    assert res.returncodes == [1, 0], res.outputs
+    lines = [x for x in res.outputs[0].splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.outputs[0], res.outputs[0]
+    assert lines[0].startswith("ple demo: rank 0: rank 0 of 2: the process group at 127.0.0.1:"), lines[0]
+    assert "did not form within 1 s" in lines[0]

@@ -34,7 +34,7 @@ import torch
 
 from ..argtypes import positive_int
 from ..config import PLEConfig
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PLEError
 from ..layer import PLELayer
 from ..ngram import next_ngram_context
 from ..parallel import (
@@ -692,7 +692,11 @@ def run(args: argparse.Namespace) -> int:
 def rank_main(argv: list[str]) -> int:
     """Entry point of a spawned rank: ``argv = [OPTIONS.json]`` (what :func:`run` wrote)."""
     opts = Options(**json.loads(Path(argv[0]).read_text()))
-    return worker(opts)
+    try:
+        return worker(opts)
+    except PLEError as e:  # joining the group failed (a peer that never started): one line, as the command says it
+        print(f"ple demo: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 _RANK_CODE = "import sys; from ple.demo.parallel import rank_main; sys.exit(rank_main(sys.argv[1:]))"
