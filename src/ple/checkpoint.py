@@ -6,8 +6,8 @@ buffers, compared with the config; the global fp8 scale, a positive finite numbe
 table, and lists every problem it sees. :func:`check_checkpoint` raises on those problems (for the
 layers asked for) and, on request, checks the dense weights' values; :func:`load_ple_weights`,
 ``ple convert`` and ``ple verify --checkpoint`` all go through it. Values of the bulk data are
-checked as they stream by whoever reads them (per-row scales by the loader and the converter, the
-dense weights by the loader). Pickled formats are never opened; only regular files are read.
+checked as they stream by whoever reads them (per-row scales and finite table rows by the loader
+and the converter, the dense weights by the loader). Pickled formats are never opened; only regular files are read.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .errors import InvalidArgumentError, PLEError
 from .files import file_kind, open_regular, parse_json, read_json, require_regular
 from .layout import Layout
 from .table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
+from .table.convert import nonfinite_problem
 from .table.formats import check_scale_values
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+"""The one-file checkpoint name transformers loads first (before an index) from a model folder."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Layer and shard numbers: ASCII digits, at most 9 (a decoder layer or shard index beyond 10^9 is no
 # index; a longer digit run, or digits of another script, leaves the name unmatched).
@@ -351,8 +354,24 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
         missing = [p.name for p in files if not p.exists()]
         if missing:
             raise CheckpointError([f"{INDEX_NAME} names missing file(s): {', '.join(missing)}"])
+        single = path / SINGLE_NAME
+        if os.path.lexists(single) and files != [single]:
+            # transformers loads the single file when both are there: serving the index's tables
+            # beside its dense weights would mix two models
+            raise CheckpointError(
+                f"{path} holds both {SINGLE_NAME} and {INDEX_NAME} (naming {len(files)} other file(s)): "
+                f"transformers loads {SINGLE_NAME} and ignores the index; remove the one that is not this model"
+            )
         return files
     files = sorted(path.glob("*.safetensors"))
+    broken = []
+    for f in files:
+        try:
+            os.stat(f)
+        except OSError as e:  # a symbolic link in a loop, or to nothing
+            broken.append(f"{f.name} cannot be opened: {e.strerror or e}")
+    if broken:
+        raise CheckpointError(broken)
     if not files:
         pickled = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickled:
@@ -872,6 +891,9 @@ def load_table(
                 f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
                 f"{data.dtype} (the file changed after it was scanned)"
             )
+        problem = nonfinite_problem(sk, rows, a)
+        if problem:  # a NaN row (an fp8 NaN byte included) would be served as it is
+            raise CheckpointError(f"{name}: {problem}")
         data[a:b].copy_(rows)
         if scale is not None and tscale is not None:
             if tuple(scale.shape) != (b - a, 1):

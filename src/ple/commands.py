@@ -153,7 +153,7 @@ def ids(args: argparse.Namespace) -> int:
     """The table rows each token of a fresh request reads, per n-gram order and head."""
     import torch
 
-    from .ngram import fresh_context, ngram_ids, reference
+    from .ngram import fresh_context, ngram_ids
 
     cfg, _ = resolve_model(args.path)
     tokens = parse_tokens(args.tokens)
@@ -168,15 +168,30 @@ def ids(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"ple_layer_index": args.layer, "tokens": tokens, "ids": rows.tolist()})
         return 0
-    ys = reference.ngram_tokens(tokens, cfg.ngram_size, cfg.eos_token_id)
     hpn = cfg.heads_per_ngram
-    for t, tok in enumerate(tokens):
-        print(f"token {t}: {tok}")
+    table = rows.tolist()
+    lines = []
+    for t, (tok, y) in enumerate(zip(tokens, hashed_windows(tokens, cfg.ngram_size, cfg.eos_token_id))):
+        lines.append(f"token {t}: {tok}")
+        row = table[t]
         for order in range(2, cfg.ngram_size + 1):
-            gram = list(reversed(ys[t][:order]))
-            heads = ", ".join(f"h{(order - 2) * hpn + j}:{int(rows[t, (order - 2) * hpn + j])}" for j in range(hpn))
-            print(f"  {order}-gram {gram}: {heads}")
+            gram = list(reversed(y[:order]))
+            g0 = (order - 2) * hpn
+            heads = ", ".join(f"h{g0 + j}:{row[g0 + j]}" for j in range(hpn))
+            lines.append(f"  {order}-gram {gram}: {heads}")
+    print("\n".join(lines))
     return 0
+
+
+def hashed_windows(tokens: list[int], ngram_size: int, eos_token_id: int):
+    """Per token of a fresh request, ``[y_0, ..., y_{N-1}]`` as the hash sees them (itself, then its
+    predecessors; EOS at or before the most recent earlier EOS, and before the start): what
+    :func:`ple.ngram.reference.ngram_tokens` defines, in one pass (time linear in the tokens)."""
+    last_eos = -1  # the most recent EOS strictly before t
+    for t, tok in enumerate(tokens):
+        yield [tokens[t - s] if t - s > last_eos and t - s >= 0 else eos_token_id for s in range(ngram_size)]
+        if tok == eos_token_id:
+            last_eos = t
 
 
 # ---------------------------------------------------------------------------------------------- convert

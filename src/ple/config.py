@@ -20,7 +20,7 @@ from .errors import PLEError
 from .files import read_json
 from .layout import Layout, compute_layout
 
-__all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES", "LIMITS", "MAX_HEADS", "MAX_HEAD_PRIMES"]
+__all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES", "LIMITS", "MAX_HEADS", "MAX_HEAD_PRIMES", "architecture_names"]
 
 LIMITS: dict[str, tuple[int, int, str]] = {
     "hidden_size": (1, 1 << 20, "a dimension of the hidden state"),
@@ -56,6 +56,21 @@ class ConfigError(PLEError, ValueError):
 
 def _bad(field: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"invalid PLE config: {field}={value!r}: {expected}")
+
+
+def architecture_names(doc: Any) -> list[str]:
+    """The model classes a ``config.json`` document names in ``architectures``, as a list: none when
+    the field is absent or null, ``[name]`` for a single string (a hand-written config; never read
+    letter by letter), the list itself for a list of non-empty strings. Anything else is a
+    :class:`ConfigError` naming the value."""
+    value = doc.get("architectures") if isinstance(doc, dict) else None
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"config.json: architectures={value!r}: expected a class name or a list of class names")
+    return list(value)
 
 
 @dataclasses.dataclass(frozen=True)

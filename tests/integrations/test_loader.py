@@ -176,9 +176,10 @@ class _Reads:
 
 def test_a_second_start_reads_no_table_bytes(checkpoint, tmp_path, monkeypatch):
     """After the first start, neither transformers nor ple reads the checkpoint's tables: no read
-    touches their bytes (every pread recorded, every tensor safetensors materializes recorded); and
-    with their bytes overwritten (size, header and modification time kept) the model still
-    generates the same."""
+    touches their bytes (every pread recorded, every tensor safetensors materializes recorded). With
+    their bytes overwritten in place (size, header and modification time kept) the change time
+    moved: the table files are compared with the checkpoint again, and its NaN rows are refused
+    instead of the old tables being served."""
     path, _, reference = checkpoint
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
@@ -203,9 +204,9 @@ def test_a_second_start_reads_no_table_bytes(checkpoint, tmp_path, monkeypatch):
             fh.seek(start)
             fh.write(b"\xff" * (stop - start))  # NaN rows if anything read them
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    second = from_pretrained(copy, table_dir=tmp_path / "tables")
-    assert [w.prepared.action for w in patched_layers(second)] == ["reused", "reused"]
-    assert_same_logits(second, reference)
+    with pytest.warns(UserWarning, match="rows differ from the checkpoint's"):
+        with pytest.raises(InvalidArgumentError, match="holds byte 0xff \\(NaN in torch.float32\\)|holds nan"):
+            from_pretrained(copy, table_dir=tmp_path / "tables")
 
 
 def test_a_changed_checkpoint_is_converted_again(checkpoint, tmp_path):
@@ -314,8 +315,8 @@ def test_one_table_folder_serves_one_checkpoint(checkpoint, tmp_path):
     assert [w.prepared.action for w in patched_layers(again)] == ["reused", "reused"]
     assert_same_logits(first, reference)
     moved = tmp_path / "moved"
-    shutil.copytree(path, moved)  # a copy (modification times kept) is the same source: reused
-    assert [w.prepared.action for w in patched_layers(from_pretrained(moved, table_dir=tables))] == ["reused"] * 2
+    shutil.copytree(path, moved)  # a copy (modification times kept, change times new): compared, then used
+    assert [w.prepared.action for w in patched_layers(from_pretrained(moved, table_dir=tables))] == ["verified"] * 2
     shutil.rmtree(moved)
     # a folder retrained in place is converted again (test_a_changed_checkpoint_is_converted_again);
     # a gone checkpoint's tables may be replaced
@@ -422,7 +423,9 @@ def test_the_free_space_check_does_not_count_the_file_being_replaced(checkpoint,
 
     monkeypatch.setattr(tables_mod.shutil, "disk_usage", just_short)
     with pytest.warns(UserWarning, match="changed since"):
-        with pytest.raises(ValueError, match=r"has 0.00 GB free, PLE layer 0's table needs"):
+        # units that show the numbers (a small table is not "0.00 GB free, needs 0.00 GB")
+        shown = rf"has \S+ KiB \({need - 1:,} bytes\) free, PLE layer 0's table needs \S+ KiB \({need:,} bytes\)"
+        with pytest.raises(ValueError, match=shown):
             from_pretrained(copy, table_dir=tables)
     assert stale.is_file()
 

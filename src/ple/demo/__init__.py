@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import int_between, non_negative_int
+from ..errors import InvalidArgumentError
 from . import parallel
 from .model import MODEL_SIZES
 from .serving import DEMO_CONFIG, print_serving, run_serving, serve, synthesize_checkpoint
@@ -144,9 +146,26 @@ def _print_model(res: dict[str, Any], number: str = "") -> None:
         )
 
 
+def check_output(path: str | None) -> None:
+    """Refuse an ``--output`` file that could not be written at the end of the run (its folder is
+    missing, not a folder or not writable; the path is a folder), before any work starts."""
+    if path is None:
+        return
+    out = Path(path)
+    folder = out.parent
+    if out.is_dir():
+        raise InvalidArgumentError(f"--output {path}: is a folder, expected a file name")
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is not a folder"
+        raise InvalidArgumentError(f"--output {path}: its folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--output {path}: its folder {folder} is not writable")
+
+
 def run(args) -> int:
     """``ple demo``: both parts (or ``--only`` one); returns the exit status. With ``--ranks N
     --parallel MODE``, the serving workload on several processes instead (:mod:`.parallel`)."""
+    check_output(getattr(args, "output", None))
     if parallel.requested(args):
         return parallel.run(args)
     from ..integrations.qwen4_exp import require_transformers

@@ -34,7 +34,7 @@ import torch
 
 from ..argtypes import positive_int
 from ..config import PLEConfig
-from ..errors import CommandLineError, InvalidArgumentError
+from ..errors import CommandLineError, InvalidArgumentError, PLEError
 from ..layer import PLELayer
 from ..ngram import next_ngram_context
 from ..parallel import (
@@ -52,6 +52,7 @@ from ..parallel import (
     spawn_local,
     under_launcher,
 )
+from ..parallel.launch import check_timeout
 from ..runtime import Batch
 from ..table import MemoryTable, Table
 from ..table.quantize import quantize_global
@@ -163,8 +164,10 @@ class Options:
     def from_args(cls, args: argparse.Namespace) -> Options:
         if args.parallel is None:
             raise CommandLineError(f"--ranks {args.ranks}: say how to split the work with --parallel {{sp,etp,dp}}")
-        if not args.dist_timeout > 0:
-            raise CommandLineError(f"--dist-timeout must be > 0 seconds, got {args.dist_timeout}")
+        try:
+            check_timeout(args.dist_timeout, "--dist-timeout")
+        except InvalidArgumentError as e:
+            raise CommandLineError(str(e)) from None
         defaults = cls(mode=args.parallel, ranks=args.ranks)
         kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}
         kw.update(
@@ -692,7 +695,11 @@ def run(args: argparse.Namespace) -> int:
 def rank_main(argv: list[str]) -> int:
     """Entry point of a spawned rank: ``argv = [OPTIONS.json]`` (what :func:`run` wrote)."""
     opts = Options(**json.loads(Path(argv[0]).read_text()))
-    return worker(opts)
+    try:
+        return worker(opts)
+    except PLEError as e:  # joining the group failed (a peer that never started): one line, as the command says it
+        print(f"ple demo: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 _RANK_CODE = "import sys; from ple.demo.parallel import rank_main; sys.exit(rank_main(sys.argv[1:]))"

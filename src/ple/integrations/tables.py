@@ -7,11 +7,16 @@ a table file only when
 - it opens as a complete table file of the layer's geometry and layout hash (its header, and for
   per-row formats its scales, are read: :meth:`~ple.table.MmapTable.open`), and
 - the record's source identity equals the checkpoint's now: for every safetensors file holding the
-  layer's table or scales, its name, size, modification time and the sha256 of its header (which
-  lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
+  layer's table or scales, its name, size, modification time, change time and the sha256 of its
+  header (which lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
   size, the header's per-shard checksums) equals the file's; and the table file itself is the one
   recorded (its size, modification time and inode): a table file changed in place since
   (a copy over it, an edit, a copy of the folder elsewhere) is compared with the checkpoint again.
+
+A shard edited in place with its modification time set back still has a new change time (no
+program can set that one): the table file is then compared with the checkpoint row by row before it
+is served, as when only the change time moved (a ``chmod``, a new hard link), which converts
+nothing when the rows are equal.
 
 That costs a ``stat`` and a header read per checkpoint file, and opening the table file reads its
 per-row scales when it has them (4 bytes per row, checked at every open); never the rows. A table file without
@@ -75,7 +80,7 @@ __all__ = [
 
 RECORD_SUFFIX = ".source.json"
 """Suffix of the record beside a table file: ``<table file name>.source.json``."""
-_RECORD_VERSION = 2
+_RECORD_VERSION = 3
 _MAX_RECORD_BYTES = 1 << 20
 
 
@@ -96,8 +101,8 @@ def _table_infos(entry: LayerEntry):
 
 def source_identity(entry: LayerEntry) -> dict[str, Any]:
     """What a layer's table is made from, cheap to recompute: the checkpoint prefix and format, and
-    for each safetensors file holding the table or its scales its name, size, modification time and
-    header digest."""
+    for each safetensors file holding the table or its scales its name, size, modification and change
+    times and header digest."""
     files = []
     for f in sorted({i.file for i in _table_infos(entry)}):
         st = f.stat()
@@ -106,10 +111,16 @@ def source_identity(entry: LayerEntry) -> dict[str, Any]:
                 "file": f.name,
                 "bytes": st.st_size,
                 "mtime_ns": st.st_mtime_ns,
+                "ctime_ns": st.st_ctime_ns,
                 "header_sha256": hashlib.sha256(read_header(f).raw).hexdigest(),
             }
         )
     return {"prefix": entry.prefix, "format": entry.table_format, "files": files}
+
+
+def _without_ctime(source: dict[str, Any]) -> dict[str, Any]:
+    files = [{k: v for k, v in f.items() if k != "ctime_ns"} for f in source.get("files", [])]
+    return {**source, "files": files}
 
 
 def _table_identity(header: dict[str, Any]) -> dict[str, Any]:
@@ -172,9 +183,15 @@ def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
     if set(before) != set(now):
         return f"it was made from file(s) {sorted(before)}, the checkpoint now holds the table in {sorted(now)}"
     for name, f in now.items():
-        diff = [k for k in ("bytes", "mtime_ns", "header_sha256") if before[name].get(k) != f[k]]
+        keys = ("bytes", "mtime_ns", "header_sha256", "ctime_ns")
+        diff = [k for k in keys if before[name].get(k) != f[k]]
         if diff:
-            what = {"bytes": "size", "mtime_ns": "modification time", "header_sha256": "header"}
+            what = {
+                "bytes": "size",
+                "mtime_ns": "modification time",
+                "header_sha256": "header",
+                "ctime_ns": "change time",
+            }
             return f"checkpoint file {name} changed since ({', '.join(what[d] for d in diff)})"
     return "its record does not match"
 
@@ -183,8 +200,8 @@ def _foreign_owner(path: Path, record: dict[str, Any] | None, source: dict[str, 
     """The other checkpoint folder whose table ``path`` holds, when that table must not be replaced:
     the record vouches for the file there, was made from another source, in a folder other than
     ``home`` that still exists."""
-    if record is None or record.get("source") == source:
-        return None
+    if record is None or _without_ctime(record.get("source") or {}) == _without_ctime(source):
+        return None  # the same source, or a copy of it (only change times differ): compared, not refused
     other = record.get("checkpoint")
     if not isinstance(other, str) or other == home or not Path(other).is_dir():
         return None
@@ -223,6 +240,16 @@ def _lock(path: Path):
         yield
     finally:
         os.close(fd)
+
+
+def byte_size(n: int) -> str:
+    """``n`` bytes so that the number shows: ``"512 bytes"``, ``"1.5 KiB (1,536 bytes)"``."""
+    if n < 1024:
+        return f"{n:,} bytes"
+    value, units = n / 1024, ["KiB", "MiB", "GiB", "TiB", "PiB"]
+    while value >= 1024 and len(units) > 1:
+        value, units = value / 1024, units[1:]
+    return f"{value:.1f} {units[0]} ({n:,} bytes)"
 
 
 def _table_nbytes(config: PLEConfig, index: int, fmt: str) -> int:
@@ -289,8 +316,8 @@ def prepare_table(
         free = shutil.disk_usage(folder).free
         if free < need:
             raise InvalidArgumentError(
-                f"table folder {folder} has {free / 1e9:.2f} GB free, PLE layer {index}'s table needs "
-                f"{need / 1e9:.2f} GB: pass table_dir= on a disk with room"
+                f"table folder {folder} has {byte_size(free)} free, PLE layer {index}'s table needs "
+                f"{byte_size(need)}: pass table_dir= on a disk with room"
             )
         with PreadReader() as reader:
             write_layer_table(table_shards(entry, reader), path, config, index, force=True, progress=progress)
@@ -320,8 +347,11 @@ def _check_existing(
     ):
         if record.get("source") == source:
             return "reused", ""
-        return None, _describe_change(record.get("source") or {}, source)
-    # no record vouches for this file: compare it with the checkpoint row by row
+        if _without_ctime(record.get("source") or {}) != _without_ctime(source):
+            return None, _describe_change(record.get("source") or {}, source)
+        # only a change time moved: the checkpoint may have been written in place with its
+        # modification time set back; compare the rows before serving them
+    # no record vouches for this file (or only a change time moved): compare it with the checkpoint row by row
     with PreadReader() as reader:
         problems = compare_with_source(path, table_shards(entry, reader))
     if problems:

@@ -67,7 +67,7 @@ from ..checkpoint import (
     table_file_name,
     write_layer_table,
 )
-from ..config import ConfigError, PLEConfig
+from ..config import ConfigError, PLEConfig, architecture_names
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..files import read_json
 from ..layer import PLELayer
@@ -583,6 +583,16 @@ def _check_lossless(table: Table, weight: torch.Tensor, what: str) -> None:
         )
 
 
+def _require_module(model: Any, fn: str) -> None:
+    if not isinstance(model, nn.Module):
+        shown = repr(model)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ArgumentTypeError(
+            f"{fn}() takes a loaded model (a torch.nn.Module), got {type(model).__name__} {shown}; "
+            "for a model folder or Hub id use ple.integrations.transformers.from_pretrained(path)"
+        )
+
+
 def patch(
     model: nn.Module,
     table_tier: str | TableFactory = "memory",
@@ -612,6 +622,7 @@ def patch(
     Returns:
         ``model`` (patched in place).
     """
+    _require_module(model, "patch")
     if isinstance(table_tier, str):
         if table_tier not in TABLE_TIERS:
             raise InvalidArgumentError(
@@ -706,6 +717,7 @@ def unpatch(model: nn.Module, *, materialize: bool = False) -> nn.Module:
     the rows in the module's dtype; otherwise (an fp8 table, another dtype) it is dequantized into
     memory only with ``materialize=True``, and :class:`UsageError` says so before anything changes.
     Table files in a caller's folder are kept; a temporary directory is removed. Returns ``model``."""
+    _require_module(model, "unpatch")
     found = _children_of_type(model, PatchedPLELayer)
     if not found:
         raise InvalidArgumentError(f"{type(model).__name__} has no patched PLE layer: nothing to unpatch")
@@ -753,10 +765,11 @@ def _model_class(root: Path, mq):
     import transformers
 
     doc = read_json(root / "config.json", "config", 64 << 20, ConfigError)
-    arch = ((doc.get("architectures") if isinstance(doc, dict) else None) or [None])[0]
-    if arch is None:
+    names = architecture_names(doc)
+    if not names:
         return transformers.AutoModelForCausalLM
-    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    arch = names[0]
+    cls = getattr(transformers, arch, None)
     if not isinstance(cls, type) or not issubclass(cls, mq.Qwen4ExpPreTrainedModel):
         raise InvalidArgumentError(
             f"{root}/config.json names architecture {arch!r}, not a transformers qwen4_exp model"

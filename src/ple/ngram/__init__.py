@@ -4,10 +4,13 @@
 CUDA -> Triton kernel, CPU -> the C kernel of :mod:`.native` when it can be built, otherwise the
 vectorized torch path). ``reference`` holds the literal definition the fast paths are tested against.
 
-The unchecked computation is also the operator ``torch.ops.ple.ngram_ids(input_ids,
-query_start_loc, ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram,
-eos_token_id)`` (the layout as its tensors, see :func:`layout_tensors`), with a fake implementation,
-so compiled and exported programs hold it as one node.
+The computation is also the operator ``torch.ops.ple.ngram_ids(input_ids, query_start_loc,
+ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id, vocab_size=-1)``
+(the layout as its tensors, see :func:`layout_tensors`), with a fake implementation, so compiled and
+exported programs hold it as one node. Every call checks shapes, dtypes and devices
+(:func:`check_ids_operator`) and, given ``vocab_size``, the range of tokens in host memory, so an
+eager and a compiled call refuse the same inputs; tokens on an accelerator are not read (no
+synchronization) and a token outside the vocabulary is hashed like any other there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "fresh_context",
     "check_ngram_inputs",
     "check_token_range",
+    "check_ids_operator",
     "layout_tensors",
     "NgramInputError",
 ]
@@ -104,6 +108,8 @@ def check_ngram_inputs(
 def check_token_range(input_ids: torch.Tensor, ngram_context: torch.Tensor, vocab_size: int) -> None:
     """Raise :class:`NgramInputError` for a token or context value outside ``[0, vocab_size)`` (one
     min/max pass each on the calling thread; on an accelerator that reads device data)."""
+    if _in_range(input_ids, vocab_size) and _in_range(ngram_context, vocab_size):
+        return
     bad = _out_of_range(input_ids.detach(), vocab_size)
     if bad.numel():
         pos = int(bad[0])
@@ -118,19 +124,33 @@ def check_token_range(input_ids: torch.Tensor, ngram_context: torch.Tensor, voca
         )
 
 
-def _out_of_range(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Indices of values outside ``[0, vocab_size)`` (one min/max pass when there are none).
+def _in_range(t: torch.Tensor, vocab_size: int) -> bool:
+    """Whether every value of ``t`` lies in ``[0, vocab_size)``: one min/max pass, nothing allocated
+    on the way for a few values.
 
-    On the CPU the pass runs in numpy, on the calling thread: a torch reduction would wake torch's
-    OpenMP workers, which then spin for a while on the cores the id kernel is about to use."""
-    if t.numel() == 0:
-        return torch.zeros(0, t.dim(), dtype=torch.int64)
-    if t.device.type == "cpu":
+    On the CPU the pass runs on the calling thread: a torch reduction over a large tensor would wake
+    torch's OpenMP workers, which then spin for a while on the cores the id kernel is about to use, so
+    large tensors go through numpy (small ones through a list, or torch below its parallel grain)."""
+    n = t.numel()
+    if n == 0:
+        return True
+    t = t.detach()
+    if t.device.type != "cpu":
+        lo, hi = torch.aminmax(t)
+    elif n <= 32:  # a decode step's few tokens: a Python list is the cheapest pass
+        flat = t.reshape(-1).tolist()
+        lo, hi = min(flat), max(flat)
+    elif n < 32768:  # below torch's parallel grain: one thread, no OpenMP wake-up
+        lo, hi = torch.aminmax(t)
+    else:
         a = t.numpy()
         lo, hi = a.min(), a.max()
-    else:
-        lo, hi = torch.aminmax(t)
-    if int(lo) >= 0 and int(hi) < vocab_size:
+    return int(lo) >= 0 and int(hi) < vocab_size
+
+
+def _out_of_range(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Indices of values outside ``[0, vocab_size)`` (one min/max pass when there are none)."""
+    if _in_range(t, vocab_size):
         return torch.zeros(0, t.dim(), dtype=torch.int64)
     return torch.nonzero((t < 0) | (t >= vocab_size))
 
@@ -181,23 +201,114 @@ _ = reference  # re-exported as ple.ngram.reference
 _lib = torch.library.Library("ple", "FRAGMENT")
 _lib.define(
     "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, Tensor multipliers, "
-    "Tensor head_sizes, Tensor head_offsets, int heads_per_ngram, int eos_token_id) -> Tensor"
+    "Tensor head_sizes, Tensor head_offsets, int heads_per_ngram, int eos_token_id, int vocab_size=-1) -> Tensor"
 )
 
 
-def _ids_cpu(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+def _ids_args_ok(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, devices: bool) -> bool:
+    """The fast pass of :func:`check_ids_operator` (a few attribute reads per tensor)."""
+    if input_ids.dim() != 1 or query_start_loc.dim() != 1 or mult.dim() != 1 or type(hpn) is not int:
+        return False
+    n = mult.shape[0]
+    if not 2 <= n <= 64 or hpn < 1 or eos < 0:
+        return False
+    heads = ((n - 1) * hpn,)
+    if sizes.shape != heads or offs.shape != heads or ngram_context.shape != (query_start_loc.shape[0] - 1, n - 1):
+        return False
+    i64 = torch.int64
+    if mult.dtype != i64 or sizes.dtype != i64 or offs.dtype != i64:
+        return False
+    if input_ids.dtype not in _INT_DTYPES or query_start_loc.dtype not in _INT_DTYPES:
+        return False
+    if ngram_context.dtype not in _INT_DTYPES:
+        return False
+    if devices:
+        d = input_ids.device
+        return all(t.device == d for t in (query_start_loc, ngram_context, mult, sizes, offs))
+    return True
+
+
+def check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, devices=True) -> None:
+    """What ``torch.ops.ple.ngram_ids`` checks on every call, from shapes, dtypes and devices alone
+    (nothing is read from device memory): raises :class:`NgramInputError` naming the argument.
+
+    ``input_ids [T]``, ``query_start_loc [R+1]`` and ``ngram_context [R, N-1]`` int32/int64;
+    ``multipliers [N]`` (``2 <= N <= 64``), ``head_sizes`` and ``head_offsets`` ``[(N-1)*heads_per_ngram]``
+    int64; all on one device (``devices=False`` skips that: the dispatcher ran the CPU kernel, every
+    tensor is on the CPU)."""
+    if _ids_args_ok(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, devices):
+        return
+    named = (
+        ("input_ids", input_ids, 1),
+        ("query_start_loc", query_start_loc, 1),
+        ("ngram_context", ngram_context, 2),
+        ("multipliers", mult, 1),
+        ("head_sizes", sizes, 1),
+        ("head_offsets", offs, 1),
+    )
+    device = input_ids.device
+    for i, (name, t, dim) in enumerate(named):
+        if t.dim() != dim:
+            raise NgramInputError(f"ngram_ids: {name} must be {dim}-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (_INT_DTYPES if i < 3 else (torch.int64,)):
+            want = "int32 or int64" if i < 3 else "int64 (see ple.ngram.layout_tensors)"
+            raise NgramInputError(f"ngram_ids: {name} must be {want}, got {t.dtype}")
+        if t.device != device:
+            raise NgramInputError(f"ngram_ids: {name} is on {t.device}, input_ids on {device}; expected one device")
+    n = mult.shape[0]
+    if not 2 <= n <= 64:
+        raise NgramInputError(f"ngram_ids: multipliers has {n} entries, expected ngram_size N in 2..64")
+    if isinstance(hpn, bool) or not isinstance(hpn, int) or hpn < 1:
+        raise NgramInputError(f"ngram_ids: heads_per_ngram={hpn!r}, expected a positive int")
+    heads = (n - 1) * hpn
+    for name, t in (("head_sizes", sizes), ("head_offsets", offs)):
+        if t.shape[0] != heads:
+            raise NgramInputError(
+                f"ngram_ids: {name} has {t.shape[0]} entries, expected (N-1)*heads_per_ngram = {heads} "
+                f"(N={n} from multipliers, heads_per_ngram={hpn})"
+            )
+    requests = query_start_loc.shape[0] - 1
+    if requests < 0:
+        raise NgramInputError("ngram_ids: query_start_loc is empty, expected [R+1] offsets starting at 0")
+    if tuple(ngram_context.shape) != (requests, n - 1):
+        raise NgramInputError(
+            f"ngram_ids: ngram_context.shape={tuple(ngram_context.shape)}, expected [R, N-1] = ({requests}, {n - 1}) "
+            f"(R from query_start_loc, N from multipliers)"
+        )
+    if eos < 0:
+        raise NgramInputError(f"ngram_ids: eos_token_id={eos} is negative")
+    raise NgramInputError(  # pragma: no cover - the checks above name every case of the fast pass
+        f"ngram_ids: the arguments disagree (input_ids {tuple(input_ids.shape)}, multipliers {tuple(mult.shape)})"
+    )
+
+
+def _check_host_tokens(input_ids, ngram_context, vocab_size: int) -> None:
+    """Token values against ``vocab_size`` (>= 0) when they are in host memory (no synchronization).
+
+    On an accelerator the values are not read, eagerly or compiled: a token outside the vocabulary
+    is hashed like any other (its rows are defined, not meaningful)."""
+    if vocab_size >= 0 and input_ids.device.type == "cpu":
+        check_token_range(input_ids, ngram_context, vocab_size)
+
+
+def _ids_cpu(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
+    check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, False)
+    _check_host_tokens(input_ids, ngram_context, vocab_size)
     if _native.available():
         return native.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
     return torch_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
 
 
-def _ids_cuda(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+def _ids_cuda(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
     from . import triton_impl
 
+    check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
+    mult, sizes, offs = mult.contiguous(), sizes.contiguous(), offs.contiguous()
     return triton_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
 
 
-def _ids_fake(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos):
+def _ids_fake(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
+    # no checks while tracing: sizes may be symbolic (the real call checks them)
     return input_ids.new_empty((input_ids.shape[0], sizes.shape[0]), dtype=torch.int64)
 
 

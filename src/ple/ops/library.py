@@ -7,8 +7,13 @@ a CUDA kernel (Triton), declares what it mutates (the state pool, the ring offse
 fresh tensors only, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace through them and
 CUDA graphs can capture them. No autograd: they serve the inference-only engine call.
 
-The operators run unchecked: callers validate once (:meth:`ple.runtime.Batch.build`, the records'
-``build``) and the wrappers here only unpack the records. Index tensors are int64, flags bool.
+Every call checks what shapes, dtypes and devices alone tell (:func:`check_gate_operator`,
+:func:`check_conv_operator`: no device memory is read, so nothing synchronizes) and refuses
+arguments that disagree with each other with a ple error, because an engine may call the operators
+directly. Index values (offsets, slots, rejected columns) are checked by the C kernel on the CPU and
+by the callers' validation (:meth:`ple.runtime.Batch.build`, ``validate=True``) elsewhere. The
+fake implementations check nothing: while tracing, sizes may be symbolic (the compiled program's
+calls run the checks).
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import contextlib
 import torch
 
 from .. import _native
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from .conv.checks import check_conv_args
 from .fused import native, torch_impl
+from .gate.checks import check_gate_args
 from .records import ConvWeights, GateWeights, StepMeta
 
-__all__ = ["conv_stage", "gate_conv", "gate_stage", "named_range"]
+__all__ = ["check_conv_operator", "check_gate_operator", "conv_stage", "gate_conv", "gate_stage", "named_range"]
 
 _NO_RANGE = contextlib.nullcontext()
 
@@ -54,6 +62,161 @@ _lib.define(
 _lib.define(f"conv_stage(Tensor c, Tensor residual, {_CONV}, {_STEP}) -> Tensor")
 
 
+# ---------------------------------------------------------------------------------------------- checks
+
+
+_F32 = torch.float32
+_ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _gate_ok(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, devices: bool) -> bool:
+    """Whether the gate's arguments agree (the fast pass of :func:`check_gate_operator`: a few
+    attribute reads per tensor)."""
+    vs = value.shape
+    if len(vs) != 2 or type(hc) is not int or hc < 1 or not eps >= 0:
+        return False
+    tc, cc = (vs[0], hc * vs[1]), (hc * vs[1],)
+    dt = value.dtype
+    if dt not in _ACT_DTYPES or key.dtype != dt or hidden.dtype != dt or key.shape != tc or hidden.shape != tc:
+        return False
+    if nk.shape != cc or nq.shape != cc or nc.shape != cc:
+        return False
+    if not (nk.is_floating_point() and nq.is_floating_point() and nc.is_floating_point()):
+        return False
+    if kq.shape != cc or cs.shape != cc or kq.dtype != _F32 or cs.dtype != _F32:
+        return False
+    if not (kq.is_contiguous() and cs.is_contiguous()):
+        return False
+    if token_mask is not None and token_mask.shape != (vs[0],):
+        return False
+    if devices:
+        d = value.device
+        named = (
+            (key, hidden, nk, nq, nc, kq, cs) if token_mask is None else (key, hidden, nk, nq, nc, kq, cs, token_mask)
+        )
+        return all(t.device == d for t in named)
+    return True
+
+
+def _conv_ok(c_like, cw, taps, dil, qsl, pool, slots, has_init, rejected, offsets, ring, devices: bool) -> bool:
+    """Whether the conv's and step's arguments agree (the fast pass of :func:`check_conv_operator`)."""
+    if c_like.dim() != 2 or cw.dim() != 2 or pool.dim() != 3 or qsl.dim() != 1:
+        return False
+    c = c_like.shape[1]
+    c_out, k = cw.shape
+    if c_out != c or k < 1 or type(dil) is not int or dil < 1 or not cw.is_floating_point():
+        return False
+    if taps.shape != (k, c) or taps.dtype != _F32 or not taps.is_contiguous():
+        return False
+    s, a, b = pool.shape
+    channels, state_len = (b, a) if ring else (a, b)
+    if channels != c or state_len < (k - 1) * dil or not pool.is_floating_point():
+        return False
+    rr = (qsl.shape[0] - 1,)
+    if rr[0] < 0 or qsl.dtype not in _INDEX_DTYPES or slots.dtype not in _INDEX_DTYPES:
+        return False
+    if slots.shape != rr or has_init.shape != rr or rejected.shape != rr or has_init.dtype != torch.bool:
+        return False
+    if rejected.dtype not in _INDEX_DTYPES:
+        return False
+    if ring and (offsets.shape != (s,) or offsets.dtype != torch.int64):
+        return False
+    if devices:
+        d = c_like.device
+        named = (
+            (cw, taps, qsl, pool, slots, has_init, rejected, offsets)
+            if ring
+            else (cw, taps, qsl, pool, slots, has_init, rejected)
+        )
+        return all(t.device == d for t in named)
+    return True
+
+
+def _factor_problem(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> str | None:
+    if tuple(t.shape) != shape:
+        return f"{name}.shape={tuple(t.shape)}, expected {shape}"
+    if t.dtype != _F32:
+        return f"{name}.dtype={t.dtype}, expected float32 (see ple.ops.records)"
+    if t.device != device:
+        return f"{name} is on {t.device}, the activations on {device}; expected one device"
+    if not t.is_contiguous():
+        return f"{name} is not contiguous (stride {tuple(t.stride())})"
+    return None
+
+
+def _described(tensors: dict) -> str:
+    return ", ".join(
+        f"{k} {v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"{k}={v!r}" for k, v in tensors.items()
+    )
+
+
+def check_gate_operator(op, key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, *, devices=True) -> None:
+    """The gate's arguments of ``torch.ops.ple.gate_conv`` / ``gate_stage``, from shapes, dtypes and
+    devices only: ``key, hidden [T, C]``, ``value [T, H]``, ``C = hc*H``, the norms ``[C]``, the fp32
+    factors ``key_query, conv_scale [C]`` contiguous, ``token_mask [T]`` or None, ``eps >= 0``;
+    raises :class:`~ple.errors.InvalidArgumentError` / :class:`~ple.errors.ArgumentTypeError`
+    naming the argument. ``devices=False`` skips the device checks (the dispatcher ran the CPU
+    kernel: every tensor is on the CPU)."""
+    if _gate_ok(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, devices):
+        return
+    for name, t in (("key", key), ("value", value), ("hidden", hidden)):
+        if t.dim() != 2:
+            raise InvalidArgumentError(f"{op}: {name}.shape={tuple(t.shape)}, expected 2-D rows")
+    try:
+        check_gate_args(key, value, hidden, nk, nq, nc, hc)
+    except (InvalidArgumentError, ArgumentTypeError) as e:
+        raise type(e)(f"{op}: {e}") from None
+    if not eps >= 0:
+        raise InvalidArgumentError(f"{op}: eps={eps!r}, expected a non-negative number")
+    channels = hidden.shape[1]
+    for name, t in (("key_query", kq), ("conv_scale", cs)):
+        problem = _factor_problem(name, t, (channels,), value.device)
+        if problem:
+            raise InvalidArgumentError(f"{op}: {problem}")
+    if token_mask is not None:
+        raise InvalidArgumentError(
+            f"{op}: token_mask is {tuple(token_mask.shape)} on {token_mask.device}, expected [T]=({value.shape[0]},) "
+            f"on {value.device}"
+        )
+    raise InvalidArgumentError(  # pragma: no cover - the checks above name every case of the fast pass
+        f"{op}: the gate's arguments disagree: {_described(dict(key=key, value=value, hidden=hidden, hc_count=hc))}"
+    )
+
+
+def check_conv_operator(
+    op, c_like, cw, taps, dil, qsl, pool, slots, has_init, rejected, offsets, ring, *, devices=True
+):
+    """The conv's and step's arguments of ``torch.ops.ple.gate_conv`` / ``conv_stage``, from shapes,
+    dtypes and devices only. ``c_like``: any ``[T, C]`` tensor of the activations' dtype and device.
+    The pool is ``[S, C, L]``, or ``[S, L, C]`` with ``ring`` (then ``offsets`` int64 ``[S]``), with
+    ``L >= (K-1)*dilation``; ``taps`` the fp32 contiguous ``[K, C]`` transpose of ``conv_weight [C, K]``;
+    ``query_start_loc [R+1]``, ``state_indices``, ``has_initial_state`` (bool), ``num_rejected``
+    ``[R]``. ``devices=False`` as in :func:`check_gate_operator`."""
+    if _conv_ok(c_like, cw, taps, dil, qsl, pool, slots, has_init, rejected, offsets, ring, devices):
+        return
+    if pool.dim() != 3:
+        raise InvalidArgumentError(f"{op}: conv_state.shape={tuple(pool.shape)}, expected 3-D")
+    view = pool.transpose(1, 2) if ring else pool
+    try:
+        check_conv_args(c_like, cw, dil, qsl, view, slots, has_init, rejected, None, False)
+    except (InvalidArgumentError, ArgumentTypeError) as e:
+        layout = " (a ring pool is [S, L, C])" if ring else ""
+        raise type(e)(f"{op}: {e}{layout}") from None
+    channels, k = cw.shape
+    problem = _factor_problem("conv_taps", taps, (k, channels), c_like.device)
+    if problem:
+        raise InvalidArgumentError(f"{op}: {problem}")
+    if ring:
+        raise InvalidArgumentError(
+            f"{op}: state_offsets is {offsets.dtype} {tuple(offsets.shape)} on {offsets.device}, expected int64 "
+            f"[S]=({pool.shape[0]},) on {pool.device}"
+        )
+    raise InvalidArgumentError(  # pragma: no cover - the checks above name every case of the fast pass
+        f"{op}: the conv's arguments disagree: {_described(dict(conv_weight=cw, conv_state=pool, dilation=dil))}"
+    )
+
+
 def _gate(nk, nq, nc, kq, cs, eps, hc) -> GateWeights:
     return GateWeights(nk, nq, nc, eps, hc, kq, cs)
 
@@ -66,7 +229,13 @@ def _native_ok(ref: torch.Tensor, pool: torch.Tensor, taps: int, *rows: torch.Te
     return native.unsupported_reason(ref, pool, taps, *rows) is None and _native.available()
 
 
+def _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest, devices=True) -> None:
+    check_gate_operator("gate_conv", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, rest[7], devices=devices)
+    check_conv_operator("gate_conv", hidden, cw, taps, dil, *rest[:7], devices=devices)
+
+
 def _gate_conv_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
+    _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest, devices=False)
     step = native.kernel_step(_step(*rest[:7]))
     token_mask, add_hidden, all_c = rest[7:]
     gate, conv = _gate(nk, nq, nc, kq, cs, eps, hc), ConvWeights(cw, dil, taps)
@@ -93,6 +262,7 @@ def _gate_conv_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, di
 def _gate_conv_cuda(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
     from .fused import triton_impl
 
+    _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest)
     step = _step(*rest[:7])
     token_mask, add_hidden, _ = rest[7:]
     return triton_impl.gate_conv(
@@ -115,6 +285,7 @@ def _gate_conv_fake(key, value, hidden, *rest):
 
 
 def _gate_stage_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
+    check_gate_operator("gate_stage", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, devices=False)
     gate = _gate(nk, nq, nc, kq, cs, eps, hc)
     if _native_ok(value, value.new_empty(1, 1, 1), 1, key, hidden):
         mask = None if token_mask is None else (token_mask != 0).contiguous()
@@ -126,6 +297,7 @@ def _gate_stage_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask,
 def _gate_stage_cuda(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
     from .fused import triton_impl
 
+    check_gate_operator("gate_stage", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask)
     gate = _gate(nk, nq, nc, kq, cs, eps, hc)
     return triton_impl.gate_stage(key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden)
 
@@ -134,7 +306,22 @@ def _gate_stage_fake(key, value, hidden, *rest):
     return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
 
 
+def _check_conv_stage(c, residual, cw, taps, dil, *rest, devices=True) -> None:
+    if c.dim() != 2 or residual.shape != c.shape or residual.dtype != c.dtype or c.dtype not in _ACT_DTYPES:
+        raise InvalidArgumentError(
+            f"conv_stage: c is {c.dtype} {tuple(c.shape)}, residual {residual.dtype} {tuple(residual.shape)}; "
+            "expected both [T, C] of one activation dtype (float16, bfloat16, float32)"
+        )
+    if devices and residual.device != c.device:
+        raise InvalidArgumentError(
+            f"conv_stage: c is {c.dtype} {tuple(c.shape)} on {c.device}, residual {residual.dtype} "
+            f"{tuple(residual.shape)} on {residual.device}; expected both [T, C], one dtype, one device"
+        )
+    check_conv_operator("conv_stage", c, cw, taps, dil, *rest, devices=devices)
+
+
 def _conv_stage_cpu(c, residual, cw, taps, dil, *rest):
+    _check_conv_stage(c, residual, cw, taps, dil, *rest, devices=False)
     step, conv = native.kernel_step(_step(*rest)), ConvWeights(cw, dil, taps)
     if _native_ok(c, step.conv_state, taps.shape[0], residual):
         out = torch.empty_like(c, memory_format=torch.contiguous_format)
@@ -146,6 +333,7 @@ def _conv_stage_cpu(c, residual, cw, taps, dil, *rest):
 def _conv_stage_cuda(c, residual, cw, taps, dil, *rest):
     from .fused import triton_impl
 
+    _check_conv_stage(c, residual, cw, taps, dil, *rest)
     return triton_impl.conv_stage(c, residual, ConvWeights(cw, dil, taps), _step(*rest), validate=False)
 
 
@@ -191,7 +379,8 @@ def gate_conv(
     all_conv_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ple.gate_conv`` on records: ``(out [T, C], c [T, C])`` (``c`` complete when
-    ``all_conv_inputs``, else only each request's last ``L`` rows are defined). Unchecked."""
+    ``all_conv_inputs``, else only each request's last ``L`` rows are defined). Shapes, dtypes and
+    devices are checked, index values only by the C kernel."""
     return torch.ops.ple.gate_conv(
         key,
         value,
@@ -215,10 +404,10 @@ def gate_stage(
     token_mask: torch.Tensor | None = None,
     add_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.ple.gate_stage`` on a record: ``(residual, c)``. Unchecked."""
+    """``torch.ops.ple.gate_stage`` on a record: ``(residual, c)``."""
     return torch.ops.ple.gate_stage(key, value, hidden, *_gate_args(gate), token_mask, add_hidden)
 
 
 def conv_stage(c: torch.Tensor, residual: torch.Tensor, conv: ConvWeights, step: StepMeta) -> torch.Tensor:
-    """``torch.ops.ple.conv_stage`` on records: ``residual + silu(conv(c))``. Unchecked."""
+    """``torch.ops.ple.conv_stage`` on records: ``residual + silu(conv(c))``."""
     return torch.ops.ple.conv_stage(c, residual, conv.weight, conv.taps, conv.dilation, *_step_args(step))

@@ -35,14 +35,68 @@ __all__ = [
     "LaunchEnv",
     "LaunchResult",
     "ProcessContext",
+    "RendezvousError",
+    "check_timeout",
     "init_from_env",
     "launch_env",
+    "local_rank_limit",
     "spawn_local",
     "under_launcher",
 ]
 
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+MIN_TIMEOUT_S = 0.01
+"""The shortest collective timeout taken (the stores count in milliseconds)."""
+MAX_TIMEOUT_S = 7 * 86400.0
+"""The longest collective timeout taken (a week: anything longer is a rank that never answers)."""
+_MAX_RANK = 2**31 - 1  # torch.distributed keeps ranks and world sizes in 32-bit ints
+_RANK_BYTES = 512 << 20  # memory a local rank takes at least (an interpreter with torch imported)
+
+
+class RendezvousError(UsageError):
+    """The ranks could not form their process group: a peer never arrived within the timeout, or the
+    rendezvous address cannot be used."""
+
+
+def check_timeout(value: Any, what: str = "timeout_s") -> float:
+    """``value`` as a collective timeout in seconds: a finite number in
+    [:data:`MIN_TIMEOUT_S`, :data:`MAX_TIMEOUT_S`]; :class:`~ple.errors.InvalidArgumentError` naming
+    ``what`` otherwise (``inf``, ``nan``, ``0``, ``1e-9``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got {value!r}")
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise InvalidArgumentError(
+            f"{what} must be between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S:.0f} seconds (a week), got {value!r}"
+        )
+    return float(value)
+
+
+def local_rank_limit() -> tuple[int, str]:
+    """How many local ranks this machine can run, and why: four per CPU this process may use, and no
+    more than its available memory holds at :data:`_RANK_BYTES` per rank (each rank is a Python
+    process with torch imported)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    limit, why = 4 * cpus, f"4 per CPU, {cpus} CPU(s)"
+    available = _available_memory()
+    if available is not None and available // _RANK_BYTES < limit:
+        limit = max(1, available // _RANK_BYTES)
+        why = f"{available / 2**30:.1f} GiB of memory available, {_RANK_BYTES >> 20} MiB per rank"
+    return limit, why
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +150,10 @@ def _env_int(name: str, lo: int, default: int | None = None) -> int:
         raise InvalidArgumentError(f"environment variable {name}={shown(text)} is not an integer")
     if v < lo:
         raise InvalidArgumentError(f"environment variable {name}={v} must be >= {lo}")
+    if v > _MAX_RANK:
+        raise InvalidArgumentError(
+            f"environment variable {name}={v} must be between {lo} and {_MAX_RANK} (torch.distributed's 32-bit ranks)"
+        )
     return v
 
 
@@ -137,8 +195,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> Proces
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"backend {backend!r} is not one of {list(BACKENDS)}")
-    if not timeout_s > 0:
-        raise InvalidArgumentError(f"timeout_s must be > 0, got {timeout_s!r}")
+    timeout_s = check_timeout(timeout_s)
     if dist.is_initialized():
         raise UsageError("a default process group is already initialized in this process")
     rank, world, local = launch_env()
@@ -155,11 +212,21 @@ def init_from_env(backend: str | None = None, timeout_s: float = 60.0) -> Proces
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    # env:// through the public rendezvous (it joins torchrun's agent store when there is one)
-    store, rank, world = next(iter(dist.rendezvous("env://", rank, world, timeout=timeout)))
-    store.set_timeout(timeout)
-    kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        # env:// through the public rendezvous (it joins torchrun's agent store when there is one)
+        store, rank, world = next(iter(dist.rendezvous("env://", rank, world, timeout=timeout)))
+        store.set_timeout(timeout)
+        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+    except (RuntimeError, ValueError, OSError) as e:  # torch's DistError family derives from RuntimeError
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RendezvousError(
+            f"rank {rank} of {world}: the process group at {where} did not form within {timeout_s:g} s "
+            f"(a peer that never started, or a wrong MASTER_ADDR/MASTER_PORT): {type(e).__name__}: {first[:200]}"
+        ) from e
     return ProcessContext(rank, world, local, backend, device, float(timeout_s), store)
 
 
@@ -205,6 +272,12 @@ def spawn_local(
     """
     if ranks < 1:
         raise InvalidArgumentError(f"ranks must be >= 1, got {ranks}")
+    limit, why = local_rank_limit()
+    if ranks > limit:
+        raise InvalidArgumentError(
+            f"{ranks} local ranks: this machine runs at most {limit} ({why}); start fewer, or spread the "
+            "ranks over machines with torchrun"
+        )
     base = dict(os.environ)
     base.update(env or {})
     base.update(

@@ -226,12 +226,11 @@ if register_opaque_type is not None:
     )
 
     def _lookup(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        table = ref.table
-        if table is None:
-            raise InvalidArgumentError("table_lookup: the TableRef holds no table")
-        return table.lookup(ids, dtype, check=False)
+        return _lookup_checked(ids, ref, head_dim, dtype)
 
     def _lookup_fake(ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        if ids.dim() != 2 or ids.dtype != torch.int64:
+            raise InvalidArgumentError(f"table_lookup: ids must be int64 [T, G], got {ids.dtype} {tuple(ids.shape)}")
         return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
     _lib.impl("table_lookup", _lookup, "CPU")
@@ -239,12 +238,31 @@ if register_opaque_type is not None:
     torch.library.register_fake("ple::table_lookup", _lookup_fake, lib=_lib)
 
 
-def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)`` (unchecked ids); on a torch without
-    opaque reference types the operator does not exist and the table is called directly (eager only)."""
-    if register_opaque_type is not None:
-        return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)
+def _lookup_checked(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The operator's work: ``head_dim`` must be the table's, ``ids`` int64 ``[T, G]``; ids in host
+    memory are also checked against the table's rows (no synchronization), ids on an accelerator
+    are not read."""
     table = ref.table
     if table is None:
         raise InvalidArgumentError("table_lookup: the TableRef holds no table")
+    if head_dim != table.head_dim:
+        raise InvalidArgumentError(f"table_lookup: head_dim={head_dim}, but the table's rows are {table.head_dim} wide")
+    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu" and ids.dim() == 2 and ids.dtype == torch.int64:
+        n = ids.numel()
+        if n:
+            if n <= 64:  # a decode step's few ids: a list is the cheapest pass
+                flat = ids.reshape(-1).tolist()
+                lo, hi = min(flat), max(flat)
+            else:
+                lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= table.rows:
+                check_ids(ids, table.rows)  # raises, naming the id and where it is
     return table.lookup(ids, dtype, check=False)
+
+
+def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)``; on a torch without opaque
+    reference types the operator does not exist and the table is called directly (eager only)."""
+    if register_opaque_type is not None:
+        return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)
+    return _lookup_checked(ids, ref, head_dim, dtype)

@@ -22,6 +22,11 @@ by id). Every ``refresh_every`` lookups, or on :meth:`CachedTable.refresh`, the 
 ``capacity_rows`` ids of highest history (ties broken by the smaller id): the same id stream gives the
 same cache. :meth:`CachedTable.warm` counts a known stream and refreshes.
 
+A backing table that can tell whether its file changed in place (an :class:`~ple.table.MmapTable`:
+``check_file``) is asked before every lookup, prefetch and refresh, hits included, so a table file
+truncated or overwritten under the cache raises :class:`~ple.table.TableFileError` as the memory map
+itself would, instead of serving stale cached rows or touching pages cut off by a truncation.
+
 Concurrency: the cache is an immutable ``(ids, rows, scales)`` triple replaced whole by a refresh
 (copy-on-write), so a lookup or prefetch reading the old triple is never disturbed; counting and
 statistics are guarded by a lock, refreshes are serialized.
@@ -263,6 +268,13 @@ class CachedTable(StoredTable):
         n = s.ids.numel() * s.ids.element_size() + s.data.numel() * s.data.element_size()
         return n + (0 if s.scale is None else s.scale.numel() * s.scale.element_size())
 
+    def check_file(self) -> None:
+        """The backing table's ``check_file`` when it has one (a table file changed in place since it
+        was opened raises :class:`~ple.table.TableFileError`); nothing otherwise."""
+        check = getattr(self.backing, "check_file", None)
+        if check is not None:
+            check()
+
     # ------------------------------------------------------------------ admission
     def warm(self, ids: torch.Tensor | Iterable[torch.Tensor]) -> int:
         """Count the ids of a known stream (a tensor of any shape, or an iterable of them) as
@@ -286,6 +298,7 @@ class CachedTable(StoredTable):
     def refresh(self) -> int:
         """Fold the accesses counted since the last refresh into the decayed history and rebuild the
         cache from the ``capacity_rows`` most accessed ids. Returns the number of rows newly admitted."""
+        self.check_file()
         with self._refresh_lock:
             with self._lock:
                 pending, self._pending, self._pending_n = self._pending, [], 0
@@ -362,6 +375,7 @@ class CachedTable(StoredTable):
 
     # ------------------------------------------------------------------ lookup
     def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        self.check_file()  # before counting or serving: cached rows of a changed file are stale too
         flat = ids.reshape(-1).contiguous()
         n = flat.numel()
         due = False

@@ -4,7 +4,8 @@ The source is an iterator of ``(k, rows, scale)`` shards (any order; a checkpoin
 it): ``rows [n_k, head_dim]`` plain (bf16/fp16/fp32, ``scale`` None), fp8 with the global scale
 (``[1]``), or fp8/int8 with per-row scales (``[n_k, 1]``). Memory stays bounded by one shard plus
 one chunk of fp32 rows. Source scales must be positive finite numbers (see
-:func:`~ple.table.formats.check_scale_values`).
+:func:`~ple.table.formats.check_scale_values`), and source rows finite (an fp8 NaN byte is refused
+too, naming its shard and row: :func:`first_nonfinite_row`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .formats import check_scale_values, format_info, infer_format
 from .mmap import MmapTable
 from .quantize import QuantStats, RowStats, dequantize, quantize_rows
 
-__all__ = ["convert_layer", "compare_with_source"]
+__all__ = ["convert_layer", "compare_with_source", "first_nonfinite_row", "nonfinite_problem"]
 
 _TARGETS = (None, "fp8_row", "int8_row")
 _CHUNK_ROWS = 1 << 17
@@ -34,6 +35,51 @@ def _source_format(k: int, rows: torch.Tensor, scale: torch.Tensor | None) -> st
         return infer_format(rows, scale)
     except ValueError as e:
         raise InvalidArgumentError(f"source shard {k}: {e}") from None
+
+
+# bits that make a NaN (and, for e5m2, an infinity) of each fp8 storage dtype, sign excluded
+_FP8_SPECIAL = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+
+
+def first_nonfinite_row(rows: torch.Tensor) -> int | None:
+    """The index of the first row of ``rows [n, ...]`` holding a NaN or an infinity, None when every
+    value is finite (integer rows always are). fp8 rows are judged by their bits, so a NaN byte is
+    found whatever torch supports for the dtype. Reads ``rows`` in chunks (bounded extra memory)."""
+    if not rows.is_floating_point() or rows.shape[0] == 0:
+        return None
+    special = _FP8_SPECIAL.get(rows.dtype)
+    for c0 in range(0, rows.shape[0], _CHUNK_ROWS):
+        chunk = rows[c0 : c0 + _CHUNK_ROWS].reshape(min(_CHUNK_ROWS, rows.shape[0] - c0), -1)
+        if special is not None:
+            bits = chunk.view(torch.uint8)
+            bad = (bits & special) == special
+        else:
+            bad = ~torch.isfinite(chunk)
+        hit = bad.any(dim=1).nonzero()
+        if hit.numel():
+            return c0 + int(hit[0])
+    return None
+
+
+def nonfinite_problem(k: int, rows: torch.Tensor, first_row: int) -> str | None:
+    """``"source shard k: row r holds a non-finite value (...)"`` for the first such row of shard ``k``
+    (whose first row is table row ``first_row``), or None."""
+    i = first_nonfinite_row(rows)
+    if i is None:
+        return None
+    row = rows[i].reshape(-1)
+    values = row.view(torch.uint8) if row.dtype in _FP8_SPECIAL else row
+    special = _FP8_SPECIAL.get(row.dtype)
+    if special is not None:
+        col = int(((values & special) == special).nonzero()[0])
+        what = f"byte 0x{int(values[col]):02x} (NaN in {row.dtype})"
+    else:
+        col = int((~torch.isfinite(row)).nonzero()[0])
+        what = str(float(row[col]))
+    return (
+        f"source shard {k}: table row {first_row + i} (row {i} of the shard), column {col} holds {what}, "
+        "not a finite value"
+    )
 
 
 def _scale_chunk(scale: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor | None:
@@ -108,6 +154,9 @@ def convert_layer(
                 start, stop = w.shard_range(k)
                 if scale is not None:  # a zero, negative or non-finite source scale is refused, never requantized
                     check_scale_values(scale, f"source shard {k}", first_row=start)
+                problem = nonfinite_problem(k, src, start)
+                if problem:  # a NaN or infinite row would be served as it is
+                    raise InvalidArgumentError(problem)
                 if to is None:
                     w.write_shard(k, src, scale)
                     total_err.rows += stop - start
@@ -191,6 +240,9 @@ def compare_with_source(
         if n == 0:
             continue
         src_fmt = _source_format(k, src, scale)
+        problem = nonfinite_problem(k, src, start)
+        if problem:
+            problems.append(problem)
         bad_rows = 0
         first_bad = None
         for c0 in range(0, n, _CHUNK_ROWS):

@@ -10,9 +10,10 @@ first compares the file's size and modification time with those at open (one ``f
 microsecond) and raises :class:`TableFileError` when they differ, before touching a row;
 :meth:`MmapTable.check_file` makes the same check on demand. What is not: a change during a lookup,
 one that keeps both the size and the modification time (the clock's granularity, or a writer that
-resets the time), and reads that bypass the lookup (``data`` read directly, e.g. by a
-:class:`~ple.table.CachedTable` filling its cache; a map from :meth:`MmapTable.map_rows` is checked
-when it is made, not when it is read).
+resets the time), and reads that bypass the lookup (``data`` read directly; a map from
+:meth:`MmapTable.map_rows` is checked when it is made, not when it is read). A
+:class:`~ple.table.CachedTable` in front of the map makes the same check before each of its lookups
+and refreshes.
 """
 
 from __future__ import annotations
