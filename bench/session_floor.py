@@ -14,6 +14,16 @@ with the check against transformers (``session-*`` cases), which costs far more 
 
 ``--without-gemm`` replaces ``F.linear`` by its cached result (computed once per shape): what remains
 is everything the layer and the session do besides the projections.
+
+The traffic floor (``traffic`` column) is a plain copy of as many bytes as the step must read and write
+(:func:`step_traffic`, from the shapes and dtypes: tokens and contexts, the row ids written and read,
+the table rows read and the gathered rows written, the projections' outputs read, the hidden rows read,
+the state taps read and the new state column written, the outputs written): ``dst.copy_(src)`` of half
+that many bytes (a copy reads and writes as much), both buffers warm, as the step's operands are.
+
+``--bookkeeping`` times ``Session.step`` around a layer that returns its input (no computation): the
+session's own per-step and per-request work (checks, packing the batch, splitting the outputs, the
+contexts and lengths), for 1 and ``--requests`` decode requests; the per-request cost is the slope.
 """
 
 from __future__ import annotations
@@ -87,6 +97,43 @@ def without_gemm() -> None:
     torch.nn.functional.linear = cached
 
 
+def step_traffic(layer: PLELayer, tokens: int, requests: int, history_taps: int) -> tuple[int, int]:
+    """(bytes read, bytes written) by the work beside the GEMM of one step of ``tokens`` tokens over
+    ``requests`` requests, each token reading ``history_taps`` conv taps from the state (decode: K-1;
+    a fresh prefill: 0), from the shapes and dtypes."""
+    cfg, lay = layer.config, layer.layout
+    act = layer.dtype.itemsize
+    tab = layer.table.storage_dtype.itemsize
+    c, h, g, e = cfg.hc_hidden_size, cfg.hidden_size, lay.num_heads, lay.embed_dim
+    ctx = requests * (cfg.ngram_size - 1) * 8
+    read = (
+        tokens * 8  # tokens
+        + ctx  # contexts
+        + tokens * g * 8  # row ids
+        + tokens * g * lay.head_dim * tab  # table rows
+        + tokens * (c + h) * act  # the projections' outputs
+        + tokens * c * act  # hidden
+        + tokens * history_taps * c * act  # state taps
+    )
+    state_cols = min(tokens, requests * cfg.conv_window) if history_taps else min(tokens, cfg.conv_window)
+    written = (
+        tokens * g * 8  # row ids
+        + tokens * e * act  # gathered rows (the GEMM's input)
+        + tokens * c * act  # outputs
+        + state_cols * c * act  # new state columns
+        + ctx  # contexts
+    )
+    return read, written
+
+
+def traffic_copy(nbytes: int):
+    """A plain copy of ``nbytes`` bytes in all (half read, half written)."""
+    half = max(1, nbytes // 2)
+    src = torch.ones(half, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     """Seconds per call, in rotating order, each call after its untimed reset."""
     names = list(fns)
@@ -150,11 +197,28 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     same = all(torch.equal(x, y) for x, y in zip(a, b))
     w = _kv_weight(layer)
     x = torch.randn(requests, cfg.ple_embed_dim, generator=g).to(dtype)
-    fns = {"floor": lambda: [F.linear(x, w) for _ in range(steps)], "engine": run_engine, "session": run_session}
-    reset = {"floor": lambda: None, "engine": lambda: pool.copy_(pool0), "session": reset_session}
+    read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
+    copy = traffic_copy(read + written)
+    fns = {
+        "floor": lambda: [F.linear(x, w) for _ in range(steps)],
+        "engine": run_engine,
+        "session": run_session,
+        "traffic": lambda: [copy() for _ in range(steps)],
+    }
+    reset = {
+        "floor": lambda: None,
+        "engine": lambda: pool.copy_(pool0),
+        "session": reset_session,
+        "traffic": lambda: None,
+    }
     with torch.no_grad():
         samples = interleaved(fns, reset, repeat)
-    return {"case": f"decode {requests}x1 x{steps} steps", "session_equals_engine": same, "samples": samples}
+    return {
+        "case": f"decode {requests}x1 x{steps} steps",
+        "session_equals_engine": same,
+        "samples": samples,
+        "traffic_bytes": (read + written) * steps,
+    }
 
 
 def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
@@ -175,15 +239,50 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
     same = torch.equal(session.step({0: (hidden, ids)})[0], layer(hidden, ids, batch))
     w = _kv_weight(layer)
     x = torch.randn(tokens, cfg.ple_embed_dim, generator=g).to(layer.dtype)
+    read, written = step_traffic(layer, tokens, 1, 0)
+    copy = traffic_copy(read + written)
     fns = {
         "floor": lambda: F.linear(x, w),
         "engine": lambda: layer(hidden, ids, batch),
         "session": lambda: session.step({0: (hidden, ids)}),
+        "traffic": copy,
     }
-    reset = {"floor": lambda: None, "engine": lambda: pool.zero_(), "session": reset_session}
+    reset = {"floor": lambda: None, "engine": lambda: pool.zero_(), "session": reset_session, "traffic": lambda: None}
     with torch.no_grad():
         samples = interleaved(fns, reset, repeat)
-    return {"case": f"prefill 1x{tokens}", "session_equals_engine": same, "samples": samples}
+    return {
+        "case": f"prefill 1x{tokens}",
+        "session_equals_engine": same,
+        "samples": samples,
+        "traffic_bytes": read + written,
+    }
+
+
+def bookkeeping_case(layer: PLELayer, requests: int, repeat: int) -> dict:
+    """``Session.step`` of decode steps around a layer that returns its input: the session's own work,
+    for 1 and ``requests`` requests (interleaved); per request = the slope."""
+    cfg = layer.config
+    c, dtype = cfg.hc_hidden_size, layer.dtype
+    g = torch.Generator().manual_seed(3)
+    sessions, inputs = {}, {}
+    for n in (1, requests):
+        s = Session(layer, n)
+        for r in range(n):
+            s.add(r)
+        h = torch.randn(n, c, generator=g).to(dtype)
+        t = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        sessions[n] = s
+        inputs[n] = {r: (h[r : r + 1], t[r : r + 1]) for r in range(n)}
+    layer.forward = lambda hidden, *args, **kwargs: hidden  # type: ignore[method-assign]
+    try:
+        fns = {f"{n} requests": (lambda n=n: sessions[n].step(inputs[n])) for n in (1, requests)}
+        with torch.no_grad():
+            samples = interleaved(fns, {k: (lambda: None) for k in fns}, repeat)
+    finally:
+        del layer.forward
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    per_request = (med[f"{requests} requests"] - med["1 requests"]) / max(1, requests - 1)
+    return {"case": "bookkeeping", "samples": samples, "per_request_us": per_request * 1e6}
 
 
 def main(argv=None) -> int:
@@ -197,6 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--table-base", type=int, default=300_000)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
+    p.add_argument("--bookkeeping", action="store_true", help="also time the session's own work per request")
     args = p.parse_args(argv)
     tune_host_allocator()
     if args.threads:
@@ -222,8 +322,11 @@ def main(argv=None) -> int:
         f"{', GEMM cached' if args.without_gemm else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
-    print("| case | floor ms | engine ms | session ms | engine / floor | session / floor | session = engine |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print(
+        "| case | floor ms | engine ms | session ms | engine / floor | session / floor | traffic MB | traffic ms "
+        "| engine / traffic | session / traffic | session = engine |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in results:
         med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
@@ -232,8 +335,18 @@ def main(argv=None) -> int:
         print(
             f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['session']:.2f} | "
             f"{med['engine'] / med['floor']:.3f} | {med['session'] / med['floor']:.3f} | "
-            f"{'yes' if r['session_equals_engine'] else 'NO'} |"
+            f"{r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | {med['engine'] / med['traffic']:.2f} | "
+            f"{med['session'] / med['traffic']:.2f} | {'yes' if r['session_equals_engine'] else 'NO'} |"
         )
+    if args.bookkeeping:
+        b = bookkeeping_case(layer, max(2, args.requests), args.repeat)
+        med = {k: statistics.median(v) * 1e6 for k, v in b["samples"].items()}
+        print(
+            "bookkeeping (Session.step around a layer that returns its input): "
+            + ", ".join(f"{k} {v:.0f} us" for k, v in med.items())
+            + f"; per request {b['per_request_us']:.2f} us"
+        )
+        results.append(b)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
