@@ -16,7 +16,7 @@ with the check against transformers (``session-*`` cases), which costs far more 
 is everything the layer and the session do besides the projections.
 
 The traffic floor (``traffic`` column) is a plain copy of as many bytes as the step must read and write
-(:func:`step_traffic`, from the shapes and dtypes: tokens and contexts, the row ids written and read,
+(``ple.bench.cases.step_traffic``, from the shapes and dtypes: tokens and contexts, the row ids written and read,
 the table rows read and the gathered rows written, the projections' outputs read, the hidden rows read,
 the state taps read and the new state column written, the outputs written): ``dst.copy_(src)`` of half
 that many bytes (a copy reads and writes as much), both buffers warm, as the step's operands are.
@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ple import PLEConfig, PLELayer, Session, tune_host_allocator
+from ple.bench.cases import step_traffic, traffic_copy
 from ple.runtime import Batch
 from ple.table import MemoryTable
 
@@ -95,43 +96,6 @@ def without_gemm() -> None:
         return cache[key]
 
     torch.nn.functional.linear = cached
-
-
-def step_traffic(layer: PLELayer, tokens: int, requests: int, history_taps: int) -> tuple[int, int]:
-    """(bytes read, bytes written) by the work beside the GEMM of one step of ``tokens`` tokens over
-    ``requests`` requests, each token reading ``history_taps`` conv taps from the state (decode: K-1;
-    a fresh prefill: 0), from the shapes and dtypes."""
-    cfg, lay = layer.config, layer.layout
-    act = layer.dtype.itemsize
-    tab = layer.table.storage_dtype.itemsize
-    c, h, g, e = cfg.hc_hidden_size, cfg.hidden_size, lay.num_heads, lay.embed_dim
-    ctx = requests * (cfg.ngram_size - 1) * 8
-    read = (
-        tokens * 8  # tokens
-        + ctx  # contexts
-        + tokens * g * 8  # row ids
-        + tokens * g * lay.head_dim * tab  # table rows
-        + tokens * (c + h) * act  # the projections' outputs
-        + tokens * c * act  # hidden
-        + tokens * history_taps * c * act  # state taps
-    )
-    state_cols = min(tokens, requests * cfg.conv_window) if history_taps else min(tokens, cfg.conv_window)
-    written = (
-        tokens * g * 8  # row ids
-        + tokens * e * act  # gathered rows (the GEMM's input)
-        + tokens * c * act  # outputs
-        + state_cols * c * act  # new state columns
-        + ctx  # contexts
-    )
-    return read, written
-
-
-def traffic_copy(nbytes: int):
-    """A plain copy of ``nbytes`` bytes in all (half read, half written)."""
-    half = max(1, nbytes // 2)
-    src = torch.ones(half, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
 
 
 def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,10 @@ __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 
 _TOKEN_DTYPES = frozenset((torch.int64, torch.int32))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+# per-request fields read in bulk (map with these runs without a Python frame per request)
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
+_slot, _has_state, _rejected, _pending = (attrgetter(f) for f in ("slot", "has_state", "rejected", "pending"))
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class SessionError(PLEError, ValueError):
@@ -493,14 +498,14 @@ class Session:
         count = len(order)
         packed = None
         try:
-            reqs = [requests[rid] for rid in order]
-            shapes = [t.shape for t in toks]
+            reqs = list(map(requests.__getitem__, order))
+            shapes = list(map(_shape, toks))
             lens = [n for (n,) in shapes]  # ValueError unless every chunk is 1-D
             ok = (
                 (not count or min(lens) >= 1)
-                and {t.dtype for t in toks} <= _TOKEN_DTYPES
-                and not any([r.pending is not None for r in reqs])
-                and spec <= tokens.keys()
+                and set(map(_dtype, toks)) <= _TOKEN_DTYPES
+                and set(map(_pending, reqs)) <= {None}
+                and spec.issubset(tokens)
             )
             if ok and spec:
                 max_spec = 1 + self.num_spec
@@ -515,9 +520,9 @@ class Session:
             reqs = [requests[rid] for rid in order]
             lens = [int(t.shape[0]) for t in toks]
             packed = torch.cat(toks) if count else None
-        slots = [r.slot for r in reqs]
-        has_init = [r.has_state for r in reqs]
-        rejected = [r.rejected for r in reqs]
+        slots = list(map(_slot, reqs))
+        has_init = list(map(_has_state, reqs))
+        rejected = list(map(_rejected, reqs))
         any_rejected = any(rejected)
         total = sum(lens)
         decode_only = total == count
@@ -693,19 +698,19 @@ class Session:
         # in bulk (see _begin); request by request only to name a problem
         try:
             pairs = list(inputs.values())
-            ok = {type(p) for p in pairs} <= {tuple} and {len(p) for p in pairs} <= {2}
+            ok = set(map(type, pairs)) <= {tuple} and set(map(len, pairs)) <= {2}
             if ok:
-                hs = [p[0] for p in pairs]
-                ts = [p[1] for p in pairs]
-                hshapes = [h.shape for h in hs]
-                tshapes = [t.shape for t in ts]
+                hs = list(map(_first, pairs))
+                ts = list(map(_second, pairs))
+                hshapes = list(map(_shape, hs))
+                tshapes = list(map(_shape, ts))
                 ok = (
-                    {len(x) for x in tshapes} <= {1}
-                    and {len(x) for x in hshapes} <= {2}
-                    and [x[0] for x in hshapes] == [x[0] for x in tshapes]
-                    and {x[1] for x in hshapes} <= {width}
-                    and {type(h) for h in hs} <= _TENSOR_TYPES
-                    and {type(t) for t in ts} <= _TENSOR_TYPES
+                    set(map(len, tshapes)) <= {1}
+                    and set(map(len, hshapes)) <= {2}
+                    and list(map(_first, hshapes)) == list(map(_first, tshapes))
+                    and set(map(_second, hshapes)) <= {width}
+                    and set(map(type, hs)) <= _TENSOR_TYPES
+                    and set(map(type, ts)) <= _TENSOR_TYPES
                 )
         except (AttributeError, TypeError, IndexError):
             ok = False
