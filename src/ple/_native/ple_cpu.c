@@ -261,9 +261,15 @@ ALWAYS_INLINE void load_row(const job_t *J, int64_t t, float *c_row, float *res,
 }
 
 /* The history columns unit u gathers (see run_unit): marks need[0 .. W-1]; returns how many. */
-ALWAYS_INLINE int64_t needed_columns(const job_t *J, int64_t u, uint8_t *need) {
+/* Rows p < direct_rows of a resuming request in the ring layout read their history taps straight from
+ * the slot (see run_unit): with K = 4, rows before the first dilation take all K-1 history taps there. */
+ALWAYS_INLINE int64_t direct_rows(const job_t *J) { return J->ring_base && J->taps == 4 ? J->dilation : 0; }
+
+/* The history columns the rows from_row.. of unit u read: marks need[0 .. W-1]; returns how many. */
+ALWAYS_INLINE int64_t needed_columns(const job_t *J, int64_t u, uint8_t *need, int64_t from_row) {
     const int64_t K = J->taps, W = J->window;
-    const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
+    const int64_t r = J->unit_request[u], p1 = J->unit_end[u];
+    const int64_t p0 = J->unit_begin[u] > from_row ? J->unit_begin[u] : from_row;
     int64_t count = 0;
     for (int64_t col = 0; col < W; col++) need[col] = 0;
     if (J->slots[r] < 0 || !resumes_of(J, r) || p0 >= W) return 0;
@@ -284,7 +290,7 @@ ALWAYS_INLINE int64_t needed_columns(const job_t *J, int64_t u, uint8_t *need) {
 ALWAYS_INLINE void plan_prefetch(const job_t *J, int64_t u, scratch_t *S, int bf) {
     S->pf_n = S->pf_i = S->pf_off = 0;
     if (u >= J->num_units || !J->ring_base || J->window > MAX_PREFETCH) return;
-    if (!needed_columns(J, u, S->need)) return;
+    if (!needed_columns(J, u, S->need, 0)) return;
     const int64_t r = J->unit_request[u], slot = J->slots[r], first = history_end_of(J, r) - J->window;
     const int64_t esz = bf ? 2 : 4, C = J->channels, L = J->state_len;
     /* another thread may be moving this slot's base (the unit already ran there): any value is a
@@ -310,7 +316,7 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
         /* The slot columns hist-W .. hist-1 that this unit's taps read (rows p0 .. W-1 reach before the
          * chunk), token-major into S->hist. No unit writes the slot before all of them have run. */
         const int64_t first = hist - W;
-        needed_columns(J, u, S->need);
+        needed_columns(J, u, S->need, direct_rows(J));
         for (int64_t col = 0; col < W; col++)
             if (S->need[col]) {
                 float *dst = S->hist + col * C;
@@ -355,6 +361,25 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
                 src[k] = S->zero; /* a fresh request's history is zero */
         }
         const float *res = S->res, *w = J->conv_w;
+        if (K == 4 && resumes && p < direct_rows(J)) {
+            /* the history taps straight from the slot's columns (token-major rows of the ring), converted
+             * as the gather would: the same values, no copy; the current row's tap from the ring */
+            const int64_t esz = bf ? 2 : 4, first = hist - W, d = J->dilation;
+            const void *h0 = (const char *)J->state + state_at(J, slot, 0, first + p - 3 * d + W) * esz;
+            const void *h1 = (const char *)J->state + state_at(J, slot, 0, first + p - 2 * d + W) * esz;
+            const void *h2 = (const char *)J->state + state_at(J, slot, 0, first + p - d + W) * esz;
+            const float *s3 = src[3];
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) {
+                float a = 0.0f;
+                a += ld(h0, i, bf) * w[i];
+                a += ld(h1, i, bf) * w[C + i];
+                a += ld(h2, i, bf) * w[2 * C + i];
+                a += s3[i] * w[3 * C + i];
+                st(op, i, silu(a) + res[i], bf);
+            }
+            continue;
+        }
         if (K == 4) { /* the published geometry: taps, SiLU, residual and the store in one loop */
             const float *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
 #pragma omp simd
