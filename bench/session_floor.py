@@ -7,8 +7,9 @@ Builds a PLE layer at the published geometry (H 2560, HC 4, E 2560, 16 heads of 
 weights, a table of ``--table-base``), checks that ``Session.step`` gives exactly the outputs of the
 engine call on prebuilt batches (the same steps from the same state), then times in rotating order,
 each after an untimed reset of the state: the floor (``F.linear`` of ``[T, 2560] x [12800, 2560]``),
-the engine call ``layer(hidden, ids, batch)`` with prebuilt batches, and ``Session.step`` (per-request
-inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
+the engine call ``layer(hidden, ids, batch)`` with prebuilt batches (the engine layout of the state pool,
+``[slots, HC*H, L]``), the session's engine call ``begin``/``run``/``end`` (packed hidden, ring pools), and
+``Session.step`` (per-request inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
 ``--prefill`` tokens. Prints medians (ms) and ratios to the floor; ``ple bench`` runs the same steps
 with the check against transformers (``session-*`` cases), which costs far more time on a CPU.
 
@@ -155,10 +156,22 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     def run_engine():
         return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
 
+    chunks = [{r: step_t[s, r : r + 1] for r in range(requests)} for s in range(steps)]
+
+    def run_phases():
+        outs = []
+        for s in range(steps):
+            st = session.begin(chunks[s])
+            outs.append(session.run(st, 0, step_h[s]))
+            session.end(st)
+        return outs
+
     reset_session()
     pool.copy_(pool0)
     a, b = run_session(), run_engine()
-    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    reset_session()
+    c = run_phases()
+    same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
     w = _kv_weight(layer)
     x = torch.randn(requests, cfg.ple_embed_dim, generator=g).to(dtype)
     read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
@@ -167,12 +180,14 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
         "floor": lambda: [F.linear(x, w) for _ in range(steps)],
         "engine": run_engine,
         "session": run_session,
+        "phases": run_phases,
         "traffic": lambda: [copy() for _ in range(steps)],
     }
     reset = {
         "floor": lambda: None,
         "engine": lambda: pool.copy_(pool0),
         "session": reset_session,
+        "phases": reset_session,
         "traffic": lambda: None,
     }
     with torch.no_grad():
@@ -199,8 +214,17 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
             session.finish(r)
         session.add(0)
 
+    def run_phases():
+        st = session.begin({0: ids})
+        out = session.run(st, 0, hidden)
+        session.end(st)
+        return out
+
     reset_session()
-    same = torch.equal(session.step({0: (hidden, ids)})[0], layer(hidden, ids, batch))
+    want = layer(hidden, ids, batch)
+    same = torch.equal(session.step({0: (hidden, ids)})[0], want)
+    reset_session()
+    same &= torch.equal(run_phases(), want)
     w = _kv_weight(layer)
     x = torch.randn(tokens, cfg.ple_embed_dim, generator=g).to(layer.dtype)
     read, written = step_traffic(layer, tokens, 1, 0)
@@ -209,9 +233,16 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
         "floor": lambda: F.linear(x, w),
         "engine": lambda: layer(hidden, ids, batch),
         "session": lambda: session.step({0: (hidden, ids)}),
+        "phases": run_phases,
         "traffic": copy,
     }
-    reset = {"floor": lambda: None, "engine": lambda: pool.zero_(), "session": reset_session, "traffic": lambda: None}
+    reset = {
+        "floor": lambda: None,
+        "engine": lambda: pool.zero_(),
+        "session": reset_session,
+        "phases": reset_session,
+        "traffic": lambda: None,
+    }
     with torch.no_grad():
         samples = interleaved(fns, reset, repeat)
     return {
@@ -287,19 +318,21 @@ def main(argv=None) -> int:
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
     print(
-        "| case | floor ms | engine ms | session ms | engine / floor | session / floor | traffic MB | traffic ms "
-        "| engine / traffic | session / traffic | session = engine |"
+        "| case | floor ms | engine ms | begin/run/end ms | session ms | engine / floor | begin/run/end / floor "
+        "| session / floor | traffic MB | traffic ms | engine / traffic | begin/run/end / traffic "
+        "| session / traffic | outputs equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in results:
         med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
         r["median_ms"] = med
         ok &= r["session_equals_engine"]
         print(
-            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['session']:.2f} | "
-            f"{med['engine'] / med['floor']:.3f} | {med['session'] / med['floor']:.3f} | "
-            f"{r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | {med['engine'] / med['traffic']:.2f} | "
+            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['phases']:.2f} | {med['session']:.2f} | "
+            f"{med['engine'] / med['floor']:.3f} | {med['phases'] / med['floor']:.3f} | "
+            f"{med['session'] / med['floor']:.3f} | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
+            f"{med['engine'] / med['traffic']:.2f} | {med['phases'] / med['traffic']:.2f} | "
             f"{med['session'] / med['traffic']:.2f} | {'yes' if r['session_equals_engine'] else 'NO'} |"
         )
     if args.bookkeeping:
