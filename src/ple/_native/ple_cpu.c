@@ -317,18 +317,35 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
          * chunk), token-major into S->hist. No unit writes the slot before all of them have run. */
         const int64_t first = hist - W;
         needed_columns(J, u, S->need, direct_rows(J));
-        for (int64_t col = 0; col < W; col++)
-            if (S->need[col]) {
-                float *dst = S->hist + col * C;
-                if (J->ring_base) {
+        if (J->ring_base) {
+            for (int64_t col = 0; col < W; col++)
+                if (S->need[col]) {
+                    float *dst = S->hist + col * C;
                     const int64_t at = state_at(J, slot, 0, first + col);
 #pragma omp simd
                     for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i, bf);
-                } else {
-                    const int64_t at = state_at(J, slot, 0, first + col);
-                    for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i * L, bf);
                 }
+        } else {
+            /* [S, C, L]: a channel's columns are one run of L values; one pass over the slot reads each run
+             * once and scatters the needed columns (instead of one strided pass per column) */
+            int64_t cols[MAX_PREFETCH], nc = 0, more = 0;
+            for (int64_t col = 0; col < W; col++)
+                if (S->need[col]) {
+                    if (nc < MAX_PREFETCH)
+                        cols[nc++] = col;
+                    else
+                        more = 1;
+                }
+            const int64_t at = state_at(J, slot, 0, first);
+            if (!more) {
+                for (int64_t i = 0; i < C; i++)
+                    for (int64_t k = 0; k < nc; k++) S->hist[cols[k] * C + i] = ld(J->state, at + i * L + cols[k], bf);
+            } else { /* more columns than the list holds (long windows): a strided pass per column */
+                for (int64_t col = 0; col < W; col++)
+                    if (S->need[col])
+                        for (int64_t i = 0; i < C; i++) S->hist[col * C + i] = ld(J->state, at + i * L + col, bf);
             }
+        }
     }
     plan_prefetch(J, u + J->ahead, S, bf);
     for (int64_t p = warm; p < p1; p++) {
