@@ -22,6 +22,9 @@ the table rows read and the gathered rows written, the projections' outputs read
 the state taps read and the new state column written, the outputs written): ``dst.copy_(src)`` of half
 that many bytes (a copy reads and writes as much), both buffers warm, as the step's operands are.
 
+``--cpu-time`` (with ``--threads 1``) reads this thread's CPU time instead of the wall clock, so time
+spent descheduled on a machine shared with other work is not counted.
+
 ``--bookkeeping`` times ``Session.step`` around a layer that returns its input (no computation): the
 session's own per-step and per-request work (checks, packing the batch, splitting the outputs, the
 contexts and lengths), for 1 and ``--requests`` decode requests; the per-request cost is the slope.
@@ -99,6 +102,10 @@ def without_gemm() -> None:
     torch.nn.functional.linear = cached
 
 
+CLOCK = time.perf_counter
+"""What ``interleaved`` reads: wall time, or (``--cpu-time``) this thread's CPU time."""
+
+
 def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     """Seconds per call, in rotating order, each call after its untimed reset."""
     names = list(fns)
@@ -107,9 +114,9 @@ def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
         k = i % len(names)
         for n in names[k:] + names[:k]:
             reset[n]()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fns[n]()
-            dt = time.perf_counter() - t0
+            dt = CLOCK() - t0
             if i:
                 out[n].append(dt)
     return out
@@ -292,7 +299,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
     p.add_argument("--bookkeeping", action="store_true", help="also time the session's own work per request")
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this thread's CPU time instead of the wall clock (needs --threads 1): on a machine shared "
+        "with other work, time spent descheduled is not counted",
+    )
     args = p.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            p.error("--cpu-time needs --threads 1 (other threads' CPU time would not be counted)")
+        global CLOCK
+        CLOCK = time.thread_time
     tune_host_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -314,7 +332,7 @@ def main(argv=None) -> int:
         pass
     print(
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}"
-        f"{', GEMM cached' if args.without_gemm else ''}, "
+        f"{', GEMM cached' if args.without_gemm else ''}{', thread CPU time' if args.cpu_time else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
     print(
