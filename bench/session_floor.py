@@ -7,13 +7,27 @@ Builds a PLE layer at the published geometry (H 2560, HC 4, E 2560, 16 heads of 
 weights, a table of ``--table-base``), checks that ``Session.step`` gives exactly the outputs of the
 engine call on prebuilt batches (the same steps from the same state), then times in rotating order,
 each after an untimed reset of the state: the floor (``F.linear`` of ``[T, 2560] x [12800, 2560]``),
-the engine call ``layer(hidden, ids, batch)`` with prebuilt batches, and ``Session.step`` (per-request
-inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
+the engine call ``layer(hidden, ids, batch)`` with prebuilt batches (the engine layout of the state pool,
+``[slots, HC*H, L]``), the session's engine call ``begin``/``run``/``end`` (packed hidden, ring pools), and
+``Session.step`` (per-request inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
 ``--prefill`` tokens. Prints medians (ms) and ratios to the floor; ``ple bench`` runs the same steps
 with the check against transformers (``session-*`` cases), which costs far more time on a CPU.
 
 ``--without-gemm`` replaces ``F.linear`` by its cached result (computed once per shape): what remains
 is everything the layer and the session do besides the projections.
+
+The traffic floor (``traffic`` column) is a plain copy of as many bytes as the step must read and write
+(``ple.bench.cases.step_traffic``, from the shapes and dtypes: tokens and contexts, the row ids written and read,
+the table rows read and the gathered rows written, the projections' outputs read, the hidden rows read,
+the state taps read and the new state column written, the outputs written): ``dst.copy_(src)`` of half
+that many bytes (a copy reads and writes as much), both buffers warm, as the step's operands are.
+
+``--cpu-time`` (with ``--threads 1``) reads this thread's CPU time instead of the wall clock, so time
+spent descheduled on a machine shared with other work is not counted.
+
+``--bookkeeping`` times ``Session.step`` around a layer that returns its input (no computation): the
+session's own per-step and per-request work (checks, packing the batch, splitting the outputs, the
+contexts and lengths), for 1 and ``--requests`` decode requests; the per-request cost is the slope.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ple import PLEConfig, PLELayer, Session, tune_host_allocator
+from ple.bench.cases import step_traffic, traffic_copy
 from ple.runtime import Batch
 from ple.table import MemoryTable
 
@@ -87,6 +102,10 @@ def without_gemm() -> None:
     torch.nn.functional.linear = cached
 
 
+CLOCK = time.perf_counter
+"""What ``interleaved`` reads: wall time, or (``--cpu-time``) this thread's CPU time."""
+
+
 def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     """Seconds per call, in rotating order, each call after its untimed reset."""
     names = list(fns)
@@ -95,9 +114,9 @@ def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
         k = i % len(names)
         for n in names[k:] + names[:k]:
             reset[n]()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fns[n]()
-            dt = time.perf_counter() - t0
+            dt = CLOCK() - t0
             if i:
                 out[n].append(dt)
     return out
@@ -144,17 +163,48 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     def run_engine():
         return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
 
+    chunks = [{r: step_t[s, r : r + 1] for r in range(requests)} for s in range(steps)]
+
+    def run_phases():
+        outs = []
+        for s in range(steps):
+            st = session.begin(chunks[s])
+            outs.append(session.run(st, 0, step_h[s]))
+            session.end(st)
+        return outs
+
     reset_session()
     pool.copy_(pool0)
     a, b = run_session(), run_engine()
-    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    reset_session()
+    c = run_phases()
+    same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
     w = _kv_weight(layer)
     x = torch.randn(requests, cfg.ple_embed_dim, generator=g).to(dtype)
-    fns = {"floor": lambda: [F.linear(x, w) for _ in range(steps)], "engine": run_engine, "session": run_session}
-    reset = {"floor": lambda: None, "engine": lambda: pool.copy_(pool0), "session": reset_session}
+    read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
+    copy = traffic_copy(read + written)
+    fns = {
+        "floor": lambda: [F.linear(x, w) for _ in range(steps)],
+        "engine": run_engine,
+        "session": run_session,
+        "phases": run_phases,
+        "traffic": lambda: [copy() for _ in range(steps)],
+    }
+    reset = {
+        "floor": lambda: None,
+        "engine": lambda: pool.copy_(pool0),
+        "session": reset_session,
+        "phases": reset_session,
+        "traffic": lambda: None,
+    }
     with torch.no_grad():
         samples = interleaved(fns, reset, repeat)
-    return {"case": f"decode {requests}x1 x{steps} steps", "session_equals_engine": same, "samples": samples}
+    return {
+        "case": f"decode {requests}x1 x{steps} steps",
+        "session_equals_engine": same,
+        "samples": samples,
+        "traffic_bytes": (read + written) * steps,
+    }
 
 
 def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
@@ -171,19 +221,70 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
             session.finish(r)
         session.add(0)
 
+    def run_phases():
+        st = session.begin({0: ids})
+        out = session.run(st, 0, hidden)
+        session.end(st)
+        return out
+
     reset_session()
-    same = torch.equal(session.step({0: (hidden, ids)})[0], layer(hidden, ids, batch))
+    want = layer(hidden, ids, batch)
+    same = torch.equal(session.step({0: (hidden, ids)})[0], want)
+    reset_session()
+    same &= torch.equal(run_phases(), want)
     w = _kv_weight(layer)
     x = torch.randn(tokens, cfg.ple_embed_dim, generator=g).to(layer.dtype)
+    read, written = step_traffic(layer, tokens, 1, 0)
+    copy = traffic_copy(read + written)
     fns = {
         "floor": lambda: F.linear(x, w),
         "engine": lambda: layer(hidden, ids, batch),
         "session": lambda: session.step({0: (hidden, ids)}),
+        "phases": run_phases,
+        "traffic": copy,
     }
-    reset = {"floor": lambda: None, "engine": lambda: pool.zero_(), "session": reset_session}
+    reset = {
+        "floor": lambda: None,
+        "engine": lambda: pool.zero_(),
+        "session": reset_session,
+        "phases": reset_session,
+        "traffic": lambda: None,
+    }
     with torch.no_grad():
         samples = interleaved(fns, reset, repeat)
-    return {"case": f"prefill 1x{tokens}", "session_equals_engine": same, "samples": samples}
+    return {
+        "case": f"prefill 1x{tokens}",
+        "session_equals_engine": same,
+        "samples": samples,
+        "traffic_bytes": read + written,
+    }
+
+
+def bookkeeping_case(layer: PLELayer, requests: int, repeat: int) -> dict:
+    """``Session.step`` of decode steps around a layer that returns its input: the session's own work,
+    for 1 and ``requests`` requests (interleaved); per request = the slope."""
+    cfg = layer.config
+    c, dtype = cfg.hc_hidden_size, layer.dtype
+    g = torch.Generator().manual_seed(3)
+    sessions, inputs = {}, {}
+    for n in (1, requests):
+        s = Session(layer, n)
+        for r in range(n):
+            s.add(r)
+        h = torch.randn(n, c, generator=g).to(dtype)
+        t = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+        sessions[n] = s
+        inputs[n] = {r: (h[r : r + 1], t[r : r + 1]) for r in range(n)}
+    layer.forward = lambda hidden, *args, **kwargs: hidden  # type: ignore[method-assign]
+    try:
+        fns = {f"{n} requests": (lambda n=n: sessions[n].step(inputs[n])) for n in (1, requests)}
+        with torch.no_grad():
+            samples = interleaved(fns, {k: (lambda: None) for k in fns}, repeat)
+    finally:
+        del layer.forward
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    per_request = (med[f"{requests} requests"] - med["1 requests"]) / max(1, requests - 1)
+    return {"case": "bookkeeping", "samples": samples, "per_request_us": per_request * 1e6}
 
 
 def main(argv=None) -> int:
@@ -197,7 +298,19 @@ def main(argv=None) -> int:
     p.add_argument("--table-base", type=int, default=300_000)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
+    p.add_argument("--bookkeeping", action="store_true", help="also time the session's own work per request")
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with this thread's CPU time instead of the wall clock (needs --threads 1): on a machine shared "
+        "with other work, time spent descheduled is not counted",
+    )
     args = p.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            p.error("--cpu-time needs --threads 1 (other threads' CPU time would not be counted)")
+        global CLOCK
+        CLOCK = time.thread_time
     tune_host_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -219,21 +332,36 @@ def main(argv=None) -> int:
         pass
     print(
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}"
-        f"{', GEMM cached' if args.without_gemm else ''}, "
+        f"{', GEMM cached' if args.without_gemm else ''}{', thread CPU time' if args.cpu_time else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
-    print("| case | floor ms | engine ms | session ms | engine / floor | session / floor | session = engine |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print(
+        "| case | floor ms | engine ms | begin/run/end ms | session ms | engine / floor | begin/run/end / floor "
+        "| session / floor | traffic MB | traffic ms | engine / traffic | begin/run/end / traffic "
+        "| session / traffic | outputs equal |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in results:
         med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
         r["median_ms"] = med
         ok &= r["session_equals_engine"]
         print(
-            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['session']:.2f} | "
-            f"{med['engine'] / med['floor']:.3f} | {med['session'] / med['floor']:.3f} | "
-            f"{'yes' if r['session_equals_engine'] else 'NO'} |"
+            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['phases']:.2f} | {med['session']:.2f} | "
+            f"{med['engine'] / med['floor']:.3f} | {med['phases'] / med['floor']:.3f} | "
+            f"{med['session'] / med['floor']:.3f} | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
+            f"{med['engine'] / med['traffic']:.2f} | {med['phases'] / med['traffic']:.2f} | "
+            f"{med['session'] / med['traffic']:.2f} | {'yes' if r['session_equals_engine'] else 'NO'} |"
         )
+    if args.bookkeeping:
+        b = bookkeeping_case(layer, max(2, args.requests), args.repeat)
+        med = {k: statistics.median(v) * 1e6 for k, v in b["samples"].items()}
+        print(
+            "bookkeeping (Session.step around a layer that returns its input): "
+            + ", ".join(f"{k} {v:.0f} us" for k, v in med.items())
+            + f"; per request {b['per_request_us']:.2f} us"
+        )
+        results.append(b)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

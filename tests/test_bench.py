@@ -38,7 +38,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     rc = _run(
         "--quick",
         "--cases",
-        "ids,prefill-long-bf16,decode-fp32",
+        "ids,prefill-long-bf16,decode-fp32,session-decode-bf16",
         "--repeat",
         "2",
         "--quiet",
@@ -74,7 +74,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size
 
     names = [c["name"] for c in rep["cases"]]
-    assert names == ["ids", "prefill-long-bf16", "decode-fp32"]
+    assert names == ["ids", "prefill-long-bf16", "decode-fp32", "session-decode-bf16"]
     for c in rep["cases"]:
         assert c["status"] == "ok", c
         assert c["check"]["passed"] is True
@@ -103,6 +103,25 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     decode = rep["cases"][2]
     assert decode["tokens"] == bench_cases.QUICK.decode_requests * bench_cases.QUICK.decode_steps
     assert decode["aux_median_ms"]["ple_step_metadata"] > 0
+    session = next(x for x in rep["cases"] if x["name"] == "session-decode-bf16")
+    assert session["aux_median_ms"]["traffic"] > 0
+
+
+def test_traffic_floor_counts_the_bytes_a_step_moves():
+    """Decode: every token reads K-1 state taps and writes one state column; a fresh prompt reads no
+    taps and writes the window's columns once. The copy moves that many bytes (half read, half written)."""
+    layer = bench_cases.Fixture(bench_cases.QUICK).layer(torch.bfloat16)
+    cfg, lay = layer.config, layer.layout
+    c, h, g, k = cfg.hc_hidden_size, cfg.hidden_size, lay.num_heads, cfg.ple_conv_kernel_size
+    tab = layer.table.storage_dtype.itemsize
+    for tokens, requests, taps in ((8, 8, k - 1), (40, 1, 0)):
+        read, written = bench_cases.step_traffic(layer, tokens, requests, taps)
+        ctx = requests * (cfg.ngram_size - 1) * 8
+        assert read == tokens * (8 + g * 8 + g * lay.head_dim * tab + (c + h) * 2 + c * 2 + taps * c * 2) + ctx
+        columns = tokens if taps else min(tokens, cfg.conv_window)
+        assert written == tokens * (g * 8 + lay.embed_dim * 2 + c * 2) + columns * c * 2 + ctx
+    copy = bench_cases.traffic_copy(1000)
+    assert copy().numel() == 500
 
 
 # ---------------------------------------------------------------------------------------------- the gate

@@ -159,13 +159,19 @@ def test_concurrent_dequantize_writers_do_not_clobber(fp8_checkpoint, tmp_path, 
 # ---------------------------------------------------------------------------------------------- native library cache
 
 _ONE_KERNEL_C = "int ple_gate_conv(void) { return 0; }\n"  # ple_ngram_ids is missing
-_BOTH_KERNELS_C = _ONE_KERNEL_C + "int ple_ngram_ids(void) { return 0; }\n"
+_BOTH_KERNELS_C = _ONE_KERNEL_C + (
+    "int ple_ngram_ids(void) { return 0; }\n"
+    # the instruction-set entry points (the loader sets "auto" through ple_set_isa: 0 = done)
+    "int ple_isa_available(int isa) { return isa == 0; }\n"
+    "int ple_set_isa(int isa) { (void)isa; return 0; }\n"
+    "int ple_current_isa(void) { return 0; }\n"
+)
 
 
 @pytest.fixture
 def libraries(tmp_path) -> tuple[Path, Path]:
-    """Two shared libraries: one exporting only ple_gate_conv, one exporting both kernels' names (the
-    symbols are what the loader checks; nothing calls them here). Needs a C compiler."""
+    """Two shared libraries: one exporting only ple_gate_conv, one exporting every name the loader
+    checks (nothing calls the kernels here). Needs a C compiler."""
     import shutil
     import subprocess
 

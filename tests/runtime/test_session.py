@@ -488,3 +488,77 @@ def test_requests_that_cannot_be_held_and_odd_arguments_are_refused_by_name():
     s.step({"ab": (h, t)}, speculative={"ab"})  # the set form works, and nothing else was marked
     s.accept("ab", 1)
     s.step({"a": (h, t), "b": (h, t)})
+
+
+def test_run_and_end_without_an_open_step_are_refused():
+    layer = _layer(0)
+    s = Session(layer, 2)
+    s.add("a")
+    h = torch.randn(2, layer.config.hc_hidden_size)
+    for _ in range(2):  # before any step, then after one ended
+        with pytest.raises(SessionError, match="run\\(\\) needs the open step"):
+            s.run(None, 0, h)
+        with pytest.raises(SessionError, match="end\\(\\) needs the open step"):
+            s.end(None)
+        s.step({"a": (h, torch.tensor([4, 5]))})
+    assert s.prefix_state("a").length == 4
+
+
+def test_positions_that_are_not_a_collection_are_refused():
+    layer = _layer(0)
+    s = Session(layer, 2)
+    s.add("a")
+    for bad in (3, "37"):
+        with pytest.raises(SessionError, match=f"positions must be a collection of ints \\(e.g. \\[{bad!r}\\]\\)"):
+            s.keep_prefix_at("a", bad)
+    assert s.prefix_states("a") == {}
+
+
+def test_calls_between_run_and_end_are_refused_and_change_nothing():
+    """Between run() and end() a request's state is half updated: its prefix state and positions at or
+    inside its open chunk are refused, positions after the chunk are taken, other requests answer as
+    usual. The session then goes on exactly as one that never saw these calls."""
+    layer = _layer(0)
+    cfg = layer.config
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 9, cfg.hc_hidden_size, generator=g)
+    t = torch.randint(0, cfg.vocab_size, (3, 9), generator=g)
+    chunks = [(0, 4), (4, 7), (7, 8), (8, 9)]
+    paused, plain = Session(layer, 3), Session(layer, 3)
+    for s in (paused, plain):
+        for rid in ("a", "b"):
+            s.add(rid)
+    plain.keep_prefix_at("a", [9])
+    outs: dict = {"paused": [], "plain": []}
+    for k, (a, e) in enumerate(chunks):
+        inputs = {"a": (h[0, a:e], t[0, a:e])}
+        if k != 1:
+            inputs["b"] = (h[1, a:e], t[1, a:e])
+        outs["plain"].append(plain.step(inputs))
+        if k != 1:
+            outs["paused"].append(paused.step(inputs))
+            continue
+        step = paused.begin({rid: x[1] for rid, x in inputs.items()})
+        before_b = paused.prefix_state("b")  # not in this step: its state is whole
+        out = paused.run(step, 0, h[0, a:e])
+        with pytest.raises(SessionError, match="'a' is in the open step: call end\\(\\) before prefix_state"):
+            paused.prefix_state("a")
+        for pos in (a, a + 1, e):  # the current length, inside the chunk, its end
+            with pytest.raises(SessionError, match=f"prefix position {pos} is inside its chunk of the open step"):
+                paused.keep_prefix_at("a", [pos])
+        paused.keep_prefix_at("a", [9])  # after the chunk: kept when reached
+        paused.end(step)
+        outs["paused"].append(step.split(out))
+        after_b = paused.prefix_state("b")
+        assert torch.equal(before_b.conv_window, after_b.conv_window) and before_b.length == after_b.length
+    for x, y in zip(outs["paused"], outs["plain"]):
+        assert x.keys() == y.keys()
+        for rid in x:
+            assert torch.equal(x[rid], y[rid])
+    for rid in ("a", "b"):
+        got, want = paused.prefix_state(rid), plain.prefix_state(rid)
+        assert got.length == want.length == {"a": 9, "b": 6}[rid]
+        assert torch.equal(got.conv_window, want.conv_window) and torch.equal(got.ngram_context, want.ngram_context)
+    kept_p, kept_q = paused.prefix_states("a"), plain.prefix_states("a")
+    assert sorted(kept_p) == sorted(kept_q) == [9]
+    assert torch.equal(kept_p[9].conv_window, kept_q[9].conv_window)

@@ -1,7 +1,10 @@
 """The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), compiled on first use.
 
-The shared library is built with ``$CC`` (default ``cc``) as ``-O3 -march=native`` for this machine
-and stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
+The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
+instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
+chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512`` forces one, :func:`set_isa` too; an
+unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``. It is
+stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
 default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
 model and flags (a cache shared between machines stays correct), so later processes load it
 without compiling (a build takes about a second). ``PLE_NATIVE=0`` turns the kernels off (ple then
@@ -35,7 +38,17 @@ from pathlib import Path
 from ..errors import PLEError
 from ..files import read_regular, write_atomically
 
-__all__ = ["NativeUnavailable", "available", "cache_dir", "library"]
+__all__ = [
+    "ISAS",
+    "NativeISAError",
+    "NativeUnavailable",
+    "available",
+    "cache_dir",
+    "current_isa",
+    "isa_available",
+    "library",
+    "set_isa",
+]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
 _FLAGS = [
@@ -61,6 +74,15 @@ class NativeUnavailable(PLEError, RuntimeError):
     """The fused CPU kernels cannot be used here (disabled, no compiler, or the build failed)."""
 
 
+class NativeISAError(PLEError, ValueError):
+    """An instruction set the kernels cannot be forced to: unknown, or not run by this CPU."""
+
+
+ISAS = ("portable", "avx2", "avx512")
+"""The kernels' instruction sets (index = the C library's number): ``portable`` is the build's
+baseline, ``avx2`` AVX2 + FMA, ``avx512`` AVX-512 (F, BW, VL, DQ) with 512-bit vectors."""
+
+
 def cache_dir() -> Path:
     """Where built libraries are kept: ``$PLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/ple``, else ``~/.cache/ple``."""
     env = os.environ.get("PLE_CACHE_DIR")
@@ -71,9 +93,10 @@ def cache_dir() -> Path:
 
 
 def _flags() -> list[str]:
-    if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
-        # 512-bit vectors where the CPU has them (about 13 % faster than gcc's 256-bit default here)
-        return [*_FLAGS, "-mprefer-vector-width=512"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # the baseline instruction set: the kernels carry AVX2 and AVX-512 variants of their own,
+        # chosen at run time (ISAS)
+        return [f for f in _FLAGS if f != "-march=native"]
     return list(_FLAGS)
 
 
@@ -243,7 +266,7 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-_SYMBOLS = ("ple_gate_conv", "ple_ngram_ids")
+_SYMBOLS = ("ple_gate_conv", "ple_ngram_ids", "ple_isa_available", "ple_set_isa", "ple_current_isa")
 """The functions the library must export (what :func:`_declare` declares)."""
 
 
@@ -281,6 +304,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, ptr, i64, ptr, i32,  # sizes [G], offsets [G], eos, out [T, G], threads
     ]
     # fmt: on
+    for name in ("ple_isa_available", "ple_set_isa"):
+        getattr(lib, name).restype = i32
+        getattr(lib, name).argtypes = [i32]
+    lib.ple_current_isa.restype = i32
+    lib.ple_current_isa.argtypes = []
 
 
 def library() -> ctypes.CDLL:
@@ -295,7 +323,9 @@ def library() -> ctypes.CDLL:
             if _error is not None:
                 raise NativeUnavailable(_error)
             try:
-                _lib = _build()
+                lib = _build()
+                _apply_isa(lib, os.environ.get("PLE_NATIVE_ISA", "auto"), "PLE_NATIVE_ISA=")
+                _lib = lib
             except NativeUnavailable as e:
                 _error = str(e)
                 raise
@@ -303,6 +333,41 @@ def library() -> ctypes.CDLL:
                 _error = f"loading the fused CPU kernels failed: {e}"
                 raise NativeUnavailable(_error) from e
     return _lib
+
+
+def _apply_isa(lib: ctypes.CDLL, name: str, what: str) -> None:
+    """Force the instruction set ``name`` (``auto``: the best the CPU runs) in ``lib``."""
+    name = name.strip().lower()
+    if name == "auto":
+        lib.ple_set_isa(-1)
+        return
+    if name not in ISAS:
+        raise NativeISAError(f"{what}{name!r} is not an instruction set of the kernels: one of auto, {', '.join(ISAS)}")
+    if lib.ple_set_isa(ISAS.index(name)) != 0:
+        runs = [n for i, n in enumerate(ISAS) if lib.ple_isa_available(i)]
+        raise NativeISAError(f"{what}{name!r}: this CPU does not run {name} (it runs {', '.join(runs)})")
+
+
+def isa_available(name: str) -> bool:
+    """Whether this CPU runs the kernels' instruction set ``name`` (one of :data:`ISAS`)."""
+    if name not in ISAS:
+        raise NativeISAError(f"{name!r} is not an instruction set of the kernels: one of {', '.join(ISAS)}")
+    return bool(library().ple_isa_available(ISAS.index(name)))
+
+
+def set_isa(name: str) -> str:
+    """Run the kernels with instruction set ``name`` (one of :data:`ISAS`, or ``auto``: the best the CPU
+    runs) from now on, in this process; returns the one run before. Raises :class:`NativeISAError` for
+    an unknown name or one this CPU does not run (nothing changes)."""
+    lib = library()
+    before = current_isa()
+    _apply_isa(lib, name, "instruction set ")
+    return before
+
+
+def current_isa() -> str:
+    """The instruction set the kernels run (one of :data:`ISAS`)."""
+    return ISAS[library().ple_current_isa()]
 
 
 def available() -> bool:

@@ -43,6 +43,17 @@ ALWAYS_INLINE void st(void *p, int64_t i, float x, int bf) {
         ((float *)p)[i] = x;
 }
 
+/* Store a value already rounded to the activation dtype (rnd): bf16 is then its high half, exactly. */
+ALWAYS_INLINE void st_exact(void *p, int64_t i, float x, int bf) {
+    if (bf) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
 ALWAYS_INLINE float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
 /* exp(x) within 2 ulp on [-87, 88] (clamped outside): 2^n * p(r), r = x - n ln2, Taylor degree 7.
@@ -118,15 +129,35 @@ typedef struct {
     int64_t *unit_request, *unit_begin, *unit_end;
     int64_t *remaining; /* per request: units not yet finished */
     int64_t next_unit;
+    int64_t ahead; /* the unit a thread is likely to take next is this many after its current one */
     int failed;
 } job_t;
+
+#define MAX_PREFETCH 64 /* state columns a unit's prefetch plan names */
 
 typedef struct {
     float *ring, *vrow, *res, *acc;
     float *hist;   /* [W, C] the slot's last W history columns, read by units that start inside the window */
     uint8_t *need; /* [W] which of them */
     float *zero;   /* [C] zeros: the taps of a fresh request's history */
+    float *block;  /* the one allocation all of the above live in (zero first) */
+    size_t floats; /* its size */
+    /* prefetch plan: the state columns the next unit will gather, fetched a few lines at a time while
+     * this unit computes (they are the step's only reads that no hardware prefetcher can guess) */
+    const char *pf_col[MAX_PREFETCH];
+    int64_t pf_n, pf_i, pf_off, pf_bytes;
 } scratch_t;
+
+ALWAYS_INLINE void prefetch_some(scratch_t *S, int lines) {
+    for (; lines > 0 && S->pf_i < S->pf_n; lines--) {
+        __builtin_prefetch(S->pf_col[S->pf_i] + S->pf_off, 0, 2);
+        S->pf_off += 64;
+        if (S->pf_off >= S->pf_bytes) {
+            S->pf_off = 0;
+            S->pf_i++;
+        }
+    }
+}
 
 /* Whether request r continues the history held in its slot, and where that history ends (column). */
 ALWAYS_INLINE int resumes_of(const job_t *J, int64_t r) { return J->slots[r] >= 0 && J->has_init[r] != 0; }
@@ -143,7 +174,7 @@ ALWAYS_INLINE int64_t state_at(const job_t *J, int64_t slot, int64_t i, int64_t 
 }
 
 /* Conv input of row t for all streams into `c_row`; the residual into `res` when non-null. */
-ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, int bf) {
+ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, scratch_t *S, int bf) {
     const int64_t H = J->hidden_size, HC = J->hc;
     const void *vp = (const char *)J->value + t * J->value_stride * (bf ? 2 : 4);
     const void *kp = (const char *)J->key + t * J->key_stride * (bf ? 2 : 4);
@@ -166,18 +197,23 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
     const float ms_v = ss_v / (float)H;
     const float inv_sqrt_h = 1.0f / sqrtf((float)H);
     const int masked = J->mask != 0 && J->mask[t] == 0;
+    /* the plan's lines spread over the heads: a few per block of 256 channels */
+    const int64_t blocks = HC * ((H + 255) / 256);
+    const int per_block = (int)((S->pf_n - S->pf_i) * ((S->pf_bytes + 63) / 64) / (blocks > 0 ? blocks : 1)) + 1;
     for (int64_t h = 0; h < HC; h++) {
         const int64_t o = h * H;
         const float *wkq = J->wkq + o;
         float pk[LANES] = {0}, pq[LANES] = {0}, pd[LANES] = {0};
         int64_t i1 = 0;
-        for (; i1 + LANES <= H; i1 += LANES)
+        for (; i1 + LANES <= H; i1 += LANES) {
+            if ((i1 & 255) == 0) prefetch_some(S, per_block);
             for (int j = 0; j < LANES; j++) {
                 float k = ld(kp, o + i1 + j, bf), q = ld(qp, o + i1 + j, bf);
                 pk[j] += k * k;
                 pq[j] += q * q;
                 pd[j] += k * wkq[i1 + j] * q;
             }
+        }
         for (int64_t i = i1; i < H; i++) {
             float k = ld(kp, o + i, bf), q = ld(qp, o + i, bf);
             pk[i - i1] += k * k;
@@ -224,6 +260,48 @@ ALWAYS_INLINE void load_row(const job_t *J, int64_t t, float *c_row, float *res,
     }
 }
 
+/* The history columns unit u gathers (see run_unit): marks need[0 .. W-1]; returns how many. */
+/* Rows p < direct_rows of a resuming request in the ring layout read their history taps straight from
+ * the slot (see run_unit): with K = 4, rows before the first dilation take all K-1 history taps there. */
+ALWAYS_INLINE int64_t direct_rows(const job_t *J) { return J->ring_base && J->taps == 4 ? J->dilation : 0; }
+
+/* The history columns the rows from_row.. of unit u read: marks need[0 .. W-1]; returns how many. */
+ALWAYS_INLINE int64_t needed_columns(const job_t *J, int64_t u, uint8_t *need, int64_t from_row) {
+    const int64_t K = J->taps, W = J->window;
+    const int64_t r = J->unit_request[u], p1 = J->unit_end[u];
+    const int64_t p0 = J->unit_begin[u] > from_row ? J->unit_begin[u] : from_row;
+    int64_t count = 0;
+    for (int64_t col = 0; col < W; col++) need[col] = 0;
+    if (J->slots[r] < 0 || !resumes_of(J, r) || p0 >= W) return 0;
+    const int64_t rows = p1 < W ? p1 : W;
+    for (int64_t p = p0; p < rows; p++)
+        for (int64_t k = 0; k < K - 1; k++) {
+            const int64_t q = p - (K - 1 - k) * J->dilation;
+            if (q < 0 && !need[q + W]) {
+                need[q + W] = 1;
+                count++;
+            }
+        }
+    return count;
+}
+
+/* Plan the prefetch of the state columns unit u will gather (ring layout only: a column is one run
+ * of bytes there). */
+ALWAYS_INLINE void plan_prefetch(const job_t *J, int64_t u, scratch_t *S, int bf) {
+    S->pf_n = S->pf_i = S->pf_off = 0;
+    if (u >= J->num_units || !J->ring_base || J->window > MAX_PREFETCH) return;
+    if (!needed_columns(J, u, S->need, 0)) return;
+    const int64_t r = J->unit_request[u], slot = J->slots[r], first = history_end_of(J, r) - J->window;
+    const int64_t esz = bf ? 2 : 4, C = J->channels, L = J->state_len;
+    /* another thread may be moving this slot's base (the unit already ran there): any value is a
+     * valid column, and a prefetch of a stale one is only a wasted line */
+    const int64_t base = __atomic_load_n(&J->ring_base[slot], __ATOMIC_RELAXED);
+    S->pf_bytes = C * esz;
+    for (int64_t col = 0; col < J->window; col++)
+        if (S->need[col])
+            S->pf_col[S->pf_n++] = (const char *)J->state + (slot * L * C + ((base + first + col) % L) * C) * esz;
+}
+
 ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
     const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
@@ -237,43 +315,56 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     if (active && resumes && p0 < W) {
         /* The slot columns hist-W .. hist-1 that this unit's taps read (rows p0 .. W-1 reach before the
          * chunk), token-major into S->hist. No unit writes the slot before all of them have run. */
-        const int64_t first = hist - W, rows = p1 < W ? p1 : W;
-        for (int64_t col = 0; col < W; col++) S->need[col] = 0;
-        for (int64_t p = p0; p < rows; p++)
-            for (int64_t k = 0; k < K - 1; k++) {
-                const int64_t q = p - (K - 1 - k) * J->dilation;
-                if (q < 0) S->need[q + W] = 1;
-            }
-        for (int64_t col = 0; col < W; col++)
-            if (S->need[col]) {
-                float *dst = S->hist + col * C;
-                if (J->ring_base) {
+        const int64_t first = hist - W;
+        needed_columns(J, u, S->need, direct_rows(J));
+        if (J->ring_base) {
+            for (int64_t col = 0; col < W; col++)
+                if (S->need[col]) {
+                    float *dst = S->hist + col * C;
                     const int64_t at = state_at(J, slot, 0, first + col);
 #pragma omp simd
                     for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i, bf);
-                } else {
-                    const int64_t at = state_at(J, slot, 0, first + col);
-                    for (int64_t i = 0; i < C; i++) dst[i] = ld(J->state, at + i * L, bf);
                 }
+        } else {
+            /* [S, C, L]: a channel's columns are one run of L values; one pass over the slot reads each run
+             * once and scatters the needed columns (instead of one strided pass per column) */
+            int64_t cols[MAX_PREFETCH], nc = 0, more = 0;
+            for (int64_t col = 0; col < W; col++)
+                if (S->need[col]) {
+                    if (nc < MAX_PREFETCH)
+                        cols[nc++] = col;
+                    else
+                        more = 1;
+                }
+            const int64_t at = state_at(J, slot, 0, first);
+            if (!more) {
+                for (int64_t i = 0; i < C; i++)
+                    for (int64_t k = 0; k < nc; k++) S->hist[cols[k] * C + i] = ld(J->state, at + i * L + cols[k], bf);
+            } else { /* more columns than the list holds (long windows): a strided pass per column */
+                for (int64_t col = 0; col < W; col++)
+                    if (S->need[col])
+                        for (int64_t i = 0; i < C; i++) S->hist[col * C + i] = ld(J->state, at + i * L + col, bf);
             }
+        }
     }
+    plan_prefetch(J, u + J->ahead, S, bf);
     for (int64_t p = warm; p < p1; p++) {
         const int64_t t = start + p;
         float *c_row = S->ring + (p % ring_rows) * C;
         if (J->c_in)
             load_row(J, t, c_row, p >= p0 ? S->res : 0, bf);
         else
-            gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, bf);
+            gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, S, bf);
         if (p < p0) continue;
         if (J->c_out && (J->c_all || p >= n - L)) {
             void *co = (char *)J->c_out + t * C * (bf ? 2 : 4);
 #pragma omp simd
-            for (int64_t i = 0; i < C; i++) st(co, i, c_row[i], bf);
+            for (int64_t i = 0; i < C; i++) st_exact(co, i, c_row[i], bf);
         }
         void *op = (char *)J->out + t * C * (bf ? 2 : 4);
         if (!active) {
 #pragma omp simd
-            for (int64_t i = 0; i < C; i++) st(op, i, S->res[i], bf);
+            for (int64_t i = 0; i < C; i++) st_exact(op, i, S->res[i], bf);
             continue;
         }
         const float *src[MAX_TAPS];
@@ -287,6 +378,25 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
                 src[k] = S->zero; /* a fresh request's history is zero */
         }
         const float *res = S->res, *w = J->conv_w;
+        if (K == 4 && resumes && p < direct_rows(J)) {
+            /* the history taps straight from the slot's columns (token-major rows of the ring), converted
+             * as the gather would: the same values, no copy; the current row's tap from the ring */
+            const int64_t esz = bf ? 2 : 4, first = hist - W, d = J->dilation;
+            const void *h0 = (const char *)J->state + state_at(J, slot, 0, first + p - 3 * d + W) * esz;
+            const void *h1 = (const char *)J->state + state_at(J, slot, 0, first + p - 2 * d + W) * esz;
+            const void *h2 = (const char *)J->state + state_at(J, slot, 0, first + p - d + W) * esz;
+            const float *s3 = src[3];
+#pragma omp simd
+            for (int64_t i = 0; i < C; i++) {
+                float a = 0.0f;
+                a += ld(h0, i, bf) * w[i];
+                a += ld(h1, i, bf) * w[C + i];
+                a += ld(h2, i, bf) * w[2 * C + i];
+                a += s3[i] * w[3 * C + i];
+                st(op, i, silu(a) + res[i], bf);
+            }
+            continue;
+        }
         if (K == 4) { /* the published geometry: taps, SiLU, residual and the store in one loop */
             const float *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
 #pragma omp simd
@@ -375,34 +485,167 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf) {
     }
 }
 
-static void work_bf16(job_t *J, scratch_t *S) { work(J, S, 1); }
-static void work_f32(job_t *J, scratch_t *S) { work(J, S, 0); }
+/* ---------------------------------------------------------------------------------------------------
+ * Instruction sets. The library is built for the baseline of its architecture; the step's code is
+ * compiled once more per x86 vector extension (function target attributes: the compiler vectorizes the
+ * same source for AVX2 + FMA, and for AVX-512 with 512-bit vectors), and the variant run is chosen per
+ * call from what the CPU reports, or forced with ple_set_isa. The variants compute the same sums in the
+ * same order (16 partial sums, then a fixed tree); they differ only where the compiler fuses a multiply
+ * and an add (FMA, one rounding instead of two). bf16 is converted with integer shifts and the
+ * round-to-nearest-even add in vector registers (not with AVX-512 BF16's VCVTNEPS2BF16, which treats
+ * denormal inputs as zero and so would store other bits than PyTorch).
+ */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT = 3 };
+
+typedef void (*work_fn)(job_t *, scratch_t *, int);
+
+static void work_portable(job_t *J, scratch_t *S, int bf) {
+    if (bf)
+        work(J, S, 1);
+    else
+        work(J, S, 0);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PLE_X86 1
+__attribute__((target("avx2,fma,bmi2,f16c"))) static void work_avx2(job_t *J, scratch_t *S, int bf) {
+    if (bf)
+        work(J, S, 1);
+    else
+        work(J, S, 0);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"))) static void
+work_avx512(job_t *J, scratch_t *S, int bf) {
+    if (bf)
+        work(J, S, 1);
+    else
+        work(J, S, 0);
+}
+#endif
+
+/* Whether this CPU runs the instruction set `isa` (and the build has code for it). */
+int ple_isa_available(int isa) {
+    if (isa == ISA_PORTABLE) return 1;
+#ifdef PLE_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVX512)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    return 0;
+}
+
+static int g_isa = -1; /* the forced instruction set, or -1: the best available */
+
+/* Force the instruction set of later calls (-1: the best this CPU runs). Returns 0, or -1 when the CPU
+ * or the build lacks it (nothing changes). */
+int ple_set_isa(int isa) {
+    if (isa != -1 && (isa < 0 || isa >= ISA_COUNT || !ple_isa_available(isa))) return -1;
+    __atomic_store_n(&g_isa, isa, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* The instruction set later calls run. */
+int ple_current_isa(void) {
+    const int forced = __atomic_load_n(&g_isa, __ATOMIC_RELAXED);
+    if (forced >= 0) return forced;
+    for (int isa = ISA_COUNT - 1; isa > 0; isa--)
+        if (ple_isa_available(isa)) return isa;
+    return ISA_PORTABLE;
+}
+
+static work_fn work_of(int isa) {
+#ifdef PLE_X86
+    if (isa == ISA_AVX512) return work_avx512;
+    if (isa == ISA_AVX2) return work_avx2;
+#else
+    (void)isa;
+#endif
+    return work_portable;
+}
+
+/* Scratch blocks are kept between calls (a few, behind a lock): a step allocates nothing once the first
+ * steps of its geometry ran, and its scratch pages are already mapped. Each block starts with a run of
+ * floats known to be zero (S->zero, never written), so a reused block only zeroes what it lacks. */
+#define SCRATCH_KEPT 8
+
+typedef struct {
+    float *block;
+    size_t floats, zeroed;
+} kept_t;
+
+static pthread_mutex_t g_kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static kept_t g_kept[SCRATCH_KEPT];
+static int g_kept_n;
+
+static void kept_lock(void) { pthread_mutex_lock(&g_kept_lock); }
+static void kept_unlock(void) { pthread_mutex_unlock(&g_kept_lock); }
+static void kept_after_fork(void) {
+    /* the child's only thread: blocks a parent thread held stay with that thread (not the child's) */
+    pthread_mutex_init(&g_kept_lock, 0);
+}
+static pthread_once_t g_kept_once = PTHREAD_ONCE_INIT;
+static void kept_init(void) { pthread_atfork(kept_lock, kept_unlock, kept_after_fork); }
 
 static int alloc_scratch(const job_t *J, scratch_t *S) {
-    const int64_t C = J->channels;
-    S->ring = malloc(sizeof(float) * (size_t)((J->window + 1) * C));
-    S->vrow = malloc(sizeof(float) * (size_t)J->hidden_size);
-    S->res = malloc(sizeof(float) * (size_t)C);
-    S->acc = malloc(sizeof(float) * (size_t)C);
-    S->hist = malloc(sizeof(float) * (size_t)((J->window + 1) * C));
-    S->need = malloc((size_t)(J->window + 1));
-    S->zero = calloc((size_t)C, sizeof(float));
-    return S->ring && S->vrow && S->res && S->acc && S->hist && S->need && S->zero;
+    const size_t C = (size_t)J->channels, W1 = (size_t)J->window + 1;
+    /* zero [C], ring [W+1, C], hist [W+1, C], res [C], acc [C], vrow [H], need [W+1] bytes */
+    const size_t floats = C + 2 * W1 * C + 2 * C + (size_t)J->hidden_size + (W1 + 3) / 4;
+    memset(S, 0, sizeof *S);
+    kept_t k = {0, 0, 0};
+    pthread_once(&g_kept_once, kept_init);
+    kept_lock();
+    for (int i = 0; i < g_kept_n; i++)
+        if (g_kept[i].floats >= floats) {
+            k = g_kept[i];
+            g_kept[i] = g_kept[--g_kept_n];
+            break;
+        }
+    kept_unlock();
+    if (!k.block) {
+        k.block = malloc(sizeof(float) * floats);
+        k.floats = floats;
+        k.zeroed = 0;
+        if (!k.block) return 0;
+    }
+    if (k.zeroed < C) {
+        memset(k.block, 0, sizeof(float) * C);
+        k.zeroed = C;
+    }
+    S->block = k.block;
+    S->floats = k.floats;
+    S->zero = k.block;
+    S->ring = S->zero + C;
+    S->hist = S->ring + W1 * C;
+    S->res = S->hist + W1 * C;
+    S->acc = S->res + C;
+    S->vrow = S->acc + C;
+    S->need = (uint8_t *)(S->vrow + J->hidden_size);
+    return 1;
 }
 
 static void free_scratch(scratch_t *S) {
-    free(S->ring);
-    free(S->vrow);
-    free(S->res);
-    free(S->acc);
-    free(S->hist);
-    free(S->need);
-    free(S->zero);
+    if (!S->block) return;
+    /* the zero run is as long as the smallest channel count that used the block: C of this call */
+    kept_t k = {S->block, S->floats, (size_t)(S->ring - S->zero)};
+    kept_lock();
+    if (g_kept_n < SCRATCH_KEPT) {
+        g_kept[g_kept_n++] = k;
+        k.block = 0;
+    }
+    kept_unlock();
+    free(k.block);
+    S->block = 0;
 }
 
 typedef struct {
     job_t *job;
     int bf;
+    work_fn fn;
 } thread_arg_t;
 
 static void *thread_main(void *arg) {
@@ -413,10 +656,7 @@ static void *thread_main(void *arg) {
         free_scratch(&S);
         return 0;
     }
-    if (a->bf)
-        work_bf16(a->job, &S);
-    else
-        work_f32(a->job, &S);
+    a->fn(a->job, &S, a->bf);
     free_scratch(&S);
     return 0;
 }
@@ -512,8 +752,9 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     }
     if (threads < 1) threads = 1;
     if (threads > units) threads = (int)(units > 0 ? units : 1);
+    J.ahead = threads;
     pthread_t tid[256];
-    thread_arg_t arg = {&J, bf};
+    thread_arg_t arg = {&J, bf, work_of(ple_current_isa())};
     if (threads > 256) threads = 256;
     int started = 0;
     for (int i = 1; i < threads; i++) {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,14 @@ from ..ops.state import ring_to_engine, ring_window
 from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
 
 __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
+
+
+_TOKEN_DTYPES = frozenset((torch.int64, torch.int32))
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+# per-request fields read in bulk (map with these runs without a Python frame per request)
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
+_slot, _has_state, _rejected, _pending = (attrgetter(f) for f in ("slot", "has_state", "rejected", "pending"))
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class SessionError(PLEError, ValueError):
@@ -324,15 +333,30 @@ class Session:
 
     def keep_prefix_at(self, request_id: Hashable, positions: Iterable[int]) -> None:
         """Also keep a :class:`PrefixState` when the request's kept history reaches each of ``positions``
-        (token counts, e.g. an engine's block boundaries); the current length is taken at once."""
+        (token counts, e.g. an engine's block boundaries); the current length is taken at once.
+
+        While the request is in an open step (between :meth:`begin` and :meth:`end`) only positions
+        after its chunk are taken: the others are refused (its state is then half updated)."""
         req = self._get(request_id)
         if req.pending is not None:
             raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
+        if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+            raise SessionError(
+                f"request {request_id!r}: positions must be a collection of ints (e.g. [{positions!r}]), "
+                f"got {positions!r}"
+            )
         wanted = list(positions)
+        first = req.length
+        open_end = self._open_chunk_end(request_id, req)
         for p in wanted:
-            if not is_int(p) or p < req.length:
+            if not is_int(p) or p < first:
                 raise SessionError(
                     f"request {request_id!r}: prefix position {p!r} must be an int >= its length {req.length}"
+                )
+            if open_end is not None and p <= open_end:
+                raise SessionError(
+                    f"request {request_id!r}: prefix position {p} is inside its chunk of the open step "
+                    f"(positions {req.length}..{open_end}); name it before begin() or after end()"
                 )
         for p in wanted:
             if p == req.length:
@@ -362,11 +386,24 @@ class Session:
     def _state_now(self, req: _Request) -> PrefixState:
         return self._state(self._window_of(req), self._contexts[req.slot].clone(), req.length)
 
+    def _open_chunk_end(self, request_id: Hashable, req: _Request) -> int | None:
+        """The request's length after its chunk in the open step, or None when it is not in one."""
+        step = self._open
+        if step is None or step.ended:
+            return None
+        for rid, n in zip(step.request_ids, step.lens):
+            if rid == request_id:
+                return req.length + n
+        return None
+
     def prefix_state(self, request_id: Hashable) -> PrefixState:
-        """The request's current state (after its kept history)."""
+        """The request's current state (after its kept history). Refused for a request in the open
+        step (between :meth:`begin` and :meth:`end`, its state is half updated)."""
         req = self._get(request_id)
         if req.pending is not None:
             raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
+        if self._open_chunk_end(request_id, req) is not None:
+            raise SessionError(f"request {request_id!r} is in the open step: call end() before prefix_state()")
         return self._state_now(req)
 
     def prefix_states(self, request_id: Hashable) -> dict[int, PrefixState]:
@@ -423,31 +460,19 @@ class Session:
         with named_range("ple.session.prepare"):
             return self._begin(tokens, _request_set("speculative", speculative))
 
-    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
+    def _check_chunks(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> None:
+        """Request by request, what :meth:`_begin` checks in bulk: raises the first problem by name."""
         requests = self._requests
         for rid in spec:
             if rid not in requests:
                 raise SessionError(f"unknown request {rid!r}")
             if rid not in tokens:
                 raise SessionError(f"request {rid!r} is marked speculative but has no chunk")
-        order = list(tokens)
-        count = len(order)
-        lens: list[int] = []
-        slots: list[int] = []
-        kinds: list[str] = []
-        has_init: list[bool] = []
-        rejected: list[int] = []
-        toks: list[torch.Tensor] = []
-        prefix_rows: dict[Hashable, int] = {}
-        any_rejected = False
-        decode_only = True
         max_spec = 1 + self.num_spec
-        wants_prefix = bool(self.prefix_every)
-        for i, rid in enumerate(order):
+        for rid, t in tokens.items():
             req = requests.get(rid)
             if req is None:
                 raise SessionError(f"unknown request {rid!r}")
-            t = tokens[rid]
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] < 1:
                 raise SessionError(
                     f"request {rid!r}: tokens must be a non-empty 1-D tensor, got {tuple(getattr(t, 'shape', ()))}"
@@ -458,23 +483,62 @@ class Session:
                 raise SessionError(f"request {rid!r}: tokens are on {t.device}; give them on the CPU or {self._device}")
             if req.pending is not None:
                 raise SessionError(f"request {rid!r}: call accept() for its speculative chunk before the next step")
-            n = t.shape[0]
-            is_spec = rid in spec
-            if is_spec and n > max_spec:
+            if rid in spec and t.shape[0] > max_spec:
                 raise SessionError(
-                    f"request {rid!r}: a speculative chunk holds at most 1 + num_spec = {max_spec} tokens, got {n}"
+                    f"request {rid!r}: a speculative chunk holds at most 1 + num_spec = {max_spec} tokens, "
+                    f"got {t.shape[0]}"
                 )
-            lens.append(n)
-            slots.append(req.slot)
-            kinds.append(VERIFY if is_spec else (DECODE if n == 1 and req.has_state else PREFILL))
-            has_init.append(req.has_state)
-            rejected.append(req.rejected)
-            any_rejected = any_rejected or req.rejected > 0
-            decode_only = decode_only and n == 1
-            toks.append(t)
-            if (wants_prefix or req.wanted) and self._positions_in(req, req.length, n):
-                prefix_rows[rid] = i
-        packed = torch.cat(toks).to(torch.int64) if toks else torch.zeros(0, dtype=torch.int64)
+
+    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
+        # Everything per request in bulk (comprehensions, no branch per request); when anything is off,
+        # _check_chunks goes request by request and names the problem.
+        requests = self._requests
+        order = list(tokens)
+        toks = list(tokens.values())
+        count = len(order)
+        packed = None
+        try:
+            reqs = list(map(requests.__getitem__, order))
+            shapes = list(map(_shape, toks))
+            lens = [n for (n,) in shapes]  # ValueError unless every chunk is 1-D
+            ok = (
+                (not count or min(lens) >= 1)
+                and set(map(_dtype, toks)) <= _TOKEN_DTYPES
+                and set(map(_pending, reqs)) <= {None}
+                and spec.issubset(tokens)
+            )
+            if ok and spec:
+                max_spec = 1 + self.num_spec
+                ok = all(lens[i] <= max_spec for i, rid in enumerate(order) if rid in spec)
+            if ok and count:
+                packed = torch.cat(toks)  # tokens on mixed devices raise here
+                ok = packed.device.type in ("cpu", self._device.type)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
+            ok = False
+        if not ok:
+            self._check_chunks(tokens, spec)
+            reqs = [requests[rid] for rid in order]
+            lens = [int(t.shape[0]) for t in toks]
+            packed = torch.cat(toks) if count else None
+        slots = list(map(_slot, reqs))
+        has_init = list(map(_has_state, reqs))
+        rejected = list(map(_rejected, reqs))
+        any_rejected = any(rejected)
+        total = sum(lens)
+        decode_only = total == count
+        if decode_only and not spec and all(has_init):
+            kinds = (DECODE,) * count
+        else:
+            kinds = tuple(
+                VERIFY if rid in spec else (DECODE if n == 1 and h else PREFILL)
+                for rid, n, h in zip(order, lens, has_init)
+            )
+        prefix_rows: dict[Hashable, int] = {}
+        if self.prefix_every or any([r.wanted for r in reqs]):
+            for i, req in enumerate(reqs):
+                if self._positions_in(req, req.length, lens[i]):
+                    prefix_rows[order[i]] = i
+        packed = packed.to(torch.int64) if packed is not None else torch.zeros(0, dtype=torch.int64)
         if packed.numel():
             a = packed.cpu().numpy()
             lo, hi = int(a.min()), int(a.max())
@@ -486,7 +550,6 @@ class Session:
                     f"[0, vocab_size={self._vocab})"
                 )
         slot_t = torch.tensor(slots, dtype=torch.int64)
-        total = sum(lens)
         if decode_only:
             qsl = torch.arange(count + 1, dtype=torch.int64)
         else:
@@ -524,7 +587,7 @@ class Session:
     def run(self, step: SessionStep, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Run layer ``layer`` (index into :attr:`layers`) of an open step: ``hidden [T, HC*H]`` packed
         in the step's request order; returns the new hidden ``[T, HC*H]``. Each layer runs once."""
-        if step is not self._open or step.ended:
+        if not isinstance(step, SessionStep) or step is not self._open or step.ended:
             raise SessionError("run() needs the open step of this session (from begin(), before end())")
         if not is_int(layer) or not 0 <= layer < len(self.layers):
             raise SessionError(f"layer {layer!r} outside [0, {len(self.layers)})")
@@ -554,8 +617,8 @@ class Session:
 
     def end(self, step: SessionStep) -> None:
         """Finish an open step after every layer ran: contexts, lengths and prefix states advance."""
-        if step is not self._open or step.ended:
-            raise SessionError("end() needs the open step of this session")
+        if not isinstance(step, SessionStep) or step is not self._open or step.ended:
+            raise SessionError("end() needs the open step of this session (from begin())")
         if not all(step.done):
             missing = [k for k, d in enumerate(step.done) if not d]
             raise SessionError(f"layers {missing} have not run in this step")
@@ -583,6 +646,13 @@ class Session:
         if step.prefix_rows:
             conv = [c.cpu() for c in step.conv_inputs if c is not None]
         requests = self._requests
+        if not step.speculative and not step.prefix_rows:  # the common step: lengths advance, nothing else
+            for rid, n in zip(step.request_ids, step.lens):
+                req = requests[rid]
+                req.has_state = True
+                req.rejected = 0
+                req.length += n
+            return
         for i, rid in enumerate(step.request_ids):
             req = requests[rid]
             n = step.lens[i]
@@ -624,9 +694,48 @@ class Session:
         """
         if len(self.layers) != 1:
             raise SessionError(f"this session serves {len(self.layers)} layers: use begin(), run() per layer, end()")
-        hs = []
         width = self._channels
-        tokens = {}
+        # in bulk (see _begin); request by request only to name a problem
+        try:
+            pairs = list(inputs.values())
+            ok = set(map(type, pairs)) <= {tuple} and set(map(len, pairs)) <= {2}
+            if ok:
+                hs = list(map(_first, pairs))
+                ts = list(map(_second, pairs))
+                hshapes = list(map(_shape, hs))
+                tshapes = list(map(_shape, ts))
+                ok = (
+                    set(map(len, tshapes)) <= {1}
+                    and set(map(len, hshapes)) <= {2}
+                    and list(map(_first, hshapes)) == list(map(_first, tshapes))
+                    and set(map(_second, hshapes)) <= {width}
+                    and set(map(type, hs)) <= _TENSOR_TYPES
+                    and set(map(type, ts)) <= _TENSOR_TYPES
+                )
+        except (AttributeError, TypeError, IndexError):
+            ok = False
+        if not ok:
+            hs, ts = self._check_pairs(inputs)
+        tokens = dict(zip(inputs.keys(), ts))
+        step = self.begin(tokens, speculative)
+        try:
+            if not step.request_ids:
+                self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
+                self.end(step)
+                return {}
+            out = self.run(step, 0, torch.cat(hs) if len(hs) > 1 else hs[0])
+        except BaseException:
+            if not step.done[0]:
+                self._open = None  # nothing changed: the step is dropped
+            raise
+        self.end(step)
+        return step.split(out)
+
+    def _check_pairs(self, inputs: Mapping[Any, tuple[torch.Tensor, torch.Tensor]]):
+        """Request by request, what :meth:`step` checks in bulk: raises the first problem by name;
+        returns ``(hidden list, tokens list)``."""
+        width = self._channels
+        hs, ts = [], []
         for rid, pair in inputs.items():
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise SessionError(f"request {rid!r}: expected (hidden, tokens), got {type(pair).__name__}")
@@ -641,20 +750,8 @@ class Session:
                     f"request {rid!r}: hidden must be [{n}, {width}], got {tuple(getattr(hidden, 'shape', ()))}"
                 )
             hs.append(hidden)
-            tokens[rid] = t
-        step = self.begin(tokens, speculative)
-        try:
-            if not step.request_ids:
-                self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
-                self.end(step)
-                return {}
-            out = self.run(step, 0, torch.cat(hs) if len(hs) > 1 else hs[0])
-        except BaseException:
-            if not step.done[0]:
-                self._open = None  # nothing changed: the step is dropped
-            raise
-        self.end(step)
-        return step.split(out)
+            ts.append(t)
+        return hs, ts
 
     def accept(self, request_id: Hashable, kept: int) -> None:
         """Keep the first ``kept`` tokens (``1 <= kept <= n``) of the request's speculative chunk.

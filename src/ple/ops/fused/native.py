@@ -4,7 +4,8 @@ Gate, mask, conv taps (from the request's earlier rows or, before its chunk, str
 slot), SiLU, residual and the state write-back run row by row with fp32 arithmetic, so each input
 is read from memory once and the output written once (the PyTorch path makes about six passes).
 Rounding points are those of the PyTorch fast path. Work is split into token ranges of requests
-run by ``torch.get_num_threads()`` threads; results do not depend on the split.
+run by up to ``torch.get_num_threads()`` threads (one per 2^18 row elements: small steps run on one);
+results do not depend on the split.
 
 The two stages run the same kernel: :func:`gate_stage` is the gate over rows without state (its
 output is the rounded residual), :func:`conv_stage` reads given conv inputs and residual rows
@@ -50,6 +51,16 @@ def unsupported_reason(value: torch.Tensor, conv_state: torch.Tensor, taps: int,
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+_MIN_THREAD_ELEMENTS = 1 << 18
+"""Row elements (tokens x channels) a thread must have before another one is started: below, starting
+the thread costs more than it saves (a decode step of 8 requests at the published geometry runs on one
+thread, one of 64 on two)."""
+
+
+def _default_threads(tokens: int, channels: int) -> int:
+    return max(1, min(torch.get_num_threads(), tokens * channels // _MIN_THREAD_ELEMENTS))
 
 
 def _unit_tokens(tokens: int, nthreads: int) -> int:
@@ -110,7 +121,7 @@ def run(
     else:
         hidden_size, hc, eps, wkq, wc = c_in.shape[1], 1, 0.0, None, None
         strides = (0, 0, 0)
-    nthreads = torch.get_num_threads() if threads is None else int(threads)
+    nthreads = _default_threads(tokens, out.shape[1]) if threads is None else int(threads)
     rc = lib.ple_gate_conv(
         _DTYPES[ref.dtype],
         tokens,
