@@ -5,7 +5,7 @@ per thread, at the page cache's mercy (a neighbour's memory pressure evicts the 
 slows down by the cold read time). This tier instead, for each lookup:
 
 1. deduplicates and sorts the step's row ids (``np.unique``);
-2. serves the rows its own cache holds (a bounded LRU of rows in memory, ``cache_bytes``; rows
+2. serves the rows its own cache holds (a bounded LRU of rows in memory within ``memory_budget``; rows
    given to :meth:`DirectTable.pin` stay there for good);
 3. reads the others with ``pread`` from a pool of ``queue_depth`` worker threads (32 by default),
    each looping over its share of the sorted reads, so up to ``queue_depth`` reads are in flight.
@@ -24,7 +24,7 @@ together with the row reads, in the same batch, and one 4 KiB block of scales se
 neighbouring rows. A global scale is read once at open.
 
 Resident memory: the cache (its slots plus a bookkeeping allowance of :data:`SLOT_OVERHEAD` bytes
-per slot, all within ``cache_bytes``), one 64 KiB aligned buffer per worker, and a lookup's own rows
+per slot, all within ``memory_budget``), one 128 KiB aligned buffer per worker (more for rows over 64 KiB), and a lookup's own rows
 while it runs. Nothing is mapped and the page cache is neither used nor filled.
 
 Like a memory map, the file must not be changed in place: every lookup compares its size and
@@ -57,12 +57,23 @@ SLOT_OVERHEAD = 96
 """Bytes counted per cache slot on top of the row and its scale: the slot's entry in the row index
 (a dict entry and an int object) and its recency stamp."""
 
-_BUFFER = 1 << 16  # bytes of each worker's aligned buffer: the longest single read
-_MAX_SPAN = _BUFFER  # neighbouring blocks are read together up to this length
+_BUFFER = 1 << 17  # bytes of each worker's aligned buffer: reads land there, then are copied out together
 
 
 def _aligned_buffer(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n)  # anonymous maps are page aligned
+
+
+class _Job:
+    """Pieces of ``width`` bytes at sorted file offsets, to copy into ``dest [n, width]`` (uint8):
+    the aligned spans that cover them (``spans [k, 2]``: offset, length; neighbours in one block
+    share a span), each piece's span and offset in it, and each span's first piece."""
+
+    def __init__(self, offsets: np.ndarray, width: int, dest: np.ndarray) -> None:
+        self.width, self.dest = width, dest
+        self.spans, self.span_of, self.at = _spans(offsets, width, BLOCK)
+        self.first = np.searchsorted(self.span_of, np.arange(self.spans.shape[0] + 1))
+        self.slot = int(self.spans[:, 1].max()) if self.spans.size else BLOCK
 
 
 class _Reader:
@@ -76,49 +87,50 @@ class _Reader:
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ple-direct")
         self.reads = 0
+        # start every worker now (the pool starts threads lazily, which would cost the first lookup)
+        gate = threading.Barrier(depth + 1)
+        started = [self._pool.submit(gate.wait) for _ in range(depth)]
+        gate.wait()
+        for f in started:
+            f.result()
 
-    def _buffer(self) -> mmap.mmap:
+    def _buffer(self, need: int) -> mmap.mmap:
         buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = _aligned_buffer(_BUFFER)
+        if buf is None or len(buf) < need:
+            buf = self._local.buf = _aligned_buffer(max(need, _BUFFER))
         return buf
 
-    def _work(self, spans: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]) -> None:
-        """Read the spans ``[k, 2]`` (offset, length) and copy each span's pieces: for target ``j``,
-        ``(span index, offset in span, destination row)`` arrays and the piece length."""
-        buf = self._buffer()
+    def _work(self, job: _Job, lo: int, hi: int) -> None:
+        """Read spans ``[lo, hi)`` of ``job``, a buffer's worth at a time, and copy their pieces out."""
+        slot = job.slot
+        per = max(1, _BUFFER // slot)
+        buf = self._buffer(per * slot)
         view = memoryview(buf)
-        fd = self.fd
-        for k in range(spans.shape[0]):
-            off, n = int(spans[k, 0]), int(spans[k, 1])
-            got = os.preadv(fd, [view[:n]], off)
-            if got < min(n, self.size - off):  # an aligned read may run past the end of the file
-                raise TableFileError(f"short read: {got} of {n} bytes at byte {off} (was the file truncated?)")
-            if self.drop_cache:
-                os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
-            chunk = np.frombuffer(buf, dtype=np.uint8, count=n)
-            for span_of, at, dest, width in parts:
-                lo, hi = np.searchsorted(span_of, [k, k + 1])
-                for j in range(lo, hi):
-                    a = int(at[j])
-                    dest[j] = chunk[a : a + width]
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        spans = job.spans[lo:hi].tolist()
+        fd, size, drop = self.fd, self.size, self.drop_cache
+        cols = np.arange(job.width)
+        for k in range(0, len(spans), per):
+            group = spans[k : k + per]
+            for j, (off, n) in enumerate(group):
+                got = os.preadv(fd, [view[j * slot : j * slot + n]], off)
+                if got < min(n, size - off):  # an aligned read may run past the end of the file
+                    raise TableFileError(f"short read: {got} of {n} bytes at byte {off} (was the file truncated?)")
+                if drop:
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+            a, b = job.first[lo + k], job.first[lo + k + len(group)]
+            src = (job.span_of[a:b] - (lo + k)) * slot + job.at[a:b]
+            job.dest[a:b] = arr[src[:, None] + cols]
 
-    def read(self, jobs: list[tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]]]) -> None:
-        """Run every job's spans, spread over the workers (each worker a contiguous share of spans)."""
+    def read(self, jobs: list[_Job]) -> None:
+        """Run every job's spans, spread over the workers (each a contiguous share of spans)."""
         futures = []
-        for spans, parts in jobs:
-            n = spans.shape[0]
-            if not n:
-                continue
+        for job in jobs:
+            n = job.spans.shape[0]
             self.reads += n
             share = max(1, -(-n // self.depth))
             for w in range(0, n, share):
-                sel = slice(w, min(n, w + share))
-                sub_parts = []
-                for span_of, at, dest, width in parts:
-                    lo, hi = np.searchsorted(span_of, [sel.start, sel.stop])
-                    sub_parts.append((span_of[lo:hi] - sel.start, at[lo:hi], dest[lo:hi], width))
-                futures.append(self._pool.submit(self._work, spans[sel], sub_parts))
+                futures.append(self._pool.submit(self._work, job, w, min(n, w + share)))
         for f in futures:
             f.result()
 
@@ -127,23 +139,17 @@ class _Reader:
 
 
 def _spans(offsets: np.ndarray, width: int, align: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Aligned read spans covering ``width`` bytes at each of the sorted ``offsets``; neighbouring
-    pieces share a span up to ``_MAX_SPAN`` bytes. Returns ``spans [k, 2]`` (offset, length), and
+    """Aligned read spans covering ``width`` bytes at each of the sorted ``offsets``: pieces that
+    start in the same aligned block share one span. Returns ``spans [k, 2]`` (offset, length), and
     per piece its span index and its offset within that span."""
     start = offsets - offsets % align
     end = offsets + width
     end = end + (-end) % align
-    span_of = np.empty(offsets.size, dtype=np.int64)
-    spans: list[list[int]] = []
-    for j in range(offsets.size):
-        s, e = int(start[j]), int(end[j])
-        if spans and s <= spans[-1][0] + spans[-1][1] and e - spans[-1][0] <= _MAX_SPAN:
-            spans[-1][1] = max(spans[-1][1], e - spans[-1][0])
-        else:
-            spans.append([s, e - s])
-        span_of[j] = len(spans) - 1
-    arr = np.array(spans, dtype=np.int64).reshape(-1, 2)
-    return arr, span_of, offsets - arr[span_of, 0]
+    if not offsets.size:
+        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts, first, span_of = np.unique(start, return_index=True, return_inverse=True)
+    ends = np.maximum.reduceat(end, first)
+    return np.stack([starts, ends - starts], axis=1), span_of.reshape(-1), offsets - starts[span_of.reshape(-1)]
 
 
 class DirectTable(Table):
@@ -153,8 +159,9 @@ class DirectTable(Table):
     Args:
         path: a complete table file (validated like :meth:`MmapTable.open`, per-row scales checked).
         expected_layout_hash: refuse a file built for another layout (hash or fields dict).
-        cache_bytes: memory for the row cache (0: no cache); slots are ``row_nbytes + 4 +
-            SLOT_OVERHEAD`` bytes each.
+        memory_budget: bytes of rows this table may keep in memory, its row cache (0: none); slots
+            are ``row_nbytes + 4 + SLOT_OVERHEAD`` bytes each. The read buffers (``queue_depth`` x
+            128 KiB) come on top.
         queue_depth: worker threads, i.e. reads in flight (>= 1; 32 by default).
         direct: ``None`` (O_DIRECT where possible), ``True`` (O_DIRECT or an error), ``False``
             (plain reads dropped from the page cache after each).
@@ -165,11 +172,11 @@ class DirectTable(Table):
         path: str | os.PathLike,
         expected_layout_hash: str | dict | None = None,
         *,
-        cache_bytes: int = 0,
+        memory_budget: int = 0,
         queue_depth: int = 32,
         direct: bool | None = None,
     ) -> None:
-        for name, v, lo in (("cache_bytes", cache_bytes, 0), ("queue_depth", queue_depth, 1)):
+        for name, v, lo in (("memory_budget", memory_budget, 0), ("queue_depth", queue_depth, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
         path = Path(path)
@@ -196,9 +203,9 @@ class DirectTable(Table):
         self._rfd, self.direct = self._open_reader(path, fd, direct)
         self._reader = _Reader(self._rfd, queue_depth, self.direct == "dontneed", st.st_size)
         self.queue_depth = queue_depth
-        self.cache_bytes = cache_bytes
+        self.memory_budget = memory_budget
         self._slot_bytes = self._row_nbytes + (4 if kind == "row" else 0) + SLOT_OVERHEAD
-        slots = min(cache_bytes // self._slot_bytes, self.rows)
+        slots = min(memory_budget // self._slot_bytes, self.rows)
         self._cache_rows = np.zeros((slots, self._row_nbytes), dtype=np.uint8)
         self._cache_scales = np.zeros(slots if kind == "row" else 0, dtype=np.float32)
         self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, the max pinned
@@ -273,14 +280,11 @@ class DirectTable(Table):
         if miss.size:
             mrows = rows[miss]
             mout = np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
-            align = BLOCK  # whole pages: what O_DIRECT needs, and what DONTNEED drops
-            spans, span_of, at = _spans(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, align)
-            jobs = [(spans, [(span_of, at, mout, self._row_nbytes)])]
+            jobs = [_Job(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, mout)]
             mscale = None
             if per_row:
                 mscale_bytes = np.empty((miss.size, 4), dtype=np.uint8)
-                sspans, sspan_of, sat = _spans(self._scale_offset + 4 * mrows, 4, align)
-                jobs.append((sspans, [(sspan_of, sat, mscale_bytes, 4)]))
+                jobs.append(_Job(self._scale_offset + 4 * mrows, 4, mscale_bytes))
             self._reader.read(jobs)
             out[miss] = mout
             if per_row:
@@ -394,6 +398,10 @@ class DirectTable(Table):
         else:
             res = gather_dequant(data, scale, local, out.dtype, check=False)
             out.copy_(res.to(dev))
+
+    @property
+    def layout_hash(self) -> str:
+        return self.header["layout_hash"]
 
     @property
     def reads(self) -> int:
