@@ -123,14 +123,23 @@ class _Reader:
             job.dest[a:b] = arr[src[:, None] + cols]
 
     def read(self, jobs: list[_Job]) -> None:
-        """Run every job's spans, spread over the workers (each a contiguous share of spans)."""
-        futures = []
+        """Run every job's spans on the workers: each takes the next group of spans as it finishes
+        its last (a shared queue, so no worker waits on a slow share while others idle)."""
+        groups = []
         for job in jobs:
             n = job.spans.shape[0]
             self.reads += n
-            share = max(1, -(-n // self.depth))
-            for w in range(0, n, share):
-                futures.append(self._pool.submit(self._work, job, w, min(n, w + share)))
+            size = max(1, min(_BUFFER // job.slot, n // (4 * self.depth)))
+            groups += [(job, lo, min(n, lo + size)) for lo in range(0, n, size)]
+        if not groups:
+            return
+        queue = iter(groups)  # next() on a list iterator is atomic: each group goes to one worker
+
+        def drain() -> None:
+            for job, lo, hi in queue:
+                self._work(job, lo, hi)
+
+        futures = [self._pool.submit(drain) for _ in range(min(self.depth, len(groups)))]
         for f in futures:
             f.result()
 
