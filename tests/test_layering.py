@@ -26,6 +26,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.files", 1, "files"),
     ("ple.collective", 1, "collective"),
     ("ple.config", 2, "config"),
+    ("ple.realtext", 2, "realtext"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),
     ("ple.ops", 3, "ops"),

@@ -125,9 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.verify)
 
-    p = add("stats", "row traffic of a token stream: distinct rows, reuse, bucket load")
+    p = add("stats", "row traffic of a token stream: distinct rows, reuse per step/request, cache hit rates")
     p.add_argument("path", help="config.json or model directory")
-    p.add_argument("--tokens", required=True, help="token file: .npy, or text with integers")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="token file: .npy, or text with integers (streamed)")
+    src.add_argument("--text", help="a UTF-8 text file, tokenized with the Qwen BPE vocabulary (streamed)")
+    src.add_argument(
+        "--real-text", type=argtypes.positive_int, metavar="N", help="the first N tokens of the built-in real text"
+    )
+    p.add_argument("--batch", type=argtypes.positive_int, default=64, help="requests decoded side by side (64)")
+    p.add_argument("--request-tokens", type=argtypes.positive_int, default=256, help="tokens per request (256)")
+    p.add_argument(
+        "--cache-rows",
+        type=argtypes.positive_int,
+        nargs="+",
+        default=[1 << 16, 1 << 20],
+        help="sizes of the LRU row caches to simulate (65536 1048576)",
+    )
     p.add_argument("--layer", type=argtypes.integer, default=0, help="PLE layer index (default 0)")
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.stats)

@@ -306,13 +306,21 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
 
 
 def stats(args: argparse.Namespace) -> int:
-    """Row traffic of a token stream: distinct rows, reuse, bucket load."""
-    from .stats import read_token_file, row_traffic
+    """Row traffic of a token stream: distinct rows, reuse, bucket load, decode reuse, cache hit rates."""
+    from .realtext import token_stream, tokenize_file
+    from .stats import iter_token_file, row_traffic
 
     cfg, _ = resolve_model(args.path)
     _check_layer_index(cfg, args.layer)
-    tokens = read_token_file(args.tokens, cfg.vocab_size)
-    res = row_traffic(tokens, cfg, args.layer)
+    if args.tokens is not None:
+        chunks: Any = iter_token_file(args.tokens, cfg.vocab_size)
+    elif args.text is not None:
+        chunks = tokenize_file(args.text, cfg.eos_token_id, cfg.vocab_size)
+    else:
+        chunks = [token_stream(args.real_text, cfg.eos_token_id)]
+    res = row_traffic(
+        chunks, cfg, args.layer, batch=args.batch, request_tokens=args.request_tokens, cache_rows=args.cache_rows
+    )
     if args.json:
         _emit_json(res)
         return 0
@@ -326,4 +334,18 @@ def stats(args: argparse.Namespace) -> int:
             f"{h['head']:4d} {h['order']:5d} {h['distinct_rows']:14d} {h['top1_share']:6.1%} {h['top10_share']:7.1%} "
             f"{h['distinct_ngrams']:17d} {h['shared_rows']:12d} {h['max_bucket_load']:9d}"
         )
+    d = res["decode"]
+    print(
+        f"decode: {d['requests']} requests of {d['request_tokens']} tokens, {d['batch']} at a time, {d['steps']} steps, "
+        f"{d['distinct_rows_per_step']:.1f} distinct rows per step"
+    )
+    print("order  rows/step  within step  within request  across requests     new")
+    for o in d["orders"]:
+        print(
+            f"{o['order']:5d} {o['distinct_rows_per_step']:10.1f} {o['within_step']:12.1%} {o['within_request']:15.1%} "
+            f"{o['across_requests']:16.1%} {o['new']:7.1%}"
+        )
+    for c in d["cache"]:
+        per = "  ".join(f"order {k + 2}: {v:.1%}" for k, v in enumerate(c["per_order"]))
+        print(f"LRU cache of {c['rows']} rows: hit rate {c['hit_rate']:.1%} ({per})")
     return 0

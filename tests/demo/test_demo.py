@@ -77,10 +77,13 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
         assert "over 100 %: transformers' peak holds the tables twice" in text
 
 
-@pytest.mark.parametrize("tier", ["mmap", "cached", "memory"])
+@pytest.mark.parametrize("tier", ["mmap", "cached", "memory", "direct", "synthetic"])
 def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
     out = tmp_path / "demo.json"
+    synthetic = tier == "synthetic"
+    tier = "mmap" if synthetic else tier
     argv = ["demo", "--config", str(small_config), "--tier", tier, "--requests", "6", "--slots", "3"]
+    argv += ["--synthetic-tokens"] if synthetic else []
     rc = main([*argv, "--no-progress", "--output", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -91,6 +94,9 @@ def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
     assert res["tier"] == tier and res["checked_tokens"] > 0
     assert res["phases"]["prefill"]["tokens"] > 0 and res["phases"]["verify"]["tokens"] > 0
     assert (res["table_file"] is None) == (tier == "memory")
+    assert res["tokens"] == ("synthetic" if synthetic else "real text")
+    if tier == "direct":
+        assert 0 < res["cache_hit_rate"] < 1  # real text rereads rows; the 64 MB cache holds them
 
 
 def test_serving_an_existing_checkpoint_reuses_its_table_file(small_config, tmp_path, capsys, monkeypatch):

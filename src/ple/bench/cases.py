@@ -19,6 +19,11 @@ plus 1e-3. ``ids`` are compared exactly.
 Geometry: the published one (H 2560, HC 4, E 2560, N 3, 8 heads per order, K 4, vocab 248320,
 eos 248044) with a reduced table (``ngram_vocab_size_base`` 300,000: 16 heads of ~300k rows, 4.8 M
 rows x 160; 3.1 GB in fp32, 1.5 GB in bf16), or the tiny :data:`QUICK` one for smoke runs.
+
+Tokens: real text by default (:mod:`ple.realtext`: Qwen's BPE over Python's documentation; each
+case's streams are consecutive pieces of it, the piece chosen by the case's salt), or uniform
+random tokens with a fraction ``eos_rate`` of EOS (``token_source="synthetic"``, ``ple bench
+--synthetic-tokens``).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class Geometry:
     history: int = 16  # tokens of history each request has before decode / mixed steps
     mixed_decode: int = 56
     mixed_prefill: tuple[int, int] = (8, 256)  # continuation chunks: requests x tokens
+    token_source: str = "real"  # "real" (ple.realtext) or "synthetic" (uniform random tokens)
 
     @property
     def config(self) -> PLEConfig:
@@ -109,13 +115,14 @@ class Geometry:
 
     def describe(self) -> str:
         """One line naming the geometry (which one ran is part of every report)."""
-        name = "published" if self == PUBLISHED else "quick" if self == QUICK else "custom"
+        base = dataclasses.replace(self, token_source="real")
+        name = "published" if base == PUBLISHED else "quick" if base == QUICK else "custom"
         cfg = self.config
         lay = cfg.layout(0)
         return (
             f"geometry: {name} (H {self.hidden_size}, HC {self.hc_count}, E {self.embed_dim}, N {self.ngram_size}, "
             f"{lay.num_heads} heads of {lay.head_dim}, K {self.conv_kernel_size}; table base {self.table_base:,} = "
-            f"{lay.padded_rows:,} rows)"
+            f"{lay.padded_rows:,} rows); {self.token_source} tokens"
         )
 
 
@@ -315,9 +322,19 @@ class Fixture:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
 
     def tokens(self, shape: tuple[int, ...], salt: int) -> torch.Tensor:
-        """int64 tokens in ``[0, vocab)`` with a fraction ``eos_rate`` of EOS, on the device."""
-        g = self._gen(salt)
+        """int64 tokens ``shape`` on the device: consecutive real text from a place set by ``salt``
+        (``token_source="real"``), or uniform in ``[0, vocab)`` with a fraction ``eos_rate`` of EOS."""
         geo = self.geometry
+        if geo.token_source == "real":
+            from ..realtext import token_stream
+
+            n = math.prod(shape)
+            skip = (salt * 7919) % 150_000
+            flat = torch.from_numpy(token_stream(skip + n, geo.eos_token_id)[skip:])
+            return flat.reshape(shape).to(self.device)
+        if geo.token_source != "synthetic":
+            raise InvalidArgumentError(f"token_source must be 'real' or 'synthetic', got {geo.token_source!r}")
+        g = self._gen(salt)
         t = torch.randint(0, geo.vocab_size, shape, generator=g)
         eos = torch.rand(shape, generator=g) < geo.eos_rate
         return torch.where(eos, geo.eos_token_id, t).to(self.device)

@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="tiny geometry and few repeats: a smoke run")
     parser.add_argument("--table-base", type=int, default=None, help="ngram_vocab_size_base of the reduced table")
+    parser.add_argument(
+        "--synthetic-tokens", action="store_true", help="uniform random tokens instead of real text (ple.realtext)"
+    )
     parser.add_argument("--device", type=argtypes.device, default="cpu", help="torch device (default cpu)")
     parser.add_argument(
         "--threads", type=argtypes.positive_int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -475,6 +478,8 @@ def _geometry(args) -> Geometry:
         if args.table_base < 2:
             raise CommandLineError(f"--table-base must be >= 2, got {args.table_base}")
         geo = dataclasses.replace(geo, table_base=args.table_base)
+    if getattr(args, "synthetic_tokens", False):
+        geo = dataclasses.replace(geo, token_source="synthetic")
     return geo
 
 

@@ -42,8 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smaller tables and workload (about a third of the time)")
     p.add_argument("--only", choices=["model", "serving"], help="run one part only")
     p.add_argument(
-        "--tier", choices=["mmap", "cached", "memory"], default="mmap", help="where ple serves the tables from"
+        "--tier",
+        choices=["mmap", "cached", "memory", "direct"],
+        default="mmap",
+        help="where ple serves the tables from",
     )
+    p.add_argument(
+        "--memory-budget",
+        type=non_negative_int,
+        default=None,
+        metavar="MB",
+        help="--tier direct: MB of hot rows kept in memory (the rest read from disk; default 64)",
+    )
+    p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")
     p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")

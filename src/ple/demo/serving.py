@@ -24,7 +24,7 @@ import torch
 
 from ..config import PLEConfig
 from ..errors import CommandLineError, InvalidArgumentError
-from ..table import CachedTable, Table, format_info
+from ..table import CachedTable, DirectTable, Table, format_info
 
 __all__ = ["DEMO_CONFIG", "SERVING_BASES", "synthesize_checkpoint", "serve", "run_serving", "print_serving"]
 
@@ -138,8 +138,13 @@ def serve(layer, args, progress: bool = True) -> dict:
     checked = 0
     bar = tqdm(total=args.requests, desc="ple demo", unit="req", disable=not progress)
 
-    def token() -> int:
-        return cfg.eos_token_id if rng.random() < 0.03 else rng.randrange(cfg.vocab_size)
+    real = None if getattr(args, "synthetic_tokens", False) else _real_text(cfg)
+
+    def tokens_of(r: _Request, n: int) -> list[int]:
+        if real is not None:  # the request's own stretch of real text
+            start = (r.rid * 4099 + len(r.tokens)) % (real.size - n)
+            return real[start : start + n].tolist()
+        return [cfg.eos_token_id if rng.random() < 0.03 else rng.randrange(cfg.vocab_size) for _ in range(n)]
 
     while waiting or live:
         while waiting and len(live) < args.slots:
@@ -160,7 +165,7 @@ def serve(layer, args, progress: bool = True) -> dict:
                 n, kind = min(1 + args.num_spec, r.target - done), "verify"
             else:
                 n, kind = 1, "decode"
-            toks = [token() for _ in range(n)]
+            toks = tokens_of(r, n)
             hid = torch.randn(n, cfg.hc_hidden_size, generator=gen).to(layer.dtype)
             kept = rng.randint(1, n) if kind == "verify" else n
             inputs[r.rid] = (hid, torch.tensor(toks))
@@ -192,6 +197,14 @@ def serve(layer, args, progress: bool = True) -> dict:
                 bar.update(1)
     bar.close()
     return {"phases": phases, "lookups": lookups, "checked_tokens": checked, "worst_error_vs_tolerance": worst}
+
+
+def _real_text(cfg):
+    """200k tokens of real text (:mod:`ple.realtext`), folded into the model's vocabulary if smaller."""
+    from ..realtext import token_stream
+
+    stream = token_stream(200_000, cfg.eos_token_id)
+    return stream % cfg.vocab_size if stream.max() >= cfg.vocab_size else stream
 
 
 RTOL = ATOL = 1e-5
@@ -251,7 +264,7 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     table: Table | None = None
     prepared = None
-    if args.tier in ("mmap", "cached"):
+    if args.tier in ("mmap", "cached", "direct"):
         scan = scan_checkpoint(ckpt, config)
         if scan.all_problems:
             raise CheckpointError(scan.all_problems)
@@ -262,11 +275,19 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         mapped = prepared.table  # opened while checked: the file served is the file checked
         assert mapped is not None
         table = CachedTable(mapped, min(mapped.rows, 1 << 18)) if args.tier == "cached" else mapped
+        if args.tier == "direct":
+            budget = 64 if getattr(args, "memory_budget", None) is None else args.memory_budget
+            table = DirectTable(prepared.path, mapped.layout_hash, memory_budget=budget << 20)
+            if not mapped.same_file(prepared.path):
+                table.close()
+                raise InvalidArgumentError(f"{prepared.path} was replaced while it was opened: run again")
+            mapped.close()
     layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
     load_s = time.perf_counter() - t0
     t = layer.table
     assert t is not None
     res = serve(layer, args, progress)
+    res["tokens"] = "synthetic" if getattr(args, "synthetic_tokens", False) else "real text"
     info = format_info(t.format)
     row_bytes = t.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
     lay = config.layout(args.layer)
@@ -292,6 +313,8 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     )
     if isinstance(t, CachedTable):
         res["cache_hit_rate"] = t.hit_rate
+    if isinstance(t, DirectTable):
+        res["cache_hit_rate"] = t.hits / max(1, t.hits + t.misses)
     res["ok"] = res["checked_tokens"] > 0 and res["worst_error_vs_tolerance"] <= 1.0
     return res
 
@@ -302,6 +325,7 @@ def print_serving(res: dict[str, Any]) -> None:
     print(f"source   : {res['source']}")
     print(f"geometry : {res['geometry']}")
     print(f"table    : {res['table']}, {res['table_bytes'] / 1e6:,.0f} MB ({res['tier']}{how})")
+    print(f"tokens   : {res.get('tokens', 'real text')}")
     print(f"load     : {res['load_seconds']:.2f} s\n")
     print("| phase   | steps | tokens | seconds | tokens/s |")
     print("|---------|------:|-------:|--------:|---------:|")

@@ -27,7 +27,7 @@ import torch
 
 from .. import _native
 from ..errors import PLEError
-from ..ngram import next_ngram_context
+from ..ngram import next_ngram_context, ngram_ids
 from ..ops.library import named_range
 from ..ops.state import ring_to_engine, ring_window
 from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
@@ -104,6 +104,7 @@ class SessionStep:
     conv_inputs: list[torch.Tensor | None]
     done: list[bool]
     ended: bool = False
+    lookups: list | None = None  # per layer, a prefetch handle started at begin() (lookahead)
 
     def split(self, packed: torch.Tensor) -> dict[Hashable, torch.Tensor]:
         """``{request: rows}`` views of a packed ``[T, ...]`` tensor."""
@@ -129,6 +130,9 @@ class Session:
             (an engine's block boundaries) are named with :meth:`keep_prefix_at`.
         state_layout: ``"ring"`` (token-major rings, only where the C kernel runs), ``"engine"``
             (``[slots, HC*H, L]``), or ``"auto"``: rings where the C kernel runs.
+        lookahead: start every layer's table lookup of a step in :meth:`begin` (all tokens, verify
+            chunks' drafted tokens included, are known there), so the reads of a table on disk
+            overlap with whatever the model computes before each PLE layer; see also :meth:`prefetch`.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class Session:
         prefix_every: int | None = None,
         *,
         state_layout: str = "auto",
+        lookahead: bool = False,
     ):
         max_requests = _positive_int("max_requests", max_requests, 1)
         num_spec = _positive_int("num_spec", num_spec, 0)
@@ -196,6 +201,8 @@ class Session:
         self._free = list(range(max_requests - 1, -1, -1))
         self._requests: dict[Hashable, _Request] = {}
         self._open: SessionStep | None = None
+        self.lookahead = bool(lookahead)
+        self._ahead: list | None = None  # (ids, handle) per layer, from prefetch()
 
     def _new_pool(self, slots: int) -> torch.Tensor:
         shape = (slots, self._width, self._channels) if self._ring else (slots, self._channels, self._width)
@@ -458,7 +465,77 @@ class Session:
         until the first :meth:`run`."""
         self._check_idle("begin()")
         with named_range("ple.session.prepare"):
-            return self._begin(tokens, _request_set("speculative", speculative))
+            step = self._begin(tokens, _request_set("speculative", speculative))
+        if self.lookahead or self._ahead is not None:
+            self._start_lookups(step)
+        return step
+
+    def _start_lookups(self, step: SessionStep) -> None:
+        """Start each layer's lookup of ``step`` (adopting reads :meth:`prefetch` started for the same ids)."""
+        ahead, self._ahead = self._ahead, None
+        handles: list = []
+        try:
+            for k, layer in enumerate(self.layers if step.request_ids else ()):
+                handle = None
+                if ahead is not None and ahead[k] is not None:
+                    ids = layer.ngram_ids(step.tokens, step.batch)
+                    prev_ids, prev = ahead[k]
+                    ahead[k] = None
+                    if prev_ids.shape == ids.shape and torch.equal(prev_ids, ids):
+                        handle = prev
+                        handle.bind(layer, step.tokens, step.batch.query_start_loc, step.batch.ngram_context)
+                    else:
+                        prev.release()
+                handles.append(handle if handle is not None else layer.start_prefetch(step.tokens, step.batch))
+        finally:
+            for pair in ahead or ():
+                if pair is not None:
+                    pair[1].release()
+        step.lookups = handles or None
+
+    def prefetch(self, tokens: Mapping[Any, torch.Tensor]) -> None:
+        """Start the table reads of the next step now, while the open one computes: ``{request:
+        tokens [n]}`` as the next :meth:`begin` will get them (the next prefill chunk, say). A request
+        of the open step continues after that step's chunk; one in a speculative chunk cannot be
+        foreseen (its acceptance is unknown) and is refused. The next :meth:`begin` uses each layer's
+        reads if its ids are the same, else drops them and reads again."""
+        step = self._open
+        ctx_rows, chunks = [], []
+        for rid, t in tokens.items():
+            req = self._requests.get(rid)
+            if req is None:
+                raise SessionError(f"unknown request {rid!r}")
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] < 1:
+                raise SessionError(f"request {rid!r}: tokens must be a non-empty 1-D tensor")
+            ctx = self._contexts[req.slot]
+            if step is not None and rid in step.request_ids:
+                if rid in step.speculative:
+                    raise SessionError(f"request {rid!r} is in a speculative chunk: its next context is unknown")
+                i = step.request_ids.index(rid)
+                a = sum(step.lens[:i])
+                ctx = torch.cat([self._contexts[req.slot], step.tokens[a : a + step.lens[i]].cpu()])
+                ctx = ctx[ctx.numel() - self._ctx_len :]
+            ctx_rows.append(ctx)
+            chunks.append(t.to(torch.int64).cpu())
+        if not chunks:
+            return
+        self.drop_prefetch()
+        packed = torch.cat(chunks)
+        qsl = torch.tensor([0, *_accumulate([c.numel() for c in chunks])], dtype=torch.int64)
+        context = torch.stack(ctx_rows)
+        dev = self._device
+        ahead = []
+        for layer in self.layers:
+            ids = ngram_ids(packed.to(dev), qsl.to(dev), context.to(dev), layer.layout, self._eos)
+            ahead.append((ids, layer.table.start_prefetch(ids, self._dtype)))
+        self._ahead = ahead
+
+    def drop_prefetch(self) -> None:
+        """Drop the reads :meth:`prefetch` started (if the next step will be another)."""
+        ahead, self._ahead = self._ahead, None
+        for pair in ahead or ():
+            if pair is not None:
+                pair[1].release()
 
     def _check_chunks(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> None:
         """Request by request, what :meth:`_begin` checks in bulk: raises the first problem by name."""
@@ -607,7 +684,10 @@ class Session:
                 batch, conv_state=self._pools[layer], state_offsets=self._offsets[layer] if self._ring else None
             )
         need_c = bool(step.prefix_rows)
-        result = self.layers[layer](hidden, step.tokens, batch, return_conv_input=need_c)
+        prefetched = None
+        if step.lookups is not None:
+            prefetched, step.lookups[layer] = step.lookups[layer], None
+        result = self.layers[layer](hidden, step.tokens, batch, return_conv_input=need_c, prefetched=prefetched)
         step.done[layer] = True
         if need_c:
             out, c = result

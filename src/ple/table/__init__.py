@@ -8,6 +8,8 @@ are :class:`StoredTable` (their whole ``data``/``scale`` are readable here):
 - :class:`PinnedHostTable` — page-locked host memory read by the accelerator (needs CUDA);
 - :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.file`);
 - :class:`CachedTable` — the hottest rows of another table held in memory (see :mod:`ple.table.cache`);
+- :class:`DirectTable` — a table file read with ``pread`` from a worker pool, bypassing the page
+  cache, with a bounded row cache (see :mod:`ple.table.direct`);
 - :class:`ShardedTable` — rows split across the ranks of a ``torch.distributed`` group (see
   :mod:`ple.table.sharded`).
 """
@@ -15,6 +17,7 @@ are :class:`StoredTable` (their whole ``data``/``scale`` are readable here):
 from .base import StoredTable, Table, require_stored
 from .cache import CachedTable
 from .convert import compare_with_source, convert_layer
+from .direct import DirectTable
 from .file import (
     TABLE_SUFFIX,
     TableFileError,
@@ -34,6 +37,7 @@ from .sharded import ShardedLookupError, ShardedPrefetch, ShardedTable, ShardGeo
 
 __all__ = [
     "CachedTable",
+    "DirectTable",
     "FORMATS",
     "IdOutOfRangeError",
     "MemoryTable",

@@ -1,0 +1,440 @@
+"""``DirectTable``: a table file read row by row with ``pread``, bypassing the page cache.
+
+A memory map (:class:`~ple.table.MmapTable`) reads a row by faulting its page in: one read at a time
+per thread, at the page cache's mercy (a neighbour's memory pressure evicts the table and decode
+slows down by the cold read time). This tier instead, for each lookup:
+
+1. deduplicates and sorts the step's row ids (``np.unique``);
+2. serves the rows its own cache holds (a bounded LRU of rows in memory within ``memory_budget``; rows
+   given to :meth:`DirectTable.pin` stay there for good);
+3. reads the others with ``pread`` from a pool of ``queue_depth`` worker threads (32 by default),
+   each looping over its share of the sorted reads, so up to ``queue_depth`` reads are in flight.
+   Reads open the file with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned
+   buffers, whole aligned blocks around each row (neighbouring rows in one block share a read);
+   elsewhere (tmpfs, some network file systems) plain reads, each followed by
+   ``posix_fadvise(DONTNEED)`` on the range it read, so no cached pages stay behind. ``direct``
+   says which (``"odirect"`` or ``"dontneed"``);
+4. gathers and dequantizes from the compact block of rows it read, with the same kernel every tier
+   uses, so outputs equal the in-memory table's bit for bit.
+
+Rows are read generically: ``row_nbytes`` bytes at ``data_offset + row * row_nbytes``, whatever the
+format. The file keeps per-row scales apart from the rows (after all rows, 4 bytes each), so a row
+of a per-row-scale format costs a second read for its scale's block: the scale reads are issued
+together with the row reads, in the same batch, and one 4 KiB block of scales serves 1,024
+neighbouring rows. A global scale is read once at open.
+
+Resident memory: the cache (its slots plus a bookkeeping allowance of :data:`SLOT_OVERHEAD` bytes
+per slot, all within ``memory_budget``), one 128 KiB aligned buffer per worker (more for rows over 64 KiB), and a lookup's own rows
+while it runs. Nothing is mapped and the page cache is neither used nor filled.
+
+Like a memory map, the file must not be changed in place: every lookup compares its size and
+modification time with those at open first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, UsageError
+from .base import Table
+from .file import TableFileError, open_table
+from .formats import format_info
+from .lookup import gather_dequant
+
+__all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK"]
+
+BLOCK = 4096
+"""Alignment of direct reads (offsets, lengths and buffers)."""
+
+SLOT_OVERHEAD = 96
+"""Bytes counted per cache slot on top of the row and its scale: the slot's entry in the row index
+(a dict entry and an int object) and its recency stamp."""
+
+_BUFFER = 1 << 17  # bytes of each worker's aligned buffer: reads land there, then are copied out together
+
+
+def _aligned_buffer(n: int) -> mmap.mmap:
+    return mmap.mmap(-1, n)  # anonymous maps are page aligned
+
+
+class _Job:
+    """Pieces of ``width`` bytes at sorted file offsets, to copy into ``dest [n, width]`` (uint8):
+    the aligned spans that cover them (``spans [k, 2]``: offset, length; neighbours in one block
+    share a span), each piece's span and offset in it, and each span's first piece."""
+
+    def __init__(self, offsets: np.ndarray, width: int, dest: np.ndarray) -> None:
+        self.width, self.dest = width, dest
+        self.spans, self.span_of, self.at = _spans(offsets, width, BLOCK)
+        self.first = np.searchsorted(self.span_of, np.arange(self.spans.shape[0] + 1))
+        self.slot = int(self.spans[:, 1].max()) if self.spans.size else BLOCK
+
+
+class _Reader:
+    """Issues sorted block reads from ``depth`` worker threads, each with its own aligned buffer."""
+
+    def __init__(self, fd: int, depth: int, drop_cache: bool, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self.depth = depth
+        self.drop_cache = drop_cache
+        self._local = threading.local()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ple-direct")
+        self.reads = 0
+        # start every worker now (the pool starts threads lazily, which would cost the first lookup)
+        gate = threading.Barrier(depth + 1)
+        started = [self._pool.submit(gate.wait) for _ in range(depth)]
+        gate.wait()
+        for f in started:
+            f.result()
+
+    def _buffer(self, need: int) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._local.buf = _aligned_buffer(max(need, _BUFFER))
+        return buf
+
+    def _work(self, job: _Job, lo: int, hi: int) -> None:
+        """Read spans ``[lo, hi)`` of ``job``, a buffer's worth at a time, and copy their pieces out."""
+        slot = job.slot
+        per = max(1, _BUFFER // slot)
+        buf = self._buffer(per * slot)
+        view = memoryview(buf)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        spans = job.spans[lo:hi].tolist()
+        fd, size, drop = self.fd, self.size, self.drop_cache
+        cols = np.arange(job.width)
+        for k in range(0, len(spans), per):
+            group = spans[k : k + per]
+            for j, (off, n) in enumerate(group):
+                got = os.preadv(fd, [view[j * slot : j * slot + n]], off)
+                if got < min(n, size - off):  # an aligned read may run past the end of the file
+                    raise TableFileError(f"short read: {got} of {n} bytes at byte {off} (was the file truncated?)")
+                if drop:
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+            a, b = job.first[lo + k], job.first[lo + k + len(group)]
+            src = (job.span_of[a:b] - (lo + k)) * slot + job.at[a:b]
+            job.dest[a:b] = arr[src[:, None] + cols]
+
+    def read(self, jobs: list[_Job]) -> None:
+        """Run every job's spans on the workers: each takes the next group of spans as it finishes
+        its last (a shared queue, so no worker waits on a slow share while others idle)."""
+        groups = []
+        for job in jobs:
+            n = job.spans.shape[0]
+            self.reads += n
+            size = max(1, min(_BUFFER // job.slot, n // (4 * self.depth)))
+            groups += [(job, lo, min(n, lo + size)) for lo in range(0, n, size)]
+        if not groups:
+            return
+        queue = iter(groups)  # next() on a list iterator is atomic: each group goes to one worker
+
+        def drain() -> None:
+            for job, lo, hi in queue:
+                self._work(job, lo, hi)
+
+        futures = [self._pool.submit(drain) for _ in range(min(self.depth, len(groups)))]
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _spans(offsets: np.ndarray, width: int, align: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Aligned read spans covering ``width`` bytes at each of the sorted ``offsets``: pieces that
+    start in the same aligned block share one span. Returns ``spans [k, 2]`` (offset, length), and
+    per piece its span index and its offset within that span."""
+    start = offsets - offsets % align
+    end = offsets + width
+    end = end + (-end) % align
+    if not offsets.size:
+        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts, first, span_of = np.unique(start, return_index=True, return_inverse=True)
+    ends = np.maximum.reduceat(end, first)
+    return np.stack([starts, ends - starts], axis=1), span_of.reshape(-1), offsets - starts[span_of.reshape(-1)]
+
+
+class DirectTable(Table):
+    """A table served from its file with direct reads and a bounded row cache (CPU; ids on an
+    accelerator get their rows copied there). See the module docstring.
+
+    Args:
+        path: a complete table file (validated like :meth:`MmapTable.open`, per-row scales checked).
+        expected_layout_hash: refuse a file built for another layout (hash or fields dict).
+        memory_budget: bytes of rows this table may keep in memory, its row cache (0: none); slots
+            are ``row_nbytes + 4 + SLOT_OVERHEAD`` bytes each. The read buffers (``queue_depth`` x
+            128 KiB) come on top.
+        queue_depth: worker threads, i.e. reads in flight (>= 1; 32 by default).
+        direct: ``None`` (O_DIRECT where possible), ``True`` (O_DIRECT or an error), ``False``
+            (plain reads dropped from the page cache after each).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        expected_layout_hash: str | dict | None = None,
+        *,
+        memory_budget: int = 0,
+        queue_depth: int = 32,
+        direct: bool | None = None,
+    ) -> None:
+        for name, v, lo in (("memory_budget", memory_budget, 0), ("queue_depth", queue_depth, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
+        path = Path(path)
+        fd, header, st = open_table(path, expected_layout_hash)
+        super().__init__(header["format"], header["rows"], header["head_dim"])
+        self.path = path
+        self.header = header
+        self._fd = fd
+        self._stat = (st.st_size, st.st_mtime_ns)
+        self._row_nbytes = int(header["row_nbytes"])
+        self._data_offset = int(header["data_offset"])
+        info = format_info(self.format)
+        self._storage = info.storage_dtype
+        if self._row_nbytes % self._storage.itemsize:
+            raise TableFileError(f"{path}: row_nbytes {self._row_nbytes} is not a whole number of {self._storage}")
+        kind = header["scale"]["kind"]
+        self._scale_kind = kind
+        self._scale_offset = int(header["scale"]["offset"])
+        self._global_scale: torch.Tensor | None = None
+        if kind == "global":
+            raw = os.pread(fd, 4, self._scale_offset)
+            self._global_scale = torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what validation read leaves no trace
+        self._rfd, self.direct = self._open_reader(path, fd, direct)
+        self._reader = _Reader(self._rfd, queue_depth, self.direct == "dontneed", st.st_size)
+        self.queue_depth = queue_depth
+        self.memory_budget = memory_budget
+        self._slot_bytes = self._row_nbytes + (4 if kind == "row" else 0) + SLOT_OVERHEAD
+        slots = min(memory_budget // self._slot_bytes, self.rows)
+        self._cache_rows = np.zeros((slots, self._row_nbytes), dtype=np.uint8)
+        self._cache_scales = np.zeros(slots if kind == "row" else 0, dtype=np.float32)
+        self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, the max pinned
+        self._row_of_slot = np.zeros(slots, dtype=np.int64)
+        self._slot_of: dict[int, int] = {}
+        self._free = list(range(slots - 1, -1, -1))
+        self._pinned = 0
+        self._clock = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def _open_reader(path: Path, fd: int, direct: bool | None) -> tuple[int, str]:
+        if direct is not False and hasattr(os, "O_DIRECT"):
+            try:
+                rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                rfd = -1
+            if rfd >= 0:
+                probe = _aligned_buffer(BLOCK)
+                try:
+                    os.preadv(rfd, [probe], 0)
+                    a, b = os.fstat(rfd), os.fstat(fd)
+                    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                        return rfd, "odirect"
+                except OSError:
+                    pass
+                finally:
+                    probe.close()
+                os.close(rfd)
+        if direct is True:
+            raise TableFileError(f"{path}: its file system does not allow O_DIRECT reads (use direct=None or False)")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: only the pages read are cached, then dropped
+        return fd, "dontneed"
+
+    # ------------------------------------------------------------------ Table
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this table holds in memory: its cache (rows, scales and bookkeeping) and buffers."""
+        return self._cache_rows.shape[0] * self._slot_bytes + self.queue_depth * _BUFFER
+
+    @property
+    def cache_slots(self) -> int:
+        return int(self._cache_rows.shape[0])
+
+    def check_file(self) -> None:
+        """Raise :class:`TableFileError` if the file was changed in place since it was opened."""
+        if self._fd < 0:
+            raise UsageError(f"table file {self.path} was closed")
+        st = os.fstat(self._fd)
+        if (st.st_size, st.st_mtime_ns) != self._stat:
+            raise TableFileError(
+                f"{self.path} was changed in place while open (now {st.st_size} bytes, {self._stat[0]} at open): "
+                "replace table files by renaming a new file over the old one, then open it again"
+            )
+
+    def read_rows(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stored rows ``[n, row_nbytes / itemsize]`` (storage dtype) and their scales (``[n, 1]``
+        float32 per-row, ``[1]`` global, or None) of the sorted distinct ``rows`` (int64), from the
+        cache or the file."""
+        self.check_file()
+        n = rows.size
+        out = np.empty((n, self._row_nbytes), dtype=np.uint8)
+        per_row = self._scale_kind == "row"
+        scales = np.empty(n, dtype=np.float32) if per_row else None
+        miss = self._from_cache(rows, out, scales)
+        if miss.size:
+            mrows = rows[miss]
+            mout = np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
+            jobs = [_Job(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, mout)]
+            mscale = None
+            if per_row:
+                mscale_bytes = np.empty((miss.size, 4), dtype=np.uint8)
+                jobs.append(_Job(self._scale_offset + 4 * mrows, 4, mscale_bytes))
+            self._reader.read(jobs)
+            out[miss] = mout
+            if per_row:
+                mscale = mscale_bytes.view("<f4").reshape(-1).astype(np.float32)
+                assert scales is not None
+                scales[miss] = mscale
+            self._to_cache(mrows, mout, mscale)
+        data = torch.from_numpy(out).view(self._storage)
+        if per_row:
+            assert scales is not None
+            return data, torch.from_numpy(scales).view(-1, 1)
+        return data, self._global_scale
+
+    def _from_cache(self, rows: np.ndarray, out: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        """Fill what the cache holds; return the indices (into ``rows``) it does not."""
+        if not self._cache_rows.shape[0]:
+            self.misses += rows.size
+            return np.arange(rows.size)
+        with self._lock:
+            self._clock += 1
+            slot_of = self._slot_of
+            slots = np.fromiter((slot_of.get(r, -1) for r in rows.tolist()), dtype=np.int64, count=rows.size)
+            hit = slots >= 0
+            hs = slots[hit]
+            out[hit] = self._cache_rows[hs]
+            if scales is not None:
+                scales[hit] = self._cache_scales[hs]
+            stamp = self._cache_used[hs]
+            self._cache_used[hs] = np.where(stamp == np.iinfo(np.int64).max, stamp, self._clock)
+            n_hit = int(hit.sum())
+        self.hits += n_hit
+        self.misses += rows.size - n_hit
+        return np.nonzero(~hit)[0]
+
+    def _to_cache(self, rows: np.ndarray, data: np.ndarray, scales: np.ndarray | None, pin: bool = False) -> None:
+        cap = self._cache_rows.shape[0]
+        if not cap:
+            return
+        with self._lock:
+            n = rows.size
+            if not pin:
+                n = min(n, cap - self._pinned)
+            if n <= 0:
+                return
+            if len(self._free) < n:
+                self._evict(n - len(self._free))
+            n = min(n, len(self._free))
+            slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+            self._cache_rows[slots] = data[:n]
+            if scales is not None:
+                self._cache_scales[slots] = scales[:n]
+            self._cache_used[slots] = np.iinfo(np.int64).max if pin else self._clock
+            self._row_of_slot[slots] = rows[:n]
+            for r, s in zip(rows[:n].tolist(), slots.tolist()):
+                self._slot_of[r] = s
+            if pin:
+                self._pinned += n
+
+    def _evict(self, need: int) -> None:
+        """Free the ``need`` least recently used unpinned slots, or 1/16 of the cache, whichever is more."""
+        used = self._cache_used
+        held = np.nonzero((used >= 0) & (used != np.iinfo(np.int64).max))[0]
+        k = min(max(need, used.size // 16), held.size)
+        if k <= 0:
+            return
+        victims = held[np.argpartition(used[held], k - 1)[:k]]
+        for r in self._row_of_slot[victims].tolist():
+            del self._slot_of[r]
+        used[victims] = -1
+        self._free.extend(victims.tolist())
+
+    def pin(self, rows: torch.Tensor | np.ndarray) -> int:
+        """Keep ``rows`` (row ids, any shape; the hottest first) in memory for good, as many as the
+        cache holds; returns how many are pinned now. Use the rows a warmup stream reads most (see
+        :meth:`hot_rows`)."""
+        r = np.asarray(rows.cpu().numpy() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64).reshape(-1)
+        if r.size and (r.min() < 0 or r.max() >= self.rows):
+            raise InvalidArgumentError(f"pinned rows must lie in [0, {self.rows})")
+        _, first = np.unique(r, return_index=True)
+        r = r[np.sort(first)][: max(0, self.cache_slots - self._pinned)]
+        r = np.array([x for x in r.tolist() if x not in self._slot_of], dtype=np.int64)
+        if r.size:
+            order = np.argsort(r)
+            data, scale = self.read_rows(r[order])  # fills the LRU part; repinned below
+            with self._lock:
+                for x in r.tolist():
+                    s = self._slot_of.pop(x, None)
+                    if s is not None:
+                        self._cache_used[s] = -1
+                        self._free.append(s)
+            raw = data.view(torch.uint8).numpy()
+            sc = scale.reshape(-1).numpy() if scale is not None and self._scale_kind == "row" else None
+            self._to_cache(r[order], raw, sc, pin=True)
+        return self._pinned
+
+    @staticmethod
+    def hot_rows(ids: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` rows read most often by ``ids`` (any shape), hottest first: what to :meth:`pin`."""
+        rows, counts = torch.unique(ids.reshape(-1), return_counts=True)
+        k = min(int(count), rows.numel())
+        return rows[torch.topk(counts, k).indices] if k else rows[:0]
+
+    def _lookup_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        flat = ids.reshape(-1).cpu().numpy()
+        rows, inverse = np.unique(flat, return_inverse=True)
+        data, scale = self.read_rows(rows)
+        local = torch.from_numpy(inverse.reshape(ids.shape).astype(np.int64))
+        dev = out.device
+        if dev.type == "cpu":
+            gather_dequant(data, scale, local, out.dtype, out=out, check=False)
+        else:
+            res = gather_dequant(data, scale, local, out.dtype, check=False)
+            out.copy_(res.to(dev))
+
+    @property
+    def layout_hash(self) -> str:
+        return self.header["layout_hash"]
+
+    @property
+    def reads(self) -> int:
+        """Reads issued to the file since open (rows and scale blocks; neighbours in one block count once)."""
+        return self._reader.reads
+
+    def close(self) -> None:
+        """Stop prefetching and the readers; close the file."""
+        super().close()
+        if self._fd >= 0:
+            self._reader.close()
+            if self._rfd != self._fd:
+                os.close(self._rfd)
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            self._fd = -1
+            reader = getattr(self, "_reader", None)
+            if reader is not None:
+                reader._pool.shutdown(wait=False)
+            rfd = getattr(self, "_rfd", fd)
+            if rfd != fd:
+                os.close(rfd)
+            os.close(fd)

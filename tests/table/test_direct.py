@@ -1,0 +1,174 @@
+"""DirectTable: rows read with pread (O_DIRECT or dropped from the page cache), bit-equal to memory."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ple.errors import InvalidArgumentError
+from ple.table import FORMATS, MemoryTable, TableFileError
+from ple.table.base import TableRef, lookup_through
+from ple.table.direct import SLOT_OVERHEAD, DirectTable, _spans
+
+from ._helpers import assert_same, make_table, random_ids, write_file
+
+ROWS, HD = 5000, 40  # 40-byte fp8 rows and 160-byte fp32 rows straddle 4 KiB blocks
+
+
+def _table_file(tmp_path, fmt, rows=ROWS, hd=HD):
+    data, scale = make_table(fmt, rows, hd)
+    path = write_file(tmp_path / f"t-{fmt}.pletable", fmt, data, scale, shard_rows=1024)
+    return path, MemoryTable(data, scale, fmt)
+
+
+def _resident_pages(path, offset: int, length: int) -> int:
+    """Pages of ``[offset, offset + length)`` of the file in the page cache (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = offset - offset % mmap.PAGESIZE
+        n = offset + length - base
+        m = mmap.mmap(fd, n, prot=mmap.PROT_READ, offset=base)
+        try:
+            pages = -(-n // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            view = np.frombuffer(m, dtype=np.uint8)
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+            if libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(n), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            del view
+            return sum(v & 1 for v in vec)
+        finally:
+            m.close()
+    finally:
+        os.close(fd)
+
+
+def _drop_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("memory_budget", [0, 64 * 1024])
+def test_lookups_equal_the_memory_table(tmp_path, fmt, memory_budget):
+    path, mem = _table_file(tmp_path, fmt)
+    t = DirectTable(path, memory_budget=memory_budget, queue_depth=32)
+    try:
+        for seed in range(3):  # repeated lookups: cache hits and misses mixed
+            ids = random_ids(ROWS, 37, 6, seed=seed)
+            ids[:5] = ids[5:10]  # duplicate rows within the step
+            ids[-1, -1] = ROWS - 1  # the last row: its aligned block runs to the end of the rows
+            for dtype in (torch.bfloat16, torch.float32):
+                assert_same(t.lookup(ids, dtype), mem.lookup(ids, dtype), f"{fmt} {dtype} seed {seed}")
+        assert t.reads > 0
+        if memory_budget:
+            assert t.hits > 0
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("depth", [1, 3, 64])
+def test_queue_depths_and_plain_reads_agree(tmp_path, depth):
+    path, mem = _table_file(tmp_path, "int8_row")
+    ids = random_ids(ROWS, 64, 8, seed=5)
+    for direct in (None, False):
+        t = DirectTable(path, queue_depth=depth, direct=direct)
+        try:
+            assert t.direct == ("dontneed" if direct is False else t.direct)
+            assert_same(t.lookup(ids, torch.bfloat16), mem.lookup(ids, torch.bfloat16))
+        finally:
+            t.close()
+
+
+def test_reads_leave_no_pages_in_the_page_cache(tmp_path):
+    path, mem = _table_file(tmp_path, "fp8_row", rows=20000)
+    header_end = 4096
+    for direct in (None, False):
+        _drop_cache(path)
+        size = os.path.getsize(path)
+        assert _resident_pages(path, 0, size) == 0, "the precondition: nothing of the file cached"
+        t = DirectTable(path, direct=direct)
+        try:
+            ids = random_ids(20000, 256, 8, seed=2)
+            assert_same(t.lookup(ids, torch.float32), mem.lookup(ids, torch.float32))
+            # rows and scales were read, none of them stayed cached (the header may be)
+            assert _resident_pages(path, header_end, size - header_end) == 0, t.direct
+        finally:
+            t.close()
+    # the check can fail: a buffered read of the same file does leave pages behind
+    with open(path, "rb") as f:
+        f.read()
+    assert _resident_pages(path, header_end, os.path.getsize(path) - header_end) > 0
+
+
+def test_cache_stays_within_its_budget_and_pins_hot_rows(tmp_path):
+    path, mem = _table_file(tmp_path, "fp8_row")
+    budget = 100 * (HD + 4 + SLOT_OVERHEAD) + 7
+    t = DirectTable(path, memory_budget=budget)
+    try:
+        assert t.cache_slots == 100
+        assert t.cache_slots * (HD + 4 + SLOT_OVERHEAD) <= budget
+        warm = random_ids(ROWS, 500, 4, seed=3)
+        hot = DirectTable.hot_rows(warm, 40)
+        counts = torch.bincount(warm.reshape(-1), minlength=ROWS)
+        assert counts[hot].min() >= counts.sort(descending=True).values[39]  # the 40 most read
+        assert t.pin(hot) == 40
+        for seed in range(4):  # many misses: the LRU part turns over, the pinned rows stay
+            ids = random_ids(ROWS, 64, 8, seed=10 + seed)
+            assert_same(t.lookup(ids, torch.bfloat16), mem.lookup(ids, torch.bfloat16))
+        assert len(t._slot_of) <= 100
+        before = t.reads
+        ids = hot.view(-1, 1).repeat(1, 2)
+        assert_same(t.lookup(ids, torch.bfloat16), mem.lookup(ids, torch.bfloat16))
+        assert t.reads == before  # every pinned row served from memory
+    finally:
+        t.close()
+
+
+def test_operator_and_prefetch(tmp_path):
+    path, mem = _table_file(tmp_path, "fp8")
+    t = DirectTable(path)
+    try:
+        ids = random_ids(ROWS, 16, 4, seed=7)
+        want = mem.lookup(ids, torch.bfloat16)
+        assert_same(lookup_through(ids, TableRef(t), HD, torch.bfloat16), want)
+        with t.start_prefetch(ids, torch.bfloat16) as h:
+            assert_same(h.wait(ids), want)
+    finally:
+        t.close()
+
+
+def test_changed_file_and_bad_arguments(tmp_path):
+    path, _ = _table_file(tmp_path, "bf16")
+    with pytest.raises(InvalidArgumentError, match="queue_depth"):
+        DirectTable(path, queue_depth=0)
+    with pytest.raises(InvalidArgumentError, match="memory_budget"):
+        DirectTable(path, memory_budget=-1)
+    t = DirectTable(path)
+    try:
+        with open(path, "ab") as f:
+            f.write(b"x")
+        with pytest.raises(TableFileError, match="changed in place"):
+            t.lookup(random_ids(ROWS, 2, 2), torch.float32)
+    finally:
+        t.close()
+
+
+def test_spans_cover_every_piece_aligned():
+    offsets = np.array([4096 + 40 * r for r in (0, 1, 101, 102, 5000, 90000)], dtype=np.int64)
+    spans, span_of, at = _spans(offsets, 40, 4096)
+    assert (spans[:, 0] % 4096 == 0).all() and (spans[:, 1] % 4096 == 0).all()
+    for j, off in enumerate(offsets):
+        s0, n = spans[span_of[j]]
+        assert s0 + at[j] == off and at[j] + 40 <= n
+    # rows 0, 1, 101 and 102 start in one block (row 102 runs into the next): one read of two blocks
+    assert spans.tolist() == [[4096, 8192], [200704, 4096], [3600384, 4096]]
