@@ -159,7 +159,7 @@ def test_concurrent_dequantize_writers_do_not_clobber(fp8_checkpoint, tmp_path, 
 # ---------------------------------------------------------------------------------------------- native library cache
 
 _ONE_KERNEL_C = "int ple_gate_conv(void) { return 0; }\n"  # ple_ngram_ids is missing
-_BOTH_KERNELS_C = _ONE_KERNEL_C + "int ple_ngram_ids(void) { return 0; }\n"
+_BOTH_KERNELS_C = _ONE_KERNEL_C + "int ple_ngram_ids(void) { return 0; }\nint ple_quant_lookup(void) { return 0; }\n"
 
 
 @pytest.fixture

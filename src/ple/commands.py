@@ -53,7 +53,7 @@ def _human(n: float) -> str:
 def table_bytes(layout, fmt: str) -> int:
     """Bytes of a layer's table in format ``fmt``: rows plus scales (one global, or one per row)."""
     info = format_info(fmt)
-    n = layout.padded_rows * layout.head_dim * info.itemsize
+    n = layout.padded_rows * info.row_nbytes(layout.head_dim)
     return n + {"none": 0, "global": 4, "row": 4 * layout.padded_rows}[info.scale_kind]
 
 

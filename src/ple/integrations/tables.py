@@ -229,7 +229,7 @@ def _table_nbytes(config: PLEConfig, index: int, fmt: str) -> int:
     lay = config.layout(index)
     info = format_info(fmt)
     scales = {"none": 0, "global": 4, "row": 4 * lay.padded_rows}[info.scale_kind]
-    return lay.padded_rows * lay.head_dim * info.itemsize + scales
+    return lay.padded_rows * info.row_nbytes(lay.head_dim) + scales
 
 
 def prepare_table(
