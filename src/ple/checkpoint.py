@@ -1050,10 +1050,12 @@ def write_layer_table(
     to: str | None = None,
     force: bool = False,
     progress: bool = False,
+    global_scale: float | None = None,
 ) -> dict:
     """Write PLE layer ``ple_layer_index``'s table, from ``(k, rows, scale)`` shards (any source: a
     checkpoint's :func:`table_shards`, slices of an in-memory weight), as a table file carrying the
-    layer's layout fields. Returns :func:`ple.table.convert_layer`'s statistics."""
+    layer's layout fields. ``to="nvfp4"`` needs ``global_scale``. Returns
+    :func:`ple.table.convert_layer`'s statistics."""
     lay = config.layout(ple_layer_index)
     return convert_layer(
         shards,
@@ -1066,6 +1068,7 @@ def write_layer_table(
         force=force,
         progress=progress,
         head_ranges=[(o, o + n) for o, n in zip(lay.head_offsets, lay.head_sizes)],
+        global_scale=global_scale,
     )
 
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from . import __version__, argtypes, commands, demo
 from .bench import runner
 from .errors import PLEError
+from .table.formats import BLOCK_FORMATS
 
 __all__ = [
     "build_parser",
@@ -91,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("convert", "write each PLE layer's table as one memory-mappable table file")
     p.add_argument("checkpoint", help="model directory (config.json + safetensors) or index file")
     p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
-    p.add_argument("--to", choices=["fp8", "int8"], help="requantize with one scale per row")
+    p.add_argument(
+        "--to",
+        choices=["fp8", "int8", *BLOCK_FORMATS],
+        help="fp8/int8: one scale per row; q8_0 q5_1 q5_0 q4_1 q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 "
+        "(blocks of 16, E4M3 scales): block formats. The format the source already has is copied exactly",
+    )
     p.add_argument("--layers", help="PLE layer indexes (positions in ple_layer_ids), e.g. 0,1 (default: all)")
     p.add_argument("--force", action="store_true", help="replace existing table files")
     p.add_argument("--config", help="config.json (default: the checkpoint's)")

@@ -29,6 +29,8 @@ from .checkpoint import (
 from .config import PLEConfig
 from .errors import InvalidArgumentError
 from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
+from .table.blocks import nvfp4_global_scale
+from .table.convert import table_amax
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
@@ -95,7 +97,7 @@ def inspect(args: argparse.Namespace) -> int:
                 "prefix": e.prefix if e else cfg.layer_prefix(idx),
                 **{k: v for k, v in lay.to_dict().items() if k != "ple_layer_index"},
                 "table_format": e.table_format if e else None,
-                "bytes": {f: table_bytes(lay, f) for f in FORMATS},
+                "bytes": {f: table_bytes(lay, f) for f in FORMATS if lay.head_dim % format_info(f).block == 0},
                 "problems": list(e.problems) if e else [],
             }
         )
@@ -196,6 +198,15 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
     return out
 
 
+def _target_format(to: str | None, source: str) -> str | None:
+    """The format ``ple convert --to`` writes for a source table in format ``source``: None (an exact
+    copy) when the source already has that format; fp8/int8 otherwise mean one scale per row."""
+    family = {"fp8": ("fp8", "fp8_row"), "int8": ("int8_row",)}.get(to or "", (to,))
+    if to is None or source in family:
+        return None
+    return {"fp8": "fp8_row", "int8": "int8_row"}.get(to, to)
+
+
 def convert(args: argparse.Namespace) -> int:
     """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard.
 
@@ -211,7 +222,6 @@ def convert(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
-    to = {"fp8": "fp8_row", "int8": "int8_row", None: None}[args.to]
     entries = [e for e in scan.layers if wanted is None or e.ple_layer_index in wanted]
     if not args.force:
         taken = [out / table_file_name(e.prefix) for e in entries if (out / table_file_name(e.prefix)).exists()]
@@ -221,8 +231,19 @@ def convert(args: argparse.Namespace) -> int:
     results = []
     for e in entries:
         path = out / table_file_name(e.prefix)
+        to = _target_format(args.to, e.table_format or "")
+        g = None
+        if to == "nvfp4":
+            g = nvfp4_global_scale(table_amax(table_shards(e)))
         stats = write_layer_table(
-            table_shards(e), path, cfg, e.ple_layer_index, to=to, force=args.force, progress=show_progress()
+            table_shards(e),
+            path,
+            cfg,
+            e.ple_layer_index,
+            to=to,
+            force=args.force,
+            progress=show_progress(),
+            global_scale=g,
         )
         results.append({"ple_layer_index": e.ple_layer_index, **stats})
         if args.json:
