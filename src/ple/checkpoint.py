@@ -1036,9 +1036,11 @@ def table_shards(
             reader.close()
 
 
-def table_file_name(prefix: str) -> str:
-    """The table file name ``ple convert`` gives a PLE layer with this checkpoint prefix."""
-    return prefix.rstrip(".").replace("/", "_") + TABLE_SUFFIX
+def table_file_name(prefix: str, format: str | None = None) -> str:
+    """The table file name ``ple convert`` gives a PLE layer with this checkpoint prefix (with
+    ``format``: the name of a copy in that format, beside the checkpoint-format one)."""
+    stem = prefix.rstrip(".").replace("/", "_")
+    return stem + ("" if format is None else "." + format) + TABLE_SUFFIX
 
 
 def write_layer_table(

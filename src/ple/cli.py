@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from . import __version__, argtypes, commands, demo
 from .bench import runner
 from .errors import PLEError
-from .table.formats import BLOCK_FORMATS
+from .table.convert import TARGET_NAMES
 
 __all__ = [
     "build_parser",
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
     p.add_argument(
         "--to",
-        choices=["fp8", "int8", *BLOCK_FORMATS],
+        choices=TARGET_NAMES,
         help="fp8/int8: one scale per row; q8_0 q5_1 q5_0 q4_1 q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 "
         "(blocks of 16, E4M3 scales): block formats. The format the source already has is copied exactly",
     )

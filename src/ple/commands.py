@@ -30,7 +30,7 @@ from .config import PLEConfig
 from .errors import InvalidArgumentError
 from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import table_amax
+from .table.convert import table_amax, target_format
 from .table.file import TABLE_SUFFIX, TableFileWriter
 from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
 
@@ -288,7 +288,7 @@ def _convert_gguf(args: argparse.Namespace) -> int:
     """``ple convert model.gguf OUT``: the GGUF's table, its bytes copied, as one table file."""
     model, t = _open_gguf(args.checkpoint)
     assert t.format is not None
-    if args.to is not None and _target_format(args.to, t.format) is not None:
+    if args.to is not None and target_format(args.to, t.format) is not None:
         raise InvalidArgumentError(
             f"{args.checkpoint}: a GGUF table is written in its own type ({t.type_name}, ple format {t.format}), "
             f"never requantized: drop --to {args.to}"
@@ -344,15 +344,6 @@ def _convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_format(to: str | None, source: str) -> str | None:
-    """The format ``ple convert --to`` writes for a source table in format ``source``: None (an exact
-    copy) when the source already has that format; fp8/int8 otherwise mean one scale per row."""
-    family = {"fp8": ("fp8", "fp8_row"), "int8": ("int8_row",)}.get(to or "", (to,))
-    if to is None or source in family:
-        return None
-    return {"fp8": "fp8_row", "int8": "int8_row"}.get(to, to)
-
-
 def convert(args: argparse.Namespace) -> int:
     """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard.
 
@@ -380,7 +371,7 @@ def convert(args: argparse.Namespace) -> int:
     results = []
     for e in entries:
         path = out / table_file_name(e.prefix)
-        to = _target_format(args.to, e.table_format or "")
+        to = target_format(args.to, e.table_format or "")
         g = None
         if to == "nvfp4":
             g = nvfp4_global_scale(table_amax(table_shards(e)))

@@ -28,7 +28,23 @@ from .formats import BLOCK_FORMATS, check_scale_values, format_info, infer_forma
 from .mmap import MmapTable
 from .quantize import QuantStats, RowStats, dequantize, quantize_rows
 
-__all__ = ["convert_layer", "compare_with_source", "table_amax"]
+__all__ = ["convert_layer", "compare_with_source", "table_amax", "target_format", "TARGET_NAMES"]
+
+TARGET_NAMES = ("fp8", "int8", *BLOCK_FORMATS)
+"""What ``ple convert --to`` and ``from_pretrained(table_format=)`` accept."""
+
+
+def target_format(to: str | None, source: str) -> str | None:
+    """The format a table in format ``source`` is converted to when ``to`` is asked for: None (an
+    exact copy) when the source already has it ("fp8" covers both fp8 formats); otherwise "fp8" and
+    "int8" mean one scale per row ("fp8_row", "int8_row") and a block format means itself."""
+    if to is not None and to not in TARGET_NAMES:
+        raise InvalidArgumentError(f"table format must be one of {list(TARGET_NAMES)}, got {to!r}")
+    family = {"fp8": ("fp8", "fp8_row"), "int8": ("int8_row",)}.get(to or "", (to,))
+    if to is None or source in family:
+        return None
+    return {"fp8": "fp8_row", "int8": "int8_row"}.get(to, to)
+
 
 _TARGETS = (None, "fp8_row", "int8_row", *BLOCK_FORMATS)
 _CHUNK_ROWS = 1 << 17
