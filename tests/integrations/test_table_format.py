@@ -3,6 +3,7 @@ the table folder and reused; ``save_pretrained`` of such a model writes what tra
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen4ExpForCausalLM
@@ -65,3 +66,49 @@ def test_bad_table_formats_are_refused(wide, tmp_path):
         from_pretrained(path, table_dir=tmp_path / "t", table_format="q3_k")
     with pytest.raises(InvalidArgumentError, match="'mmap' and 'cached' tiers"):
         from_pretrained(path, table_tier="memory", table_format="q4_0")
+
+
+def _nvfp4_copy(src, dst):
+    """``src``'s checkpoint with every table rewritten as NVFP4 (U8 values, F8_E4M3 weight_scale per
+    16 values, F32 weight_scale_2), as engines store it; returns the ple-layout blocks per table."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ple.table.blocks import nvfp4_global_scale, quantize_blocks
+
+    shutil.copytree(src, dst)
+    (f,) = dst.glob("*.safetensors")
+    t = load_file(f)
+    made = {}
+    for base in sorted({k.rsplit(".shard_", 1)[0] for k in t if ".ngram_embedding.shard_" in k}):
+        names = sorted(
+            (k for k in t if k.startswith(base + ".shard_")), key=lambda k: int(k.split("shard_")[1].split(".")[0])
+        )
+        x = torch.cat([t[k].float() for k in names])
+        g = nvfp4_global_scale(float(x.abs().max()))
+        q = quantize_blocks(x, "nvfp4", g)
+        made[base] = (q, g)
+        a = 0
+        for k in names:
+            n = t[k].shape[0]
+            t[k] = torch.from_numpy(q[a : a + n, :16].copy())
+            t[k.replace(".weight", ".weight_scale")] = torch.from_numpy(q[a : a + n, 16:].copy()).view(
+                torch.float8_e4m3fn
+            )
+            a += n
+        t[base + ".weight_scale_2"] = torch.tensor([g])
+    save_file(t, f, metadata={"format": "pt"})
+    return made
+
+
+def test_an_nvfp4_checkpoint_loads_like_the_fp8_one(wide, tmp_path):
+    path, _ = wide
+    made = _nvfp4_copy(path, tmp_path / "nv")
+    model = from_pretrained(tmp_path / "nv", table_dir=tmp_path / "t")
+    layers = patched_layers(model)
+    assert {w.layer.table.format for w in layers} == {"nvfp4"}
+    for w, (q, g) in zip(layers, made.values()):
+        assert np.array_equal(w.layer.table.data.numpy(), q) and float(w.layer.table.scale[0]) == np.float32(g)
+    in_memory = from_pretrained(tmp_path / "nv", table_tier="memory")
+    torch.testing.assert_close(_logits(in_memory), _logits(model), rtol=0, atol=0)

@@ -64,7 +64,10 @@ def _scale_chunk(scale: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor |
 
 
 def _dequantized(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Source rows in fp32 (a global fp8 scale is applied before any requantization)."""
+    """Source rows in fp32 (a global fp8 scale is applied before any requantization; nvfp4 rows,
+    the one uint8 source, are decoded)."""
+    if rows.dtype == torch.uint8:
+        return dequantize_blocks(rows, "nvfp4", scale)
     return dequantize(rows, None if scale is None else scale.float(), torch.float32)
 
 
@@ -182,10 +185,9 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor | None, fmt: str, global_sc
 
 
 def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, total_err, global_scale=None):
-    if tuple(src.shape) != (n, head_dim):
-        raise InvalidArgumentError(
-            f"source shard {k}: expected rows of shape [{n}, {head_dim}], got {tuple(src.shape)}"
-        )
+    width = format_info("nvfp4").width(head_dim) if src.dtype == torch.uint8 else head_dim
+    if tuple(src.shape) != (n, width):
+        raise InvalidArgumentError(f"source shard {k}: expected rows of shape [{n}, {width}], got {tuple(src.shape)}")
     info = format_info(to)
     q = torch.empty(n, info.width(head_dim), dtype=info.storage_dtype)
     qs = None if info.blocked else torch.empty(n, 1, dtype=torch.float32)
@@ -246,8 +248,9 @@ def compare_with_source(
     for k, src, scale in shard_iter:
         start, stop = table.shard_range(k)
         n = stop - start
-        if src.shape[0] != n or (n and src.shape[1] != table.head_dim):
-            problems.append(f"shard {k}: source has shape {tuple(src.shape)}, the file has [{n}, {table.head_dim}]")
+        src_width = format_info("nvfp4").width(table.head_dim) if src.dtype == torch.uint8 else table.head_dim
+        if src.shape[0] != n or (n and src.shape[1] != src_width):
+            problems.append(f"shard {k}: source has shape {tuple(src.shape)}, the file has [{n}, {src_width}]")
             continue
         seen.add(k)
         if n == 0:

@@ -158,6 +158,8 @@ def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
             f"table data of dtype {data.dtype} needs a scale: plain tables are one of {list(_PLAIN_BY_DTYPE)}"
         )
     per_row = scale.dim() == 2
+    if data.dtype == torch.uint8 and not per_row:
+        return "nvfp4"  # the one block format with a global scale
     if data.dtype == torch.float8_e4m3fn:
         return "fp8_row" if per_row else "fp8"
     if data.dtype == torch.int8 and per_row:
@@ -179,7 +181,7 @@ def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: 
         raise InvalidArgumentError(f"table data must be a 2-D tensor [rows, head_dim], got {shape}")
     if scale is not None and not scale.is_floating_point():
         raise InvalidArgumentError(f"table scale must be a floating point tensor, got dtype {scale.dtype}")
-    if format is None and data.dtype == torch.uint8:
+    if format is None and data.dtype == torch.uint8 and scale is None:
         raise InvalidArgumentError(
             f"uint8 table data is one of the block formats {list(BLOCK_FORMATS)}: name it (format=)"
         )
