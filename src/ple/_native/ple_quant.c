@@ -8,7 +8,11 @@
  * Returns 0, or -1 when an id is outside [0, rows) (nothing is written past that id), -2 for an
  * unknown format or output kind.
  */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include <math.h>
 #include <pthread.h>
