@@ -67,6 +67,7 @@ _ANY_LAYER_RE = re.compile(r"^(?:.*\.)?layers\.(?P<layer>[^.]*)\.ple\.")
 _SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(?P<k>[0-9]{1,9})\.(?P<what>weight|weight_scale)$")
 _TABLE = "ple_embedding.ngram_embedding.weight"
 _TABLE_SCALE = "ple_embedding.ngram_embedding.weight_scale"
+_TABLE_SCALE2 = "ple_embedding.ngram_embedding.weight_scale_2"  # NVFP4's fp32 scale of the whole table
 _BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 _DENSE = (
     "key_proj.weight",
@@ -396,6 +397,7 @@ class LayerEntry:
     shard_scales: dict[int, TensorInfo] = dataclasses.field(default_factory=dict)
     whole_table: TensorInfo | None = None
     global_scale: TensorInfo | None = None
+    global_scale2: TensorInfo | None = None  # NVFP4: weight_scale_2
     buffers: dict[str, TensorInfo] = dataclasses.field(default_factory=dict)
     dense: dict[str, TensorInfo] = dataclasses.field(default_factory=dict)
     unexpected: list[str] = dataclasses.field(default_factory=list)
@@ -481,6 +483,8 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
             e.whole_table = info
         elif rest == _TABLE_SCALE:
             e.global_scale = info
+        elif rest == _TABLE_SCALE2:
+            e.global_scale2 = info
         elif rest.startswith("ple_embedding.") and rest.split(".", 1)[1] in _BUFFERS:
             e.buffers[rest.split(".", 1)[1]] = info
         elif rest in _DENSE:
@@ -526,6 +530,11 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
     table_infos = [e.whole_table] if e.whole_table is not None else [e.shards[k] for k in sorted(e.shards)]
     if e.whole_table is None and not e.shards:
         p(f"missing table: no {prefix}{_TABLE} and no {prefix}ple_embedding.ngram_embedding.shard_*.weight")
+    # an NVFP4 table (U8, two E2M1 values a byte) is half as wide
+    nvfp4 = bool(table_infos) and all(i.dtype == "U8" for i in table_infos)
+    width = lay.head_dim // 2 if nvfp4 else lay.head_dim
+    if e.whole_table is not None and nvfp4:
+        p(f"{prefix}{_TABLE}: an NVFP4 table is read as shards with their weight_scale, not as one tensor")
     if e.whole_table is not None and e.whole_table.shape != (lay.padded_rows, lay.head_dim):
         p(f"{prefix}{_TABLE}: shape {list(e.whole_table.shape)}, expected [{lay.padded_rows}, {lay.head_dim}]")
     if e.shards:
@@ -540,16 +549,16 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
             if k >= lay.split_parts:
                 continue
             a, b = lay.shard_range(k)
-            if info.shape != (b - a, lay.head_dim):
+            if info.shape != (b - a, width):
                 p(
                     f"{prefix}ple_embedding.ngram_embedding.shard_{k}.weight: shape {list(info.shape)}, "
-                    f"expected [{b - a}, {lay.head_dim}] (rows {a}..{b} of {lay.padded_rows})"
+                    f"expected [{b - a}, {width}] (rows {a}..{b} of {lay.padded_rows})"
                 )
     orphans = sorted(set(e.shard_scales) - set(e.shards))
     if orphans:
         p(f"{prefix}: weight_scale for shard(s) {orphans[:8]} without the shard's weight")
-    scales = list(e.shard_scales.values()) + ([e.global_scale] if e.global_scale is not None else [])
-    bad_scale = sorted({i.dtype for i in scales} - {"F32", "BF16", "F16", "F64"})
+    scales = list(e.shard_scales.values()) + [g for g in (e.global_scale, e.global_scale2) if g is not None]
+    bad_scale = sorted({i.dtype for i in scales} - {"F32", "BF16", "F16", "F64"} - ({"F8_E4M3"} if nvfp4 else set()))
     if bad_scale:
         p(f"{prefix}: weight_scale dtype(s) {bad_scale}, expected a floating point dtype (F32, BF16, F16)")
     dtypes = {i.dtype for i in table_infos}
@@ -587,10 +596,39 @@ def _scan_layer(dec: int, idx: int, prefix: str, group: dict[str, TensorInfo], c
                     p(f"{prefix}{_TABLE_SCALE}: shape {list(e.global_scale.shape)}, expected [1]")
             else:
                 p(f"{prefix}: an I8 table needs per-row weight_scale tensors")
+        elif dt == "U8":
+            _scan_nvfp4(e, prefix, p)
         else:
             p(f"{prefix}: unsupported table dtype {dt}")
+    if e.global_scale2 is not None and e.table_format != "nvfp4":
+        p(f"{prefix}{_TABLE_SCALE2} belongs to NVFP4 (U8) tables, the table is {sorted(dtypes)}")
     e.problems += _small_value_problems(e)
     return e
+
+
+def _scan_nvfp4(e: LayerEntry, prefix: str, p) -> None:
+    """An NVFP4 table as engines store it: U8 shards ``[n, head_dim / 2]`` (two E2M1 values a byte),
+    per shard an F8_E4M3 ``weight_scale [n, head_dim / 16]``, one float ``weight_scale_2``."""
+    lay = e.layout
+    if lay.head_dim % 16:
+        p(f"{prefix}: an NVFP4 (U8) table needs rows of a multiple of 16 values, head_dim is {lay.head_dim}")
+        return
+    if e.global_scale is not None:
+        p(f"{prefix}: an NVFP4 table has a global {_TABLE_SCALE2}, not {_TABLE_SCALE}")
+    if e.global_scale2 is None:
+        p(f"{prefix}: the table is U8 (NVFP4) but {prefix}{_TABLE_SCALE2} is missing")
+    elif e.global_scale2.shape not in ((1,), ()):
+        p(f"{prefix}{_TABLE_SCALE2}: shape {list(e.global_scale2.shape)}, expected [1]")
+    for k, info in e.shards.items():
+        s = e.shard_scales.get(k)
+        if s is None:
+            p(f"{prefix}: shard {k} is NVFP4 (U8) but has no weight_scale")
+        elif s.dtype != "F8_E4M3" or s.shape != (info.shape[0], lay.head_dim // 16):
+            p(
+                f"{prefix}ple_embedding.ngram_embedding.shard_{k}.weight_scale: {s.dtype} {list(s.shape)}, expected "
+                f"F8_E4M3 [{info.shape[0]}, {lay.head_dim // 16}] (one E4M3 scale per 16 values)"
+            )
+    e.table_format = "nvfp4"
 
 
 def _buffer_problem(name: str, got: list[int], want: list[int], prefix: str) -> str:
@@ -632,17 +670,18 @@ def _small_value_problems(e: LayerEntry) -> list[str]:
             got = [int(v) for v in t.tolist()]
         if got != want[name]:
             out.append(_buffer_problem(name, got, want[name], e.prefix))
-    g = e.global_scale
-    if g is not None and g.shape in ((1,), ()) and g.dtype in _FLOAT_DTYPES:
+    for g, gname in ((e.global_scale, _TABLE_SCALE), (e.global_scale2, _TABLE_SCALE2)):
+        if g is None or g.shape not in ((1,), ()) or g.dtype not in _FLOAT_DTYPES:
+            continue
         try:
             read = _read_small(g).reshape(-1)[0]
         except (OSError, CheckpointError) as exc:
-            out.append(f"{e.prefix}{_TABLE_SCALE}: could not be read ({exc})")
+            out.append(f"{e.prefix}{gname}: could not be read ({exc})")
         else:
             value, stored = float(read), float(read.float())  # tables keep float32 scales
             if not (math.isfinite(stored) and stored > 0):
                 shown = f"{value} ({stored} as float32)" if value != stored and not math.isnan(value) else str(value)
-                out.append(f"{e.prefix}{_TABLE_SCALE} = {shown}: the global scale must be a positive finite number")
+                out.append(f"{e.prefix}{gname} = {shown}: the global scale must be a positive finite number")
     return out
 
 
@@ -832,6 +871,9 @@ def iter_table_shards(
             base = f"{entry.prefix}ple_embedding.ngram_embedding.shard_{k}"
             rows = reader.get(info, base + ".weight")
             scale = reader.get(entry.shard_scales[k], base + ".weight_scale") if k in entry.shard_scales else None
+            if entry.table_format == "nvfp4" and scale is not None:
+                # ple's nvfp4 row: the packed values, then the row's E4M3 block scales
+                rows, scale = torch.cat([rows.view(torch.uint8), scale.view(torch.uint8)], dim=1), None
             yield k, rows, scale
     finally:
         if own:
@@ -883,12 +925,13 @@ def load_table(
         from tqdm.auto import tqdm
 
         shard_iter = tqdm(shard_iter, total=lay.split_parts, desc=f"PLE layer {e.ple_layer_index}", unit="shard")
+    width = data.shape[1]
     for sk, rows, scale in shard_iter:
         a, b = lay.shard_range(sk)
         name = f"{e.prefix}ple_embedding.ngram_embedding.shard_{sk}"
-        if tuple(rows.shape) != (b - a, lay.head_dim) or rows.dtype != data.dtype:
+        if tuple(rows.shape) != (b - a, width) or rows.dtype != data.dtype:
             raise CheckpointError(
-                f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {lay.head_dim}] "
+                f"{name}: read {list(rows.shape)} {rows.dtype}, expected [{b - a}, {width}] "
                 f"{data.dtype} (the file changed after it was scanned)"
             )
         problem = nonfinite_problem(sk, rows, a)
@@ -907,6 +950,10 @@ def load_table(
     if e.table_format == "fp8" and tscale is not None and e.global_scale is not None:
         gscale = reader.get(e.global_scale, e.prefix + _TABLE_SCALE).reshape(1).float()
         _check_scale(gscale, e.prefix + _TABLE_SCALE, 0)
+        tscale.copy_(gscale)
+    if e.table_format == "nvfp4" and tscale is not None and e.global_scale2 is not None:
+        gscale = reader.get(e.global_scale2, e.prefix + _TABLE_SCALE2).reshape(1).float()
+        _check_scale(gscale, e.prefix + _TABLE_SCALE2, 0)
         tscale.copy_(gscale)
     return table
 
@@ -1051,6 +1098,8 @@ def table_shards(
         gscale = None
         if entry.table_format == "fp8" and entry.global_scale is not None:
             gscale = reader.get(entry.global_scale, entry.prefix + _TABLE_SCALE).reshape(1).float()
+        if entry.table_format == "nvfp4" and entry.global_scale2 is not None:
+            gscale = reader.get(entry.global_scale2, entry.prefix + _TABLE_SCALE2).reshape(1).float()
         for k, rows, scale in iter_table_shards(entry, reader):
             yield k, rows, (gscale if scale is None else scale)
     finally:
@@ -1058,9 +1107,11 @@ def table_shards(
             reader.close()
 
 
-def table_file_name(prefix: str) -> str:
-    """The table file name ``ple convert`` gives a PLE layer with this checkpoint prefix."""
-    return prefix.rstrip(".").replace("/", "_") + TABLE_SUFFIX
+def table_file_name(prefix: str, format: str | None = None) -> str:
+    """The table file name ``ple convert`` gives a PLE layer with this checkpoint prefix (with
+    ``format``: the name of a copy in that format, beside the checkpoint-format one)."""
+    stem = prefix.rstrip(".").replace("/", "_")
+    return stem + ("" if format is None else "." + format) + TABLE_SUFFIX
 
 
 def write_layer_table(
@@ -1072,10 +1123,12 @@ def write_layer_table(
     to: str | None = None,
     force: bool = False,
     progress: bool = False,
+    global_scale: float | None = None,
 ) -> dict:
     """Write PLE layer ``ple_layer_index``'s table, from ``(k, rows, scale)`` shards (any source: a
     checkpoint's :func:`table_shards`, slices of an in-memory weight), as a table file carrying the
-    layer's layout fields. Returns :func:`ple.table.convert_layer`'s statistics."""
+    layer's layout fields. ``to="nvfp4"`` needs ``global_scale``. Returns
+    :func:`ple.table.convert_layer`'s statistics."""
     lay = config.layout(ple_layer_index)
     return convert_layer(
         shards,
@@ -1088,6 +1141,7 @@ def write_layer_table(
         force=force,
         progress=progress,
         head_ranges=[(o, o + n) for o, n in zip(lay.head_offsets, lay.head_sizes)],
+        global_scale=global_scale,
     )
 
 

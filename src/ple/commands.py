@@ -31,6 +31,10 @@ from .checkpoint import (
 from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
 from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
+from .table.blocks import nvfp4_global_scale
+from .table.convert import table_amax, target_format
+from .table.file import TABLE_SUFFIX, TableFileWriter
+from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
@@ -55,7 +59,7 @@ def _human(n: float) -> str:
 def table_bytes(layout, fmt: str) -> int:
     """Bytes of a layer's table in format ``fmt``: rows plus scales (one global, or one per row)."""
     info = format_info(fmt)
-    n = layout.padded_rows * layout.head_dim * info.itemsize
+    n = layout.padded_rows * info.row_nbytes(layout.head_dim)
     return n + {"none": 0, "global": 4, "row": 4 * layout.padded_rows}[info.scale_kind]
 
 
@@ -77,7 +81,9 @@ def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
 
 def inspect(args: argparse.Namespace) -> int:
     """Layout of every PLE layer; for a checkpoint, the scan (headers and small tensors, never the
-    table; exit 1 on problems)."""
+    table; exit 1 on problems); for a GGUF file, its PLE metadata and table tensor."""
+    if _is_gguf(args.path):
+        return _inspect_gguf(args)
     cfg, ckpt = resolve_model(args.path)
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(
@@ -97,7 +103,7 @@ def inspect(args: argparse.Namespace) -> int:
                 "prefix": e.prefix if e else cfg.layer_prefix(idx),
                 **{k: v for k, v in lay.to_dict().items() if k != "ple_layer_index"},
                 "table_format": e.table_format if e else None,
-                "bytes": {f: table_bytes(lay, f) for f in FORMATS},
+                "bytes": {f: table_bytes(lay, f) for f in FORMATS if lay.head_dim % format_info(f).block == 0},
                 "problems": list(e.problems) if e else [],
             }
         )
@@ -213,11 +219,156 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def _is_gguf(path: str) -> bool:
+    return str(path).endswith(".gguf") and not Path(path).is_dir()
+
+
+def _short(v: Any) -> str:
+    text = str(v)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _gguf_config_problems(model: GGUFModel, table: GGUFTensor, cfg: PLEConfig) -> list[str]:
+    """Where the GGUF's PLE metadata (and its table's shape) disagrees with the config's layer 0."""
+    lay = cfg.layout(0)
+    meta = model.ple_metadata()
+    want = {
+        "ple.layers": [i - 1 for i in cfg.ple_layer_ids[:1]],
+        "ple.ngram_size": cfg.ngram_size,
+        "ple.heads_per_ngram": cfg.heads_per_ngram,
+        "ple.conv_kernel": cfg.ple_conv_kernel_size,
+        "ple.eos_token_id": cfg.eos_token_id,
+        "ple.layer_multipliers": list(lay.multipliers),
+        "ple.head_offsets": list(lay.head_offsets),
+        "ple.head_vocab_sizes": list(lay.head_sizes),
+        "embedding_length_per_layer_input": lay.head_dim,
+    }
+    problems = [
+        f"{model.arch}.{k} is {_short(meta[k])}, the config gives {_short(v)}"
+        for k, v in want.items()
+        if k in meta and meta[k] != v
+    ]
+    if table.dims != (lay.head_dim, lay.padded_rows):
+        problems.append(
+            f"tensor {table.name} is [{table.dims[0]}, {table.dims[1]}] ([head_dim, rows]), the config's table is "
+            f"[{lay.head_dim}, {lay.padded_rows}]"
+        )
+    return problems
+
+
+def _open_gguf(path: str) -> tuple[GGUFModel, GGUFTensor]:
+    model = read_gguf(path)
+    layers = model.ple_metadata().get("ple.layers")
+    if isinstance(layers, list) and len(layers) != 1:
+        raise GGUFError(f"{path}: {model.arch}.ple.layers is {layers}: ple reads GGUF models with one PLE layer")
+    head_dim = model.ple_metadata().get("embedding_length_per_layer_input")
+    return model, table_tensor(model, head_dim=head_dim if isinstance(head_dim, int) else None)
+
+
+def _inspect_gguf(args: argparse.Namespace) -> int:
+    model, t = _open_gguf(args.path)
+    info = format_info(t.format or "fp32")
+    doc: dict[str, Any] = {
+        "path": str(args.path),
+        "files": [str(p) for p in model.paths],
+        "version": model.version,
+        "architecture": model.arch,
+        "ple": model.ple_metadata(),
+        "table": {
+            "tensor": t.name,
+            "type": t.type_name,
+            "format": t.format,
+            "rows": t.dims[1],
+            "head_dim": t.dims[0],
+            "row_nbytes": info.row_nbytes(t.dims[0]),
+            "nbytes": t.nbytes,
+        },
+    }
+    if args.json:
+        _emit_json(doc)
+        return 0
+    print(f"GGUF {args.path}: version {model.version}, {len(model.paths)} file(s), architecture {model.arch}")
+    for k, v in doc["ple"].items():
+        print(f"  {k:34s} {_short(v)}")
+    tab = doc["table"]
+    print(
+        f"  table {t.name}: {t.type_name} ({t.format}), {tab['rows']:,} rows x {tab['head_dim']}, "
+        f"{tab['row_nbytes']} B/row, {_human(t.nbytes or 0)}"
+    )
+    return 0
+
+
+def _convert_gguf(args: argparse.Namespace) -> int:
+    """``ple convert model.gguf OUT``: the GGUF's table, its bytes copied, as one table file."""
+    model, t = _open_gguf(args.checkpoint)
+    assert t.format is not None
+    if args.to is not None and target_format(args.to, t.format) is not None:
+        raise InvalidArgumentError(
+            f"{args.checkpoint}: a GGUF table is written in its own type ({t.type_name}, ple format {t.format}), "
+            f"never requantized: drop --to {args.to}"
+        )
+    if args.layers not in (None, "0"):
+        raise InvalidArgumentError(f"a GGUF model has one PLE table (layer 0), got --layers {args.layers}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"output {out} exists and is not a folder")
+    head_dim, rows = t.dims
+    if args.config:
+        cfg = PLEConfig.from_pretrained(args.config)
+        problems = _gguf_config_problems(model, t, cfg)
+        if problems:
+            raise GGUFError(f"{args.checkpoint} does not match {args.config}: " + "; ".join(problems))
+        layout: dict[str, Any] = cfg.layout_fields(0)
+        shard_rows = cfg.layout(0).shard_rows
+        path = out / table_file_name(cfg.layer_prefix(0))
+    else:
+        meta = model.ple_metadata()
+        needed = ("ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes", "ple.ngram_size")
+        missing = [f"{model.arch}.{k}" for k in needed if k not in meta]
+        if missing:
+            raise GGUFError(
+                f"{args.checkpoint} lacks the PLE metadata {', '.join(missing)}: name the model's config.json with --config"
+            )
+        layout = {"gguf": {k: meta[k] for k in PLE_KEYS if k in meta}, "ple_layer_index": 0}
+        shard_rows = min(rows, 1 << 20)
+        path = out / ("per_layer_token_embd" + TABLE_SUFFIX)
+    if path.exists() and not args.force:
+        raise FileExistsError(f"table file {path} exists: pass --force to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    bar = None
+    if show_progress():
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"convert {path.name}")
+    try:
+        with TableFileWriter(path, rows, head_dim, t.format, shard_rows, layout, force=args.force) as w:
+            for k, part in iter_rows(t, shard_rows):
+                w.write_shard(k, part)
+                if bar is not None:
+                    bar.update(part.shape[0])
+    finally:
+        if bar is not None:
+            bar.close()
+    stats = {"ple_layer_index": 0, "path": str(path), "format": t.format, "source_format": f"gguf {t.type_name}"}
+    stats["rows"] = rows
+    if args.json:
+        _emit_json({"checkpoint": str(args.checkpoint), "out": str(out), "layers": [stats]})
+    else:
+        print(f"PLE layer 0: wrote {path} (GGUF {t.type_name} -> {t.format}, bytes copied)")
+    return 0
+
+
 def convert(args: argparse.Namespace) -> int:
     """One memory-mappable table file per PLE layer, written atomically and streamed shard by shard.
 
     The checkpoint passes the loader's validation first (:func:`ple.checkpoint.check_checkpoint`, dense
-    weights included): what the loader refuses is never converted."""
+    weights included): what the loader refuses is never converted. A GGUF model (one file or a split
+    set) gives its table in its own type, bytes copied."""
+    if _is_gguf(args.checkpoint):
+        return _convert_gguf(args)
     cfg, ckpt = resolve_model(args.checkpoint)
     if args.config:
         cfg = PLEConfig.from_pretrained(args.config)
@@ -228,7 +379,6 @@ def convert(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
-    to = {"fp8": "fp8_row", "int8": "int8_row", None: None}[args.to]
     entries = [e for e in scan.layers if wanted is None or e.ple_layer_index in wanted]
     if not args.force:
         taken = [out / table_file_name(e.prefix) for e in entries if (out / table_file_name(e.prefix)).exists()]
@@ -238,8 +388,19 @@ def convert(args: argparse.Namespace) -> int:
     results = []
     for e in entries:
         path = out / table_file_name(e.prefix)
+        to = target_format(args.to, e.table_format or "")
+        g = None
+        if to == "nvfp4":
+            g = nvfp4_global_scale(table_amax(table_shards(e)))
         stats = write_layer_table(
-            table_shards(e), path, cfg, e.ple_layer_index, to=to, force=args.force, progress=show_progress()
+            table_shards(e),
+            path,
+            cfg,
+            e.ple_layer_index,
+            to=to,
+            force=args.force,
+            progress=show_progress(),
+            global_scale=g,
         )
         results.append({"ple_layer_index": e.ple_layer_index, **stats})
         if args.json:

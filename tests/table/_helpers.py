@@ -7,18 +7,28 @@ from pathlib import Path
 import torch
 
 from ple.table import TableFileWriter, format_info, quantize_global, quantize_rows
+from ple.table.blocks import nvfp4_global_scale, quantize_blocks
+from ple.table.formats import BLOCK_FORMATS, FORMATS
 
 PLAIN = ("bf16", "fp16", "fp32")
+ELEMENT = tuple(f for f in FORMATS if f not in BLOCK_FORMATS)
+"""The formats of one stored element a value (any head_dim)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def make_table(fmt: str, rows: int, head_dim: int, seed: int = 0, amp: float = 3.0):
-    """Random ``(data [rows, head_dim], scale)`` of format ``fmt``, with rows of varied magnitude."""
+    """Random ``(data [rows, head_dim], scale)`` of format ``fmt``, with rows of varied magnitude
+    (block formats: ``data [rows, row_nbytes]`` uint8, ``head_dim`` a multiple of the block)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, head_dim, generator=g) * amp
     x *= torch.exp(torch.randn(rows, 1, generator=g))  # rows of different magnitudes
     if fmt in PLAIN:
         return x.to(format_info(fmt).storage_dtype), None
+    if fmt in BLOCK_FORMATS:
+        if fmt == "nvfp4":
+            g = nvfp4_global_scale(float(x.abs().max()))
+            return torch.from_numpy(quantize_blocks(x, fmt, g)), torch.tensor([g])
+        return torch.from_numpy(quantize_blocks(x, fmt)), None
     if fmt == "fp8":
         return quantize_global(x)
     return quantize_rows(x, fmt)
@@ -50,7 +60,8 @@ def write_file(path, fmt, data, scale, shard_rows, order=None, layout=LAYOUT, **
     parts = list(shard_parts(data, scale, shard_rows))
     if order is not None:
         parts = [parts[i] for i in order]
-    with TableFileWriter(path, data.shape[0], data.shape[1], fmt, shard_rows, layout, **kw) as w:
+    head_dim = format_info(fmt).head_dim_of(data.shape[1])
+    with TableFileWriter(path, data.shape[0], head_dim, fmt, shard_rows, layout, **kw) as w:
         for k, rows, s in parts:
             w.write_shard(k, rows, s)
     return path

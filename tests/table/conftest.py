@@ -2,9 +2,9 @@
 
 import pytest
 
-from ple.table import FORMATS
+from ._helpers import ELEMENT
 
 
-@pytest.fixture(params=FORMATS)
+@pytest.fixture(params=ELEMENT)
 def fmt(request):
     return request.param

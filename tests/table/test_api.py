@@ -45,4 +45,7 @@ def test_public_api_is_pinned():
     )
     for name in table.__all__:
         assert hasattr(table, name), name
-    assert table.FORMATS == ("bf16", "fp16", "fp32", "fp8", "fp8_row", "int8_row")
+    assert table.FORMATS == (
+        "bf16", "fp16", "fp32", "fp8", "fp8_row", "int8_row",
+        "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "mxfp4", "nvfp4",
+    )  # fmt: skip

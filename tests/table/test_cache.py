@@ -10,7 +10,6 @@ import torch
 
 from ple.errors import InvalidArgumentError, UsageError
 from ple.table import (
-    FORMATS,
     CachedTable,
     IdOutOfRangeError,
     MemoryTable,
@@ -20,7 +19,7 @@ from ple.table import (
 )
 from ple.table import cache as cache_mod
 
-from ._helpers import DTYPES, make_table, write_file
+from ._helpers import DTYPES, ELEMENT, make_table, write_file
 
 
 def _stream(rows: int, T: int, G: int, seed: int, hot: int | None = None) -> torch.Tensor:
@@ -46,7 +45,7 @@ def backing(request, tmp_path):
 
 
 # ---------------------------------------------------------------------- exactness
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 def test_lookup_is_bit_exact_with_the_backing_table(backing, fmt):
     rows, D = 301, 7  # odd row width: 7 bytes (fp8/int8) tile no machine word
     table, data, scale = backing(fmt, rows, D, seed=2)

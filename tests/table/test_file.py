@@ -20,7 +20,6 @@ import torch
 import ple.table
 from ple.errors import UsageError
 from ple.table import (
-    FORMATS,
     MemoryTable,
     MmapTable,
     TableFileError,
@@ -34,12 +33,12 @@ from ple.table import (
 )
 from ple.table.file import PARTIAL_SUFFIX, _header_digest
 
-from ._helpers import DTYPES, LAYOUT, flip_byte, make_table, random_ids, write_file
+from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file
 
 SRC = str(Path(ple.table.__file__).resolve().parents[2])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 def test_round_trip_every_format(tmp_path, fmt):
     rows, D, S = 103, 9, 25  # 5 shards, the last one short
     data, scale = make_table(fmt, rows, D, seed=11)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ple.table import (
-    FORMATS,
     IdOutOfRangeError,
     MemoryTable,
     format_info,
@@ -16,7 +15,7 @@ from ple.table import (
     infer_format,
 )
 
-from ._helpers import DTYPES, assert_same, make_table, random_ids
+from ._helpers import DTYPES, ELEMENT, assert_same, make_table, random_ids
 
 SHAPES = [(1, 1, 1), (2, 3, 7), (63, 16, 5), (129, 3, 160)]  # (T, G, head_dim)
 
@@ -190,7 +189,7 @@ def test_empty_table_filled_by_shards(fmt):
     assert t.nbytes == rows * D * itemsize + extra
 
 
-@pytest.mark.parametrize("fmt_", FORMATS)
+@pytest.mark.parametrize("fmt_", ELEMENT)
 def test_lookup_into_other_output_dtype_is_fresh_tensor(fmt_):
     data, scale = make_table(fmt_, 30, 3)
     t = MemoryTable(data, scale)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
-from ple.table import FORMATS, CachedTable, MemoryTable, MmapTable
+from ple.table import CachedTable, MemoryTable, MmapTable
 from ple.table.base import TableRef
 
-from ._helpers import make_table, random_ids, write_file
+from ._helpers import ELEMENT, make_table, random_ids, write_file
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 def test_operator_reads_every_tier(tmp_path, fmt):
     data, scale = make_table(fmt, 97, 5, seed=1)
     mem = MemoryTable(data, scale)

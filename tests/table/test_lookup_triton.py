@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import FORMATS, MmapTable, gather_dequant_reference, write_sparse_table_file
+from ple.table import MmapTable, gather_dequant_reference, write_sparse_table_file
+from ple.table.formats import BLOCK_FORMATS
 
 from ..conftest import TRITON_DEVICE, TRITON_INTERPRETED
-from ._helpers import DTYPES, assert_same, make_table, random_ids
+from ._helpers import DTYPES, ELEMENT, assert_same, make_table, random_ids
 
 pytest.importorskip("triton")
 
@@ -29,7 +30,7 @@ def _device():
     return TRITON_DEVICE
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 @pytest.mark.parametrize("shape", [(3, 2, 20), (1, 1, 7), (2, 3, 160)], ids=lambda s: "T{}_G{}_D{}".format(*s))
 def test_triton_exact(tri, fmt, shape):
     mod = tri
@@ -93,3 +94,21 @@ def test_triton_int64_row_addressing(tri, tmp_path):
         got = mod.gather_dequant_triton(table.data, table.scale, ids, dtype)
         want = (vals.to(dtype) * torch.tensor([0.5]).to(dtype)).reshape(2, 2 * D)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_triton_block_formats_exact(tri, fmt):
+    """Every block format, every activation dtype: the kernel's bits are the reference's (fused
+    multiply-add off, bf16 and fp16 rounded to nearest even)."""
+    data, scale = make_table(fmt, 9, 64, seed=3)
+    if fmt == "q8_0":  # values past the fp16 range and fp16 subnormals
+        data[0, :2] = torch.tensor([0xFF, 0x7B], dtype=torch.uint8)  # d = 65504
+        data[1, :2] = torch.tensor([0x01, 0x00], dtype=torch.uint8)  # d = 2^-24
+    ids = torch.tensor([[0, 1], [8, 3], [5, 5]])
+    dev = _device()
+    for dtype in DTYPES:
+        ref = gather_dequant_reference(data, scale, ids, dtype, format=fmt)
+        got = tri.gather_dequant_triton(
+            data.to(dev), None if scale is None else scale.to(dev), ids.to(dev), dtype, format=fmt
+        )
+        assert_same(got.cpu(), ref, f"{fmt} {dtype}")

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from ple.table import FORMATS, MemoryTable, MmapTable, PrefetchError, gather_dequant_reference
+from ple.table import MemoryTable, MmapTable, PrefetchError, gather_dequant_reference
 
-from ._helpers import DTYPES, make_table, random_ids, write_file
+from ._helpers import DTYPES, ELEMENT, make_table, random_ids, write_file
 
 
 @pytest.fixture(params=["memory", "mmap"])
@@ -25,7 +25,7 @@ def tier(request, tmp_path):
     return build
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 def test_prefetch_matches_lookup(tier, fmt):
     table, data, scale = tier(fmt, 211, 7, seed=3)
     for dtype in DTYPES:

@@ -25,6 +25,7 @@ from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.runtime import Batch
 from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
+from ple.table.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.quantize import quantize_global, quantize_rows
 from ple.table.sharded import (
     DEFAULT_METHODS,
@@ -58,6 +59,8 @@ CASES = [
     ("fp8_row", torch.bfloat16, 6),
     ("int8_row", torch.float32, 5),
     ("int8_row", torch.float16, 6),
+    ("q4_0", torch.bfloat16, 32),
+    ("nvfp4", torch.float16, 32),
 ]
 # data-parallel (per-rank ids) cases: special values, fp8, odd widths
 PER_RANK_CASES = [
@@ -95,6 +98,11 @@ def make_full(fmt: str, rows: int = ROWS, D: int = 5, seed: int = 0) -> MemoryTa
         bits[sp[2], 2 % D] = _NAN_BITS[dtype]  # a quiet NaN with a payload
         bits[sp[3], 3 % D] = 1  # smallest subnormal
         return MemoryTable(data, None, fmt)
+    if fmt in ("q4_0", "nvfp4"):  # block formats: random blocks, no special values
+        gs = nvfp4_global_scale(float(x.abs().max())) if fmt == "nvfp4" else None
+        return MemoryTable(
+            torch.from_numpy(quantize_blocks(x, fmt, gs)), None if gs is None else torch.tensor([gs]), fmt
+        )
     if fmt == "fp8":
         q, scale = quantize_global(x)
     else:
@@ -583,7 +591,7 @@ def test_lookup_matches_single_process(world, fmt, dtype, D, method):
     got = ok(results, f"lookups/{fmt}/{_dt(dtype)}/D{D}/{method}")
     for T in TOKENS:
         want = full.lookup(make_ids(ROWS, w, T, seed=T), dtype)
-        assert want.isnan().any() or fmt == "int8_row" or T == 1
+        assert want.isnan().any() or fmt in ("int8_row", "q4_0", "nvfp4") or T == 1
         for r in range(w):
             assert_same_bits(got[r][T], want, f"rank {r}, T={T}")
             assert torch.equal(got[r][T].nan_to_num(), want.nan_to_num())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import FORMATS, MemoryTable, PinnedHostTable, Table, gather_dequant_reference
+from ple.table import MemoryTable, PinnedHostTable, Table, gather_dequant_reference
 
-from ._helpers import DTYPES, make_table, random_ids
+from ._helpers import DTYPES, ELEMENT, make_table, random_ids
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -28,7 +28,7 @@ def test_every_tier_is_a_table():
 
 
 @needs_cuda
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ELEMENT)
 def test_pinned_and_device_tables_exact(fmt):
     data, scale = make_table(fmt, 1000, 160, seed=2)
     ids = random_ids(1000, 129, 16)

@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
+_SOURCES = (_SOURCE, Path(__file__).with_name("ple_quant.c"))
+"""Every C file of the library: the fused step and ids (``ple_cpu.c``), the block-format lookup
+(``ple_quant.c``)."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -210,6 +213,10 @@ def _load_cached(target: Path, stamp: Path) -> ctypes.CDLL | None:
     return lib
 
 
+def _names() -> str:
+    return " and ".join(p.name for p in _SOURCES)
+
+
 def _compile(cc: str, folder: Path, name: str) -> bytes:
     """The bytes of a fresh build (its temporary output is removed)."""
     fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
@@ -217,13 +224,13 @@ def _compile(cc: str, folder: Path, name: str) -> bytes:
     try:
         try:
             proc = subprocess.run(
-                [cc, *_flags(), "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+                [cc, *_flags(), "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=300
             )
         except (OSError, subprocess.SubprocessError) as e:  # includes a compile that ran past 300 s
-            raise NativeUnavailable(f"building {_SOURCE.name} with {cc} failed: {e}") from e
+            raise NativeUnavailable(f"building {_names()} with {cc} failed: {e}") from e
         if proc.returncode != 0:
             raise NativeUnavailable(
-                f"building {_SOURCE.name} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"
+                f"building {_names()} with {cc} failed (exit {proc.returncode}):\n{proc.stderr.strip()}"
             )
         return read_regular(tmp, "library", _MAX_LIBRARY_BYTES)
     finally:
@@ -237,7 +244,7 @@ def _build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in _SOURCES)
     digest = hashlib.sha256(
         b"\0".join([source, " ".join(_flags()).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]
@@ -266,7 +273,14 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-_SYMBOLS = ("ple_gate_conv", "ple_ngram_ids", "ple_isa_available", "ple_set_isa", "ple_current_isa")
+_SYMBOLS = (
+    "ple_gate_conv",
+    "ple_ngram_ids",
+    "ple_quant_lookup",
+    "ple_isa_available",
+    "ple_set_isa",
+    "ple_current_isa",
+)
 """The functions the library must export (what :func:`_declare` declares)."""
 
 
@@ -302,6 +316,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, ptr, i64,  # tokens, total, starts, requests
         ptr, i64, i64, ptr,  # context [R, N-1], order N, heads per order, multipliers [N]
         ptr, ptr, i64, ptr, i32,  # sizes [G], offsets [G], eos, out [T, G], threads
+    ]
+    quant = lib.ple_quant_lookup
+    quant.restype = i32
+    quant.argtypes = [
+        i32, ptr, i64, i64, i64,  # format, data, rows, row bytes, head_dim
+        ptr, i64, f32, i32, ptr, i32,  # ids, n, global scale, output kind, out, threads
     ]
     # fmt: on
     for name in ("ple_isa_available", "ple_set_isa"):

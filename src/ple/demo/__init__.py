@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import int_between, non_negative_int
-from ..errors import InvalidArgumentError
+from ..errors import CommandLineError, InvalidArgumentError
+from ..table.convert import TARGET_NAMES
 from . import parallel
 from .model import MODEL_SIZES
 from .serving import DEMO_CONFIG, print_serving, run_serving, serve, synthesize_checkpoint
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
+    p.add_argument(
+        "--table-format",
+        choices=TARGET_NAMES,
+        help="serve the serving layer's table from a copy in this format (e.g. q4_0, iq4_nl, nvfp4; made once "
+        "like from_pretrained(table_format=) makes it; docs/FORMATS.md); mmap and cached tiers",
+    )
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")
     p.add_argument("--layer", type=non_negative_int, default=0, help="PLE layer index to serve (default 0)")
     p.add_argument(
@@ -177,6 +184,12 @@ def run(args) -> int:
     """``ple demo``: both parts (or ``--only`` one); returns the exit status. With ``--ranks N
     --parallel MODE``, the serving workload on several processes instead (:mod:`.parallel`)."""
     check_output(getattr(args, "output", None))
+    table_format = getattr(args, "table_format", None)
+    if table_format is not None and (parallel.requested(args) or args.tier == "memory" or args.only == "model"):
+        raise CommandLineError(
+            "--table-format serves the single-process serving workload's table from a table file: "
+            "tier mmap or cached, without --ranks and --only model"
+        )
     if parallel.requested(args):
         return parallel.run(args)
     from ..integrations.qwen4_exp import require_transformers
@@ -185,7 +198,7 @@ def run(args) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     if args.requests is None:
         args.requests = 6 if args.quick else 16
-    only = args.only or ("serving" if args.checkpoint or args.config else None)
+    only = args.only or ("serving" if args.checkpoint or args.config or table_format else None)
     if only in (None, "model"):
         require_transformers()  # before anything runs: the model part needs transformers (ple[hf])
     t_start = time.perf_counter()

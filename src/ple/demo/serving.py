@@ -271,7 +271,9 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         entry = next(e for e in scan.layers if e.ple_layer_index == args.layer)
         # a given checkpoint's table file goes where from_pretrained keeps it (made once, reused)
         folder = default_table_dir(ckpt) if args.checkpoint else work / "serving-tables"
-        prepared = prepare_table(entry, config, folder, progress=progress)
+        prepared = prepare_table(
+            entry, config, folder, progress=progress, table_format=getattr(args, "table_format", None)
+        )
         mapped = prepared.table  # opened while checked: the file served is the file checked
         assert mapped is not None
         table = CachedTable(mapped, min(mapped.rows, 1 << 18)) if args.tier == "cached" else mapped
@@ -289,7 +291,7 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     res = serve(layer, args, progress)
     res["tokens"] = "synthetic" if getattr(args, "synthetic_tokens", False) else "real text"
     info = format_info(t.format)
-    row_bytes = t.head_dim * info.itemsize + (4 if info.scale_kind == "row" else 0)
+    row_bytes = info.row_nbytes(t.head_dim) + (4 if info.scale_kind == "row" else 0)
     lay = config.layout(args.layer)
     published = PLEConfig.from_dict(DEMO_CONFIG)
     res.update(

@@ -69,6 +69,8 @@ from ..config import PLEConfig
 from ..errors import InvalidArgumentError, PLEError
 from ..files import read_json, write_atomically
 from ..table import MmapTable, TableFileError, compare_with_source, format_info, read_table_header
+from ..table.blocks import nvfp4_global_scale
+from ..table.convert import table_amax, target_format
 
 __all__ = [
     "default_table_dir",
@@ -256,15 +258,22 @@ def _table_nbytes(config: PLEConfig, index: int, fmt: str) -> int:
     lay = config.layout(index)
     info = format_info(fmt)
     scales = {"none": 0, "global": 4, "row": 4 * lay.padded_rows}[info.scale_kind]
-    return lay.padded_rows * lay.head_dim * info.itemsize + scales
+    return lay.padded_rows * info.row_nbytes(lay.head_dim) + scales
 
 
 def prepare_table(
-    entry: LayerEntry, config: PLEConfig, table_dir: str | os.PathLike, *, progress: bool = False
+    entry: LayerEntry,
+    config: PLEConfig,
+    table_dir: str | os.PathLike,
+    *,
+    progress: bool = False,
+    table_format: str | None = None,
 ) -> PreparedTable:
     """The table file of PLE layer ``entry`` in ``table_dir``: reused, verified or converted (see
     the module docstring), returned open (``PreparedTable.table``). The file keeps the checkpoint's
-    format, so lookups are exact.
+    format, so lookups are exact; ``table_format`` (a name ``ple convert --to`` takes: "q4_0",
+    "nvfp4", ...) makes it a copy in that format instead (its own file name, made once and reused
+    the same way; the checkpoint's own format is a plain copy).
 
     Raises:
         InvalidArgumentError: ``table_dir`` is not a folder and cannot be made one; the folder holds
@@ -277,7 +286,9 @@ def prepare_table(
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InvalidArgumentError(f"table_dir {folder} cannot be a folder of table files: {e.strerror or e}") from e
-    path = folder / table_file_name(entry.prefix)
+    assert entry.table_format is not None  # a scan without problems found it
+    target = target_format(table_format, entry.table_format)
+    path = folder / table_file_name(entry.prefix, target)
     index = entry.ple_layer_index
     with _lock(path):
         source = source_identity(entry)
@@ -309,8 +320,7 @@ def prepare_table(
         if reason != "missing":
             warnings.warn(f"PLE table file {path} is not used: {reason}; converting it again", stacklevel=3)
         _record_path(path).unlink(missing_ok=True)
-        assert entry.table_format is not None  # a scan without problems found it
-        need = _table_nbytes(config, index, entry.table_format)
+        need = _table_nbytes(config, index, target or entry.table_format)
         # the new file is written beside the old one (a .partial renamed at the end): the old one's
         # space is not free until then
         free = shutil.disk_usage(folder).free
@@ -319,8 +329,21 @@ def prepare_table(
                 f"table folder {folder} has {byte_size(free)} free, PLE layer {index}'s table needs "
                 f"{byte_size(need)}: pass table_dir= on a disk with room"
             )
+        g = None
+        if target == "nvfp4":
+            with PreadReader() as reader:
+                g = nvfp4_global_scale(table_amax(table_shards(entry, reader)))
         with PreadReader() as reader:
-            write_layer_table(table_shards(entry, reader), path, config, index, force=True, progress=progress)
+            write_layer_table(
+                table_shards(entry, reader),
+                path,
+                config,
+                index,
+                to=target,
+                force=True,
+                progress=progress,
+                global_scale=g,
+            )
         table = open_layer_table(path, config, index)
         try:
             _write_record(path, table.header, source, home)

@@ -73,6 +73,8 @@ from ..files import read_json
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
 from ..table import CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
+from ..table.blocks import dequantize_blocks
+from ..table.convert import TARGET_NAMES
 from .checkpoints import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
 from .tables import PreparedTable, default_table_dir, prepare_table
@@ -402,7 +404,10 @@ def _weight_from_table(
         for a in range(0, backing.rows, step):
             b = min(backing.rows, a + step)
             s = None if scale is None else (scale if scale.dim() == 1 else scale[a:b])
-            out[a:b] = dequantize(backing.data[a:b], s, dtype).to(device)
+            if format_info(backing.format).blocked:
+                out[a:b] = dequantize_blocks(backing.data[a:b], backing.format, s).to(dtype).to(device)
+            else:
+                out[a:b] = dequantize(backing.data[a:b], s, dtype).to(device)
         return out
 
     return dequantized
@@ -432,6 +437,13 @@ def table_state(table: Table, layer: PLELayer, base: str) -> dict[str, torch.Ten
     lay = layer.layout
     kind = format_info(backing.format).scale_kind
     out: dict[str, torch.Tensor] = {}
+    if format_info(backing.format).blocked:
+        # transformers reads no block format: each shard dequantized to the layer's dtype, no scale
+        for k in range(lay.split_parts):
+            a, b = lay.shard_range(k)
+            rows = dequantize_blocks(backing.data[a:b], backing.format, backing.scale)
+            out[f"{base}shard_{k}.weight"] = rows.to(layer.dtype).cpu()
+        return out
     mapped = backing if isinstance(backing, MmapTable) else None
     for k in range(lay.split_parts):
         a, b = lay.shard_range(k)
@@ -809,6 +821,7 @@ def from_pretrained(
     table_tier: str = "mmap",
     table_cache_rows: int | None = None,
     progress: bool | None = None,
+    table_format: str | None = None,
     **kwargs,
 ) -> Any:
     """Load a transformers ``qwen4_exp`` model whose PLE tables stay on disk (never in memory).
@@ -832,6 +845,10 @@ def from_pretrained(
         table_cache_rows: rows of the ``"cached"`` tier, an int >= 1 (default :data:`DEFAULT_CACHE_ROWS`);
             checked before anything is converted or loaded.
         progress: progress bars while converting (default: when stderr is a terminal).
+        table_format: serve a copy of each table in this format ("q4_0", "q5_1", "iq4_nl", "nvfp4",
+            ... any name ``ple convert --to`` takes; docs/FORMATS.md weighs them), made once in
+            ``table_dir`` and reused like the checkpoint-format files; None (default) serves the
+            checkpoint's own format. Tiers "mmap" and "cached" only.
 
     Returns:
         The patched model (and transformers' loading info when ``output_loading_info=True``). Each
@@ -846,6 +863,10 @@ def from_pretrained(
         raise InvalidArgumentError(f"table_tier must be one of {list(LOAD_TIERS)}, got {table_tier!r}")
     if table_tier == "memory" and table_dir is not None:
         raise InvalidArgumentError("table_dir is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
+    if table_format is not None and table_tier == "memory":
+        raise InvalidArgumentError("table_format is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
+    if table_format is not None and table_format not in TARGET_NAMES:
+        raise InvalidArgumentError(f"table_format must be one of {list(TARGET_NAMES)}, got {table_format!r}")
     if table_cache_rows is not None and table_tier != "cached":
         raise InvalidArgumentError(f"table_cache_rows is for table_tier='cached', got table_tier={table_tier!r}")
     if table_cache_rows is not None and (isinstance(table_cache_rows, bool) or not isinstance(table_cache_rows, int)):
@@ -873,7 +894,7 @@ def from_pretrained(
             folder = Path(table_dir) if table_dir is not None else default_table_dir(root)
             for e in scan.layers:
                 # opened while checked: the file served is the file checked, whatever replaces it later
-                prepared[e.ple_layer_index] = prepare_table(e, config, folder, progress=show)
+                prepared[e.ple_layer_index] = prepare_table(e, config, folder, progress=show, table_format=table_format)
         entries = {e.ple_layer_index: e for e in scan.layers}
         with tableless_load():
             model, info = cls.from_pretrained(root, output_loading_info=True, **kwargs)

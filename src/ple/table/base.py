@@ -135,7 +135,8 @@ class Table(abc.ABC):
 
 class StoredTable(Table):
     """A table whose rows are all readable here: ``data [rows, head_dim]`` in the storage dtype and
-    ``scale`` (None, ``[1]`` or ``[rows, 1]`` fp32). Lookups gather from them."""
+    ``scale`` (None, ``[1]`` or ``[rows, 1]`` fp32). Lookups gather from them. For a block format
+    ``data`` is ``[rows, row_nbytes]`` bytes (see :mod:`ple.table.blocks`)."""
 
     @property
     @abc.abstractmethod
@@ -153,7 +154,7 @@ class StoredTable(Table):
 
     @property
     def nbytes(self) -> int:
-        n = self.rows * self.head_dim * format_info(self.format).itemsize
+        n = self.rows * format_info(self.format).row_nbytes(self.head_dim)
         s = self.scale
         return n + (0 if s is None else s.numel() * s.element_size())
 
@@ -167,7 +168,7 @@ class StoredTable(Table):
         data, scale = self.data, self.scale
         dev = out.device
         if data.device == dev or self._gathers_on_device(dev):
-            gather_dequant(data, scale, ids.to(dev), out.dtype, out=out, check=False)
+            gather_dequant(data, scale, ids.to(dev), out.dtype, out=out, check=False, format=self.format)
         elif data.device.type == "cpu":
             # Host rows for device ids: gather the (narrow) stored rows on the host, ship them,
             # dequantize on the device.
@@ -179,9 +180,9 @@ class StoredTable(Table):
                 srows = scale.index_select(0, flat).to(dev)
             else:
                 srows = scale.to(dev)
-            dequantize_rows_into(rows, srows, out.view(-1, self.head_dim))
+            dequantize_rows_into(rows, srows, out.view(-1, self.head_dim), format=self.format)
         else:
-            res = gather_dequant(data, scale, ids.to(data.device), out.dtype, check=False)
+            res = gather_dequant(data, scale, ids.to(data.device), out.dtype, check=False, format=self.format)
             out.copy_(res)
 
 

@@ -339,7 +339,7 @@ class CachedTable(StoredTable):
 
     def _empty_state(self) -> _State:
         dev = self._cache_device
-        data = torch.empty(0, self.head_dim, dtype=self.storage_dtype, device=dev)
+        data = torch.empty(0, format_info(self.format).width(self.head_dim), dtype=self.storage_dtype, device=dev)
         scale = torch.empty(0, 1, dtype=torch.float32, device=dev) if self._scale_kind == "row" else None
         return _State(torch.empty(0, dtype=torch.int64, device=dev), data, scale)
 
@@ -349,7 +349,7 @@ class CachedTable(StoredTable):
         dev = self._cache_device
         C = hot.numel()
         ids = hot.to(dev)
-        data = torch.empty(C, self.head_dim, dtype=self.storage_dtype, device=dev)
+        data = torch.empty(C, format_info(self.format).width(self.head_dim), dtype=self.storage_dtype, device=dev)
         scale = torch.empty(C, 1, dtype=torch.float32, device=dev) if self._scale_kind == "row" else None
         if old.ids.numel():
             pos = torch.searchsorted(old.ids, ids).clamp_(max=old.ids.numel() - 1)
@@ -450,7 +450,7 @@ class CachedTable(StoredTable):
                 scale_rows = srows_u.to(dev).index_select(0, inv)
             elif bscale is not None:
                 scale_rows = bscale.to(dev)
-            dequantize_rows_into(rows, scale_rows, out)
+            dequantize_rows_into(rows, scale_rows, out, format=self.format)
         with self._lock:
             self._hits += hits
             self._misses += n - hits

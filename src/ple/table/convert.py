@@ -6,6 +6,10 @@ it): ``rows [n_k, head_dim]`` plain (bf16/fp16/fp32, ``scale`` None), fp8 with t
 one chunk of fp32 rows. Source scales must be positive finite numbers (see
 :func:`~ple.table.formats.check_scale_values`), and source rows finite (an fp8 NaN byte is refused
 too, naming its shard and row: :func:`first_nonfinite_row`).
+
+Targets: the source's own format (an exact copy, whatever ``to`` says), one scale per row
+("fp8_row", "int8_row"), or a block format (:mod:`ple.table.blocks`; nvfp4 also needs the table's
+global scale, from :func:`table_amax` through :func:`~ple.table.blocks.nvfp4_global_scale`).
 """
 
 from __future__ import annotations
@@ -19,14 +23,39 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from .blocks import dequantize_blocks, quantize_blocks
 from .file import TableFileWriter, tensor_bytes
-from .formats import check_scale_values, format_info, infer_format
+from .formats import BLOCK_FORMATS, check_scale_values, format_info, infer_format
 from .mmap import MmapTable
 from .quantize import QuantStats, RowStats, dequantize, quantize_rows
 
-__all__ = ["convert_layer", "compare_with_source", "first_nonfinite_row", "nonfinite_problem"]
+__all__ = [
+    "convert_layer",
+    "compare_with_source",
+    "first_nonfinite_row",
+    "nonfinite_problem",
+    "table_amax",
+    "target_format",
+    "TARGET_NAMES",
+]
 
-_TARGETS = (None, "fp8_row", "int8_row")
+TARGET_NAMES = ("fp8", "int8", *BLOCK_FORMATS)
+"""What ``ple convert --to`` and ``from_pretrained(table_format=)`` accept."""
+
+
+def target_format(to: str | None, source: str) -> str | None:
+    """The format a table in format ``source`` is converted to when ``to`` is asked for: None (an
+    exact copy) when the source already has it ("fp8" covers both fp8 formats); otherwise "fp8" and
+    "int8" mean one scale per row ("fp8_row", "int8_row") and a block format means itself."""
+    if to is not None and to not in TARGET_NAMES:
+        raise InvalidArgumentError(f"table format must be one of {list(TARGET_NAMES)}, got {to!r}")
+    family = {"fp8": ("fp8", "fp8_row"), "int8": ("int8_row",)}.get(to or "", (to,))
+    if to is None or source in family:
+        return None
+    return {"fp8": "fp8_row", "int8": "int8_row"}.get(to, to)
+
+
+_TARGETS = (None, "fp8_row", "int8_row", *BLOCK_FORMATS)
 _CHUNK_ROWS = 1 << 17
 
 
@@ -89,7 +118,10 @@ def _scale_chunk(scale: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor |
 
 
 def _dequantized(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Source rows in fp32 (a global fp8 scale is applied before any requantization)."""
+    """Source rows in fp32 (a global fp8 scale is applied before any requantization; nvfp4 rows,
+    the one uint8 source, are decoded)."""
+    if rows.dtype == torch.uint8:
+        return dequantize_blocks(rows, "nvfp4", scale)
     return dequantize(rows, None if scale is None else scale.float(), torch.float32)
 
 
@@ -104,6 +136,7 @@ def convert_layer(
     force: bool = False,
     progress: bool = True,
     head_ranges: list[tuple[int, int]] | None = None,
+    global_scale: float | None = None,
 ) -> dict[str, Any]:
     """Write one layer's table file from its source shards.
 
@@ -113,11 +146,13 @@ def convert_layer(
         layout_hash: hash of the layout fields (str) or the fields (dict), stored in the header.
         rows, head_dim, shard_rows: table geometry; shard ``k`` holds rows
             ``[k*shard_rows, min((k+1)*shard_rows, rows))``.
-        to: None keeps the source format; "fp8_row" / "int8_row" dequantize each row (fp32,
-            with the source's global or per-row scale) and requantize it with its own scale.
+        to: None, or the source's own format, copies the source exactly; "fp8_row" / "int8_row"
+            dequantize each row (fp32, with the source's global or per-row scale) and requantize it
+            with its own scale; a block format quantizes the fp32 rows into its blocks.
         force: replace an existing file.
         progress: show a tqdm progress bar (rows written).
         head_ranges: row ranges ``(start, stop)`` of the hash heads for per-head error statistics.
+        global_scale: the nvfp4 table's global scale (needed for ``to="nvfp4"``).
 
     Returns:
         ``{"path", "format", "source_format", "rows", "error": {max_rel, rms_rel, rows},
@@ -136,7 +171,13 @@ def convert_layer(
     except StopIteration:
         raise InvalidArgumentError("convert_layer: the source yielded no shards") from None
     src_fmt = _source_format(first[0], first[1], first[2])
+    if to == src_fmt:
+        to = None  # the format the source already has: an exact copy, never a requantization
     out_fmt = src_fmt if to is None else to
+    if to == "nvfp4" and global_scale is None:
+        raise InvalidArgumentError("convert_layer: an nvfp4 table needs its global_scale (see table_amax)")
+    if to is not None:
+        format_info(to).check_head_dim(head_dim)
     head_err = [QuantStats() for _ in heads]
     total_err = QuantStats()
     bar = None
@@ -164,7 +205,7 @@ def convert_layer(
                         e.rows += max(0, min(b, stop) - max(a, start))
                 else:
                     q, qs = _requantize_shard(
-                        k, src, scale, head_dim, stop - start, to, start, heads, head_err, total_err
+                        k, src, scale, head_dim, stop - start, to, start, heads, head_err, total_err, global_scale
                     )
                     w.write_shard(k, q, qs)
                 if bar is not None:
@@ -187,27 +228,58 @@ def _chain(first, rest):
     yield from rest
 
 
-def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, total_err):
-    if tuple(src.shape) != (n, head_dim):
-        raise InvalidArgumentError(
-            f"source shard {k}: expected rows of shape [{n}, {head_dim}], got {tuple(src.shape)}"
-        )
-    q = torch.empty(n, head_dim, dtype=format_info(to).storage_dtype)
-    qs = torch.empty(n, 1, dtype=torch.float32)
+def _quantize(x: torch.Tensor, to: str, global_scale: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 rows -> ``(stored rows, per-row scale or None)`` in format ``to``."""
+    if format_info(to).blocked:
+        return torch.from_numpy(quantize_blocks(x, to, global_scale)), None
+    return quantize_rows(x, to)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor | None, fmt: str, global_scale: float | None) -> torch.Tensor:
+    if format_info(fmt).blocked:
+        return dequantize_blocks(q, fmt, global_scale)
+    return dequantize(q, scale, torch.float32)
+
+
+def _requantize_shard(k, src, scale, head_dim, n, to, start, heads, head_err, total_err, global_scale=None):
+    width = format_info("nvfp4").width(head_dim) if src.dtype == torch.uint8 else head_dim
+    if tuple(src.shape) != (n, width):
+        raise InvalidArgumentError(f"source shard {k}: expected rows of shape [{n}, {width}], got {tuple(src.shape)}")
+    info = format_info(to)
+    q = torch.empty(n, info.width(head_dim), dtype=info.storage_dtype)
+    qs = None if info.blocked else torch.empty(n, 1, dtype=torch.float32)
     for c0 in range(0, n, _CHUNK_ROWS):
         c1 = min(n, c0 + _CHUNK_ROWS)
         x = _dequantized(src[c0:c1].cpu(), _scale_chunk(scale, c0, c1))
-        qc, sc = quantize_rows(x, to)
+        qc, sc = _quantize(x, to, global_scale)
         q[c0:c1] = qc
-        qs[c0:c1] = sc
-        errs = RowStats.of(x, dequantize(qc, sc, torch.float32))
+        if qs is not None:
+            qs[c0:c1] = sc
+        errs = RowStats.of(x, _dequantize(qc, sc, to, global_scale))
         total_err.add(errs)
         g0, g1 = start + c0, start + c1
         for (a, b), e in zip(heads, head_err):
             lo, hi = max(a, g0), min(b, g1)
             if lo < hi:
                 e.add(errs, lo - g0, hi - g0)
+    if to == "nvfp4":
+        qs = torch.tensor([global_scale], dtype=torch.float32)
     return q, qs
+
+
+def table_amax(shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]]) -> float:
+    """The largest magnitude of a table's dequantized (fp32) values, one pass over its shards
+    (what an nvfp4 conversion's global scale is made from)."""
+    amax = 0.0
+    for k, src, scale in shard_iter:
+        if scale is not None:
+            check_scale_values(scale, f"source shard {k}")
+        for c0 in range(0, src.shape[0], _CHUNK_ROWS):
+            c1 = min(src.shape[0], c0 + _CHUNK_ROWS)
+            x = _dequantized(src[c0:c1].cpu(), _scale_chunk(scale, c0, c1))
+            if x.numel():
+                amax = max(amax, float(x.abs().max()))
+    return amax
 
 
 def _row_mismatch(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -233,8 +305,9 @@ def compare_with_source(
     for k, src, scale in shard_iter:
         start, stop = table.shard_range(k)
         n = stop - start
-        if src.shape[0] != n or (n and src.shape[1] != table.head_dim):
-            problems.append(f"shard {k}: source has shape {tuple(src.shape)}, the file has [{n}, {table.head_dim}]")
+        src_width = format_info("nvfp4").width(table.head_dim) if src.dtype == torch.uint8 else table.head_dim
+        if src.shape[0] != n or (n and src.shape[1] != src_width):
+            problems.append(f"shard {k}: source has shape {tuple(src.shape)}, the file has [{n}, {src_width}]")
             continue
         seen.add(k)
         if n == 0:
@@ -251,7 +324,8 @@ def compare_with_source(
             if src_fmt == table.format:
                 want_q, want_s = src[c0:c1], s
             else:
-                want_q, want_s = quantize_rows(_dequantized(src[c0:c1].cpu(), s), table.format)
+                g = float(table.scale[0]) if table.format == "nvfp4" and table.scale is not None else None
+                want_q, want_s = _quantize(_dequantized(src[c0:c1].cpu(), s), table.format, g)
             got = tensor_bytes(table.data[start + c0 : start + c1]).reshape(c1 - c0, rn)
             want = tensor_bytes(want_q).reshape(c1 - c0, rn)
             diff = _row_mismatch(got, want)

@@ -5,7 +5,8 @@ File layout (all integers little-endian)::
     [0, 8)                 magic b"PLETABLE"
     [8, 16)                header length L (uint64)
     [16, 16 + L)           header: UTF-8 JSON (see below), space-padded up to data_offset
-    [data_offset, ...)     rows: rows * head_dim values of the storage dtype, row-major
+    [data_offset, ...)     rows: rows * head_dim values of the storage dtype, row-major (block
+                           formats: each row its head_dim / block blocks, see ple.table.blocks)
     [scale_offset, ...)    scales, float32: 1 value (global) or one per row (per-row formats)
 
 ``data_offset`` and ``scale_offset`` are multiples of 4096. The header records the geometry
@@ -179,7 +180,7 @@ def _geometry(rows: int, head_dim: int, format: str, shard_rows: int) -> dict[st
     if head_dim > _MAX_HEAD_DIM:
         raise InvalidArgumentError(f"head_dim must be at most {_MAX_HEAD_DIM}, got {head_dim}")
     info = format_info(format)
-    row_nbytes = head_dim * info.itemsize
+    row_nbytes = info.row_nbytes(head_dim)
     if rows * (row_nbytes + 4) > _MAX_BYTES:
         raise InvalidArgumentError(
             f"a table of {rows} rows of {row_nbytes} bytes does not fit a table file (at most {_MAX_BYTES} bytes)"
@@ -421,9 +422,10 @@ class TableFileWriter:
         return shard_bounds(k, self.shard_rows, self.rows)
 
     def _check_rows(self, rows: torch.Tensor, n: int, what: str) -> None:
-        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n, self.head_dim):
+        width = self._info.width(self.head_dim)
+        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (n, width):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise InvalidArgumentError(f"{what}: expected rows of shape [{n}, {self.head_dim}], got {shape}")
+            raise InvalidArgumentError(f"{what}: expected rows of shape [{n}, {width}], got {shape}")
         if rows.dtype != self._info.storage_dtype:
             raise InvalidArgumentError(
                 f"{what}: format {self.format!r} stores {self._info.storage_dtype}, got rows of dtype {rows.dtype}"
@@ -451,7 +453,7 @@ class TableFileWriter:
         return tensor_bytes(s32)
 
     def set_global_scale(self, scale: torch.Tensor | float) -> None:
-        """Set the global scale of an "fp8" table (one positive finite value; setting it again must agree)."""
+        """Set the global scale of an "fp8" or "nvfp4" table (one positive finite value; setting it again must agree)."""
         self._check_open()
         if self._info.scale_kind != "global":
             raise InvalidArgumentError(f"format {self.format!r} has no global scale")
@@ -717,9 +719,12 @@ def _validate(header: Any, path: Path, header_end: int, file_size: int) -> dict[
     f.equal("byte_order", "little")
     rows = f.integer("rows", 1)
     head_dim = f.integer("head_dim", 1, _MAX_HEAD_DIM)
-    f.equal("row_nbytes", head_dim * info.itemsize, f"head_dim {head_dim} x {info.itemsize} bytes")
-    data_nbytes = rows * head_dim * info.itemsize
-    f.equal("data_nbytes", data_nbytes, f"{rows} rows of {head_dim * info.itemsize} bytes")
+    if info.blocked and head_dim % info.block:
+        raise f.bad("head_dim", f"a multiple of {info.block}, the block of format {info.name!r}")
+    row_nbytes = info.row_nbytes(head_dim)
+    f.equal("row_nbytes", row_nbytes, f"head_dim {head_dim} in format {info.name!r}")
+    data_nbytes = rows * row_nbytes
+    f.equal("data_nbytes", data_nbytes, f"{rows} rows of {row_nbytes} bytes")
     data_offset = f.integer("data_offset", header_end)
     if data_offset % _ALIGN:
         raise f.bad("data_offset", f"a multiple of {_ALIGN}")

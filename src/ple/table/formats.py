@@ -11,6 +11,18 @@ scale: one global value (``[1]``) or one value per row (``[rows, 1]``).
 | "fp8"      | torch.float8_e4m3fn   | global, [1]  |
 | "fp8_row"  | torch.float8_e4m3fn   | per row, [rows, 1] |
 | "int8_row" | torch.int8            | per row, [rows, 1] |
+| "q8_0"     | torch.uint8 (blocks)  | none (in the blocks) |
+| "q5_1"     | torch.uint8 (blocks)  | none (in the blocks) |
+| "q5_0"     | torch.uint8 (blocks)  | none (in the blocks) |
+| "q4_1"     | torch.uint8 (blocks)  | none (in the blocks) |
+| "q4_0"     | torch.uint8 (blocks)  | none (in the blocks) |
+| "iq4_nl"   | torch.uint8 (blocks)  | none (in the blocks) |
+| "mxfp4"    | torch.uint8 (blocks)  | none (in the blocks) |
+| "nvfp4"    | torch.uint8 (blocks)  | global, [1] (and E4M3 ones in the rows) |
+
+Block formats (:mod:`ple.table.blocks`) store a row of ``head_dim`` values as
+``head_dim / block`` whole blocks, so ``data`` is ``[rows, row_nbytes]`` bytes, each row's values
+and block scales together (one read fetches a row); ``head_dim`` must be a multiple of the block.
 
 Dequantization is ``row.to(dtype) * scale.to(dtype)`` in the activation dtype,
 ``row.to(dtype)`` for plain formats. Every scale is a positive finite number (a zero, negative,
@@ -32,6 +44,7 @@ __all__ = [
     "FORMATS",
     "ACTIVATION_DTYPES",
     "FormatInfo",
+    "BLOCK_FORMATS",
     "format_info",
     "infer_format",
     "check_table_tensors",
@@ -49,10 +62,46 @@ class FormatInfo:
     name: str
     storage_dtype: torch.dtype
     scale_kind: str
+    block: int = 1
+    """Values per block (1 for the element formats)."""
+    block_nbytes: int = 0
+    """Bytes per block (values and block scales); the element size for element formats."""
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.storage_dtype).element_size()
+
+    @property
+    def blocked(self) -> bool:
+        """Whether rows are stored as blocks of several values (a GGML-style block format)."""
+        return self.block > 1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Refuse a row width that is not a whole number of blocks."""
+        if self.blocked and head_dim % self.block:
+            raise InvalidArgumentError(
+                f"format {self.name!r} stores rows as blocks of {self.block} values: head_dim {head_dim} "
+                f"is not a multiple of {self.block}"
+            )
+
+    def width(self, head_dim: int) -> int:
+        """Columns of the stored ``data [rows, width]`` for rows of ``head_dim`` values."""
+        self.check_head_dim(head_dim)
+        return head_dim // self.block * self.block_nbytes if self.blocked else head_dim
+
+    def row_nbytes(self, head_dim: int) -> int:
+        """Bytes of one stored row of ``head_dim`` values (block scales included)."""
+        return self.width(head_dim) * self.itemsize
+
+    def head_dim_of(self, width: int) -> int:
+        """``head_dim`` of stored rows ``width`` columns wide."""
+        if not self.blocked:
+            return width
+        if width % self.block_nbytes:
+            raise InvalidArgumentError(
+                f"format {self.name!r} rows are whole blocks of {self.block_nbytes} bytes: a row of {width} bytes is not"
+            )
+        return width // self.block_nbytes * self.block
 
 
 _INFOS = {
@@ -62,7 +111,23 @@ _INFOS = {
     "fp8": FormatInfo("fp8", torch.float8_e4m3fn, "global"),
     "fp8_row": FormatInfo("fp8_row", torch.float8_e4m3fn, "row"),
     "int8_row": FormatInfo("int8_row", torch.int8, "row"),
+    # GGML block layouts (bit-compatible with GGUF files): 32 values a block.
+    "q8_0": FormatInfo("q8_0", torch.uint8, "none", 32, 34),
+    "q5_1": FormatInfo("q5_1", torch.uint8, "none", 32, 24),
+    "q5_0": FormatInfo("q5_0", torch.uint8, "none", 32, 22),
+    "q4_1": FormatInfo("q4_1", torch.uint8, "none", 32, 20),
+    "q4_0": FormatInfo("q4_0", torch.uint8, "none", 32, 18),
+    "iq4_nl": FormatInfo("iq4_nl", torch.uint8, "none", 32, 18),
+    "mxfp4": FormatInfo("mxfp4", torch.uint8, "none", 32, 17),
+    # NVFP4 as engines store it: 16 E2M1 values a block with one E4M3 scale, one fp32 scale a table.
+    "nvfp4": FormatInfo("nvfp4", torch.uint8, "global", 16, 9),
 }
+for _k, _v in list(_INFOS.items()):
+    if not _v.blocked:
+        _INFOS[_k] = dataclasses.replace(_v, block_nbytes=_v.itemsize)
+
+BLOCK_FORMATS: tuple[str, ...] = tuple(k for k, v in _INFOS.items() if v.blocked)
+"""The block formats (rows stored as whole blocks of bytes)."""
 
 FORMATS: tuple[str, ...] = tuple(_INFOS)
 """Every table format name."""
@@ -93,6 +158,8 @@ def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
             f"table data of dtype {data.dtype} needs a scale: plain tables are one of {list(_PLAIN_BY_DTYPE)}"
         )
     per_row = scale.dim() == 2
+    if data.dtype == torch.uint8 and not per_row:
+        return "nvfp4"  # the one block format with a global scale
     if data.dtype == torch.float8_e4m3fn:
         return "fp8_row" if per_row else "fp8"
     if data.dtype == torch.int8 and per_row:
@@ -114,8 +181,14 @@ def check_table_tensors(data: torch.Tensor, scale: torch.Tensor | None, format: 
         raise InvalidArgumentError(f"table data must be a 2-D tensor [rows, head_dim], got {shape}")
     if scale is not None and not scale.is_floating_point():
         raise InvalidArgumentError(f"table scale must be a floating point tensor, got dtype {scale.dtype}")
+    if format is None and data.dtype == torch.uint8 and scale is None:
+        raise InvalidArgumentError(
+            f"uint8 table data is one of the block formats {list(BLOCK_FORMATS)}: name it (format=)"
+        )
     fmt = infer_format(data, scale) if format is None else format
     info = format_info(fmt)
+    if info.blocked:
+        info.head_dim_of(data.shape[1])
     if data.dtype != info.storage_dtype:
         raise InvalidArgumentError(f"format {fmt!r} stores {info.storage_dtype}, but the data is {data.dtype}")
     if info.scale_kind == "none" and scale is not None:

@@ -27,7 +27,7 @@ def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bo
         raise InvalidArgumentError(f"rows must be an integer >= 1, got {rows!r}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise InvalidArgumentError(f"head_dim must be an integer >= 1, got {head_dim!r}")
-    data = torch.empty(rows, head_dim, dtype=info.storage_dtype, device=device, pin_memory=pin_memory)
+    data = torch.empty(rows, info.width(head_dim), dtype=info.storage_dtype, device=device, pin_memory=pin_memory)
     shape = {"none": None, "global": (1,), "row": (rows, 1)}[info.scale_kind]
     # Scales start as NaN: a scale the loader forgot to fill shows up as NaN rows, never as
     # plausible numbers.
@@ -41,7 +41,7 @@ class _TensorTable(StoredTable):
     """A table held in one tensor (and its scale), the common part of the in-memory tiers."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, format: str) -> None:
-        super().__init__(format, data.shape[0], data.shape[1])
+        super().__init__(format, data.shape[0], format_info(format).head_dim_of(data.shape[1]))
         self._data = data
         self._scale = scale
 

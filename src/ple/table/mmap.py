@@ -40,6 +40,7 @@ _NP_STORAGE = {
     torch.float32: np.float32,
     torch.float8_e4m3fn: np.uint8,
     torch.int8: np.int8,
+    torch.uint8: np.uint8,
 }
 
 
@@ -90,7 +91,7 @@ class MmapTable(StoredTable):
             os.close(fd)
             raise
         info = format_info(self.format)
-        raw = _view(buf, _NP_STORAGE[info.storage_dtype], header["data_offset"], (self.rows, self.head_dim))
+        raw = _view(buf, _NP_STORAGE[info.storage_dtype], header["data_offset"], (self.rows, info.width(self.head_dim)))
         self._data: torch.Tensor | None = raw if raw.dtype == info.storage_dtype else raw.view(info.storage_dtype)
         kind = header["scale"]["kind"]
         self._scale: torch.Tensor | None
@@ -181,7 +182,7 @@ class MmapTable(StoredTable):
                 raise UsageError(f"a {self.format!r} table has no per-row scales to map")
             dtype, width, offset = torch.float32, 1, self.header["scale"]["offset"] + 4 * start
         else:
-            dtype, width = self.storage_dtype, self.head_dim
+            dtype, width = self.storage_dtype, format_info(self.format).width(self.head_dim)
             offset = self.header["data_offset"] + start * self.header["row_nbytes"]
         if n == 0:
             return torch.empty((0, width), dtype=dtype)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import check_activation_dtype, check_ids
+from ..blocks import dequantize_blocks
+from ..formats import check_activation_dtype, check_ids, format_info
 
 __all__ = ["gather_dequant_reference"]
 
@@ -17,6 +18,7 @@ def gather_dequant_reference(
     *,
     out: torch.Tensor | None = None,
     check: bool = True,
+    format: str | None = None,
 ) -> torch.Tensor:
     """``emb[t] = concat_g dequant(data[ids[t, g]])``.
 
@@ -27,6 +29,8 @@ def gather_dequant_reference(
         dtype: activation dtype of the result.
         out: optional ``[T, G*D]`` result tensor.
         check: check the ids' range (always done here; kept for the twin signature).
+        format: the table's format; needed for block formats (``data [R, row_nbytes]`` uint8, rows
+            decoded to float32 as :mod:`ple.table.blocks` defines, then rounded once to ``dtype``).
 
     Returns:
         ``[T, G*D]`` in ``dtype``: ``row.to(dtype) * scale.to(dtype)``, or ``row.to(dtype)`` when plain.
@@ -35,6 +39,14 @@ def gather_dequant_reference(
     check_ids(ids, data.shape[0])
     T, G = ids.shape
     ids = ids.to(data.device)
+    if format is not None and format_info(format).blocked:
+        D = format_info(format).head_dim_of(data.shape[1])
+        vals = dequantize_blocks(data[ids.reshape(-1)], format, scale)  # [T*G, D] float32
+        emb = vals.to(dtype).reshape(T, G * D)
+        if out is None:
+            return emb
+        out.copy_(emb)
+        return out
     rows = data[ids]  # [T, G, D]
     if scale is None:
         emb = rows.to(dtype)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import InvalidArgumentError
-from ..formats import check_activation_dtype, check_ids
+from ..blocks import dequantize_blocks
+from ..formats import check_activation_dtype, check_ids, format_info
 
 __all__ = ["gather_dequant_torch", "dequantize_rows_into", "gather_rows"]
 
@@ -50,15 +51,21 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     return torch.index_select(data, 0, flat_ids, out=out)
 
 
-def dequantize_rows_into(rows: torch.Tensor, scale_rows: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def dequantize_rows_into(
+    rows: torch.Tensor, scale_rows: torch.Tensor | None, out: torch.Tensor, format: str | None = None
+) -> torch.Tensor:
     """``out = rows.to(out.dtype) * scale_rows.to(out.dtype)``, bit-exact with the reference.
 
     Args:
-        rows: ``[N, D]`` gathered rows in the storage dtype.
+        rows: ``[N, D]`` gathered rows in the storage dtype (``[N, row_nbytes]`` uint8 for a block format).
         scale_rows: None, ``[1]`` (global) or ``[N, 1]`` (the gathered per-row scales).
         out: ``[N, D]`` contiguous result in the activation dtype, on the rows' device.
+        format: the table's format; needed for block formats (decoded by :mod:`ple.table.blocks`).
     """
     dtype = out.dtype
+    if format is not None and format_info(format).blocked:
+        out.copy_(dequantize_blocks(rows, format, scale_rows))
+        return out
     if rows.dtype == torch.float8_e4m3fn:
         # torch converts float8 element by element; a 256-entry table of the dequantized value of
         # every byte, applied with one index_select, is several times faster and exactly equal:
@@ -102,20 +109,28 @@ def gather_dequant_torch(
     *,
     out: torch.Tensor | None = None,
     check: bool = True,
+    format: str | None = None,
 ) -> torch.Tensor:
     """Twin of :func:`gather_dequant_reference` computed where ``data`` lives.
 
     ``data [R, D]``, ``scale`` None / ``[1]`` / ``[R, 1]``, ``ids [T, G]`` int64 -> ``[T, G*D]`` in
-    ``dtype``. ``check=False`` skips the range check (index_select still refuses bad ids).
+    ``dtype``. ``check=False`` skips the range check (index_select still refuses bad ids). Block
+    formats (``format``) gather their stored bytes and decode them.
     """
     check_activation_dtype(dtype)
     if check:
         check_ids(ids, data.shape[0])
     T, G = ids.shape
-    D = data.shape[1]
+    info = None if format is None else format_info(format)
+    blocked = info is not None and info.blocked
+    D = info.head_dim_of(data.shape[1]) if info is not None and blocked else data.shape[1]
     res = _result(out, T, G * D, dtype, data.device)
     flat = ids.reshape(-1).to(data.device)
     res2 = res.view(T * G, D)
+    if blocked:
+        assert format is not None
+        res2.copy_(dequantize_blocks(gather_rows(data, flat), format, scale))
+        return res
     if scale is None and data.dtype == dtype:
         gather_rows(data, flat, out=res2)
         return res

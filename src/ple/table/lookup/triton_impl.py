@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import InvalidArgumentError, UsageError
-from ..formats import check_activation_dtype, check_ids
+from ..blocks import code_values
+from ..formats import check_activation_dtype, check_ids, format_info
 
 try:
     import triton
@@ -103,6 +104,96 @@ if HAS_TRITON:
         store_mask = n_mask[:, None] & col_mask[None, :]
         tl.store(out_ptr + n[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
+    @triton.jit
+    def _half_at(ptr):
+        """Two little-endian bytes at ``ptr`` (any shape of pointers) -> their fp16 value as fp32."""
+        lo = tl.load(ptr).to(tl.int32)
+        hi = tl.load(ptr + 1).to(tl.int32)
+        bits = (lo | (hi << 8)).to(tl.int16)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _gather_blocks_kernel(
+        ids_ptr,
+        data_ptr,
+        lut_ptr,
+        scale_ptr,
+        out_ptr,
+        n_out_rows,
+        n_table_rows,
+        D,
+        row_nbytes,
+        FMT: tl.constexpr,
+        BLOCK_NBYTES: tl.constexpr,
+        OUT_KIND: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # FMT: 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0, 5 iq4_nl, 6 mxfp4, 7 nvfp4
+        pid_n = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        n_mask = n < n_out_rows
+        row = tl.load(ids_ptr + n, mask=n_mask, other=0).to(tl.int64)
+        valid = n_mask & (row >= 0) & (row < n_table_rows)
+        row = tl.where(valid, row, 0)
+        col_mask = cols < D
+        mask = valid[:, None] & col_mask[None, :]
+        base = data_ptr + row[:, None] * row_nbytes
+        if FMT == 7:
+            byte = tl.load(base + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
+            code = (byte >> ((cols % 2) * 4)[None, :]) & 15
+            sbyte = tl.load(base + (D // 2 + cols // 16)[None, :], mask=mask, other=0)
+            s = _decode_e4m3(sbyte)
+            y = tl.load(lut_ptr + code, mask=mask, other=0.0) * s
+            y = y * tl.load(scale_ptr).to(tl.float32)
+        else:
+            j = cols % 32
+            blk = base + ((cols // 32) * BLOCK_NBYTES)[None, :]
+            if FMT == 0:
+                d = _half_at(blk)
+                q = tl.load(blk + 2 + j[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+                y = q * d
+            elif FMT == 6:
+                e = tl.load(blk, mask=mask, other=0).to(tl.int32)
+                dbits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+                d = dbits.to(tl.float32, bitcast=True)
+                byte = tl.load(blk + 1 + (j % 16)[None, :], mask=mask, other=0).to(tl.int32)
+                code = (byte >> ((j // 16) * 4)[None, :]) & 15
+                y = d * tl.load(lut_ptr + code, mask=mask, other=0.0)
+            else:
+                d = _half_at(blk)
+                if FMT == 1:
+                    qs_off = 8
+                elif FMT == 2:
+                    qs_off = 6
+                elif FMT == 3:
+                    qs_off = 4
+                else:
+                    qs_off = 2
+                byte = tl.load(blk + qs_off + (j % 16)[None, :], mask=mask, other=0).to(tl.int32)
+                code = (byte >> ((j // 16) * 4)[None, :]) & 15
+                if FMT == 1 or FMT == 2:
+                    if FMT == 1:
+                        qh_off = 4
+                    else:
+                        qh_off = 2
+                    hb = tl.load(blk + qh_off + (j // 8)[None, :], mask=mask, other=0).to(tl.int32)
+                    code = code | (((hb >> (j % 8)[None, :]) & 1) << 4)
+                if FMT == 1 or FMT == 3:
+                    m = _half_at(blk + 2)
+                    y = d * code.to(tl.float32)
+                    y = y + m
+                elif FMT == 2:
+                    y = d * (code.to(tl.float32) - 16.0)
+                else:
+                    y = d * tl.load(lut_ptr + code, mask=mask, other=0.0)
+        y = _round_to_out(y, OUT_KIND)
+        y = tl.where(mask, y, 0.0)
+        store_mask = n_mask[:, None] & col_mask[None, :]
+        tl.store(out_ptr + n[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=store_mask)
+
 
 def _launch_shape(D: int) -> tuple[int, int]:
     """Hand-tuned tile: BLOCK_D a power of two dividing D when one >= 16 exists (160 -> 32)."""
@@ -123,6 +214,7 @@ def gather_dequant_triton(
     *,
     out: torch.Tensor | None = None,
     check: bool = True,
+    format: str | None = None,
 ) -> torch.Tensor:
     """Twin of :func:`gather_dequant_reference` as one Triton kernel.
 
@@ -137,6 +229,8 @@ def gather_dequant_triton(
     if check:
         check_ids(ids, data.shape[0])
     T, G = ids.shape
+    if format is not None and format_info(format).blocked:
+        return _gather_blocks(data, scale, ids, dtype, format, out)
     R, D = data.shape
     device = ids.device
     if out is None:
@@ -176,5 +270,75 @@ def gather_dequant_triton(
         OUT_KIND=_OUT_KIND[dtype],
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+    )
+    return out
+
+
+_BLOCK_CODE = {"q8_0": 0, "q5_1": 1, "q5_0": 2, "q4_1": 3, "q4_0": 4, "iq4_nl": 5, "mxfp4": 6, "nvfp4": 7}
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _lut(format: str, device: torch.device) -> torch.Tensor:
+    key = (format, device)
+    if key not in _LUTS:
+        values = code_values(format) if format in ("q4_0", "iq4_nl", "mxfp4", "nvfp4") else (0.0,) * 16
+        _LUTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _LUTS[key]
+
+
+def _gather_blocks(
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    format: str,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The block-format kernel: ``data [R, row_nbytes]`` uint8 (contiguous rows), ``scale`` nvfp4's
+    global ``[1]``. The launch turns fused multiply-add off, so the float32 steps round as the
+    reference's do."""
+    info = format_info(format)
+    T, G = ids.shape
+    R, W = data.shape
+    D = info.head_dim_of(W)
+    device = ids.device
+    if out is None:
+        out = torch.empty(T, G * D, dtype=dtype, device=device)
+    elif tuple(out.shape) != (T, G * D) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise InvalidArgumentError(
+            f"out must be a contiguous [{T}, {G * D}] {dtype} tensor on {device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    n = T * G
+    if n == 0:
+        return out
+    if data.stride(1) != 1 or data.stride(0) != W:
+        raise InvalidArgumentError("block-format rows must be contiguous for the Triton lookup")
+    if format == "nvfp4":
+        if scale is None:
+            raise InvalidArgumentError("nvfp4 rows need the table's global scale")
+        scale_arg = scale.reshape(1).to(device=device, dtype=torch.float32)
+    else:
+        scale_arg = _lut(format, device)
+    flat = ids.reshape(-1).contiguous()
+    block_d = 32
+    block_n = 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(D, block_d))
+    _gather_blocks_kernel[grid](
+        flat,
+        data,
+        _lut(format, device),
+        scale_arg,
+        out,
+        n,
+        R,
+        D,
+        W,
+        FMT=_BLOCK_CODE[format],
+        BLOCK_NBYTES=info.block_nbytes,
+        OUT_KIND=_OUT_KIND[dtype],
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        enable_fp_fusion=False,
     )
     return out

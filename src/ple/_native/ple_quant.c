@@ -1,0 +1,250 @@
+/* Fused gather + dequantize of block-format table rows (ple.table.blocks) on the CPU.
+ *
+ * ple_quant_lookup reads, for each of n row ids, the row's stored bytes and writes its head_dim
+ * values in the activation dtype: float32 values computed exactly as ple.table.blocks defines them
+ * (one float32 rounding per operation, in its order: no fused multiply-add, hence the pragma and
+ * the separate statements), then rounded once, to nearest even, to bf16 or fp16.
+ *
+ * Returns 0, or -1 when an id is outside [0, rows) (nothing is written past that id), -2 for an
+ * unknown format or output kind.
+ */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F_Q8_0 = 0, F_Q5_1, F_Q5_0, F_Q4_1, F_Q4_0, F_IQ4_NL, F_MXFP4, F_NVFP4 };
+enum { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 };
+
+static const float IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const float MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* IEEE half (little-endian bytes) -> float, exactly. */
+static float half_at(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+        return sign ? -v : v;
+    }
+    return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* float8 e4m3fn byte -> float, exactly (0x7f and 0xff are NaN). */
+static float e4m3(uint8_t b) {
+    uint32_t e = (b >> 3) & 15u, m = b & 7u;
+    float mag;
+    if ((b & 127u) == 127u) return NAN;
+    if (e == 0) mag = (float)m * 0.001953125f; /* m * 2^-9 */
+    else mag = bits_f32(((e + 120u) << 23) | (m << 20));
+    return (b & 128u) ? -mag : mag;
+}
+
+static uint16_t to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static uint16_t to_f16(float f) {
+    uint32_t u = f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to infinity */
+    if (a < 0x38800000u) {                                     /* below 2^-14: subnormal or zero */
+        float v = fabsf(f) * 16777216.0f;                       /* exact: value in units of 2^-24 */
+        return (uint16_t)(sign | (uint32_t)nearbyintf(v));
+    }
+    a = a + 0xfffu + ((a >> 13) & 1u);
+    return (uint16_t)(sign | ((a - 0x38000000u) >> 13));
+}
+
+static void store(void *out, int64_t at, const float *v, int64_t n, int kind) {
+    if (kind == OUT_F32) {
+        memcpy((float *)out + at, v, (size_t)n * 4);
+    } else if (kind == OUT_BF16) {
+        uint16_t *o = (uint16_t *)out + at;
+        for (int64_t i = 0; i < n; i++) o[i] = to_bf16(v[i]);
+    } else {
+        uint16_t *o = (uint16_t *)out + at;
+        for (int64_t i = 0; i < n; i++) o[i] = to_f16(v[i]);
+    }
+}
+
+/* Values of one 32-value GGML block into v[32]. */
+static void decode32(int fmt, const uint8_t *b, float *v) {
+    float d, m, t;
+    uint32_t qh;
+    int j;
+    switch (fmt) {
+    case F_Q8_0:
+        d = half_at(b);
+        for (j = 0; j < 32; j++) v[j] = (float)(int8_t)b[2 + j] * d;
+        return;
+    case F_Q4_0:
+        d = half_at(b);
+        for (j = 0; j < 16; j++) {
+            v[j] = d * (float)((int)(b[2 + j] & 15u) - 8);
+            v[j + 16] = d * (float)((int)(b[2 + j] >> 4) - 8);
+        }
+        return;
+    case F_IQ4_NL:
+        d = half_at(b);
+        for (j = 0; j < 16; j++) {
+            v[j] = d * IQ4NL[b[2 + j] & 15u];
+            v[j + 16] = d * IQ4NL[b[2 + j] >> 4];
+        }
+        return;
+    case F_Q4_1:
+        d = half_at(b);
+        m = half_at(b + 2);
+        for (j = 0; j < 16; j++) {
+            t = d * (float)(b[4 + j] & 15u);
+            v[j] = t + m;
+            t = d * (float)(b[4 + j] >> 4);
+            v[j + 16] = t + m;
+        }
+        return;
+    case F_Q5_0:
+        d = half_at(b);
+        qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+        for (j = 0; j < 16; j++) {
+            uint32_t lo = (b[6 + j] & 15u) | (((qh >> j) & 1u) << 4);
+            uint32_t hi = (uint32_t)(b[6 + j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+            v[j] = d * ((float)lo - 16.0f);
+            v[j + 16] = d * ((float)hi - 16.0f);
+        }
+        return;
+    case F_Q5_1:
+        d = half_at(b);
+        m = half_at(b + 2);
+        qh = (uint32_t)b[4] | ((uint32_t)b[5] << 8) | ((uint32_t)b[6] << 16) | ((uint32_t)b[7] << 24);
+        for (j = 0; j < 16; j++) {
+            uint32_t lo = (b[8 + j] & 15u) | (((qh >> j) & 1u) << 4);
+            uint32_t hi = (uint32_t)(b[8 + j] >> 4) | (((qh >> (j + 16)) & 1u) << 4);
+            t = d * (float)lo;
+            v[j] = t + m;
+            t = d * (float)hi;
+            v[j + 16] = t + m;
+        }
+        return;
+    default: { /* F_MXFP4: 2^(e-128) times twice the E2M1 value */
+        uint32_t e = b[0];
+        d = bits_f32(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23));
+        for (j = 0; j < 16; j++) {
+            v[j] = d * MXFP4[b[1 + j] & 15u];
+            v[j + 16] = d * MXFP4[b[1 + j] >> 4];
+        }
+        return;
+    }
+    }
+}
+
+typedef struct {
+    int fmt, kind;
+    const uint8_t *data;
+    int64_t rows, row_nbytes, block_nbytes, head_dim;
+    const int64_t *ids;
+    int64_t start, stop;
+    float global_scale;
+    void *out;
+    int status;
+} job_t;
+
+static void run(job_t *job) {
+    float v[32], t;
+    const int64_t D = job->head_dim;
+    for (int64_t i = job->start; i < job->stop; i++) {
+        int64_t r = job->ids[i];
+        if (r < 0 || r >= job->rows) {
+            job->status = -1;
+            return;
+        }
+        const uint8_t *row = job->data + r * job->row_nbytes;
+        if (job->fmt == F_NVFP4) {
+            const uint8_t *sc = row + D / 2;
+            for (int64_t c = 0; c < D; c += 16) {
+                float s = e4m3(sc[c / 16]);
+                for (int j = 0; j < 16; j += 2) {
+                    uint8_t byte = row[(c + j) / 2];
+                    t = E2M1[byte & 15u] * s;
+                    v[j] = t * job->global_scale;
+                    t = E2M1[byte >> 4] * s;
+                    v[j + 1] = t * job->global_scale;
+                }
+                store(job->out, i * D + c, v, 16, job->kind);
+            }
+        } else {
+            for (int64_t c = 0, k = 0; c < D; c += 32, k++) {
+                decode32(job->fmt, row + k * job->block_nbytes, v);
+                store(job->out, i * D + c, v, 32, job->kind);
+            }
+        }
+    }
+}
+
+static void *run_thread(void *arg) {
+    run((job_t *)arg);
+    return NULL;
+}
+
+int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nbytes, int64_t head_dim,
+                     const int64_t *ids, int64_t n, float global_scale, int out_kind, void *out, int threads) {
+    static const int64_t BLOCK_NBYTES[8] = {34, 24, 22, 20, 18, 18, 17, 9};
+    enum { MAX_THREADS = 64 };
+    job_t jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS];
+    if (fmt < 0 || fmt > F_NVFP4 || out_kind < OUT_F32 || out_kind > OUT_BF16) return -2;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (n < 256 * (int64_t)threads) threads = (int)(n / 256) > 1 ? (int)(n / 256) : 1;
+    for (int k = 0; k < threads; k++) {
+        job_t *j = &jobs[k];
+        j->fmt = fmt;
+        j->kind = out_kind;
+        j->data = data;
+        j->rows = rows;
+        j->row_nbytes = row_nbytes;
+        j->block_nbytes = BLOCK_NBYTES[fmt];
+        j->head_dim = head_dim;
+        j->ids = ids;
+        j->start = n * k / threads;
+        j->stop = n * (k + 1) / threads;
+        j->global_scale = global_scale;
+        j->out = out;
+        j->status = 0;
+        started[k] = 0;
+    }
+    for (int k = 1; k < threads; k++) started[k] = pthread_create(&tids[k], NULL, run_thread, &jobs[k]) == 0;
+    for (int k = 1; k < threads; k++)
+        if (!started[k]) run(&jobs[k]);
+    run(&jobs[0]);
+    int status = jobs[0].status;
+    for (int k = 1; k < threads; k++) {
+        if (started[k]) pthread_join(tids[k], NULL);
+        if (jobs[k].status) status = jobs[k].status;
+    }
+    return status;
+}

@@ -1,0 +1,365 @@
+"""GGUF files (llama.cpp's format, version 2 and 3) as a source of PLE tables: ple's own reader.
+
+:func:`read_gguf` parses the header of one file or of a split set (``<name>-00001-of-0000N.gguf``:
+every part is found beside the first and checked against its ``split.no`` / ``split.count``) into a
+:class:`GGUFModel`: metadata (scalars and arrays; the values of arrays longer than
+:data:`MAX_KEPT_ARRAY` are skipped, their length kept) and tensor descriptions, each with the part it
+lies in, its absolute byte range there and its ple format. Nothing of the tensors is read.
+
+GGUF stores a 2-D tensor with its dimensions innermost first: ``[ne0, ne1]`` is ``ne1`` rows of
+``ne0`` values, each row ``ne0 / block`` whole blocks; the GGML types ple serves map to table
+formats (:data:`GGML_FORMATS`), every other type is refused by name (:class:`GGUFError`).
+
+The PLE table of a ``qwen4exp`` GGUF is the tensor ``per_layer_token_embd.weight`` ([head_dim, rows]);
+the PLE metadata keys are ``<arch>.ple.*`` and ``<arch>.embedding_length_per_layer_input`` (see
+:data:`PLE_KEYS` and docs/FORMATS.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PLEError
+from .formats import format_info
+
+__all__ = [
+    "GGUFError",
+    "GGUFModel",
+    "GGUFTensor",
+    "GGML_FORMATS",
+    "PLE_KEYS",
+    "TABLE_TENSOR",
+    "read_gguf",
+    "split_parts",
+]
+
+TABLE_TENSOR = "per_layer_token_embd.weight"
+"""The tensor llama.cpp's converter writes a qwen4exp model's PLE table as."""
+
+PLE_KEYS = (
+    "ple.layers",
+    "ple.ngram_size",
+    "ple.heads_per_ngram",
+    "ple.conv_kernel",
+    "ple.eos_token_id",
+    "ple.layer_multipliers",
+    "ple.head_offsets",
+    "ple.head_vocab_sizes",
+    "embedding_length_per_layer_input",
+)
+"""The PLE metadata keys (each prefixed by ``<general.architecture>.``)."""
+
+GGML_FORMATS = {
+    0: "fp32",
+    1: "fp16",
+    30: "bf16",
+    8: "q8_0",
+    7: "q5_1",
+    6: "q5_0",
+    3: "q4_1",
+    2: "q4_0",
+    20: "iq4_nl",
+    39: "mxfp4",
+}
+"""GGML type number -> the table format that stores it byte for byte."""
+
+_GGML_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
+}  # fmt: skip
+
+MAX_KEPT_ARRAY = 1 << 16
+"""Arrays longer than this (a tokenizer's vocabulary) are skipped, their length kept."""
+
+_MAX_COUNT = 1 << 24
+_MAX_STRING = 1 << 24
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# value type -> (struct format, size)
+_SCALARS = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(PLEError, ValueError):
+    """A GGUF file ple cannot read as a table source; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF model: ``dims`` innermost first, GGML ``type`` (and its ple ``format``,
+    None when ple has none), and where its bytes lie (``path``, absolute ``offset``, ``nbytes``)."""
+
+    name: str
+    dims: tuple[int, ...]
+    type: int
+    path: Path
+    offset: int
+    nbytes: int | None
+
+    @property
+    def type_name(self) -> str:
+        return _GGML_NAMES.get(self.type, f"type {self.type}")
+
+    @property
+    def format(self) -> str | None:
+        return GGML_FORMATS.get(self.type)
+
+
+@dataclass
+class GGUFModel:
+    """The header of a GGUF model (one file or a split set)."""
+
+    paths: list[Path]
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor] = field(default_factory=dict)
+
+    @property
+    def arch(self) -> str | None:
+        a = self.metadata.get("general.architecture")
+        return a if isinstance(a, str) else None
+
+    def ple_metadata(self) -> dict[str, Any]:
+        """The PLE keys present (:data:`PLE_KEYS`, without the architecture prefix)."""
+        arch = self.arch
+        if arch is None:
+            return {}
+        return {k: self.metadata[f"{arch}.{k}"] for k in PLE_KEYS if f"{arch}.{k}" in self.metadata}
+
+
+class _Cursor:
+    def __init__(self, buf, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: the file ends inside its header ({what} at byte {self.pos})")
+        b = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return b
+
+    def scalar(self, kind: int, what: str):
+        fmt, size = _SCALARS[kind]
+        return struct.unpack(fmt, self.take(size, what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar(4, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(10, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        if n > _MAX_STRING:
+            raise GGUFError(f"{self.path}: {what} claims a string of {n} bytes")
+        try:
+            return bytes(self.take(n, what)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: {what} is not UTF-8 text") from None
+
+    def value(self, kind: int, what: str) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(kind, what)
+        if kind == _STRING:
+            return self.string(what)
+        if kind != _ARRAY:
+            raise GGUFError(f"{self.path}: {what} has unknown value type {kind}")
+        elem = self.u32(what)
+        n = self.u64(what)
+        if n > len(self.buf):
+            raise GGUFError(f"{self.path}: {what} claims an array of {n} values")
+        if elem == _ARRAY:
+            raise GGUFError(f"{self.path}: {what} is an array of arrays, which ple does not read")
+        if elem in _SCALARS and n > MAX_KEPT_ARRAY:
+            self.take(n * _SCALARS[elem][1], what)
+            return _Skipped(n)
+        values = [self.value(elem, what) for _ in range(n)]
+        return values if n <= MAX_KEPT_ARRAY else _Skipped(n)
+
+
+@dataclass(frozen=True)
+class _Skipped:
+    """An array too long to keep: its length."""
+
+    length: int
+
+
+def split_parts(path: str | os.PathLike) -> list[Path]:
+    """Every file of the model ``path`` names: itself, or for ``<stem>-0000k-of-0000N.gguf`` the N
+    parts beside it (each must exist)."""
+    p = Path(path)
+    m = _SPLIT.match(p.name)
+    if m is None:
+        return [p]
+    count = int(m["count"])
+    if count < 1 or int(m["no"]) > count:
+        raise GGUFError(f"{p}: a split part numbered {m['no']} of {m['count']}")
+    parts = [p.with_name(f"{m['stem']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    missing = [q.name for q in parts if not q.is_file()]
+    if missing:
+        raise GGUFError(f"{p}: split set of {count} files lacks {', '.join(missing)}")
+    return parts
+
+
+def _read_one(path: Path) -> tuple[int, dict[str, Any], list[GGUFTensor]]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise GGUFError(f"{path} is a folder, not a GGUF file") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < 24:
+            raise GGUFError(f"{path}: {size} bytes is too short for a GGUF file")
+        buf = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        c = _Cursor(memoryview(buf), path)
+        if bytes(c.take(4, "magic")) != b"GGUF":
+            raise GGUFError(f"{path}: not a GGUF file (no GGUF magic)")
+        version = c.u32("version")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: GGUF version {version}, ple reads versions 2 and 3")
+        n_tensors, n_kv = c.u64("tensor count"), c.u64("metadata count")
+        if n_tensors > _MAX_COUNT or n_kv > _MAX_COUNT:
+            raise GGUFError(f"{path}: header claims {n_tensors} tensors and {n_kv} metadata entries")
+        meta: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = c.string(f"metadata key {i}")
+            meta[key] = c.value(c.u32(key), key)
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor name {i}")
+            nd = c.u32(name)
+            if not 1 <= nd <= 4:
+                raise GGUFError(f"{path}: tensor {name} has {nd} dimensions")
+            dims = tuple(c.u64(name) for _ in range(nd))
+            infos.append((name, dims, c.u32(name), c.u64(name)))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align < 1 or align & (align - 1):
+            raise GGUFError(f"{path}: general.alignment {align!r} is not a power of two")
+        data_start = -(-c.pos // align) * align
+        tensors = []
+        for name, dims, typ, off in infos:
+            nbytes = _nbytes(dims, typ)
+            start = data_start + off
+            if nbytes is not None and start + nbytes > size:
+                raise GGUFError(
+                    f"{path}: tensor {name} ({nbytes} bytes at byte {start}) runs past the end of the file "
+                    f"({size} bytes): the data section is truncated"
+                )
+            tensors.append(GGUFTensor(name, dims, typ, path, start, nbytes))
+        return version, meta, tensors
+    finally:
+        c.buf.release()
+        buf.close()
+
+
+def _nbytes(dims: tuple[int, ...], typ: int) -> int | None:
+    fmt = GGML_FORMATS.get(typ)
+    if fmt is None:
+        return None
+    info = format_info(fmt)
+    n = 1
+    for d in dims[1:]:
+        n *= d
+    if dims[0] % info.block:
+        return None
+    return n * info.row_nbytes(dims[0])
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFModel:
+    """The header of the GGUF model ``path`` (one file, or the first or any part of a split set)."""
+    parts = split_parts(path)
+    model: GGUFModel | None = None
+    for k, p in enumerate(parts):
+        version, meta, tensors = _read_one(p)
+        if len(parts) > 1:
+            no, count = meta.get("split.no"), meta.get("split.count")
+            if no != k or count != len(parts):
+                raise GGUFError(f"{p}: its split.no/split.count are {no}/{count}, its name says {k}/{len(parts)}")
+        if model is None:
+            model = GGUFModel(parts, version, meta)
+        for t in tensors:
+            if t.name in model.tensors:
+                raise GGUFError(f"{p}: tensor {t.name} appears twice in the set")
+            model.tensors[t.name] = t
+    assert model is not None
+    want = model.metadata.get("split.tensors.count")
+    if len(parts) > 1 and isinstance(want, int) and want != len(model.tensors):
+        raise GGUFError(f"{parts[0]}: split.tensors.count is {want}, the parts hold {len(model.tensors)} tensors")
+    return model
+
+
+def table_tensor(model: GGUFModel, name: str = TABLE_TENSOR, head_dim: int | None = None) -> GGUFTensor:
+    """The table tensor, checked: present, 2-D ``[head_dim, rows]``, of a type ple serves, its row a
+    whole number of blocks (and ``head_dim`` wide when given)."""
+    t = model.tensors.get(name)
+    where = model.paths[0]
+    if t is None:
+        raise GGUFError(f"{where}: no tensor {name!r} (the PLE table a qwen4exp GGUF holds)")
+    if len(t.dims) != 2:
+        raise GGUFError(f"{t.path}: tensor {name} has shape {list(t.dims)}, expected [head_dim, rows]")
+    if t.format is None:
+        raise GGUFError(
+            f"{t.path}: tensor {name} is of GGML type {t.type_name}, which ple has no table format for "
+            f"(it reads {', '.join(_GGML_NAMES[k] for k in GGML_FORMATS)})"
+        )
+    if t.nbytes is None:
+        raise GGUFError(
+            f"{t.path}: tensor {name} rows of {t.dims[0]} values are not whole {t.type_name} blocks "
+            f"of {format_info(t.format).block}"
+        )
+    if head_dim is not None and t.dims[0] != head_dim:
+        raise GGUFError(f"{t.path}: tensor {name} has rows of {t.dims[0]} values, the model's head_dim is {head_dim}")
+    return t
+
+
+def iter_rows(t: GGUFTensor, shard_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(k, stored rows [n, row_nbytes or head_dim])`` of a 2-D table tensor, ``shard_rows`` at a time,
+    read with ``pread`` into fresh buffers (nothing stays mapped)."""
+    fmt = t.format
+    assert fmt is not None
+    info = format_info(fmt)
+    width, rows = info.width(t.dims[0]), t.dims[1]
+    rn = info.row_nbytes(t.dims[0])
+    fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for k, start in enumerate(range(0, rows, shard_rows)):
+            n = min(shard_rows, rows - start)
+            buf = bytearray(n * rn)
+            view, got, off = memoryview(buf), 0, t.offset + start * rn
+            while got < len(buf):
+                m = os.preadv(fd, [view[got:]], off + got)
+                if m == 0:
+                    raise GGUFError(
+                        f"{t.path}: tensor {t.name} ends early, at byte {off + got}: the file was cut short"
+                    )
+                got += m
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            yield k, raw.view(info.storage_dtype).reshape(n, width)
+    finally:
+        os.close(fd)
