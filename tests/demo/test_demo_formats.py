@@ -38,5 +38,7 @@ def test_serving_from_a_block_table(wide_config, tmp_path, capsys, fmt):
 
 
 def test_table_format_needs_a_table_file(wide_config, capsys):
-    assert main(["demo", "--config", str(wide_config), "--table-format", "q4_0", "--tier", "memory"]) == 1
+    assert (
+        main(["demo", "--config", str(wide_config), "--table-format", "q4_0", "--tier", "memory"]) == 2
+    )  # options that do not fit together
     assert "--table-format serves" in capsys.readouterr().err
