@@ -23,6 +23,7 @@ from ple.config import PLEConfig
 from ple.errors import InvalidArgumentError
 from ple.integrations.tables import RECORD_SUFFIX, default_table_dir
 from ple.integrations.transformers import (
+    ScaledTableWarning,
     TableStub,
     dequantize_checkpoint,
     from_pretrained,
@@ -364,7 +365,8 @@ def test_bad_per_row_scales_are_refused_by_every_tier(tmp_path):
     is refused, as the table-file tiers refuse it."""
     model = tiny_model(tiny_config(split_ngram_parts=4), seed=28)
     patch(model, lambda weight, layer: MemoryTable(*quantize_rows(weight, "fp8_row")))
-    _save(model, tmp_path / "ckpt")
+    with pytest.warns(ScaledTableWarning):
+        _save(model, tmp_path / "ckpt")
     f = tmp_path / "ckpt" / "model.safetensors"
     with safe_open(str(f), "pt") as h:
         tensors = {k: h.get_tensor(k) for k in h.keys()}
@@ -478,7 +480,8 @@ def _quantized_checkpoint(path, fmt, seed):
         return MemoryTable(q, s)
 
     patch(model, quantized)
-    _save(model, path)
+    with pytest.warns(ScaledTableWarning):  # plain transformers would ignore the scales
+        _save(model, path)
     from ple.integrations.transformers import unpatch
 
     unpatch(model)

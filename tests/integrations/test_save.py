@@ -110,12 +110,14 @@ def test_a_ple_loaded_model_keeps_dtype_and_format(tmp_path):
 
     fp8 = tiny_model(tiny_config(split_ngram_parts=4), seed=33)
     patch(fp8, lambda weight, layer: MemoryTable(*quantize_global(weight)))
-    fp8.save_pretrained(tmp_path / "fp8")
+    with pytest.warns(ScaledTableWarning):
+        fp8.save_pretrained(tmp_path / "fp8")
     unpatch(fp8, materialize=True)
     for tier in ("mmap", "memory"):
         kw = {"table_dir": tmp_path / "t2"} if tier == "mmap" else {}
         loaded = from_pretrained(tmp_path / "fp8", table_tier=tier, **kw)
-        loaded.save_pretrained(tmp_path / f"fp8-{tier}")
+        with pytest.warns(ScaledTableWarning):
+            loaded.save_pretrained(tmp_path / f"fp8-{tier}")
         assert_same_checkpoint(tmp_path / "fp8", tmp_path / f"fp8-{tier}")
 
 
@@ -213,7 +215,8 @@ def test_table_file_maps_are_checked_and_outlive_the_table(tmp_path):
         table.map_rows(0, 1, scales=True)
     unpatch(model)
     patch(model, lambda weight, layer: MemoryTable(*quantize_rows(weight, "fp8_row")))
-    model.save_pretrained(tmp_path / "fp8row")
+    with pytest.warns(ScaledTableWarning, match="saved as fp8_row"):
+        model.save_pretrained(tmp_path / "fp8row")
     unpatch(model, materialize=True)
     loaded = from_pretrained(tmp_path / "fp8row", table_dir=tmp_path / "t")
     table = patched_layers(loaded)[0].layer.table
