@@ -112,3 +112,19 @@ def test_an_nvfp4_checkpoint_loads_like_the_fp8_one(wide, tmp_path):
         assert np.array_equal(w.layer.table.data.numpy(), q) and float(w.layer.table.scale[0]) == np.float32(g)
     in_memory = from_pretrained(tmp_path / "nv", table_tier="memory")
     torch.testing.assert_close(_logits(in_memory), _logits(model), rtol=0, atol=0)
+
+
+def test_an_nvfp4_checkpoint_saves_dequantized(wide, tmp_path):
+    from ple.checkpoint import CheckpointError
+    from ple.integrations.transformers import dequantize_checkpoint
+
+    path, _ = wide
+    _nvfp4_copy(path, tmp_path / "nv")
+    with pytest.raises(CheckpointError, match="NVFP4 table"):
+        dequantize_checkpoint(tmp_path / "nv", tmp_path / "plain")
+    model = from_pretrained(tmp_path / "nv", table_dir=tmp_path / "t")
+    want = _logits(model)
+    model.save_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(
+        _logits(Qwen4ExpForCausalLM.from_pretrained(tmp_path / "saved")), want, rtol=1e-5, atol=1e-5
+    )

@@ -209,6 +209,11 @@ def _dequantize_file(
         if _SCALE_RE.search(name):
             continue
         scale = None
+        if _TABLE_RE.search(name) and e.dtype == "U8":
+            raise CheckpointError(
+                f"{name} is an NVFP4 table (U8), which this copy does not expand: load the model with ple's "
+                "from_pretrained and save_pretrained it (its tables are written dequantized)"
+            )
         if _TABLE_RE.search(name) and e.dtype in ("F8_E4M3", "I8"):
             scale = scales.get(_table_scale_name(name)) or scales.get(_global_scale_name(name))
             if scale is None:
