@@ -219,6 +219,23 @@ def _firsts(*keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Bool mask: which entries of ``x`` are in the sorted distinct array ``sorted_set``."""
+    if not sorted_set.size:
+        return np.zeros(x.shape, dtype=bool)
+    i = np.minimum(np.searchsorted(sorted_set, x), sorted_set.size - 1)
+    return sorted_set[i] == x
+
+
+def _insert_sorted(sorted_set: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``sorted_set`` with the entries of ``x`` it lacks, still sorted and distinct (a merge, not a
+    new sort of the whole set: the set grows with every window)."""
+    new = np.sort(x)
+    new = new[np.concatenate([[True], new[1:] != new[:-1]])] if new.size else new
+    new = new[~_member(new, sorted_set)]
+    return np.insert(sorted_set, np.searchsorted(sorted_set, new), new)
+
+
 class _Grams:
     """The distinct n-grams of one head and the row each hashes to (a function of the n-gram, so
     distinct (row, n-gram) pairs are distinct n-grams). An n-gram is one int64 key when its tokens
@@ -303,7 +320,7 @@ class _DecodeTraffic:
         r, s, i, order = r[t], s[t], i[t], order[t]
         first_in_step = _firsts(s, r)
         first_in_request = _firsts(i, r)
-        earlier = np.isin(r, self.seen) | ~_firsts(r)
+        earlier = _member(r, self.seen) | ~_firsts(r)
         masks = (
             ~first_in_step,
             first_in_step & ~first_in_request,
@@ -313,7 +330,7 @@ class _DecodeTraffic:
         for c, m in enumerate(masks):
             self.classes[c] += np.bincount(order[m], minlength=self.orders)
         self.lookups += np.bincount(order, minlength=self.orders)
-        self.seen = np.union1d(self.seen, r)
+        self.seen = _insert_sorted(self.seen, r)
         self.requests += R
         self.steps += max(lens)
         reads, read_order = r[first_in_step].tolist(), order[first_in_step]

@@ -30,7 +30,7 @@ from ple.integrations.transformers import (
     patch,
     patched_layers,
 )
-from ple.table import CachedTable, MemoryTable, MmapTable, quantize_global, quantize_rows
+from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, quantize_global, quantize_rows
 
 from .helpers import (
     LOGIT_ATOL,
@@ -84,7 +84,7 @@ def _table_bytes_of(path):
     return out
 
 
-@pytest.mark.parametrize("tier", ["mmap", "cached", "memory"])
+@pytest.mark.parametrize("tier", ["mmap", "cached", "memory", "direct"])
 def test_generates_what_transformers_generates(checkpoint, tier, tmp_path):
     path, want, reference = checkpoint
     ids, mask = prompts(seed=21)
@@ -93,7 +93,7 @@ def test_generates_what_transformers_generates(checkpoint, tier, tmp_path):
     assert type(model) is Qwen4ExpForCausalLM
     wrappers = patched_layers(model)
     assert [w.layer_idx for w in wrappers] == [0, 1]
-    kind = {"mmap": MmapTable, "cached": CachedTable, "memory": MemoryTable}[tier]
+    kind = {"mmap": MmapTable, "cached": CachedTable, "memory": MemoryTable, "direct": DirectTable}[tier]
     assert all(type(w.layer.table) is kind for w in wrappers)
     assert all(isinstance(w.original.ple_embedding.ngram_embedding, TableStub) for w in wrappers)
     # the table is nowhere in the model: not a parameter, not a buffer
@@ -541,6 +541,10 @@ def test_arguments_are_checked(checkpoint, tmp_path):
         from_pretrained(path, table_tier="memory", table_dir=tmp_path)
     with pytest.raises(ValueError, match="table_cache_rows is for"):
         from_pretrained(path, table_cache_rows=10, table_dir=tmp_path)
+    with pytest.raises(ValueError, match="memory_budget is for table_tier='direct'"):
+        from_pretrained(path, memory_budget=10, table_dir=tmp_path)
+    with pytest.raises(ValueError, match="memory_budget must be >= 0"):
+        from_pretrained(path, table_tier="direct", memory_budget=-1, table_dir=tmp_path)
     with pytest.raises(ValueError, match="state_dict"):
         from_pretrained(path, state_dict={})
     with pytest.raises(FileNotFoundError, match="not a model folder"):

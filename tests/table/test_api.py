@@ -5,6 +5,7 @@ def test_public_api_is_pinned():
     assert sorted(table.__all__) == sorted(
         [
             "CachedTable",
+            "DirectTable",
             "FORMATS",
             "IdOutOfRangeError",
             "MemoryTable",

@@ -14,6 +14,7 @@ from ple.errors import InvalidArgumentError
 from ple.table import FORMATS, MemoryTable, TableFileError
 from ple.table.base import TableRef, lookup_through
 from ple.table.direct import SLOT_OVERHEAD, DirectTable, _spans
+from ple.table.formats import BLOCK_FORMATS
 
 from ._helpers import assert_same, make_table, random_ids, write_file
 
@@ -60,7 +61,8 @@ def _drop_cache(path) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("memory_budget", [0, 64 * 1024])
 def test_lookups_equal_the_memory_table(tmp_path, fmt, memory_budget):
-    path, mem = _table_file(tmp_path, fmt)
+    # block formats need whole blocks a row (32 values; nvfp4 16): 160 values, the published width
+    path, mem = _table_file(tmp_path, fmt, hd=160 if fmt in BLOCK_FORMATS else HD)
     t = DirectTable(path, memory_budget=memory_budget, queue_depth=32)
     try:
         for seed in range(3):  # repeated lookups: cache hits and misses mixed

@@ -72,7 +72,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..files import read_json
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
-from ..table import CachedTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
+from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
 from ..table.blocks import dequantize_blocks
 from ..table.convert import TARGET_NAMES
 from .checkpoints import dequantize_checkpoint
@@ -97,7 +97,7 @@ __all__ = [
 
 TABLE_TIERS = ("memory", "mmap")
 """The tiers :func:`patch` builds by name (any other through a table factory)."""
-LOAD_TIERS = ("mmap", "cached", "memory")
+LOAD_TIERS = ("mmap", "cached", "memory", "direct")
 """The tiers :func:`from_pretrained` serves tables from."""
 DEFAULT_CACHE_ROWS = 1 << 20
 """Rows a ``"cached"`` table keeps in memory by default (160 MB of fp8 rows at the published width)."""
@@ -820,6 +820,7 @@ def from_pretrained(
     table_dir: str | os.PathLike | None = None,
     table_tier: str = "mmap",
     table_cache_rows: int | None = None,
+    memory_budget: int | None = None,
     progress: bool | None = None,
     table_format: str | None = None,
     **kwargs,
@@ -844,11 +845,15 @@ def from_pretrained(
             ``"memory"`` (the table read into memory in the checkpoint's format; no table files).
         table_cache_rows: rows of the ``"cached"`` tier, an int >= 1 (default :data:`DEFAULT_CACHE_ROWS`);
             checked before anything is converted or loaded.
+        memory_budget: ``table_tier="direct"`` (rows read from the table files with ``pread``,
+            bypassing the page cache, :class:`ple.table.DirectTable`): bytes of rows each table keeps
+            in memory, an int >= 0 (default 64 MiB). A direct table cannot give its rows back to
+            transformers (``unpatch``, ``save_pretrained``).
         progress: progress bars while converting (default: when stderr is a terminal).
         table_format: serve a copy of each table in this format ("q4_0", "q5_1", "iq4_nl", "nvfp4",
             ... any name ``ple convert --to`` takes; docs/FORMATS.md weighs them), made once in
             ``table_dir`` and reused like the checkpoint-format files; None (default) serves the
-            checkpoint's own format. Tiers "mmap" and "cached" only.
+            checkpoint's own format. Tiers "mmap", "cached" and "direct".
 
     Returns:
         The patched model (and transformers' loading info when ``output_loading_info=True``). Each
@@ -864,9 +869,17 @@ def from_pretrained(
     if table_tier == "memory" and table_dir is not None:
         raise InvalidArgumentError("table_dir is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
     if table_format is not None and table_tier == "memory":
-        raise InvalidArgumentError("table_format is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
+        raise InvalidArgumentError(
+            "table_format is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
+        )
     if table_format is not None and table_format not in TARGET_NAMES:
         raise InvalidArgumentError(f"table_format must be one of {list(TARGET_NAMES)}, got {table_format!r}")
+    if memory_budget is not None and table_tier != "direct":
+        raise InvalidArgumentError(f"memory_budget is for table_tier='direct', got table_tier={table_tier!r}")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)):
+        raise ArgumentTypeError(f"memory_budget must be an int (bytes), got {memory_budget!r}")
+    if memory_budget is not None and memory_budget < 0:
+        raise InvalidArgumentError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
     if table_cache_rows is not None and table_tier != "cached":
         raise InvalidArgumentError(f"table_cache_rows is for table_tier='cached', got table_tier={table_tier!r}")
     if table_cache_rows is not None and (isinstance(table_cache_rows, bool) or not isinstance(table_cache_rows, int)):
@@ -912,6 +925,16 @@ def from_pretrained(
             if table_tier == "cached":
                 rows = DEFAULT_CACHE_ROWS if table_cache_rows is None else table_cache_rows
                 return CachedTable(mapped, rows, device=device)
+            if table_tier == "direct":
+                path = prepared[idx].path
+                direct = DirectTable(
+                    path, mapped.layout_hash, memory_budget=64 << 20 if memory_budget is None else memory_budget
+                )
+                if not mapped.same_file(path):  # the file checked is the file served
+                    direct.close()
+                    raise InvalidArgumentError(f"{path} was replaced while it was opened: load again")
+                mapped.close()
+                return direct
             return mapped
 
         patch(model, factory)

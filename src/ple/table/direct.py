@@ -403,9 +403,9 @@ class DirectTable(Table):
         local = torch.from_numpy(inverse.reshape(ids.shape).astype(np.int64))
         dev = out.device
         if dev.type == "cpu":
-            gather_dequant(data, scale, local, out.dtype, out=out, check=False)
+            gather_dequant(data, scale, local, out.dtype, out=out, check=False, format=self.format)
         else:
-            res = gather_dequant(data, scale, local, out.dtype, check=False)
+            res = gather_dequant(data, scale, local, out.dtype, check=False, format=self.format)
             out.copy_(res.to(dev))
 
     @property
