@@ -67,10 +67,14 @@ def test_ranks_beyond_what_the_machine_runs_are_refused_before_any_spawn(monkeyp
     _one_line_refusal(res, "10000 local ranks: this machine runs at most")
 
 
-def _main_refusal(capsys, args: list[str], *parts: str) -> None:
-    assert main(args) == 1
+def _main_refusal(capsys, args: list[str], *parts: str, status: int = 1) -> None:
+    assert main(args) == status
     err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err, err
+    # exit 1: one line; exit 2 (a wrong command-line value): the command's usage, then one error line
+    assert status == 2 or len(err.strip().splitlines()) == 1, err
+    if status == 2:
+        assert err.splitlines()[0].startswith("usage: ") and err.strip().splitlines()[-1].startswith("ple "), err
     for p in parts:
         assert p in err, err
 
@@ -78,7 +82,7 @@ def _main_refusal(capsys, args: list[str], *parts: str) -> None:
 @pytest.mark.parametrize("value", ["inf", "1e-9", "nan", "0", "-3", "1e99"])
 def test_dist_timeouts_that_are_no_timeout_are_refused(value, capsys):
     args = ["demo", "--ranks", "2", "--parallel", "sp", "--dist-timeout", value]
-    _main_refusal(capsys, args, "--dist-timeout must be between 0.01 and 604800 seconds")
+    _main_refusal(capsys, args, "--dist-timeout must be between 0.01 and 604800 seconds", status=2)
     with pytest.raises(InvalidArgumentError, match="timeout_s must be between"):
         launch.check_timeout(float(value))
 

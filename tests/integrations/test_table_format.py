@@ -3,6 +3,8 @@ the table folder and reused; ``save_pretrained`` of such a model writes what tra
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -53,7 +55,9 @@ def test_save_pretrained_writes_dequantized_rows(wide, tmp_path):
     path, _ = wide
     model = from_pretrained(path, table_dir=tmp_path / "t", table_format="q5_1")
     want = _logits(model)
-    model.save_pretrained(tmp_path / "saved")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # saved dequantized: no ScaledTableWarning
+        model.save_pretrained(tmp_path / "saved")
     plain = Qwen4ExpForCausalLM.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(_logits(plain), want, rtol=1e-5, atol=1e-5)
     back = unpatch(model, materialize=True)
@@ -124,7 +128,9 @@ def test_an_nvfp4_checkpoint_saves_dequantized(wide, tmp_path):
         dequantize_checkpoint(tmp_path / "nv", tmp_path / "plain")
     model = from_pretrained(tmp_path / "nv", table_dir=tmp_path / "t")
     want = _logits(model)
-    model.save_pretrained(tmp_path / "saved")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # saved dequantized: no ScaledTableWarning
+        model.save_pretrained(tmp_path / "saved")
     torch.testing.assert_close(
         _logits(Qwen4ExpForCausalLM.from_pretrained(tmp_path / "saved")), want, rtol=1e-5, atol=1e-5
     )

@@ -130,7 +130,8 @@ def _scaled_formats(model: nn.Module) -> list[str]:
         table = w.layer.table
         backing = table.backing if isinstance(table, CachedTable) else table
         fmt = getattr(backing, "format", None)
-        if fmt is not None and format_info(fmt).scale_kind != "none":
+        # block formats are saved dequantized (transformers has no layout for them): nothing to warn
+        if fmt is not None and not format_info(fmt).blocked and format_info(fmt).scale_kind != "none":
             out.append(fmt)
     return out
 
