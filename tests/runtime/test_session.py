@@ -562,3 +562,34 @@ def test_calls_between_run_and_end_are_refused_and_change_nothing():
     kept_p, kept_q = paused.prefix_states("a"), plain.prefix_states("a")
     assert sorted(kept_p) == sorted(kept_q) == [9]
     assert torch.equal(kept_p[9].conv_window, kept_q[9].conv_window)
+
+
+def test_rows_cut_from_one_tensor_give_the_outputs_of_separate_rows():
+    """Hidden rows given as views of one packed tensor (in order: read in place; out of order, with gaps
+    or of another dtype: copied) give exactly the outputs of separate tensors."""
+    layer = _layer(1)
+    cfg = layer.config
+    g = torch.Generator().manual_seed(9)
+    lens = [3, 1, 2, 1]
+    packed = torch.randn(sum(lens) * 2, cfg.hc_hidden_size, generator=g)
+    t = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=g)
+    starts = [0, 3, 4, 6, 7]
+    cuts = {
+        "in order": [packed[a:e] for a, e in zip(starts, starts[1:])],
+        "reversed": [packed[a:e] for a, e in zip(starts, starts[1:])][::-1],
+        "with gaps": [packed[2 * a : 2 * a + (e - a)] for a, e in zip(starts, starts[1:])],
+    }
+    for name, rows in cuts.items():
+        ids = list(range(len(lens)))
+        if name == "reversed":
+            ids = ids[::-1]
+        toks = {rid: t[starts[rid] : starts[rid + 1]] for rid in range(len(lens))}
+        got_s, want_s = Session(layer, 4), Session(layer, 4)
+        for s in (got_s, want_s):
+            for rid in range(len(lens)):
+                s.add(rid)
+        got = got_s.step({rid: (h, toks[rid]) for rid, h in zip(ids, rows)})
+        want = want_s.step({rid: (h.clone(), toks[rid]) for rid, h in zip(ids, rows)})
+        for rid in range(len(lens)):
+            assert torch.equal(got[rid], want[rid]), (name, rid)
+        assert got_s.prefix_state(0).length == lens[0]

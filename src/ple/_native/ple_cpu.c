@@ -515,8 +515,12 @@ __attribute__((target("avx2,fma,bmi2,f16c"))) static void work_avx2(job_t *J, sc
         work(J, S, 0);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"))) static void
-work_avx512(job_t *J, scratch_t *S, int bf) {
+#if defined(__clang__) /* clang takes instruction sets only in the attribute; its default width is used */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c"
+#else /* 512-bit vectors (gcc's default for AVX-512 is 256-bit) */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
+#endif
+__attribute__((target(AVX512_TARGET))) static void work_avx512(job_t *J, scratch_t *S, int bf) {
     if (bf)
         work(J, S, 1);
     else

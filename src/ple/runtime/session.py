@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -803,7 +803,7 @@ class Session:
                 self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
                 self.end(step)
                 return {}
-            out = self.run(step, 0, torch.cat(hs) if len(hs) > 1 else hs[0])
+            out = self.run(step, 0, _packed_rows(hs, step.num_tokens, width))
         except BaseException:
             if not step.done[0]:
                 self._open = None  # nothing changed: the step is dropped
@@ -853,6 +853,36 @@ class Session:
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None
+
+
+_base_of, _data_ptr = attrgetter("_base"), methodcaller("data_ptr")
+_is_contiguous = methodcaller("is_contiguous")
+
+
+def _packed_rows(hs: list[torch.Tensor], total: int, width: int) -> torch.Tensor:
+    """``torch.cat(hs)`` ``[total, width]``; when the rows already lie one after another in one tensor
+    (views an engine cut from its packed hidden, in order), a view of them instead of a copy."""
+    if len(hs) == 1:
+        return hs[0]
+    base = hs[0]._base
+    if base is not None and set(map(_base_of, hs)) == {base} and set(map(_dtype, hs)) == {base.dtype}:
+        if set(map(_is_contiguous, hs)) == {True}:
+            ptrs = list(map(_data_ptr, hs))
+            row = width * hs[0].element_size()
+            first = ptrs[0]
+            at = [first + row * k for k in (range(total) if total == len(hs) else _starts(hs))]
+            if ptrs == at:
+                return torch.as_strided(base, (total, width), (width, 1), hs[0].storage_offset())
+    return torch.cat(hs)
+
+
+def _starts(hs: list[torch.Tensor]) -> list[int]:
+    """Each tensor's first row in the packed order."""
+    out, total = [], 0
+    for h in hs:
+        out.append(total)
+        total += h.shape[0]
+    return out
 
 
 def _out_of_memory(e: BaseException) -> bool:
