@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple.integrations.checkpoints as deq
+import ple.integrations.dequantized_copy as deq
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
 from ple.files import partial_dir, sweep_partial_dirs, write_atomically
-from ple.integrations.checkpoints import dequantize_checkpoint
-from ple.integrations.tables import RECORD_SUFFIX, prepare_table
+from ple.integrations.dequantized_copy import dequantize_checkpoint
+from ple.integrations.table_folder import RECORD_SUFFIX, prepare_table
 
 SMALL = dict(
     hidden_size=16,

@@ -33,8 +33,8 @@ from .errors import CommandLineError, InvalidArgumentError
 from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
 from .table.convert import table_amax, target_format
-from .table.file import TABLE_SUFFIX, TableFileWriter
 from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
+from .table.table_file import TABLE_SUFFIX, TableFileWriter
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 

@@ -1,5 +1,5 @@
 """Scales are positive finite numbers wherever they enter a table: construction, conversion, table files
-(the file side is in test_file.py, the checkpoint side in test_checkpoint.py)."""
+(the file side is in test_table_file.py, the checkpoint side in test_checkpoint.py)."""
 
 from __future__ import annotations
 

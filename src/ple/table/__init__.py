@@ -6,7 +6,7 @@ are :class:`StoredTable` (their whole ``data``/``scale`` are readable here):
 
 - :class:`MemoryTable` — one tensor on the CPU or an accelerator;
 - :class:`PinnedHostTable` — page-locked host memory read by the accelerator (needs CUDA);
-- :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.file`);
+- :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.table_file`);
 - :class:`CachedTable` — the hottest rows of another table held in memory (see :mod:`ple.table.cache`);
 - :class:`DirectTable` — a table file read with ``pread`` from a worker pool, bypassing the page
   cache, with a bounded row cache (see :mod:`ple.table.direct`);
@@ -18,7 +18,14 @@ from .base import StoredTable, Table, require_stored
 from .cache import CachedTable
 from .convert import compare_with_source, convert_layer
 from .direct import DirectTable
-from .file import (
+from .formats import FORMATS, IdOutOfRangeError, check_ids, format_info, infer_format
+from .lookup import gather_dequant, gather_dequant_reference, gather_dequant_torch
+from .memory import MemoryTable, PinnedHostTable
+from .mmap import MmapTable
+from .prefetch import Prefetch, PrefetchError, PrefetchHandle
+from .quantize import QuantStats, dequantize, quantization_error, quantize_global, quantize_rows
+from .sharded import ShardedLookupError, ShardedPrefetch, ShardedTable, ShardGeometryError, load_sharded
+from .table_file import (
     TABLE_SUFFIX,
     TableFileError,
     TableFileWriter,
@@ -27,13 +34,6 @@ from .file import (
     verify_table_file,
     write_sparse_table_file,
 )
-from .formats import FORMATS, IdOutOfRangeError, check_ids, format_info, infer_format
-from .lookup import gather_dequant, gather_dequant_reference, gather_dequant_torch
-from .memory import MemoryTable, PinnedHostTable
-from .mmap import MmapTable
-from .prefetch import Prefetch, PrefetchError, PrefetchHandle
-from .quantize import QuantStats, dequantize, quantization_error, quantize_global, quantize_rows
-from .sharded import ShardedLookupError, ShardedPrefetch, ShardedTable, ShardGeometryError, load_sharded
 
 __all__ = [
     "CachedTable",

@@ -60,11 +60,11 @@ import torch.distributed as dist
 from ..collective import collective_device, differing, exchange_records, hash60, rank_list
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import StoredTable, Table, require_stored
-from .file import TableFileError, hash_layout, read_table_header
 from .formats import ACTIVATION_DTYPES, FORMATS, check_ids, table_device
 from .memory import MemoryTable
 from .mmap import MmapTable
 from .prefetch import PrefetchHandle
+from .table_file import TableFileError, hash_layout, read_table_header
 
 __all__ = [
     "METHODS",
@@ -841,7 +841,7 @@ def load_sharded(
     ids: str = "replicated",
     verify_ids: bool = False,
 ) -> ShardedTable:
-    """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
+    """Open a table file (:mod:`ple.table.table_file`) and shard it: each rank keeps only its rows.
 
     Each rank checks the per-row scales of its own rows only (``MmapTable.open(scale_rows=)``).
     ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read) and checked

@@ -31,7 +31,7 @@ from ple.table import (
     verify_table_file,
     write_sparse_table_file,
 )
-from ple.table.file import PARTIAL_SUFFIX, _header_digest
+from ple.table.table_file import PARTIAL_SUFFIX, _header_digest
 
 from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file
 
