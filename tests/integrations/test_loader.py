@@ -30,7 +30,8 @@ from ple.integrations.transformers import (
     patch,
     patched_layers,
 )
-from ple.table import CachedTable, MemoryTable, MmapTable, quantize_global, quantize_rows
+from ple.table import CachedTable, MemoryTable, MmapTable, quantize_rows
+from ple.table.quantize import quantize_global
 
 from .helpers import (
     LOGIT_ATOL,

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
-from ple.table import MemoryTable, MmapTable, convert_layer, gather_dequant_reference
+from ple.table import MemoryTable, MmapTable
+from ple.table.convert import convert_layer
+from ple.table.lookup import gather_dequant_reference
 
 from ._helpers import make_table, random_ids, shard_parts
 

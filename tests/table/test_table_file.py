@@ -19,21 +19,11 @@ import torch
 
 import ple.table
 from ple.errors import UsageError
-from ple.table import (
-    MemoryTable,
-    MmapTable,
-    TableFileError,
-    TableFileWriter,
-    format_info,
-    gather_dequant_reference,
-    hash_layout,
-    read_table_header,
-    verify_table_file,
-    write_sparse_table_file,
-)
-from ple.table.table_file import PARTIAL_SUFFIX, _header_digest
+from ple.table import MemoryTable, MmapTable, TableFileError, format_info, read_table_header, verify_table_file
+from ple.table.lookup import gather_dequant_reference
+from ple.table.table_file import PARTIAL_SUFFIX, TableFileWriter, _header_digest, hash_layout
 
-from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file
+from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file, write_sparse_table_file
 
 SRC = str(Path(ple.table.__file__).resolve().parents[2])
 

@@ -19,8 +19,8 @@ from ..config import PLEConfig
 from ..errors import InvalidArgumentError
 from ..layout import Layout
 from ..safetensors_file import CheckpointError, TensorReader, read_checked
-from ..table import TABLE_SUFFIX, MemoryTable, MmapTable, convert_layer
-from ..table.convert import nonfinite_problem
+from ..table import TABLE_SUFFIX, MemoryTable, MmapTable
+from ..table.convert import convert_layer, nonfinite_problem
 from ..table.formats import check_scale_values
 from .scan import TABLE_SCALE, TABLE_SCALE2, TABLE_WEIGHT, LayerEntry, check_checkpoint
 
@@ -206,7 +206,7 @@ def load_ple_weights(
 def table_shards(
     entry: LayerEntry, reader: TensorReader | None = None
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """A layer's table shard by shard as :func:`ple.table.convert_layer` takes them: ``(k, rows
+    """A layer's table shard by shard as :func:`ple.table.convert.convert_layer` takes them: ``(k, rows
     [n_k, head_dim], scale)`` where ``scale`` is the shard's per-row scale or, for an fp8 table, the
     global scale ``[1]`` (None for plain tables)."""
     own = reader is None
@@ -245,7 +245,7 @@ def write_layer_table(
     """Write PLE layer ``ple_layer_index``'s table, from ``(k, rows, scale)`` shards (any source: a
     checkpoint's :func:`table_shards`, slices of an in-memory weight), as a table file carrying the
     layer's layout fields. ``to="nvfp4"`` needs ``global_scale``. Returns
-    :func:`ple.table.convert_layer`'s statistics."""
+    :func:`ple.table.convert.convert_layer`'s statistics."""
     lay = config.layout(ple_layer_index)
     return convert_layer(
         shards,

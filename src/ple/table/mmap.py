@@ -125,7 +125,7 @@ class MmapTable(StoredTable):
         pull in up to 128 KiB). Pass False for sequential scans of the whole table.
 
         ``scale_rows=(first, end)``: check the per-row scales of those rows only, for a process that
-        serves no others (a rank's shard, :func:`ple.table.load_sharded`); rows outside the range
+        serves no others (a rank's shard, :func:`ple.table.sharded.load_sharded`); rows outside the range
         are served unchecked."""
         return cls(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
 

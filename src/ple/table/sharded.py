@@ -382,7 +382,7 @@ numbers its tables alike)."""
 
 # ---------------------------------------------------------------------- prefetch handle
 class ShardedPrefetch(PrefetchHandle):
-    """Handle of one started sharded lookup (the rules of :class:`ple.table.PrefetchHandle`):
+    """Handle of one started sharded lookup (the rules of :class:`ple.table.prefetch.PrefetchHandle`):
     ``wait(ids)`` returns the ``[T, G*head_dim]`` rows once the collective finished.
 
     The collective was issued when the prefetch started (on the calling thread, so collectives
@@ -418,7 +418,7 @@ class ShardedTable(Table):
         group: process group (default: the default group).
         method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHODS` of ``ids``.
         ids: "replicated" (every rank looks up the same ids) or "per_rank" (each its own).
-        layout_hash: hash (str) or fields (dict, see :func:`ple.table.hash_layout`) of the layout the
+        layout_hash: hash (str) or fields (dict, see :func:`ple.table.table_file.hash_layout`) of the layout the
             table was built for; compared across ranks. Defaults to a memory-mapped local table's hash.
         device: device of the construction-time exchange (default: CPU, or the current CUDA device
             when the group's only backend is NCCL: call ``torch.cuda.set_device`` first).

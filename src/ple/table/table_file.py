@@ -38,7 +38,7 @@ publishes); with ``force`` the last to finish wins. A crash leaves at most a ``.
 which every reader refuses (by name and by its header) and the next writer of the same path
 removes once no process holds its lock (a symbolic link of that name is removed, never followed).
 
-Sparse files (``TableFileWriter(..., sparse=True)``, :func:`write_sparse_table_file`) are for tests
+Sparse files (``TableFileWriter(..., sparse=True)``) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
 zeros and take no disk space), rows are written by id, no shard needs to be complete, and no
 checksums are computed (``"checksum": {"shards": null}``); :func:`verify_table_file` reports such a
@@ -76,7 +76,6 @@ __all__ = [
     "read_table_header",
     "tensor_bytes",
     "verify_table_file",
-    "write_sparse_table_file",
     "PARTIAL_SUFFIX",
     "TABLE_SUFFIX",
     "VERSION",
@@ -598,35 +597,6 @@ class TableFileWriter:
             self.abort()
         else:
             self.close()
-
-
-def write_sparse_table_file(
-    path: str | os.PathLike,
-    rows: int,
-    head_dim: int,
-    format: str,
-    layout_hash: str | dict,
-    row_ids: torch.Tensor,
-    row_data: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    *,
-    shard_rows: int | None = None,
-    force: bool = False,
-) -> Path:
-    """Build a sparse table file: zeros everywhere except ``row_data [n, head_dim]`` at ``row_ids [n]``.
-
-    ``scale``: the global scale for "fp8", per-row ``[n, 1]`` for the written rows otherwise (other
-    rows get scale 0). No checksums (see the module docstring). Returns the path.
-    """
-    with TableFileWriter(path, rows, head_dim, format, shard_rows or rows, layout_hash, force=force, sparse=True) as w:
-        if format_info(format).scale_kind == "global":
-            if scale is None:
-                raise InvalidArgumentError(f"format {format!r} needs a global scale")
-            w.set_global_scale(scale)
-            w.write_rows(row_ids, row_data)
-        else:
-            w.write_rows(row_ids, row_data, scale)
-    return Path(path)
 
 
 # ---------------------------------------------------------------------- reading
