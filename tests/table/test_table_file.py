@@ -148,7 +148,7 @@ def test_global_scale_must_agree(tmp_path):
 _CRASH_CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from ple.table import TableFileWriter
+    from ple.table.table_file import TableFileWriter
     path = sys.argv[1]
     w = TableFileWriter(path, 4000, 64, "bf16", 1000, "layout-h")
     w.write_shard(2, torch.ones(1000, 64, dtype=torch.bfloat16))
@@ -319,7 +319,7 @@ def test_second_writer_without_force_cannot_publish(tmp_path):
 _HOLDING_CHILD = textwrap.dedent(
     """
     import signal, sys, torch
-    from ple.table import TableFileWriter
+    from ple.table.table_file import TableFileWriter
     w = TableFileWriter(sys.argv[1], 6, 2, "fp32", 6, "layout-h")
     print("holding", flush=True)
     signal.pause()
