@@ -248,15 +248,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], str | No
 def read_small(info: TensorInfo) -> torch.Tensor:
     """A small tensor (a hash buffer, a global scale) read straight from its byte range."""
     fd = open_regular(info.file, "checkpoint file", CheckpointError)
+    n = info.end - info.begin
     try:
-        n = info.end - info.begin
-        blob = os.pread(fd, n, info.begin)
+        blob = pread_exact(fd, n, info.begin, lambda at: CheckpointError(f"{info.file.name}: truncated at byte {at}"))
     finally:
         os.close(fd)
-    if len(blob) != n:
-        raise CheckpointError(f"{info.file.name}: truncated at byte {info.begin + len(blob)}")
     dtype = SAFETENSORS_DTYPES[info.dtype]
-    flat = torch.frombuffer(bytearray(blob), dtype=dtype) if n else torch.empty(0, dtype=dtype)
+    flat = torch.frombuffer(blob, dtype=dtype) if n else torch.empty(0, dtype=dtype)
     return flat.reshape(info.shape)
 
 
