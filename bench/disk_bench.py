@@ -44,8 +44,9 @@ import numpy as np
 import torch
 
 from ple import PLEConfig, PLELayer, Session, realtext
-from ple.table import DirectTable, MemoryTable, MmapTable, TableFileWriter
+from ple.table import DirectTable, MemoryTable, MmapTable
 from ple.table.direct import BLOCK
+from ple.table.table_file import TableFileWriter
 
 _REPO = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM = 16, 160

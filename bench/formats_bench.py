@@ -34,10 +34,11 @@ import torch
 
 from ple.config import PLEConfig
 from ple.layer import PLELayer
-from ple.table import MemoryTable, MmapTable, TableFileWriter, format_info, quantize_global
+from ple.table import MemoryTable, MmapTable, format_info
 from ple.table.blocks import dequantize_blocks, nvfp4_global_scale, quantize_blocks
 from ple.table.formats import BLOCK_FORMATS
-from ple.table.quantize import QuantStats, RowStats, quantize_rows
+from ple.table.quantize import QuantStats, RowStats, quantize_global, quantize_rows
+from ple.table.table_file import TableFileWriter
 
 PUBLISHED_ROWS = 320_001_536
 HEAD_DIM = 160

@@ -217,7 +217,8 @@ def check_ids(sizes: Sizes, device: torch.device, timer: Timer, peak: float) -> 
 
 def _make_table(fmt: str, rows: int, head_dim: int, device: torch.device, g: torch.Generator):
     """A table in ``fmt`` on ``device``, rows tiled from one random block (fast to build at GBs)."""
-    from ple.table import quantize_global, quantize_rows
+    from ple.table import quantize_rows
+    from ple.table.quantize import quantize_global
 
     block_rows = min(rows, 65537)
     block = torch.randn(block_rows, head_dim, generator=g)
@@ -243,7 +244,7 @@ def _make_table(fmt: str, rows: int, head_dim: int, device: torch.device, g: tor
 
 
 def check_gather(sizes: Sizes, device: torch.device, timer: Timer, peak: float) -> list[Record]:
-    from ple.table import gather_dequant, gather_dequant_reference
+    from ple.table.lookup import gather_dequant, gather_dequant_reference
 
     g = torch.Generator().manual_seed(2)
     out = []

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 from ple.bench.runner import machine_info, versions
-from ple.table import MemoryTable, MmapTable, TableFileWriter, gather_dequant_reference
+from ple.table import MemoryTable, MmapTable
+from ple.table.lookup import gather_dequant_reference
+from ple.table.table_file import TableFileWriter
 
 HEAD_DIM, HEADS, E, HCH = 160, 16, 2560, 10240
 

@@ -14,9 +14,10 @@ from ple.checkpoint import load_ple_weights
 from ple.cli import main
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
-from ple.table import MmapTable, gather_dequant_reference
+from ple.table import MmapTable
 from ple.table.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats import BLOCK_FORMATS
+from ple.table.lookup import gather_dequant_reference
 
 from .conftest import SMALL
 

@@ -12,9 +12,10 @@ import torch
 
 from ple.cli import main
 from ple.config import PLEConfig
-from ple.table import MmapTable, gather_dequant_reference
+from ple.table import MmapTable
 from ple.table.blocks import quantize_blocks
 from ple.table.gguf import GGUFError, read_gguf, table_tensor
+from ple.table.lookup import gather_dequant_reference
 
 from .conftest import SMALL
 

@@ -352,7 +352,7 @@ _INTERRUPTED_CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import ple.table.file as f
+    import ple.table.table_file as f
     orig = f.TableFileWriter.write_shard
 
     def slow(self, k, *a, **kw):

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple.integrations.checkpoints as deq
+import ple.integrations.dequantized_copy as deq
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
 from ple.files import partial_dir, sweep_partial_dirs, write_atomically
-from ple.integrations.checkpoints import dequantize_checkpoint
-from ple.integrations.tables import RECORD_SUFFIX, prepare_table
+from ple.integrations.dequantized_copy import dequantize_checkpoint
+from ple.integrations.table_folder import RECORD_SUFFIX, prepare_table
 
 SMALL = dict(
     hidden_size=16,
@@ -289,7 +289,9 @@ def test_other_float_scales_are_kept_as_float32():
 
 
 def _row_scale_file(path: Path, rows: int = 10, sparse: bool = False) -> Path:
-    from ple.table import TableFileWriter, write_sparse_table_file
+    from ple.table.table_file import TableFileWriter
+
+    from .table._helpers import write_sparse_table_file
 
     data = torch.randint(-127, 128, (rows, 4), dtype=torch.int8)
     scale = torch.rand(rows, 1) + 0.5
@@ -365,7 +367,7 @@ def one_rank_group(tmp_path):
 
 
 def _fp32_table_file(path: Path, rows: int = 12) -> tuple[Path, torch.Tensor]:
-    from ple.table import TableFileWriter
+    from ple.table.table_file import TableFileWriter
 
     data = torch.randn(rows, 4)
     with TableFileWriter(path, rows, 4, "fp32", rows, "h") as w:

@@ -30,11 +30,11 @@ from .checkpoint import (
 )
 from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
-from .table import FORMATS, compare_with_source, format_info, hash_layout, read_table_header, verify_table_file
+from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import table_amax, target_format
-from .table.file import TABLE_SUFFIX, TableFileWriter
+from .table.convert import compare_with_source, table_amax, target_format
 from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
+from .table.table_file import TABLE_SUFFIX, TableFileWriter, hash_layout
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 

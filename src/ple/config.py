@@ -239,7 +239,7 @@ class PLEConfig:
 
     def layout_fields(self, ple_layer_index: int) -> dict[str, Any]:
         """What identifies the table of PLE layer ``ple_layer_index``: :meth:`layout_key` plus the
-        index. A table file records these fields and their hash (:func:`ple.table.hash_layout`)."""
+        index. A table file records these fields and their hash (:func:`ple.table.table_file.hash_layout`)."""
         self.layout(ple_layer_index)  # validates the index
         return {**self.layout_key(), "ple_layer_index": ple_layer_index}
 

@@ -25,7 +25,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "parse_json",
     "partial_dir",
     "partial_entries",
+    "pread_exact",
     "read_json",
     "read_regular",
     "require_regular",
@@ -124,7 +125,21 @@ def read_regular(
 # ---------------------------------------------------------------------------------------------- JSON
 
 
-def parse_json(blob: bytes | str, what: str, error: type[PLEError] = InvalidArgumentError) -> Any:
+def pread_exact(fd: int, n: int, offset: int, short: Callable[[int], Exception]) -> bytearray:
+    """``n`` bytes at ``offset`` of the open file ``fd``, in a fresh buffer. A file that ends first
+    raises ``short(at)``, the caller's error for a file that ends at byte ``at``."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        k = os.preadv(fd, [view[done:]], offset + done)
+        if k <= 0:
+            raise short(offset + done)
+        done += k
+    return buf
+
+
+def parse_json(blob: bytes | bytearray | str, what: str, error: type[PLEError] = InvalidArgumentError) -> Any:
     """``json.loads(blob)``; ``error`` naming ``what`` (say ``"config /m/config.json"``) when it is not
     valid JSON: malformed text, bytes that are not UTF-8/16/32, nesting deeper than Python's recursion
     limit, or an integer of more digits than Python converts (``sys.get_int_max_str_digits()``)."""

@@ -29,8 +29,9 @@ from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
-from .table import StoredTable, hash_layout
+from .table import StoredTable
 from .table.base import TableRef, lookup_through
+from .table.table_file import hash_layout
 
 __all__ = ["PLELayer"]
 

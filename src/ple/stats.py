@@ -32,7 +32,7 @@ from .argtypes import parse_int, shown
 from .config import PLEConfig
 from .errors import InvalidArgumentError
 from .files import open_regular
-from .ngram import fresh_context, next_ngram_context, ngram_ids
+from .ngram import first_out_of_range, fresh_context, next_ngram_context, ngram_ids
 from .ngram.torch_impl import ngram_windows
 
 __all__ = ["read_token_file", "iter_token_file", "row_traffic", "CHUNK_TOKENS"]
@@ -83,12 +83,9 @@ def iter_token_file(
 
 
 def _check_range(arr: np.ndarray, p: Path, first: int, vocab_size: int | None) -> None:
-    if not arr.size:
-        return
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
-        bad = lo if lo < 0 else hi
-        i = first + int(np.nonzero(arr == bad)[0][0])
+    at = first_out_of_range(arr, vocab_size)
+    if at is not None:
+        bad, i = int(arr.reshape(-1)[at]), first + at
         limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
         raise InvalidArgumentError(f"token file {p}: entry {i} is {bad}, outside {limit}")
 

@@ -21,7 +21,7 @@ from transformers.monkey_patching import get_patch_mapping
 from ple.checkpoint import CheckpointError
 from ple.config import PLEConfig
 from ple.errors import InvalidArgumentError
-from ple.integrations.tables import RECORD_SUFFIX, default_table_dir
+from ple.integrations.table_folder import RECORD_SUFFIX, default_table_dir
 from ple.integrations.transformers import (
     ScaledTableWarning,
     TableStub,
@@ -30,7 +30,8 @@ from ple.integrations.transformers import (
     patch,
     patched_layers,
 )
-from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, quantize_global, quantize_rows
+from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, quantize_rows
+from ple.table.quantize import quantize_global
 
 from .helpers import (
     LOGIT_ATOL,
@@ -256,7 +257,7 @@ def test_a_table_file_changed_in_place_is_compared_again(checkpoint, tmp_path):
     later: a file touched or edited in place (header and checksums kept) is compared with the
     checkpoint row by row before it serves again. (An edit that also puts the old modification time
     back is what ``ple verify`` is for: it checks every shard's checksum.)"""
-    from ple.table.file import read_table_header
+    from ple.table.table_file import read_table_header
 
     path, _, reference = checkpoint
     tables = tmp_path / "tables"
@@ -404,7 +405,7 @@ def test_the_memory_tier_refuses_a_checkpoint_changed_since_the_scan(checkpoint,
 
 def test_the_free_space_check_does_not_count_the_file_being_replaced(checkpoint, tmp_path, monkeypatch):
     """The new table file is written beside the stale one: only the disk's free space counts."""
-    import ple.integrations.tables as tables_mod
+    import ple.integrations.table_folder as tables_mod
 
     path, _, _ = checkpoint
     copy = tmp_path / "copy"

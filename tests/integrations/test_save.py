@@ -20,7 +20,8 @@ from ple.integrations.transformers import (
     patched_layers,
     unpatch,
 )
-from ple.table import MemoryTable, Table, quantize_global
+from ple.table import MemoryTable, Table
+from ple.table.quantize import quantize_global
 
 from .helpers import LOGIT_ATOL, generate, prompts, tiny_config, tiny_model
 

@@ -13,7 +13,8 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
 from ple.config import PLEConfig
 from ple.integrations.transformers import PatchedPLELayer, patch, patched_layers, unpatch
-from ple.table import MemoryTable, MmapTable, hash_layout, read_table_header, verify_table_file
+from ple.table import MemoryTable, MmapTable, read_table_header, verify_table_file
+from ple.table.table_file import hash_layout
 
 from .helpers import (
     EOS,

@@ -18,6 +18,8 @@ from .test_modes import TINY
 
 HARD_TIMEOUT_S = 240
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+DRILL = str(Path(__file__).resolve().parent / "fault_drill.py")  # ple demo with one rank failing on purpose
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -39,9 +41,13 @@ def tiny_config(tmp_path_factory) -> str:
     return str(path)
 
 
-def _demo(config: str, tmp: Path, *argv: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``ple demo`` with ``tmp`` as its temporary folder; fail when a ``ple-parallel`` folder is left there."""
-    cmd = (launcher or [sys.executable, "-m"]) + ["ple.cli", "demo", "--config", config, "--requests", "5"]
+def _demo(
+    config: str, tmp: Path, *argv: str, launcher: list[str] | None = None, fault: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``ple demo`` with ``tmp`` as its temporary folder; fail when a ``ple-parallel`` folder is left there.
+    ``fault``: ``KIND:RANK:STEP``, run through the test launcher ``fault_drill.py`` that makes that rank fail."""
+    entry = ["-m", "ple.cli"] if fault is None else [DRILL, fault]
+    cmd = (launcher or [sys.executable]) + entry + ["demo", "--config", config, "--requests", "5"]
     cmd += ["--slots", "3", "--chunk", "9", *argv]
     out = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
     assert _left_behind(tmp) == [], (out.stderr[-4000:], _left_behind(tmp))
@@ -66,8 +72,7 @@ def test_demo_sp_x_dp_on_four_ranks_matches_one_process(tiny_config, tmp_path):
 
 
 def test_torchrun_data_parallel(tiny_config, tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
-    out = _demo(tiny_config, tmp_path, "--parallel", "dp", "--json", launcher=launcher)
+    out = _demo(tiny_config, tmp_path, "--parallel", "dp", "--json", launcher=TORCHRUN)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     res = json.loads(out.stdout)  # --json: one document on stdout, under torchrun too (rank 0 writes it)
     # the demo's default tier: the table file, memory-mapped, each rank holding its rows
@@ -77,13 +82,12 @@ def test_torchrun_data_parallel(tiny_config, tmp_path):
 def test_torchrun_ranks_that_die_or_are_killed_leave_nothing_behind(tiny_config, tmp_path):
     """Under torchrun each rank has a temporary folder of its own: gone once its tables are open, so
     neither rank 1 (it dies) nor rank 0 (the launcher ends it) leaves one behind (checked by _demo)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
-    out = _demo(tiny_config, tmp_path, "--parallel", "dp", "--fault", "die:1:1", launcher=launcher)
+    out = _demo(tiny_config, tmp_path, "--parallel", "dp", launcher=TORCHRUN, fault="die:1:1")
     assert out.returncode != 0 and re.search(r"exitcode\s*:\s*17\b", out.stderr), out.stderr[-4000:]
 
 
 def test_a_rank_that_dies_fails_the_others(tiny_config, tmp_path):
-    out = _demo(tiny_config, tmp_path, "--ranks", "3", "--parallel", "sp", "--fault", "die:1:2", "--dist-timeout", "20")
+    out = _demo(tiny_config, tmp_path, "--ranks", "3", "--parallel", "sp", "--dist-timeout", "20", fault="die:1:2")
     assert out.returncode == 1
     err = out.stderr
     assert "ple demo: 3 of 3 ranks failed (rank 0: exit 1, rank 1: exit 17, rank 2: exit 1)" in err, err[-4000:]
@@ -95,9 +99,7 @@ def test_a_rank_that_dies_fails_the_others(tiny_config, tmp_path):
 
 
 def test_a_rank_that_stalls_fails_the_others_within_the_timeout(tiny_config, tmp_path):
-    out = _demo(
-        tiny_config, tmp_path, "--ranks", "2", "--parallel", "etp", "--fault", "stall:1:2", "--dist-timeout", "3"
-    )
+    out = _demo(tiny_config, tmp_path, "--ranks", "2", "--parallel", "etp", "--dist-timeout", "3", fault="stall:1:2")
     assert out.returncode == 1
     err = out.stderr
     assert "ple demo: rank 0 of 2: PLE layer 0, 'etp' mode, step 2 failed after 3." in err, err[-4000:]
@@ -107,9 +109,9 @@ def test_a_rank_that_stalls_fails_the_others_within_the_timeout(tiny_config, tmp
 
 
 def test_a_rank_that_raises_is_named_by_the_others(tiny_config, tmp_path):
-    out = _demo(tiny_config, tmp_path, "--ranks", "2", "--parallel", "dp", "--fault", "raise:1:1")
+    out = _demo(tiny_config, tmp_path, "--ranks", "2", "--parallel", "dp", fault="raise:1:1")
     assert out.returncode == 1
     err = out.stderr
-    assert "ple demo: rank 1: InvalidArgumentError: --fault raise:1:1: rank 1 raised at step 1 as asked" in err
+    assert "ple demo: rank 1: InvalidArgumentError: fault raise:1:1: rank 1 raised at step 1 as asked" in err
     assert "ple demo: rank 0 of 2: PLE layer 0, 'dp' mode, step 1 failed after" in err
-    assert "rank 1: raised InvalidArgumentError: --fault raise:1:1" in err, err[-4000:]
+    assert "rank 1: raised InvalidArgumentError: fault raise:1:1" in err, err[-4000:]

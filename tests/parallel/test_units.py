@@ -157,8 +157,6 @@ def test_demo_options():
     assert demo_parallel.requested(_demo_args("--ranks", "2"))
     with pytest.raises(InvalidArgumentError, match="--ranks 2: say how to split the work with --parallel"):
         demo_parallel.Options.from_args(_demo_args("--ranks", "2"))
-    with pytest.raises(InvalidArgumentError, match="--fault 'die:x': expected KIND:RANK:STEP"):
-        demo_parallel.Options.from_args(_demo_args("--parallel", "sp", "--fault", "die:x"))
     opts = demo_parallel.Options.from_args(_demo_args("--ranks", "4", "--parallel", "sp", "--sp-size", "2"))
     assert (opts.mode, opts.ranks, opts.sp_size, opts.split) == ("sp", 4, 2, "replicated")
     assert demo_parallel.Options.from_args(_demo_args("--parallel", "dp")).split == "sharded"
@@ -168,9 +166,6 @@ def test_demo_refuses_what_cannot_run_before_spawning():
     opts = demo_parallel.Options.from_args(_demo_args("--ranks", "4", "--parallel", "sp", "--sp-size", "3"))
     with pytest.raises(InvalidArgumentError, match="--sp-size 3 does not divide the 4 ranks"):
         opts.check_world(4)
-    opts = demo_parallel.Options.from_args(_demo_args("--ranks", "2", "--parallel", "dp", "--fault", "die:2:1"))
-    with pytest.raises(InvalidArgumentError, match="there are only ranks 0..1"):
-        opts.check_world(2)
 
 
 def test_demo_refuses_ranks_without_a_mode():

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
-from ple.table import TableFileWriter, format_info, quantize_global, quantize_rows
+from ple.errors import InvalidArgumentError
+from ple.table import format_info, quantize_rows
 from ple.table.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats import BLOCK_FORMATS, FORMATS
+from ple.table.quantize import quantize_global
+from ple.table.table_file import TableFileWriter
 
 PLAIN = ("bf16", "fp16", "fp32")
 ELEMENT = tuple(f for f in FORMATS if f not in BLOCK_FORMATS)
@@ -73,3 +77,32 @@ def flip_byte(path: Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x10]))
+
+
+def write_sparse_table_file(
+    path: str | os.PathLike,
+    rows: int,
+    head_dim: int,
+    format: str,
+    layout_hash: str | dict,
+    row_ids: torch.Tensor,
+    row_data: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    shard_rows: int | None = None,
+    force: bool = False,
+) -> Path:
+    """Build a sparse table file: zeros everywhere except ``row_data [n, head_dim]`` at ``row_ids [n]``.
+
+    ``scale``: the global scale for "fp8", per-row ``[n, 1]`` for the written rows otherwise (other
+    rows get scale 0). No checksums (see the module docstring). Returns the path.
+    """
+    with TableFileWriter(path, rows, head_dim, format, shard_rows or rows, layout_hash, force=force, sparse=True) as w:
+        if format_info(format).scale_kind == "global":
+            if scale is None:
+                raise InvalidArgumentError(f"format {format!r} needs a global scale")
+            w.set_global_scale(scale)
+            w.write_rows(row_ids, row_data)
+        else:
+            w.write_rows(row_ids, row_data, scale)
+    return Path(path)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
-from ple.table import CachedTable, MemoryTable, MmapTable, format_info, gather_dequant_reference
+from ple.table import CachedTable, MemoryTable, MmapTable, format_info
 from ple.table.base import TableRef
 from ple.table.blocks import E2M1_VALUES, dequantize_blocks, nvfp4_global_scale, quantize_blocks
 from ple.table.formats import BLOCK_FORMATS
-from ple.table.lookup import gather_dequant_torch
+from ple.table.lookup import gather_dequant_reference, gather_dequant_torch
 from ple.table.lookup.native import gather_dequant_blocks_native, native_available
 
 from ._helpers import DTYPES, assert_same, make_table, random_ids, write_file

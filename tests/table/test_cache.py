@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError, UsageError
-from ple.table import (
-    CachedTable,
-    IdOutOfRangeError,
-    MemoryTable,
-    MmapTable,
-    Table,
-    gather_dequant_reference,
-)
+from ple.table import CachedTable, IdOutOfRangeError, MemoryTable, MmapTable, Table
 from ple.table import cache as cache_mod
+from ple.table.lookup import gather_dequant_reference
 
 from ._helpers import DTYPES, ELEMENT, make_table, write_file
 

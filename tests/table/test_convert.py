@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import (
-    MmapTable,
-    compare_with_source,
-    convert_layer,
-    dequantize,
-    quantization_error,
-    quantize_rows,
-    read_table_header,
-    verify_table_file,
-)
+from ple.table import MmapTable, dequantize, quantize_rows, read_table_header, verify_table_file
+from ple.table.convert import compare_with_source, convert_layer
+from ple.table.quantize import quantization_error
 
 from ._helpers import flip_byte, make_table, shard_parts
 

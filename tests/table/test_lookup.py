@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import (
-    IdOutOfRangeError,
-    MemoryTable,
-    format_info,
-    gather_dequant,
-    gather_dequant_reference,
-    gather_dequant_torch,
-    infer_format,
-)
+from ple.table import IdOutOfRangeError, MemoryTable, format_info
+from ple.table.formats import infer_format
+from ple.table.lookup import gather_dequant, gather_dequant_reference, gather_dequant_torch
 
 from ._helpers import DTYPES, ELEMENT, assert_same, make_table, random_ids
 

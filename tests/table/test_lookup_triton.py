@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import MmapTable, gather_dequant_reference, write_sparse_table_file
+from ple.table import MmapTable
 from ple.table.formats import BLOCK_FORMATS
+from ple.table.lookup import gather_dequant_reference
 
 from ..conftest import TRITON_DEVICE, TRITON_INTERPRETED
-from ._helpers import DTYPES, ELEMENT, assert_same, make_table, random_ids
+from ._helpers import DTYPES, ELEMENT, assert_same, make_table, random_ids, write_sparse_table_file
 
 pytest.importorskip("triton")
 

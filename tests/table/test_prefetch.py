@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from ple.table import MemoryTable, MmapTable, PrefetchError, gather_dequant_reference
+from ple.table import MemoryTable, MmapTable, PrefetchError
+from ple.table.lookup import gather_dequant_reference
 
 from ._helpers import DTYPES, ELEMENT, make_table, random_ids, write_file
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import dequantize, quantization_error, quantize_global, quantize_rows
+from ple.table import dequantize, quantize_rows
+from ple.table.quantize import quantization_error, quantize_global
 
 
 @pytest.mark.parametrize("n,D", [(1, 1), (7, 160), (129, 33)])

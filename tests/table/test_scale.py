@@ -13,7 +13,11 @@ import time
 import pytest
 import torch
 
-from ple.table import MmapTable, gather_dequant_reference, hash_layout, write_sparse_table_file
+from ple.table import MmapTable
+from ple.table.lookup import gather_dequant_reference
+from ple.table.table_file import hash_layout
+
+from ._helpers import write_sparse_table_file
 
 pytestmark = [pytest.mark.scale, pytest.mark.perf]  # asserts peak memory and wall time
 

@@ -1,5 +1,5 @@
 """Scales are positive finite numbers wherever they enter a table: construction, conversion, table files
-(the file side is in test_file.py, the checkpoint side in test_checkpoint.py)."""
+(the file side is in test_table_file.py, the checkpoint side in test_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
-from ple.table import MemoryTable, MmapTable, convert_layer, gather_dequant_reference
+from ple.table import MemoryTable, MmapTable
+from ple.table.convert import convert_layer
+from ple.table.lookup import gather_dequant_reference
 
 from ._helpers import make_table, random_ids, shard_parts
 

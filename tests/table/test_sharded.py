@@ -24,7 +24,7 @@ import torch
 from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.runtime import Batch
-from ple.table import MemoryTable, MmapTable, PrefetchError, TableFileWriter, hash_layout
+from ple.table import MemoryTable, MmapTable, PrefetchError
 from ple.table.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.quantize import quantize_global, quantize_rows
 from ple.table.sharded import (
@@ -38,6 +38,7 @@ from ple.table.sharded import (
     load_sharded,
     shard_rows,
 )
+from ple.table.table_file import TableFileWriter, hash_layout
 
 WORKER_TIMEOUT_S = 150
 PG_TIMEOUT_S = 30

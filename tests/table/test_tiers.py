@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ple.table import MemoryTable, PinnedHostTable, Table, gather_dequant_reference
+from ple.table import MemoryTable, PinnedHostTable, Table
+from ple.table.lookup import gather_dequant_reference
 
 from ._helpers import DTYPES, ELEMENT, make_table, random_ids
 

@@ -85,7 +85,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "eos_token_id": 248044,
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_FAULTS = ("die", "stall", "raise")
 _REPORT_WAIT_S = 2.0  # how long a failed rank waits for its peers' reports (ple.parallel.guard's default)
 
 
@@ -123,11 +122,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a collective waits for a stalled rank before every rank fails (default 60)",
     )
-    g.add_argument(
-        "--fault",
-        metavar="KIND:RANK:STEP",
-        help="failure drill: at STEP, RANK dies (die), sleeps past the timeout (stall) or raises (raise)",
-    )
 
 
 def requested(args: argparse.Namespace) -> bool:
@@ -147,7 +141,6 @@ class Options:
     dtype: str = "float32"
     backend: str | None = None
     timeout_s: float = 60.0
-    fault: str | None = None
     requests: int = 24
     slots: int = 8
     num_spec: int = 3
@@ -186,8 +179,6 @@ class Options:
             raise CommandLineError(f"--parallel {self.mode!r} is not one of {list(MODES)}")
         if self.tier not in ("memory", "mmap"):
             raise CommandLineError(f"--tier {self.tier!r}: the parallel demo keeps tables in memory or mmap")
-        if self.fault is not None:
-            parse_fault(self.fault)
         for name in ("requests", "slots", "chunk"):
             if getattr(self, name) < 1:
                 raise CommandLineError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -196,8 +187,6 @@ class Options:
         """Refuse what cannot run on ``world`` ranks (before any rank starts)."""
         if self.mode == "sp" and self.sp_size is not None and world % self.sp_size:
             raise CommandLineError(f"--sp-size {self.sp_size} does not divide the {world} ranks")
-        if self.fault is not None and parse_fault(self.fault)[1] >= world:
-            raise CommandLineError(f"--fault {self.fault}: there are only ranks 0..{world - 1}")
 
     def agreed(self, config: PLEConfig, sp_size: int) -> dict[str, int | str]:
         """What every rank of one run must share (compared before anything else)."""
@@ -221,18 +210,6 @@ class Options:
     @property
     def split(self) -> str:
         return self.table_split or ("replicated" if self.mode == "sp" else "sharded")
-
-
-def parse_fault(text: str) -> tuple[str, int, int]:
-    """``"KIND:RANK:STEP"`` -> ``(kind, rank, step)``."""
-    parts = text.split(":")
-    try:
-        kind, rank, step = parts[0], int(parts[1]), int(parts[2])
-    except (IndexError, ValueError):
-        raise CommandLineError(f"--fault {text!r}: expected KIND:RANK:STEP, e.g. die:1:3") from None
-    if kind not in _FAULTS or rank < 0 or step < 0 or len(parts) != 3:
-        raise CommandLineError(f"--fault {text!r}: KIND is one of {list(_FAULTS)}, RANK and STEP >= 0")
-    return kind, rank, step
 
 
 # ---------------------------------------------------------------------------------------- workload
@@ -462,19 +439,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-def _fault(opts: Options, ctx: ProcessContext, step: int) -> None:
-    if opts.fault is None:
-        return
-    kind, rank, at = parse_fault(opts.fault)
-    if rank != ctx.rank or step != at:
-        return
-    if kind == "die":
-        os._exit(17)
-    if kind == "stall":
-        time.sleep(10 * opts.timeout_s + 30)
-    raise InvalidArgumentError(f"--fault {opts.fault}: rank {rank} raised at step {step} as asked")
-
-
 def serve_rank(opts: Options, ctx: ProcessContext, work: Path, *, scratch: bool = False) -> dict[str, Any]:
     """Run this rank's share of the workload; returns its counts and timings.
 
@@ -527,7 +491,6 @@ def serve_rank(opts: Options, ctx: ProcessContext, work: Path, *, scratch: bool 
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if not int(flag.item()):
             break
-        _fault(opts, ctx, step_no)
         st = wl.next_step() if not wl.done else _empty_step(config)
         hidden = st.hidden.to(device=dev, dtype=dtype)
         st.tokens, st.context = st.tokens.to(dev), st.context.to(dev)

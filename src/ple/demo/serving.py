@@ -2,7 +2,7 @@
 :class:`~ple.runtime.Session`.
 
 Synthesizes a checkpoint in the published format (sharded safetensors with an index, fp8 table
-with one global scale), makes its table file once (:func:`ple.integrations.tables.prepare_table`,
+with one global scale), makes its table file once (:func:`ple.integrations.table_folder.prepare_table`,
 as the model loader does), loads the layer with the table in the chosen tier, streams a workload
 (requests joining and finishing, chunked prefill, decode, speculative verification with random
 acceptance), checks every kept output against the one-shot reference, and reports throughput per
@@ -244,7 +244,7 @@ def _serving_config(args) -> tuple[PLEConfig, Path | None]:
 def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     """The serving part: checkpoint (given or synthesized), table file, layer, workload, checks."""
     from ..checkpoint import CheckpointError, scan_checkpoint
-    from ..integrations.tables import default_table_dir, prepare_table
+    from ..integrations.table_folder import default_table_dir, prepare_table
     from ..layer import PLELayer
     from ..runtime import tune_host_allocator
 

@@ -3,7 +3,7 @@
 :func:`from_pretrained` is the user's path: it loads a ``qwen4_exp`` checkpoint with transformers
 (the class its config names) while the n-gram tables are never materialized in memory (see
 :mod:`ple.integrations.qwen4_exp`), then patches the model with tables from disk: table files made
-once from the checkpoint and reused on every later start (see :mod:`ple.integrations.tables`),
+once from the checkpoint and reused on every later start (see :mod:`ple.integrations.table_folder`),
 served memory-mapped (``"mmap"``), behind a cache of hot rows (``"cached"``) or read into memory
 (``"memory"``, in the checkpoint's format: an fp8 table stays fp8).
 
@@ -75,9 +75,9 @@ from ..runtime.batch import PREFILL, Batch
 from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
 from ..table.blocks import dequantize_blocks
 from ..table.convert import TARGET_NAMES
-from .checkpoints import dequantize_checkpoint
+from .dequantized_copy import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
-from .tables import PreparedTable, default_table_dir, prepare_table
+from .table_folder import PreparedTable, default_table_dir, prepare_table
 
 __all__ = [
     "from_pretrained",
@@ -836,7 +836,7 @@ def from_pretrained(
     Args:
         path: a local model folder, or a Hub id (fetched with ``huggingface_hub.snapshot_download``;
             the Hub arguments in ``kwargs`` apply).
-        table_dir: where the table files live (see :mod:`ple.integrations.tables`): made once,
+        table_dir: where the table files live (see :mod:`ple.integrations.table_folder`): made once,
             streamed shard by shard from the checkpoint, reused while the checkpoint is unchanged.
             One folder per checkpoint (a table of another checkpoint folder is never replaced:
             :class:`InvalidArgumentError`). Default: ``$PLE_CACHE_DIR/tables/<folder name>-<hash of

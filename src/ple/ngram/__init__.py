@@ -15,6 +15,7 @@ synchronization) and a token outside the vocabulary is hashed like any other the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import _native
@@ -29,6 +30,7 @@ __all__ = [
     "fresh_context",
     "check_ngram_inputs",
     "check_token_range",
+    "first_out_of_range",
     "check_ids_operator",
     "layout_tensors",
     "NgramInputError",
@@ -85,18 +87,17 @@ def check_ngram_inputs(
     if int(qsl[-1]) != t_total:
         raise NgramInputError(f"query_start_loc must end at T={t_total} (len(input_ids)), got {int(qsl[-1])}")
     ids = input_ids.detach()
-    bad_tok = _out_of_range(ids, layout.vocab_size)
-    if bad_tok.numel():
-        pos = int(bad_tok[0])
+    pos = first_out_of_range(ids, layout.vocab_size)
+    if pos is not None:
         req = int(torch.searchsorted(qsl[1:], torch.tensor(pos), right=True))
         raise NgramInputError(
             f"token id {int(ids[pos])} at position {pos} (request {req}, offset {pos - int(qsl[req])}) "
             f"is outside [0, vocab_size={layout.vocab_size})"
         )
     ctx = ngram_context.detach()
-    bad_ctx = _out_of_range(ctx, layout.vocab_size)
-    if bad_ctx.numel():
-        r, j = (int(v) for v in bad_ctx[0])
+    at = first_out_of_range(ctx, layout.vocab_size)
+    if at is not None:
+        r, j = divmod(at, k)
         raise NgramInputError(
             f"ngram_context[{r}, {j}] = {int(ctx[r, j])} (request {r}) is outside [0, vocab_size={layout.vocab_size})"
         )
@@ -108,20 +109,34 @@ def check_ngram_inputs(
 def check_token_range(input_ids: torch.Tensor, ngram_context: torch.Tensor, vocab_size: int) -> None:
     """Raise :class:`NgramInputError` for a token or context value outside ``[0, vocab_size)`` (one
     min/max pass each on the calling thread; on an accelerator that reads device data)."""
-    if _in_range(input_ids, vocab_size) and _in_range(ngram_context, vocab_size):
-        return
-    bad = _out_of_range(input_ids.detach(), vocab_size)
-    if bad.numel():
-        pos = int(bad[0])
+    pos = first_out_of_range(input_ids, vocab_size)
+    if pos is not None:
         raise NgramInputError(
             f"token id {int(input_ids[pos])} at position {pos} is outside [0, vocab_size={vocab_size})"
         )
-    bad = _out_of_range(ngram_context.detach(), vocab_size)
-    if bad.numel():
-        r, j = (int(v) for v in bad[0])
+    at = first_out_of_range(ngram_context, vocab_size)
+    if at is not None:
+        r, j = divmod(at, ngram_context.shape[1])
         raise NgramInputError(
             f"ngram_context[{r}, {j}] = {int(ngram_context[r, j])} (request {r}) is outside [0, vocab_size={vocab_size})"
         )
+
+
+def first_out_of_range(tokens: torch.Tensor | np.ndarray, vocab_size: int | None) -> int | None:
+    """The flat index of the first value of ``tokens`` (any shape) outside ``[0, vocab_size)`` (with
+    ``vocab_size`` None: the first negative one), or None when every value is in range. The one check
+    of a token range in ple: a single min/max pass when all are in range (the usual case), a second
+    one to find the culprit otherwise."""
+    top = (1 << 63) - 1 if vocab_size is None else vocab_size
+    if isinstance(tokens, np.ndarray):
+        a = tokens.reshape(-1)
+        if not a.size or (int(a.min()) >= 0 and int(a.max()) < top):
+            return None
+        return int(np.flatnonzero((a < 0) | (a >= top))[0])
+    if _in_range(tokens, top):
+        return None
+    t = tokens.detach().reshape(-1)
+    return int(torch.nonzero((t < 0) | (t >= top))[0, 0])
 
 
 def _in_range(t: torch.Tensor, vocab_size: int) -> bool:
@@ -146,13 +161,6 @@ def _in_range(t: torch.Tensor, vocab_size: int) -> bool:
         a = t.numpy()
         lo, hi = a.min(), a.max()
     return int(lo) >= 0 and int(hi) < vocab_size
-
-
-def _out_of_range(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Indices of values outside ``[0, vocab_size)`` (one min/max pass when there are none)."""
-    if _in_range(t, vocab_size):
-        return torch.zeros(0, t.dim(), dtype=torch.int64)
-    return torch.nonzero((t < 0) | (t >= vocab_size))
 
 
 def ngram_ids(

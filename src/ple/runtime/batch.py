@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import PLEError
+from ..ngram import first_out_of_range
 from ..ops.records import StepMeta
 
 __all__ = ["Batch", "BatchError", "PREFILL", "DECODE", "VERIFY"]
@@ -215,11 +216,9 @@ class Batch:
             )
         if ngram_context.dtype not in _INT_DTYPES:
             raise BatchError(f"ngram_context must be an int32/int64 tensor, got {ngram_context.dtype}")
-        if vocab_size is not None and ngram_context.numel():
-            lo, hi = int(ngram_context.min()), int(ngram_context.max())
-            if lo < 0 or hi >= vocab_size:
-                bad = lo if lo < 0 else hi
-                raise BatchError(f"ngram_context holds token {bad}, outside [0, vocab_size={vocab_size})")
+        if vocab_size is not None and (at := first_out_of_range(ngram_context, vocab_size)) is not None:
+            bad = int(ngram_context.reshape(-1)[at])
+            raise BatchError(f"ngram_context holds token {bad}, outside [0, vocab_size={vocab_size})")
         lens = [int(n) for n in query_lens]
         offsets = [0, *_cumsum(lens)]
         return cls(

@@ -27,7 +27,7 @@ import torch
 
 from .. import _native
 from ..errors import PLEError
-from ..ngram import next_ngram_context, ngram_ids
+from ..ngram import first_out_of_range, next_ngram_context, ngram_ids
 from ..ops.library import named_range
 from ..ops.state import ring_to_engine, ring_window
 from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
@@ -292,7 +292,7 @@ class Session:
             )
         if c.dtype not in (torch.int32, torch.int64):
             raise SessionError(f"prefix state ngram_context must hold integer tokens, got {c.dtype}")
-        if c.numel() and (int(c.min()) < 0 or int(c.max()) >= self._vocab):
+        if first_out_of_range(c, self._vocab) is not None:
             raise SessionError(f"prefix state ngram_context {c.tolist()} has tokens outside [0, {self._vocab})")
         return w.reshape(layers, self._channels, self._window), c.to(torch.int64).cpu()
 
@@ -618,9 +618,7 @@ class Session:
         packed = packed.to(torch.int64) if packed is not None else torch.zeros(0, dtype=torch.int64)
         if packed.numel():
             a = packed.cpu().numpy()
-            lo, hi = int(a.min()), int(a.max())
-            if lo < 0 or hi >= self._vocab:
-                pos = int(np.nonzero((a < 0) | (a >= self._vocab))[0][0])
+            if (pos := first_out_of_range(a, self._vocab)) is not None:
                 r = int(np.searchsorted(np.cumsum(lens), pos, side="right"))
                 raise SessionError(
                     f"request {order[r]!r}: token {int(a[pos])} at offset {pos - sum(lens[:r])} is outside "

@@ -24,10 +24,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .blocks import dequantize_blocks, quantize_blocks
-from .file import TableFileWriter, tensor_bytes
 from .formats import BLOCK_FORMATS, check_scale_values, format_info, infer_format
 from .mmap import MmapTable
 from .quantize import QuantStats, RowStats, dequantize, quantize_rows
+from .table_file import TableFileWriter, tensor_bytes
 
 __all__ = [
     "convert_layer",

@@ -44,9 +44,9 @@ import torch
 
 from ..errors import InvalidArgumentError, UsageError
 from .base import Table
-from .file import TableFileError, open_table
 from .formats import format_info
 from .lookup import gather_dequant
+from .table_file import TableFileError, open_table
 
 __all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK"]
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import PLEError
+from ..files import pread_exact
 from .formats import format_info
 
 __all__ = [
@@ -350,15 +351,12 @@ def iter_rows(t: GGUFTensor, shard_rows: int) -> Iterator[tuple[int, torch.Tenso
     try:
         for k, start in enumerate(range(0, rows, shard_rows)):
             n = min(shard_rows, rows - start)
-            buf = bytearray(n * rn)
-            view, got, off = memoryview(buf), 0, t.offset + start * rn
-            while got < len(buf):
-                m = os.preadv(fd, [view[got:]], off + got)
-                if m == 0:
-                    raise GGUFError(
-                        f"{t.path}: tensor {t.name} ends early, at byte {off + got}: the file was cut short"
-                    )
-                got += m
+            buf = pread_exact(
+                fd,
+                n * rn,
+                t.offset + start * rn,
+                lambda at: GGUFError(f"{t.path}: tensor {t.name} ends early, at byte {at}: the file was cut short"),
+            )
             raw = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
             yield k, raw.view(info.storage_dtype).reshape(n, width)
     finally:

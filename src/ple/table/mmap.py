@@ -1,4 +1,4 @@
-"""``MmapTable``: a table served from a read-only memory map of a table file (:mod:`ple.table.file`).
+"""``MmapTable``: a table served from a read-only memory map of a table file (:mod:`ple.table.table_file`).
 
 A mapped file must not be changed in place while it is mapped. Replacing it the way ple writes
 table files (a new file renamed over the old name, e.g. ``ple convert --force``) is safe: the map
@@ -28,8 +28,8 @@ import torch
 
 from ..errors import InvalidArgumentError, UsageError
 from .base import StoredTable
-from .file import TableFileError, open_table, shard_bounds
 from .formats import format_info
+from .table_file import TableFileError, open_table, shard_bounds
 
 __all__ = ["MmapTable"]
 
@@ -125,7 +125,7 @@ class MmapTable(StoredTable):
         pull in up to 128 KiB). Pass False for sequential scans of the whole table.
 
         ``scale_rows=(first, end)``: check the per-row scales of those rows only, for a process that
-        serves no others (a rank's shard, :func:`ple.table.load_sharded`); rows outside the range
+        serves no others (a rank's shard, :func:`ple.table.sharded.load_sharded`); rows outside the range
         are served unchecked."""
         return cls(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
 

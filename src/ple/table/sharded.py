@@ -60,11 +60,11 @@ import torch.distributed as dist
 from ..collective import collective_device, differing, exchange_records, hash60, rank_list
 from ..errors import InvalidArgumentError, PLEError, UsageError
 from .base import StoredTable, Table, require_stored
-from .file import TableFileError, hash_layout, read_table_header
 from .formats import ACTIVATION_DTYPES, FORMATS, check_ids, table_device
 from .memory import MemoryTable
 from .mmap import MmapTable
 from .prefetch import PrefetchHandle
+from .table_file import TableFileError, hash_layout, read_table_header
 
 __all__ = [
     "METHODS",
@@ -382,7 +382,7 @@ numbers its tables alike)."""
 
 # ---------------------------------------------------------------------- prefetch handle
 class ShardedPrefetch(PrefetchHandle):
-    """Handle of one started sharded lookup (the rules of :class:`ple.table.PrefetchHandle`):
+    """Handle of one started sharded lookup (the rules of :class:`ple.table.prefetch.PrefetchHandle`):
     ``wait(ids)`` returns the ``[T, G*head_dim]`` rows once the collective finished.
 
     The collective was issued when the prefetch started (on the calling thread, so collectives
@@ -418,7 +418,7 @@ class ShardedTable(Table):
         group: process group (default: the default group).
         method: "allreduce" or "alltoall" (see the module docstring); default :data:`DEFAULT_METHODS` of ``ids``.
         ids: "replicated" (every rank looks up the same ids) or "per_rank" (each its own).
-        layout_hash: hash (str) or fields (dict, see :func:`ple.table.hash_layout`) of the layout the
+        layout_hash: hash (str) or fields (dict, see :func:`ple.table.table_file.hash_layout`) of the layout the
             table was built for; compared across ranks. Defaults to a memory-mapped local table's hash.
         device: device of the construction-time exchange (default: CPU, or the current CUDA device
             when the group's only backend is NCCL: call ``torch.cuda.set_device`` first).
@@ -841,7 +841,7 @@ def load_sharded(
     ids: str = "replicated",
     verify_ids: bool = False,
 ) -> ShardedTable:
-    """Open a table file (:mod:`ple.table.file`) and shard it: each rank keeps only its rows.
+    """Open a table file (:mod:`ple.table.table_file`) and shard it: each rank keeps only its rows.
 
     Each rank checks the per-row scales of its own rows only (``MmapTable.open(scale_rows=)``).
     ``device=None`` keeps the rows memory-mapped (only this rank's pages are ever read) and checked

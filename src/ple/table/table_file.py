@@ -38,7 +38,7 @@ publishes); with ``force`` the last to finish wins. A crash leaves at most a ``.
 which every reader refuses (by name and by its header) and the next writer of the same path
 removes once no process holds its lock (a symbolic link of that name is removed, never followed).
 
-Sparse files (``TableFileWriter(..., sparse=True)``, :func:`write_sparse_table_file`) are for tests
+Sparse files (``TableFileWriter(..., sparse=True)``) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
 zeros and take no disk space), rows are written by id, no shard needs to be complete, and no
 checksums are computed (``"checksum": {"shards": null}``); :func:`verify_table_file` reports such a
@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import PARTIAL_SUFFIX, open_regular, parse_json, partial_entries
+from ..files import PARTIAL_SUFFIX, fsync_dir, open_regular, parse_json, partial_entries, pread_exact
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
 
@@ -76,7 +76,6 @@ __all__ = [
     "read_table_header",
     "tensor_bytes",
     "verify_table_file",
-    "write_sparse_table_file",
     "PARTIAL_SUFFIX",
     "TABLE_SUFFIX",
     "VERSION",
@@ -147,30 +146,9 @@ def _pwrite_all(fd: int, buf, offset: int) -> None:
         offset += n
 
 
-def _pread_exact(fd: int, n: int, offset: int, path: Path | None = None) -> bytes:
-    parts = []
-    while n > 0:
-        b = os.pread(fd, min(n, _READ_CHUNK), offset)
-        if not b:
-            where = f"{path}: " if path is not None else ""
-            raise TableFileError(f"{where}unexpected end of file at byte {offset}")
-        parts.append(b)
-        n -= len(b)
-        offset += len(b)
-    return b"".join(parts)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _ended(path: Path):
+    """The error of a read of ``path`` past its end (for :func:`ple.files.pread_exact`)."""
+    return lambda at: TableFileError(f"{path}: unexpected end of file at byte {at}")
 
 
 def _geometry(rows: int, head_dim: int, format: str, shard_rows: int) -> dict[str, Any]:
@@ -596,7 +574,7 @@ class TableFileWriter:
                 os.replace(self.partial_path, self.path)
             else:
                 os.unlink(self.partial_path)
-        _fsync_dir(self.path)
+        fsync_dir(self.path.parent)
 
     def abort(self) -> None:
         """Drop the temporary file; no table file is published."""
@@ -619,35 +597,6 @@ class TableFileWriter:
             self.abort()
         else:
             self.close()
-
-
-def write_sparse_table_file(
-    path: str | os.PathLike,
-    rows: int,
-    head_dim: int,
-    format: str,
-    layout_hash: str | dict,
-    row_ids: torch.Tensor,
-    row_data: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    *,
-    shard_rows: int | None = None,
-    force: bool = False,
-) -> Path:
-    """Build a sparse table file: zeros everywhere except ``row_data [n, head_dim]`` at ``row_ids [n]``.
-
-    ``scale``: the global scale for "fp8", per-row ``[n, 1]`` for the written rows otherwise (other
-    rows get scale 0). No checksums (see the module docstring). Returns the path.
-    """
-    with TableFileWriter(path, rows, head_dim, format, shard_rows or rows, layout_hash, force=force, sparse=True) as w:
-        if format_info(format).scale_kind == "global":
-            if scale is None:
-                raise InvalidArgumentError(f"format {format!r} needs a global scale")
-            w.set_global_scale(scale)
-            w.write_rows(row_ids, row_data)
-        else:
-            w.write_rows(row_ids, row_data, scale)
-    return Path(path)
 
 
 # ---------------------------------------------------------------------- reading
@@ -780,7 +729,7 @@ def _read_header(fd: int, path: Path) -> dict[str, Any]:
     n = int.from_bytes(prefix[8:], "little")
     if n > _MAX_HEADER or _PREFIX + n > size:
         raise TableFileError(f"{path}: header length {n} is implausible for a file of {size} bytes")
-    header = parse_json(_pread_exact(fd, n, _PREFIX, path), f"{path}: header", TableFileError)
+    header = parse_json(pread_exact(fd, n, _PREFIX, _ended(path)), f"{path}: header", TableFileError)
     return _validate(header, path, _PREFIX + n, size)
 
 
@@ -799,7 +748,7 @@ def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _read_global_scale(fd: int, header: dict[str, Any], path: Path) -> float:
-    (value,) = struct.unpack("<f", _pread_exact(fd, 4, header["scale"]["offset"], path))
+    (value,) = struct.unpack("<f", pread_exact(fd, 4, header["scale"]["offset"], _ended(path)))
     if not (math.isfinite(value) and value > 0):
         raise TableFileError(f"{path}: the global scale is {value}, not a positive finite number")
     return value
@@ -817,7 +766,7 @@ def _check_row_scales(fd: int, header: dict[str, Any], path: Path, rows: tuple[i
     step = _READ_CHUNK // 4
     for start in range(first, end, step):
         stop = min(end, start + step)
-        values = np.frombuffer(_pread_exact(fd, 4 * (stop - start), offset + 4 * start, path), dtype="<f4")
+        values = np.frombuffer(pread_exact(fd, 4 * (stop - start), offset + 4 * start, _ended(path)), dtype="<f4")
         low, high = values.min(), values.max()  # NaN propagates into both
         if (low > floor or (header["sparse"] and low == floor)) and high < np.inf:
             continue
@@ -923,7 +872,7 @@ def _verify_rows(fd: int, header: dict[str, Any], path: Path) -> list[str]:
         _hash_range(fd, h, header["data_offset"] + start * rn, (stop - start) * rn, path)
         bad_scale = None
         if per_row:
-            scales = _pread_exact(fd, 4 * (stop - start), header["scale"]["offset"] + 4 * start, path)
+            scales = pread_exact(fd, 4 * (stop - start), header["scale"]["offset"] + 4 * start, _ended(path))
             h.update(scales)
             values = np.frombuffer(scales, dtype="<f4")
             bad = np.nonzero(~(np.isfinite(values) & (values > 0)))[0]
@@ -935,7 +884,7 @@ def _verify_rows(fd: int, header: dict[str, Any], path: Path) -> list[str]:
         elif bad_scale is not None:
             problems.append(f"{path}: shard {k} (rows [{start}, {stop})): {bad_scale}, not a positive finite number")
     if header["scale"]["kind"] == "global":
-        b = _pread_exact(fd, 4, header["scale"]["offset"], path)
+        b = pread_exact(fd, 4, header["scale"]["offset"], _ended(path))
         if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
             problems.append(f"{path}: global scale checksum mismatch, the stored scale changed")
         else:

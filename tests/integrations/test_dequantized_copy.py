@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from ple.checkpoint import CheckpointError, checkpoint_files, load_ple_weights, scan_checkpoint
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
-from ple.integrations.checkpoints import dequantize_checkpoint
+from ple.integrations.dequantized_copy import dequantize_checkpoint
 
 from ..conftest import SMALL
 

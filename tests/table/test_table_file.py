@@ -19,21 +19,11 @@ import torch
 
 import ple.table
 from ple.errors import UsageError
-from ple.table import (
-    MemoryTable,
-    MmapTable,
-    TableFileError,
-    TableFileWriter,
-    format_info,
-    gather_dequant_reference,
-    hash_layout,
-    read_table_header,
-    verify_table_file,
-    write_sparse_table_file,
-)
-from ple.table.file import PARTIAL_SUFFIX, _header_digest
+from ple.table import MemoryTable, MmapTable, TableFileError, format_info, read_table_header, verify_table_file
+from ple.table.lookup import gather_dequant_reference
+from ple.table.table_file import PARTIAL_SUFFIX, TableFileWriter, _header_digest, hash_layout
 
-from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file
+from ._helpers import DTYPES, ELEMENT, LAYOUT, flip_byte, make_table, random_ids, write_file, write_sparse_table_file
 
 SRC = str(Path(ple.table.__file__).resolve().parents[2])
 
@@ -158,7 +148,7 @@ def test_global_scale_must_agree(tmp_path):
 _CRASH_CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from ple.table import TableFileWriter
+    from ple.table.table_file import TableFileWriter
     path = sys.argv[1]
     w = TableFileWriter(path, 4000, 64, "bf16", 1000, "layout-h")
     w.write_shard(2, torch.ones(1000, 64, dtype=torch.bfloat16))
@@ -329,7 +319,7 @@ def test_second_writer_without_force_cannot_publish(tmp_path):
 _HOLDING_CHILD = textwrap.dedent(
     """
     import signal, sys, torch
-    from ple.table import TableFileWriter
+    from ple.table.table_file import TableFileWriter
     w = TableFileWriter(sys.argv[1], 6, 2, "fp32", 6, "layout-h")
     print("holding", flush=True)
     signal.pause()

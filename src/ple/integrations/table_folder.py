@@ -68,9 +68,9 @@ from ..checkpoint import (
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError, PLEError
 from ..files import read_json, write_atomically
-from ..table import MmapTable, TableFileError, compare_with_source, format_info, read_table_header
+from ..table import MmapTable, TableFileError, format_info, read_table_header
 from ..table.blocks import nvfp4_global_scale
-from ..table.convert import table_amax, target_format
+from ..table.convert import compare_with_source, table_amax, target_format
 
 __all__ = [
     "default_table_dir",
