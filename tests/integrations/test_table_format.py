@@ -68,8 +68,20 @@ def test_bad_table_formats_are_refused(wide, tmp_path):
     path, _ = wide
     with pytest.raises(InvalidArgumentError, match="table_format must be one of"):
         from_pretrained(path, table_dir=tmp_path / "t", table_format="q3_k")
-    with pytest.raises(InvalidArgumentError, match="'mmap' and 'cached' tiers"):
+    with pytest.raises(InvalidArgumentError, match=r"table-file tiers \(mmap, cached, direct\)"):
         from_pretrained(path, table_tier="memory", table_format="q4_0")
+
+
+def test_the_direct_tier_serves_a_block_copy(wide, tmp_path):
+    """A block-format copy read with pread (the direct tier) gives the logits the mapped copy gives."""
+    path, _ = wide
+    mapped = from_pretrained(path, table_dir=tmp_path / "t", table_format="q4_0")
+    direct = from_pretrained(path, table_dir=tmp_path / "t", table_format="q4_0", table_tier="direct")
+    assert [w.prepared.action for w in patched_layers(direct)] == ["reused", "reused"]
+    assert {type(w.layer.table).__name__ for w in patched_layers(direct)} == {"DirectTable"}
+    assert {w.layer.table.format for w in patched_layers(direct)} == {"q4_0"}
+    # the same rows, bit for bit, through the same downstream arithmetic
+    torch.testing.assert_close(_logits(direct), _logits(mapped), rtol=0, atol=0)
 
 
 def _nvfp4_copy(src, dst):
