@@ -1,7 +1,7 @@
 """The package's layering, read from its source: every module has a level, a module imports only
-lower levels (or its own folder), no import cycle hides behind a lazy import, and no module reaches
-into another's private names (imported, or read through a module) or into a private module of
-another package."""
+lower levels (or its own folder), no import cycle hides behind a lazy or an annotations-only import,
+and no module reaches into another's private names (imported, or read through a module) or into a
+private module of another package."""
 
 from __future__ import annotations
 
