@@ -106,9 +106,15 @@ class Table(abc.ABC):
         self._check_call(ids, dtype, check)
         with self._engine_lock:
             if self._engine is None:
-                self._engine = PrefetchEngine(self, max(2, int(self.prefetch_depth)))
+                self._engine = PrefetchEngine(
+                    type(self).__name__,
+                    self.head_dim,
+                    self._lookup_into,
+                    self._gathers_on_device,
+                    max(2, int(self.prefetch_depth)),
+                )
             engine = self._engine
-        return engine.start(ids, dtype)
+        return engine.start(ids, dtype, next(self._prefetch_seq))
 
     def close(self) -> None:
         """Stop the prefetch worker (pending prefetches finish first)."""

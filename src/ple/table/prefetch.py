@@ -25,14 +25,11 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from ..errors import PLEError
-
-if TYPE_CHECKING:
-    from .base import Table
 
 __all__ = ["PrefetchError", "PrefetchHandle", "Prefetch"]
 
@@ -194,10 +191,26 @@ class Prefetch(PrefetchHandle):
 
 
 class PrefetchEngine:
-    """Worker thread, side streams and output-buffer pool of one table."""
+    """Worker thread, side streams and output-buffer pool of one table.
 
-    def __init__(self, table: Table, depth: int) -> None:
-        self.table = table
+    The engine knows the table only through what it is given: ``owner`` (the table's name, for
+    errors), ``head_dim`` (rows are ``[T, G*head_dim]``), ``lookup_into(ids, out)`` (writes the rows
+    of checked ``ids [T, G]`` into ``out``) and ``gathers_on_device(device)`` (whether a lookup for
+    ids on ``device`` runs there, on a side stream, rather than on the host worker).
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        head_dim: int,
+        lookup_into: Callable[[torch.Tensor, torch.Tensor], None],
+        gathers_on_device: Callable[[torch.device], bool],
+        depth: int,
+    ) -> None:
+        self.owner = owner
+        self.head_dim = head_dim
+        self.lookup_into = lookup_into
+        self.gathers_on_device = gathers_on_device
         self.depth = depth
         self._lock = threading.Lock()
         self._free: dict[tuple, list[_Buffer]] = {}
@@ -233,26 +246,26 @@ class PrefetchEngine:
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._closed:
-                raise PrefetchError(f"{type(self.table).__name__} is closed: no new prefetch")
+                raise PrefetchError(f"{self.owner} is closed: no new prefetch")
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ple-prefetch")
             return self._executor
 
-    def start(self, ids: torch.Tensor, dtype: torch.dtype) -> Prefetch:
-        table = self.table
+    def start(self, ids: torch.Tensor, dtype: torch.dtype, seq: int) -> Prefetch:
+        """Start the lookup of checked ``ids [T, G]``; ``seq`` is the handle's sequence number."""
         T, G = ids.shape
         device = ids.device
-        buf = self.take((T, G * table.head_dim), dtype, device)
-        handle = Prefetch(self, next(table._prefetch_seq), ids, dtype, buf)
+        buf = self.take((T, G * self.head_dim), dtype, device)
+        handle = Prefetch(self, seq, ids, dtype, buf)
         snapshot = ids.clone()  # the caller may reuse its ids tensor; the gather reads this copy
-        if table._gathers_on_device(device):
+        if self.gathers_on_device(device):
             cur = torch.cuda.current_stream(device)
             side = self._stream(device)
             side.wait_stream(cur)
             with torch.cuda.stream(side):
                 if buf.release_event is not None:
                     side.wait_event(buf.release_event)
-                table._lookup_into(snapshot, buf.tensor)
+                self.lookup_into(snapshot, buf.tensor)
                 ev = torch.cuda.Event()
                 ev.record(side)
             snapshot.record_stream(side)
@@ -267,14 +280,14 @@ class PrefetchEngine:
 
     def _run_on_host(self, ids: torch.Tensor, buf: _Buffer, ready) -> None:
         if buf.tensor.device.type != "cuda":
-            self.table._lookup_into(ids, buf.tensor)
+            self.lookup_into(ids, buf.tensor)
             return
         side = self._stream(buf.tensor.device)
         with torch.cuda.stream(side):
             side.wait_event(ready)
             if buf.release_event is not None:
                 side.wait_event(buf.release_event)
-            self.table._lookup_into(ids, buf.tensor)
+            self.lookup_into(ids, buf.tensor)
         side.synchronize()
 
     def close(self) -> None:
