@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import gguf  # the oracle: a dev dependency, so a missing install fails here
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 
 from ple.cli import main
 from ple.config import PLEConfig
@@ -18,10 +21,6 @@ from ple.table.gguf import GGUFError, read_gguf, table_tensor
 from ple.table.lookup import gather_dequant_reference
 
 from .conftest import SMALL
-
-gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf import GGUFValueType as VT  # noqa: E402
 
 WIDE = {**SMALL, "ple_embed_dim": 128, "ple_layer_ids": (2,)}  # one PLE layer, head_dim 32
 

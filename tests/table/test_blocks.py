@@ -4,9 +4,12 @@ lookup path and tier serving them bit-equal to the reference."""
 
 from __future__ import annotations
 
+import gguf  # the oracle: a dev dependency, so a missing install fails here
 import numpy as np
 import pytest
 import torch
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from ple.errors import InvalidArgumentError
 from ple.table import CachedTable, MemoryTable, MmapTable, format_info
@@ -17,10 +20,6 @@ from ple.table.lookup import gather_dequant_reference, gather_dequant_torch
 from ple.table.lookup.native import gather_dequant_blocks_native, native_available
 
 from ._helpers import DTYPES, assert_same, make_table, random_ids, write_file
-
-gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 GGML = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "mxfp4")
 QUANTIZED_BY_GGUF = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "mxfp4")
@@ -173,6 +172,16 @@ def test_every_cpu_path_equals_the_reference(fmt):
         assert_same(gather_dequant_torch(data, scale, ids, dtype, format=fmt), ref, f"torch {fmt} {dtype}")
         if native_available():
             assert_same(gather_dequant_blocks_native(data, scale, ids, dtype, format=fmt), ref, f"C {fmt} {dtype}")
+
+
+def test_native_lookup_refuses_ids_it_would_misread_even_unchecked():
+    """The kernel reads ids as int64 [T, G]: int32 ids would be read past their buffer."""
+    if not native_available():
+        pytest.skip("no C compiler here")
+    data, _ = make_table("q4_0", 53, 160, seed=2)
+    for bad in (random_ids(53, 17, 4).to(torch.int32), random_ids(53, 17, 4).reshape(-1)):
+        with pytest.raises(InvalidArgumentError, match="ids must be int64 \\[T, G\\] on the CPU"):
+            gather_dequant_blocks_native(data, None, bad, torch.float32, format="q4_0", check=False)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

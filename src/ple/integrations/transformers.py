@@ -868,27 +868,34 @@ def from_pretrained(
     if table_tier not in LOAD_TIERS:
         raise InvalidArgumentError(f"table_tier must be one of {list(LOAD_TIERS)}, got {table_tier!r}")
     if table_tier == "memory" and table_dir is not None:
-        raise InvalidArgumentError("table_dir is for the 'mmap' and 'cached' tiers; 'memory' reads the checkpoint")
+        raise InvalidArgumentError(
+            "table_dir is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
+        )
     if table_format is not None and table_tier == "memory":
         raise InvalidArgumentError(
             "table_format is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
         )
     if table_format is not None and table_format not in TARGET_NAMES:
         raise InvalidArgumentError(f"table_format must be one of {list(TARGET_NAMES)}, got {table_format!r}")
-    if memory_budget is not None and table_tier != "direct":
-        raise InvalidArgumentError(f"memory_budget is for table_tier='direct', got table_tier={table_tier!r}")
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)):
-        raise ArgumentTypeError(f"memory_budget must be an int (bytes), got {memory_budget!r}")
-    if memory_budget is not None and memory_budget < 0:
-        raise InvalidArgumentError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
-    if table_cache_rows is not None and table_tier != "cached":
-        raise InvalidArgumentError(f"table_cache_rows is for table_tier='cached', got table_tier={table_tier!r}")
-    if table_cache_rows is not None and (isinstance(table_cache_rows, bool) or not isinstance(table_cache_rows, int)):
-        raise ArgumentTypeError(f"table_cache_rows must be an int (rows kept in memory), got {table_cache_rows!r}")
-    if table_cache_rows is not None and table_cache_rows < 1:
-        raise InvalidArgumentError(
-            f"table_cache_rows must be >= 1, got {table_cache_rows}; for no cache use table_tier='mmap'"
-        )
+    for name, value, tier, least, unit, hint in (
+        ("memory_budget", memory_budget, "direct", 0, "bytes", ""),
+        (
+            "table_cache_rows",
+            table_cache_rows,
+            "cached",
+            1,
+            "rows kept in memory",
+            "; for no cache use table_tier='mmap'",
+        ),
+    ):
+        if value is None:
+            continue
+        if table_tier != tier:
+            raise InvalidArgumentError(f"{name} is for table_tier={tier!r}, got table_tier={table_tier!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"{name} must be an int ({unit}), got {value!r}")
+        if value < least:
+            raise InvalidArgumentError(f"{name} must be >= {least}, got {value}{hint}")
     refused = sorted(k for k in ("state_dict", "gguf_file", "from_tf", "from_flax", "key_mapping") if k in kwargs)
     if refused:
         raise InvalidArgumentError(f"from_pretrained: {refused} cannot be combined with ple's table loading")

@@ -38,6 +38,12 @@ def gather_dequant_blocks_native(
     info = format_info(format)
     if not info.blocked or data.dtype != torch.uint8 or data.dim() != 2 or data.device.type != "cpu":
         raise InvalidArgumentError(f"the native block lookup takes CPU uint8 rows of a block format, got {format!r}")
+    # what the kernel reads as int64 [T, G] on the CPU is checked whatever ``check`` says (shapes
+    # and dtypes only); ``check`` adds the id range, which the kernel also refuses (status -1)
+    if ids.dtype != torch.int64 or ids.dim() != 2 or ids.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"ids must be int64 [T, G] on the CPU, got {ids.dtype} {tuple(ids.shape)} on {ids.device}"
+        )
     if check:
         check_ids(ids, data.shape[0])
     T, G = ids.shape
