@@ -372,8 +372,7 @@ class PLELayer(nn.Module):
         if torch.compiler.is_compiling():
             if prefetched is not None:
                 raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
-            out, c = self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
-            return (out, c) if return_conv_input else out
+            return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         if torch.is_grad_enabled() and hidden.requires_grad:
             raise UsageError(
                 "the engine call is inference-only (it updates the state pool in place); "
@@ -392,11 +391,10 @@ class PLELayer(nn.Module):
             self._require_table()
         try:
             with torch.no_grad():
-                out, c = self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
+                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         finally:
             if prefetched is not None:
                 prefetched.release()
-        return (out, c) if return_conv_input else out
 
     def _check_call(self, hidden, input_ids, batch, rows, token_mask) -> None:
         """Shapes, dtypes and host-side counts only (no device values: nothing synchronizes)."""
@@ -423,7 +421,7 @@ class PLELayer(nn.Module):
         if token_mask is not None and token_mask.shape != (tokens,):
             raise InvalidArgumentError(f"token_mask must be [T={tokens}], got {tuple(token_mask.shape)}")
 
-    def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, all_conv_inputs):
+    def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input):
         """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
         if rows is None:
             with ops_library.named_range("ple.ids"):
@@ -450,9 +448,10 @@ class PLELayer(nn.Module):
                 self.gate_weights,
                 self.conv_weights,
                 batch.step_meta(),
-                token_mask,
-                add_hidden,
-                all_conv_inputs,
+                token_mask=token_mask,
+                add_hidden=add_hidden,
+                return_conv_input=return_conv_input,
+                validate=False,
             )
 
     # ------------------------------------------------------------------ training-style call
@@ -492,16 +491,7 @@ class PLELayer(nn.Module):
             emb = table.lookup(ids, self.dtype)
         key = F.linear(emb, self.key_proj)
         value = F.linear(emb, self.value_proj)
-        v, c = gate_reference.ngram_gate(
-            key,
-            value,
-            hidden.reshape(b * s, -1),
-            self.norm_key,
-            self.norm_query,
-            self.norm_conv,
-            cfg.rms_norm_eps,
-            cfg.hc_count,
-        )
+        v, c = gate_reference.ngram_gate(key, value, hidden.reshape(b * s, -1), self.gate_weights)
         v = v.reshape(b, s, -1)
         c = c.reshape(b, s, -1)
         if attention_mask is not None:

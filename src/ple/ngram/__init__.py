@@ -1,13 +1,13 @@
 """N-gram semantics: which table rows each token reads, and the per-request context contract.
 
-``ngram_ids`` is the checked entry point (validates everything, then dispatches on device:
-CUDA -> Triton kernel, CPU -> the C kernel of :mod:`.native` when it can be built, otherwise the
-vectorized torch path). ``reference`` holds the literal definition the fast paths are tested against.
-
-The computation is also the operator ``torch.ops.ple.ngram_ids(input_ids, query_start_loc,
+The computation is the operator ``torch.ops.ple.ngram_ids(input_ids, query_start_loc,
 ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id, vocab_size=-1)``
-(the layout as its tensors, see :func:`layout_tensors`), with a fake implementation, so compiled and
-exported programs hold it as one node. Every call checks shapes, dtypes and devices
+(the layout as its tensors, see :func:`layout_tensors`), registered once here
+(:data:`ple.operators.OPERATORS`): its reference is :func:`.reference.ids_from_tensors` (the literal
+definition), its kernels the C kernel of :mod:`.native` on the CPU where it builds (else the
+vectorized :mod:`.torch_impl`) and :mod:`.triton_impl` on CUDA, and a fake implementation, so
+compiled and exported programs hold it as one node. ``ngram_ids`` is the checked entry point: it
+validates everything, then runs the operator's function for the ids' device. Every call checks shapes, dtypes and devices
 (:func:`check_ids_operator`) and, given ``vocab_size``, the range of tokens in host memory, so an
 eager and a compiled call refuse the same inputs; tokens on an accelerator are not read (no
 synchronization) and a token outside the vocabulary is hashed like any other there.
@@ -21,8 +21,9 @@ import torch
 from .. import _native
 from ..errors import PLEError
 from ..layout import Layout
+from ..operators import Kernel, register
 from . import native, reference, torch_impl
-from .torch_impl import layout_tensors
+from .tensors import layout_tensors
 
 __all__ = [
     "ngram_ids",
@@ -186,13 +187,9 @@ def ngram_ids(
     """
     if check:
         check_ngram_inputs(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
-    if input_ids.is_cuda:
-        from . import triton_impl
-
-        return triton_impl.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
-    if input_ids.device.type == "cpu" and _native.available():
-        return native.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
-    return torch_impl.ngram_ids(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
+    mult, sizes, offs = layout_tensors(layout, input_ids.device)
+    run = _OPERATOR.on(input_ids.device)
+    return run(input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id)
 
 
 def next_ngram_context(
@@ -202,15 +199,7 @@ def next_ngram_context(
     return torch_impl.next_ngram_context(input_ids, query_start_loc, ngram_context)
 
 
-_ = reference  # re-exported as ple.ngram.reference
-
 # ---------------------------------------------------------------------------------------------- operator
-
-_lib = torch.library.Library("ple", "FRAGMENT")
-_lib.define(
-    "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, Tensor multipliers, "
-    "Tensor head_sizes, Tensor head_offsets, int heads_per_ngram, int eos_token_id, int vocab_size=-1) -> Tensor"
-)
 
 
 def _ids_args_ok(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, devices: bool) -> bool:
@@ -299,20 +288,15 @@ def _check_host_tokens(input_ids, ngram_context, vocab_size: int) -> None:
         check_token_range(input_ids, ngram_context, vocab_size)
 
 
-def _ids_cpu(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
-    check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, False)
+def _check_ids(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1, devices=True):
+    check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, devices)
     _check_host_tokens(input_ids, ngram_context, vocab_size)
-    if _native.available():
-        return native.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
-    return torch_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
 
 
-def _ids_cuda(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
+def _triton_ids(*args):
     from . import triton_impl
 
-    check_ids_operator(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
-    mult, sizes, offs = mult.contiguous(), sizes.contiguous(), offs.contiguous()
-    return triton_impl.ids_from_tensors(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos)
+    return triton_impl.ids_from_tensors(*args[:8])
 
 
 def _ids_fake(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn, eos, vocab_size=-1):
@@ -320,6 +304,15 @@ def _ids_fake(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn,
     return input_ids.new_empty((input_ids.shape[0], sizes.shape[0]), dtype=torch.int64)
 
 
-_lib.impl("ngram_ids", _ids_cpu, "CPU")
-_lib.impl("ngram_ids", _ids_cuda, "CUDA")
-torch.library.register_fake("ple::ngram_ids", _ids_fake, lib=_lib)
+_OPERATOR = register(
+    "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, Tensor multipliers, "
+    "Tensor head_sizes, Tensor head_offsets, int heads_per_ngram, int eos_token_id, int vocab_size=-1) -> Tensor",
+    reference=lambda *args: reference.ids_from_tensors(*args[:8]),
+    kernels=(
+        Kernel("native", "cpu", lambda *args: native.ids_from_tensors(*args[:8]), takes=lambda *a: _native.available()),
+        Kernel("torch", "cpu", lambda *args: torch_impl.ids_from_tensors(*args[:8])),
+        Kernel("triton", "cuda", _triton_ids, needs="triton"),
+    ),
+    fake=_ids_fake,
+    check=_check_ids,
+)

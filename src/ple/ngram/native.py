@@ -8,57 +8,31 @@ import torch
 
 from .. import _native
 from ..errors import InvalidArgumentError
-from ..layout import Layout
-from .torch_impl import layout_tensors
+from .tensors import with_layout
 
-__all__ = ["ngram_ids"]
+__all__ = ["ids_from_tensors", "ngram_ids"]
 
 
-def ngram_ids(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layout: Layout,
-    eos_token_id: int,
+def ids_from_tensors(
+    input_ids,
+    query_start_loc,
+    ngram_context,
+    multipliers,
+    head_sizes,
+    head_offsets,
+    heads_per_ngram,
+    eos_token_id,
     *,
-    threads: int | None = None,
+    threads=None,
 ) -> torch.Tensor:
-    """Same contract as :func:`ple.ngram.reference.ngram_ids` (inputs already checked); ``[T, G]`` int64 on the CPU.
-
-    Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built.
-    """
+    """The ids ``[T, G]`` int64 on the CPU (the contract of :func:`ple.ngram.reference.ngram_ids`, inputs
+    already checked) with the layout given as its int64 CPU tensors (``multipliers [N]``, ``head_sizes
+    [G]``, ``head_offsets [G]``). Raises :class:`ple._native.NativeUnavailable` when the kernel cannot
+    be built."""
     if input_ids.device.type != "cpu":
         raise InvalidArgumentError(
             f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU"
         )
-    mult, sizes, offs = layout_tensors(layout, torch.device("cpu"))
-    return ids_from_tensors(
-        input_ids,
-        query_start_loc,
-        ngram_context,
-        mult,
-        sizes,
-        offs,
-        layout.heads_per_ngram,
-        eos_token_id,
-        threads=threads,
-    )
-
-
-def ids_from_tensors(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    multipliers: torch.Tensor,
-    head_sizes: torch.Tensor,
-    head_offsets: torch.Tensor,
-    heads_per_ngram: int,
-    eos_token_id: int,
-    *,
-    threads: int | None = None,
-) -> torch.Tensor:
-    """:func:`ngram_ids` with the layout given as its int64 CPU tensors (``multipliers [N]``,
-    ``head_sizes [G]``, ``head_offsets [G]``)."""
     lib = _native.library()
     tokens = input_ids.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
@@ -97,3 +71,6 @@ def ids_from_tensors(
             f"heads_per_ngram={heads_per_ngram}; the kernel takes ngram_size 2..64)"
         )
     return out
+
+
+ngram_ids = with_layout(ids_from_tensors)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import Layout
+from .tensors import layout_tensors
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,10 +49,22 @@ def ngram_ids(
     Returns:
         ``[T, G]`` int64 row ids into the layer's table.
     """
-    n = layout.ngram_size
-    hpn = layout.heads_per_ngram
+    return ids_from_tensors(
+        input_ids, query_start_loc, ngram_context, *layout_tensors(layout, torch.device("cpu")),
+        layout.heads_per_ngram, eos_token_id,
+    )  # fmt: skip
+
+
+def ids_from_tensors(
+    input_ids, query_start_loc, ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id
+) -> torch.Tensor:
+    """:func:`ngram_ids` with the layout given as its int64 tensors (``multipliers [N]``, ``head_sizes [G]``,
+    ``head_offsets [G]``, see :func:`ple.ngram.tensors.layout_tensors`); ``[T, G]`` int64 on the CPU."""
+    multipliers, head_sizes, head_offsets = (t.tolist() for t in (multipliers, head_sizes, head_offsets))
+    n = len(multipliers)
+    hpn = heads_per_ngram
     qsl = [int(v) for v in query_start_loc.tolist()]
-    out = torch.empty(len(input_ids), layout.num_heads, dtype=torch.int64)
+    out = torch.empty(len(input_ids), len(head_sizes), dtype=torch.int64)
     for r in range(len(qsl) - 1):
         history = [int(v) for v in ngram_context[r].tolist()] + [
             int(v) for v in input_ids[qsl[r] : qsl[r + 1]].tolist()
@@ -63,11 +76,11 @@ def ngram_ids(
             for order in range(2, n + 1):
                 h = 0
                 for s in range(order):
-                    h ^= _wrap64(y[s] * layout.multipliers[s]) & _MASK64
+                    h ^= _wrap64(y[s] * multipliers[s]) & _MASK64
                 h = _wrap64(h)
                 for j in range(hpn):
                     g = (order - 2) * hpn + j
-                    out[qsl[r] + t - (n - 1), g] = layout.head_offsets[g] + h % layout.head_sizes[g]
+                    out[qsl[r] + t - (n - 1), g] = head_offsets[g] + h % head_sizes[g]
     return out
 
 

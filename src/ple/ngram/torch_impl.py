@@ -7,20 +7,9 @@ shift (N is small), with no cumulative scan over the history.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..layout import Layout
-
-
-@functools.lru_cache(maxsize=32)
-def layout_tensors(layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``multipliers [N]``, ``head_sizes [G]``, ``head_offsets [G]`` as int64 tensors on ``device`` (cached)."""
-    mult = torch.tensor(layout.multipliers, dtype=torch.int64, device=device)
-    sizes = torch.tensor(layout.head_sizes, dtype=torch.int64, device=device)
-    offs = torch.tensor(layout.head_offsets, dtype=torch.int64, device=device)
-    return mult, sizes, offs
+from .tensors import with_layout
 
 
 def _extended(
@@ -63,31 +52,11 @@ def ngram_windows(
     return out
 
 
-def ngram_ids(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layout: Layout,
-    eos_token_id: int,
-) -> torch.Tensor:
-    """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64."""
-    mult, sizes, offs = layout_tensors(layout, input_ids.device)
-    return ids_from_tensors(
-        input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id
-    )
-
-
 def ids_from_tensors(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    multipliers: torch.Tensor,
-    head_sizes: torch.Tensor,
-    head_offsets: torch.Tensor,
-    heads_per_ngram: int,
-    eos_token_id: int,
+    input_ids, query_start_loc, ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id
 ) -> torch.Tensor:
-    """:func:`ngram_ids` with the layout given as its tensors (see :func:`layout_tensors`)."""
+    """The ids ``[T, G]`` int64 (the contract of :func:`ple.ngram.reference.ngram_ids`) with the layout
+    given as its tensors (see :func:`ple.ngram.tensors.layout_tensors`)."""
     hpn = heads_per_ngram
     mult, sizes, offs = multipliers, head_sizes, head_offsets
     y = ngram_windows(input_ids, query_start_loc, ngram_context, mult.shape[0], eos_token_id)
@@ -99,6 +68,9 @@ def ids_from_tensors(
         torch.remainder(h.unsqueeze(1), sizes[g0 : g0 + hpn], out=out[:, g0 : g0 + hpn])
     out += offs
     return out
+
+
+ngram_ids = with_layout(ids_from_tensors)
 
 
 def next_ngram_context(

@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 
 from ..errors import InvalidArgumentError
-from ..layout import Layout
-from .torch_impl import layout_tensors
+from .tensors import with_layout
 
 __all__ = ["ngram_ids", "next_ngram_context"]
 
@@ -154,42 +153,13 @@ def _check_shapes(input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_
         )
 
 
-def ngram_ids(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layout: Layout,
-    eos_token_id: int,
-) -> torch.Tensor:
-    """Same contract as :func:`ple.ngram.reference.ngram_ids`; ``[T, G]`` int64.
-
-    Args:
-        input_ids: ``[T]`` int32/int64 tokens, requests packed back to back (any stride).
-        query_start_loc: ``[R+1]`` int32/int64 cumulative offsets, ``0 ... T``.
-        ngram_context: ``[R, N-1]`` int32/int64 last N-1 tokens of each request before this chunk.
-        layout: the layer's :class:`~ple.layout.Layout`.
-        eos_token_id: the id that cuts n-gram history.
-
-    Inputs are not validated beyond their shapes (the checked entry point is
-    :func:`ple.ngram.ngram_ids`).
-    """
-    mult, sizes, offs = layout_tensors(layout, input_ids.device)
-    return ids_from_tensors(
-        input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id
-    )
-
-
 def ids_from_tensors(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    multipliers: torch.Tensor,
-    head_sizes: torch.Tensor,
-    head_offsets: torch.Tensor,
-    heads_per_ngram: int,
-    eos_token_id: int,
+    input_ids, query_start_loc, ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id
 ) -> torch.Tensor:
-    """:func:`ngram_ids` with the layout given as its tensors (on the ids' device)."""
+    """The ids ``[T, G]`` int64 (the contract of :func:`ple.ngram.reference.ngram_ids`) with the layout
+    given as its tensors (on the ids' device). Inputs are not validated beyond their shapes (the
+    checked entry point is :func:`ple.ngram.ngram_ids`)."""
+    multipliers, head_sizes, head_offsets = multipliers.contiguous(), head_sizes.contiguous(), head_offsets.contiguous()
     _check_shapes(input_ids, query_start_loc, ngram_context)
     n = multipliers.shape[0]
     hpn = heads_per_ngram
@@ -226,6 +196,9 @@ def ids_from_tensors(
         num_warps=4,
     )
     return out
+
+
+ngram_ids = with_layout(ids_from_tensors)
 
 
 def next_ngram_context(

@@ -8,18 +8,15 @@
   its two halves (``conv_stage(*gate_stage(...))`` is ``gate_conv`` bit for bit).
 - :class:`GateWeights`, :class:`ConvWeights`, :class:`StepMeta`: the records the fused step takes.
 
-Each dispatcher runs Triton for CUDA tensors and the PyTorch fast path otherwise (the fused step:
-the C kernel for bf16/fp32 CPU tensors). The fused step is also registered as ``torch.ops.ple``
-operators (:mod:`ple.ops.library`) for ``torch.compile``, ``torch.export`` and CUDA graphs.
+Each is a ``torch.ops.ple`` operator (registered once, :mod:`ple.ops.library`; its kernels: Triton for
+CUDA tensors, the PyTorch fast path or, for the fused step on bf16/fp32 CPU tensors, the C kernel
+otherwise), usable in ``torch.compile``, ``torch.export`` and CUDA graphs; these functions call them
+with the records.
 """
 
 from __future__ import annotations
 
-from . import library  # noqa: F401  (registers the torch.ops.ple operators)
-from .conv import dilated_conv
-from .fused import conv_stage, gate_conv, gate_stage
-from .gate import ngram_gate
-from .norm import grouped_rms_norm
+from .library import conv_stage, dilated_conv, gate_conv, gate_stage, grouped_rms_norm, ngram_gate
 from .records import ConvWeights, GateWeights, StepMeta
 
 __all__ = [

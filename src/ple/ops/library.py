@@ -1,35 +1,63 @@
-"""The fused step as ``torch.library`` operators: ``torch.ops.ple.gate_conv``, ``gate_stage``, ``conv_stage``.
+"""The layer's operations as ``torch.ops.ple`` operators, each registered once in :data:`ple.operators.OPERATORS`.
 
-Registered with the low-level API (``Library.define`` + ``impl`` per device + a fake implementation),
-which dispatches in a few microseconds (``torch.library.custom_op`` costs 15-25 us a call, too much
-for a decode step). Each has a CPU kernel (the C kernel where it applies, else the PyTorch path) and
-a CUDA kernel (Triton), declares what it mutates (the state pool, the ring offsets), and returns
+``grouped_rms_norm``, ``ngram_gate``, ``dilated_conv`` and the fused step ``gate_conv`` with its two
+halves ``gate_stage`` and ``conv_stage``: each is one operator with its reference, its kernel per device
+and a fake implementation (:func:`ple.operators.register`). The kernels are the twins of
+:mod:`.norm`, :mod:`.gate`, :mod:`.conv` and :mod:`.fused`, which take the records
+(:class:`GateWeights`, :class:`ConvWeights`, :class:`StepMeta`); an operator takes their tensors
+and numbers as its schema lists them, and this module turns one into the other. On the CPU the fused
+ops run the C kernel (:mod:`.fused.native`) where it takes the tensors, else the PyTorch paths; on
+CUDA the Triton kernels. They declare what they mutate (the state pool, the ring offsets) and return
 fresh tensors only, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace through them and
 CUDA graphs can capture them. No autograd: they serve the inference-only engine call.
 
-Every call checks what shapes, dtypes and devices alone tell (:func:`check_gate_operator`,
-:func:`check_conv_operator`: no device memory is read, so nothing synchronizes) and refuses
-arguments that disagree with each other with a ple error, because an engine may call the operators
-directly. Index values (offsets, slots, rejected columns) are checked by the C kernel on the CPU and
-by the callers' validation (:meth:`ple.runtime.Batch.build`, ``validate=True``) elsewhere. The
-fake implementations check nothing: while tracing, sizes may be symbolic (the compiled program's
-calls run the checks).
+The fused operators check on every call what shapes, dtypes and devices alone tell
+(:func:`check_gate_operator`, :func:`check_conv_operator`: no device memory is read, so nothing
+synchronizes) and refuse arguments that disagree with each other with a ple error, because an engine
+may call the operators directly; the other operators' twins check their arguments themselves. Index
+values (offsets, slots, rejected columns) are checked by the C kernel on the CPU and, with
+``validate=True``, by the functions below (:meth:`ple.runtime.Batch.build` for the layer). The fake
+implementations check nothing: while tracing, sizes may be symbolic (the compiled program's calls
+run the checks).
+
+:func:`grouped_rms_norm`, :func:`ngram_gate`, :func:`dilated_conv`, :func:`gate_conv`,
+:func:`gate_stage` and :func:`conv_stage` call the operators with the records (``ple.ops`` exports them).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
 from .. import _native
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..operators import Kernel, register
+from .conv import reference as conv_reference
+from .conv import torch_impl as conv_torch
 from .conv.checks import check_conv_args
-from .fused import native, torch_impl
+from .fused import composed, native
+from .fused import reference as fused_reference
+from .gate import reference as gate_reference
+from .gate import torch_impl as gate_torch
 from .gate.checks import check_gate_args
+from .norm import reference as norm_reference
+from .norm import torch_impl as norm_torch
 from .records import ConvWeights, GateWeights, StepMeta
+from .state import check_ring, engine_view
 
-__all__ = ["check_conv_operator", "check_gate_operator", "conv_stage", "gate_conv", "gate_stage", "named_range"]
+__all__ = [
+    "check_conv_operator",
+    "check_gate_operator",
+    "conv_stage",
+    "dilated_conv",
+    "gate_conv",
+    "gate_stage",
+    "grouped_rms_norm",
+    "named_range",
+    "ngram_gate",
+]
 
 _NO_RANGE = contextlib.nullcontext()
 
@@ -42,8 +70,6 @@ def named_range(name: str):
     return torch.profiler.record_function(name)
 
 
-_lib = torch.library.Library("ple", "FRAGMENT")
-
 _GATE = (
     "Tensor norm_key, Tensor norm_query, Tensor norm_conv, Tensor key_query, Tensor conv_scale, float eps, int hc_count"
 )
@@ -52,14 +78,6 @@ _STEP = (
     "Tensor query_start_loc, Tensor(a!) conv_state, Tensor state_indices, Tensor has_initial_state, "
     "Tensor num_rejected, Tensor(b!) state_offsets, bool ring"
 )
-_lib.define(
-    f"gate_conv(Tensor key, Tensor value, Tensor hidden, {_GATE}, {_CONV}, {_STEP}, Tensor? token_mask, "
-    "bool add_hidden, bool all_conv_inputs) -> (Tensor, Tensor)"
-)
-_lib.define(
-    f"gate_stage(Tensor key, Tensor value, Tensor hidden, {_GATE}, Tensor? token_mask, bool add_hidden) -> (Tensor, Tensor)"
-)
-_lib.define(f"conv_stage(Tensor c, Tensor residual, {_CONV}, {_STEP}) -> Tensor")
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -164,7 +182,7 @@ def check_gate_operator(op, key, value, hidden, nk, nq, nc, kq, cs, eps, hc, tok
         if t.dim() != 2:
             raise InvalidArgumentError(f"{op}: {name}.shape={tuple(t.shape)}, expected 2-D rows")
     try:
-        check_gate_args(key, value, hidden, nk, nq, nc, hc)
+        check_gate_args(key, value, hidden, _gate(nk, nq, nc, kq, cs, eps, hc))
     except (InvalidArgumentError, ArgumentTypeError) as e:
         raise type(e)(f"{op}: {e}") from None
     if not eps >= 0:
@@ -199,7 +217,7 @@ def check_conv_operator(
         raise InvalidArgumentError(f"{op}: conv_state.shape={tuple(pool.shape)}, expected 3-D")
     view = pool.transpose(1, 2) if ring else pool
     try:
-        check_conv_args(c_like, cw, dil, qsl, view, slots, has_init, rejected, None, False)
+        check_conv_args(c_like, ConvWeights(cw, dil, taps), StepMeta(qsl, view, slots, has_init, rejected), None, False)
     except (InvalidArgumentError, ArgumentTypeError) as e:
         layout = " (a ring pool is [S, L, C])" if ring else ""
         raise type(e)(f"{op}: {e}{layout}") from None
@@ -217,93 +235,17 @@ def check_conv_operator(
     )
 
 
-def _gate(nk, nq, nc, kq, cs, eps, hc) -> GateWeights:
-    return GateWeights(nk, nq, nc, eps, hc, kq, cs)
-
-
-def _step(qsl, pool, slots, has_init, rejected, offsets, ring) -> StepMeta:
-    return StepMeta(qsl, pool, slots, has_init, rejected, offsets if ring else None)
-
-
-def _native_ok(ref: torch.Tensor, pool: torch.Tensor, taps: int, *rows: torch.Tensor) -> bool:
-    return native.unsupported_reason(ref, pool, taps, *rows) is None and _native.available()
-
-
 def _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest, devices=True) -> None:
     check_gate_operator("gate_conv", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, rest[7], devices=devices)
     check_conv_operator("gate_conv", hidden, cw, taps, dil, *rest[:7], devices=devices)
 
 
-def _gate_conv_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
-    _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest, devices=False)
-    step = native.kernel_step(_step(*rest[:7]))
-    token_mask, add_hidden, all_c = rest[7:]
-    gate, conv = _gate(nk, nq, nc, kq, cs, eps, hc), ConvWeights(cw, dil, taps)
-    if _native_ok(value, step.conv_state, taps.shape[0], key, hidden):
-        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        c = torch.empty_like(out)
-        mask = None if token_mask is None else (token_mask != 0).contiguous()
-        native.run(key, value, hidden, gate, conv, step, mask, add_hidden, None, None, out, c, all_c)
-        return out, c
-    return torch_impl.gate_conv(
-        key,
-        value,
-        hidden,
-        gate,
-        conv,
-        step,
-        token_mask=token_mask,
-        add_hidden=add_hidden,
-        return_conv_input=True,
-        validate=False,
-    )
+def _check_gate_stage(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden, devices=True) -> None:
+    check_gate_operator("gate_stage", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, devices=devices)
 
 
-def _gate_conv_cuda(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
-    from .fused import triton_impl
-
-    _check_gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest)
-    step = _step(*rest[:7])
-    token_mask, add_hidden, _ = rest[7:]
-    return triton_impl.gate_conv(
-        key,
-        value,
-        hidden,
-        _gate(nk, nq, nc, kq, cs, eps, hc),
-        ConvWeights(cw, dil, taps),
-        step,
-        token_mask=token_mask,
-        add_hidden=add_hidden,
-        return_conv_input=True,
-        validate=False,
-    )
-
-
-def _gate_conv_fake(key, value, hidden, *rest):
-    out = hidden.new_empty(hidden.shape)
-    return out, hidden.new_empty(hidden.shape)
-
-
-def _gate_stage_cpu(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
-    check_gate_operator("gate_stage", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, devices=False)
-    gate = _gate(nk, nq, nc, kq, cs, eps, hc)
-    if _native_ok(value, value.new_empty(1, 1, 1), 1, key, hidden):
-        mask = None if token_mask is None else (token_mask != 0).contiguous()
-        return native.gate_stage_unchecked(key, value, hidden, gate, mask, add_hidden)
-    r, c = torch_impl.gate_stage(key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden)
-    return r, c
-
-
-def _gate_stage_cuda(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
-    from .fused import triton_impl
-
-    check_gate_operator("gate_stage", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask)
-    gate = _gate(nk, nq, nc, kq, cs, eps, hc)
-    return triton_impl.gate_stage(key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden)
-
-
-def _gate_stage_fake(key, value, hidden, *rest):
-    return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
+def _check_ngram_gate(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, devices=True) -> None:
+    check_gate_operator("ngram_gate", key, value, hidden, nk, nq, nc, kq, cs, eps, hc, None, devices=devices)
 
 
 def _check_conv_stage(c, residual, cw, taps, dil, *rest, devices=True) -> None:
@@ -320,38 +262,198 @@ def _check_conv_stage(c, residual, cw, taps, dil, *rest, devices=True) -> None:
     check_conv_operator("conv_stage", c, cw, taps, dil, *rest, devices=devices)
 
 
-def _conv_stage_cpu(c, residual, cw, taps, dil, *rest):
-    _check_conv_stage(c, residual, cw, taps, dil, *rest, devices=False)
+# ---------------------------------------------------------------------------------------------- kernels
+# The operators' arguments become the twins' records here, once for every twin.
+
+
+def _gate(nk, nq, nc, kq, cs, eps, hc) -> GateWeights:
+    return GateWeights(nk, nq, nc, eps, hc, kq, cs)
+
+
+def _step(qsl, pool, slots, has_init, rejected, offsets, ring) -> StepMeta:
+    return StepMeta(qsl, pool, slots, has_init, rejected, offsets if ring else None)
+
+
+def _gate_kernel(twin):
+    """An ``ngram_gate`` kernel on the operator's arguments: ``twin()`` (a gate twin) on the record."""
+
+    def ngram_gate(key, value, hidden, nk, nq, nc, kq, cs, eps, hc):
+        return twin()(key, value, hidden, _gate(nk, nq, nc, kq, cs, eps, hc))
+
+    return ngram_gate
+
+
+def _conv_kernel(twin):
+    """A ``dilated_conv`` kernel on the operator's arguments: ``twin()`` (a conv twin) on the records."""
+
+    def dilated_conv(c, residual, cw, taps, dil, qsl, pool, slots, has_init, rejected, validate):
+        step = StepMeta(qsl, pool, slots, has_init, rejected)
+        return twin()(c, ConvWeights(cw, dil, taps), step, residual, validate=validate)
+
+    return dilated_conv
+
+
+def _fused_kernels(twins):
+    """``gate_conv``, ``gate_stage`` and ``conv_stage`` kernels on the operators' arguments, running
+    the functions of ``twins()`` (:mod:`.fused.reference` or a :class:`.fused.composed.Composed`)."""
+
+    def gate_conv(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
+        token_mask, add_hidden, _ = rest[7:]
+        gate, conv, step = _gate(nk, nq, nc, kq, cs, eps, hc), ConvWeights(cw, dil, taps), _step(*rest[:7])
+        options = dict(token_mask=token_mask, add_hidden=add_hidden, return_conv_input=True, validate=False)
+        return twins().gate_conv(key, value, hidden, gate, conv, step, **options)
+
+    def gate_stage(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
+        gate = _gate(nk, nq, nc, kq, cs, eps, hc)
+        return twins().gate_stage(key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden)
+
+    def conv_stage(c, residual, cw, taps, dil, *step):
+        return twins().conv_stage(c, residual, ConvWeights(cw, dil, taps), _step(*step), validate=False)
+
+    return gate_conv, gate_stage, conv_stage
+
+
+def _triton_gate():
+    from .gate import triton_impl
+
+    return triton_impl.ngram_gate
+
+
+def _triton_conv():
+    from .conv import triton_impl
+
+    return triton_impl.dilated_conv
+
+
+def _triton_norm(x, weight, group_size, eps):
+    from .norm import triton_impl
+
+    return triton_impl.grouped_rms_norm(x, weight, group_size, eps)
+
+
+def _native_ok(ref: torch.Tensor, pool: torch.Tensor, taps: int, *rows: torch.Tensor) -> bool:
+    return native.unsupported_reason(ref, pool, taps, *rows) is None and _native.available()
+
+
+def _mask(token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if token_mask is None else (token_mask != 0).contiguous()
+
+
+def _gate_conv_native(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, cw, taps, dil, *rest):
+    step = native.kernel_step(_step(*rest[:7]))
+    token_mask, add_hidden, all_c = rest[7:]
+    gate, conv = _gate(nk, nq, nc, kq, cs, eps, hc), ConvWeights(cw, dil, taps)
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    c = torch.empty_like(out)
+    native.run(key, value, hidden, gate, conv, step, _mask(token_mask), add_hidden, None, None, out, c, all_c)
+    return out, c
+
+
+def _gate_stage_native(key, value, hidden, nk, nq, nc, kq, cs, eps, hc, token_mask, add_hidden):
+    gate = _gate(nk, nq, nc, kq, cs, eps, hc)
+    return native.gate_stage_unchecked(key, value, hidden, gate, _mask(token_mask), add_hidden)
+
+
+def _conv_stage_native(c, residual, cw, taps, dil, *rest):
     step, conv = native.kernel_step(_step(*rest)), ConvWeights(cw, dil, taps)
-    if _native_ok(c, step.conv_state, taps.shape[0], residual):
-        out = torch.empty_like(c, memory_format=torch.contiguous_format)
-        native.run(None, None, None, None, conv, step, None, False, c.contiguous(), residual, out, None, False)
-        return out
-    return torch_impl.conv_stage(c, residual, conv, step, validate=False)
+    out = torch.empty_like(c, memory_format=torch.contiguous_format)
+    native.run(None, None, None, None, conv, step, None, False, c.contiguous(), residual, out, None, False)
+    return out
 
 
-def _conv_stage_cuda(c, residual, cw, taps, dil, *rest):
-    from .fused import triton_impl
-
-    _check_conv_stage(c, residual, cw, taps, dil, *rest)
-    return triton_impl.conv_stage(c, residual, ConvWeights(cw, dil, taps), _step(*rest), validate=False)
+def _rows_like(t: torch.Tensor, *rest) -> torch.Tensor:
+    return t.new_empty(t.shape)
 
 
-def _conv_stage_fake(c, residual, *rest):
-    return c.new_empty(c.shape)
+def _two_like(key, value, hidden, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+    return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
 
 
-for _name, _cpu, _cuda, _fake in (
-    ("gate_conv", _gate_conv_cpu, _gate_conv_cuda, _gate_conv_fake),
-    ("gate_stage", _gate_stage_cpu, _gate_stage_cuda, _gate_stage_fake),
-    ("conv_stage", _conv_stage_cpu, _conv_stage_cuda, _conv_stage_fake),
-):
-    _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
-    torch.library.register_fake(f"ple::{_name}", _fake, lib=_lib)
+_REFERENCE, _TORCH, _TRITON = (
+    _fused_kernels(lambda: fused_reference),
+    _fused_kernels(lambda: composed.TORCH),
+    _fused_kernels(composed.triton),
+)
+
+register(
+    "grouped_rms_norm(Tensor x, Tensor weight, int group_size, float eps) -> Tensor",
+    reference=norm_reference.grouped_rms_norm,
+    kernels=(
+        Kernel("torch", "cpu", norm_torch.grouped_rms_norm),
+        Kernel("triton", "cuda", _triton_norm, needs="triton"),
+    ),
+    fake=_rows_like,
+)
+register(
+    f"ngram_gate(Tensor key, Tensor value, Tensor hidden, {_GATE}) -> (Tensor, Tensor)",
+    reference=_gate_kernel(lambda: gate_reference.ngram_gate),
+    kernels=(
+        Kernel("torch", "cpu", _gate_kernel(lambda: gate_torch.ngram_gate)),
+        Kernel("triton", "cuda", _gate_kernel(_triton_gate), needs="triton"),
+    ),
+    fake=_two_like,
+    check=_check_ngram_gate,
+)
+register(
+    f"dilated_conv(Tensor c, Tensor? residual, {_CONV}, Tensor query_start_loc, Tensor(a!) conv_state, "
+    "Tensor state_indices, Tensor has_initial_state, Tensor? num_rejected, bool validate) -> Tensor",
+    reference=_conv_kernel(lambda: conv_reference.dilated_conv),
+    kernels=(
+        Kernel("torch", "cpu", _conv_kernel(lambda: conv_torch.dilated_conv)),
+        Kernel("triton", "cuda", _conv_kernel(_triton_conv), needs="triton"),
+    ),
+    fake=_rows_like,
+)
 
 
-# ---------------------------------------------------------------------------------------------- wrappers
+def _register_fused(schema: str, i: int, native_fn: Callable, takes: Callable, check: Callable, fake: Callable) -> None:
+    """A fused operator: the C kernel where it ``takes`` the tensors, else the PyTorch paths; Triton on CUDA."""
+    register(
+        schema,
+        reference=_REFERENCE[i],
+        kernels=(
+            Kernel("native", "cpu", native_fn, takes=takes),
+            Kernel("torch", "cpu", _TORCH[i]),
+            Kernel("triton", "cuda", _TRITON[i], needs="triton"),
+        ),
+        fake=fake,
+        check=check,
+    )
+
+
+_register_fused(
+    f"gate_conv(Tensor key, Tensor value, Tensor hidden, {_GATE}, {_CONV}, {_STEP}, Tensor? token_mask, "
+    "bool add_hidden, bool all_conv_inputs) -> (Tensor, Tensor)",
+    0,
+    _gate_conv_native,
+    lambda key, value, hidden, *a: _native_ok(value, a[11], a[8].shape[0], key, hidden),
+    _check_gate_conv,
+    _two_like,
+)
+_register_fused(
+    f"gate_stage(Tensor key, Tensor value, Tensor hidden, {_GATE}, Tensor? token_mask, bool add_hidden) "
+    "-> (Tensor, Tensor)",
+    1,
+    _gate_stage_native,
+    lambda key, value, hidden, *a: _native_ok(value, value.new_empty(1, 1, 1), 1, key, hidden),
+    _check_gate_stage,
+    _two_like,
+)
+_register_fused(
+    f"conv_stage(Tensor c, Tensor residual, {_CONV}, {_STEP}) -> Tensor",
+    2,
+    _conv_stage_native,
+    lambda c, residual, cw, taps, dil, qsl, pool, *a: _native_ok(c, pool, taps.shape[0], residual),
+    _check_conv_stage,
+    _rows_like,
+)
+
+
+# ---------------------------------------------------------------------------------------------- the operators on records
+
+
+def _gate_args(gate: GateWeights) -> tuple:
+    return (gate.norm_key, gate.norm_query, gate.norm_conv, gate.key_query, gate.conv_scale, gate.eps, gate.hc_count)
 
 
 def _step_args(step: StepMeta) -> tuple:
@@ -363,8 +465,37 @@ def _step_args(step: StepMeta) -> tuple:
     return (step.query_start_loc, step.conv_state, step.state_indices, step.has_initial_state, rejected, offsets, ring)
 
 
-def _gate_args(gate: GateWeights) -> tuple:
-    return (gate.norm_key, gate.norm_query, gate.norm_conv, gate.key_query, gate.conv_scale, gate.eps, gate.hc_count)
+def _check_values(c_like: torch.Tensor, conv: ConvWeights, step: StepMeta, residual=None) -> None:
+    """Index values of the step (offsets, slot range and uniqueness, ``num_rejected`` range): a host
+    synchronization on an accelerator."""
+    check_ring(step)
+    check_conv_args(c_like, conv, engine_view(step), residual, True)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """``torch.ops.ple.grouped_rms_norm``: ``x [..., C]`` with ``weight [C]`` over groups of
+    ``group_size``, ``[..., C]`` in ``x.dtype``; see :func:`ple.ops.norm.reference.grouped_rms_norm`."""
+    return torch.ops.ple.grouped_rms_norm(x, weight, group_size, eps)
+
+
+def ngram_gate(
+    key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor, gate: GateWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.ple.ngram_gate`` on a record: ``(v, c)``, both ``[T, HC*H]``, from ``key [T, HC*H]``,
+    ``value [T, H]`` and the layer input ``hidden [T, HC*H]``; see :func:`ple.ops.gate.reference.ngram_gate`."""
+    return torch.ops.ple.ngram_gate(key, value, hidden, *_gate_args(gate))
+
+
+def dilated_conv(
+    c: torch.Tensor, conv: ConvWeights, step: StepMeta, residual: torch.Tensor | None = None, *, validate: bool = True
+) -> torch.Tensor:
+    """``torch.ops.ple.dilated_conv`` on records: ``residual + silu(conv(c))`` ``[T, C]``; updates the
+    pool ``[S, C, L]`` in place; see :func:`ple.ops.conv.reference.dilated_conv`."""
+    s = step
+    return torch.ops.ple.dilated_conv(
+        c, residual, conv.weight, conv.taps, conv.dilation, s.query_start_loc, s.conv_state, s.state_indices,
+        s.has_initial_state, s.num_rejected, validate,
+    )  # fmt: skip
 
 
 def gate_conv(
@@ -374,26 +505,22 @@ def gate_conv(
     gate: GateWeights,
     conv: ConvWeights,
     step: StepMeta,
+    *,
     token_mask: torch.Tensor | None = None,
     add_hidden: bool = True,
-    all_conv_inputs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.ple.gate_conv`` on records: ``(out [T, C], c [T, C])`` (``c`` complete when
-    ``all_conv_inputs``, else only each request's last ``L`` rows are defined). Shapes, dtypes and
-    devices are checked, index values only by the C kernel."""
-    return torch.ops.ple.gate_conv(
-        key,
-        value,
-        hidden,
-        *_gate_args(gate),
-        conv.weight,
-        conv.taps,
-        conv.dilation,
-        *_step_args(step),
-        token_mask,
-        add_hidden,
-        all_conv_inputs,
-    )
+    return_conv_input: bool = False,
+    validate: bool = True,
+):
+    """``torch.ops.ple.gate_conv`` on records: ``out [T, HC*H]``, or ``(out, c)`` with
+    ``return_conv_input``; updates the state pool in place. See :func:`ple.ops.fused.reference.gate_conv`;
+    ``validate`` checks the step's index values first (the operator checks shapes, dtypes and devices)."""
+    if validate:
+        _check_values(hidden, conv, step)
+    out, c = torch.ops.ple.gate_conv(
+        key, value, hidden, *_gate_args(gate), conv.weight, conv.taps, conv.dilation, *_step_args(step),
+        token_mask, add_hidden, return_conv_input,
+    )  # fmt: skip
+    return (out, c) if return_conv_input else out
 
 
 def gate_stage(
@@ -401,13 +528,19 @@ def gate_stage(
     value: torch.Tensor,
     hidden: torch.Tensor,
     gate: GateWeights,
+    *,
     token_mask: torch.Tensor | None = None,
     add_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.ple.gate_stage`` on a record: ``(residual, c)``."""
+    """``torch.ops.ple.gate_stage`` on a record: ``(residual, c)``; see :func:`ple.ops.fused.reference.gate_stage`."""
     return torch.ops.ple.gate_stage(key, value, hidden, *_gate_args(gate), token_mask, add_hidden)
 
 
-def conv_stage(c: torch.Tensor, residual: torch.Tensor, conv: ConvWeights, step: StepMeta) -> torch.Tensor:
-    """``torch.ops.ple.conv_stage`` on records: ``residual + silu(conv(c))``."""
+def conv_stage(
+    c: torch.Tensor, residual: torch.Tensor, conv: ConvWeights, step: StepMeta, *, validate: bool = True
+) -> torch.Tensor:
+    """``torch.ops.ple.conv_stage`` on records: ``residual + silu(conv(c))``; see
+    :func:`ple.ops.fused.reference.conv_stage` (``validate`` as in :func:`gate_conv`)."""
+    if validate:
+        _check_values(c, conv, step, residual)
     return torch.ops.ple.conv_stage(c, residual, conv.weight, conv.taps, conv.dilation, *_step_args(step))

@@ -8,8 +8,9 @@
 
 The constructors do not check anything (the hot path builds records from tensors it already
 knows); :meth:`GateWeights.build`, :meth:`ConvWeights.build` and :meth:`StepMeta.build` validate and
-derive. :func:`ple.ops.ngram_gate` and :func:`ple.ops.dilated_conv` keep their plain signatures: they
-mirror the kernels of serving engines.
+derive. Every twin of the gate, the conv and the fused step takes them (``ngram_gate(key, value,
+hidden, gate)``, ``dilated_conv(c, conv, step, residual)``); the ``torch.ops.ple`` operators take their
+tensors and numbers (:mod:`ple.ops.library` turns one into the other).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class StepMeta:
         state_offsets: torch.Tensor | None = None,
     ) -> StepMeta:
         """A record after checking the tensors' kinds (index values are checked by the ops that
-        validate, :func:`ple.ops.dilated_conv` with ``validate=True``)."""
+        validate, e.g. :func:`ple.ops.dilated_conv` with ``validate=True``)."""
         named = [
             ("query_start_loc", query_start_loc),
             ("state_indices", state_indices),

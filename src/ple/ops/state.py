@@ -11,6 +11,7 @@ Conversions are plain copies, so they are exact.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .records import StepMeta
 
-__all__ = ["check_ring", "engine_to_ring", "ring_to_engine", "ring_window", "via_engine_layout"]
+__all__ = ["check_ring", "engine_to_ring", "engine_view", "ring_to_engine", "ring_window", "via_engine_layout"]
 
 
 def ring_columns(offsets: torch.Tensor, length: int) -> torch.Tensor:
@@ -61,6 +62,14 @@ def check_ring(step: StepMeta) -> None:
             f"ring state: offsets must be int64 [S]=({pool.shape[0]},) on {pool.device}, got "
             f"{off.dtype} {tuple(off.shape)} on {off.device}"
         )
+
+
+def engine_view(step: StepMeta) -> StepMeta:
+    """The step with its pool seen in the engine layout ``[S, C, L]`` (a ring pool's columns taken in
+    storage order, not from its offsets): for the checks of shapes, dtypes and index values."""
+    if step.state_offsets is None:
+        return step
+    return dataclasses.replace(step, conv_state=step.conv_state.transpose(1, 2), state_offsets=None)
 
 
 def via_engine_layout(step: StepMeta, run: Callable[[StepMeta], torch.Tensor]) -> torch.Tensor:

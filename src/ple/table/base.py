@@ -13,7 +13,9 @@ Two levels of the contract:
   differentiable lookup, a copy into another tier) asks for a ``StoredTable`` with
   :func:`require_stored`.
 
-The lookup is also the operator ``torch.ops.ple.table_lookup(ids, table, head_dim, dtype)``, where
+The lookup is also the operator ``torch.ops.ple.table_lookup(ids, table, head_dim, dtype)`` (registered
+in :data:`ple.operators.OPERATORS`: the table's own lookup on every device, the reference
+:func:`~ple.table.lookup.gather_dequant_reference` of its rows), where
 ``table`` is a :class:`TableRef`: an opaque reference that compiled and exported programs take as
 an input and pass to the operator untouched, so the table (any tier, dequantization inside) is never
 a graph constant, never copied, and one compiled program serves every layer of a geometry.
@@ -28,8 +30,9 @@ import threading
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..operators import Kernel, register
 from .formats import check_activation_dtype, check_ids, format_info
-from .lookup import dequantize_rows_into, gather_dequant
+from .lookup import dequantize_rows_into, gather_dequant, gather_dequant_reference
 from .lookup.torch_impl import gather_rows
 from .prefetch import PrefetchEngine, PrefetchHandle
 
@@ -225,24 +228,16 @@ class TableRef(OpaqueBase):
         return f"TableRef({self.table!r})"
 
 
-_lib = torch.library.Library("ple", "FRAGMENT")
-if register_opaque_type is not None:
-    register_opaque_type(TableRef, typ="reference")
-    _lib.define(
-        f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype) -> Tensor"
-    )
+def _lookup_reference(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The literal lookup of a table whose rows are readable here (a :class:`StoredTable`)."""
+    table = require_stored(ref.table, "the reference lookup")  # type: ignore[arg-type]
+    return gather_dequant_reference(table.data, table.scale, ids, dtype, format=table.format)
 
-    def _lookup(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        return _lookup_checked(ids, ref, head_dim, dtype)
 
-    def _lookup_fake(ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        if ids.dim() != 2 or ids.dtype != torch.int64:
-            raise InvalidArgumentError(f"table_lookup: ids must be int64 [T, G], got {ids.dtype} {tuple(ids.shape)}")
-        return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
-
-    _lib.impl("table_lookup", _lookup, "CPU")
-    _lib.impl("table_lookup", _lookup, "CUDA")
-    torch.library.register_fake("ple::table_lookup", _lookup_fake, lib=_lib)
+def _lookup_fake(ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    if ids.dim() != 2 or ids.dtype != torch.int64:
+        raise InvalidArgumentError(f"table_lookup: ids must be int64 [T, G], got {ids.dtype} {tuple(ids.shape)}")
+    return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
 
 def _lookup_checked(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -265,6 +260,16 @@ def _lookup_checked(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torc
             if lo < 0 or hi >= table.rows:
                 check_ids(ids, table.rows)  # raises, naming the id and where it is
     return table.lookup(ids, dtype, check=False)
+
+
+if register_opaque_type is not None:
+    register_opaque_type(TableRef, typ="reference")
+    register(
+        f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype) -> Tensor",
+        reference=_lookup_reference,
+        kernels=(Kernel("table", "cpu", _lookup_checked), Kernel("table", "cuda", _lookup_checked)),
+        fake=_lookup_fake,
+    )
 
 
 def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Argument checks shared by the dilated conv implementations."""
+"""Argument checks shared by the dilated conv implementations (written once, for every twin)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ...errors import ArgumentTypeError, InvalidArgumentError
+from ..records import ConvWeights, StepMeta
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,18 +29,16 @@ def _fail(msg: str) -> InvalidArgumentError:
 
 
 def check_conv_args(
-    c: torch.Tensor,
-    weight: torch.Tensor,
-    dilation: int,
-    query_start_loc: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_rejected: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    validate: bool,
+    c: torch.Tensor, conv: ConvWeights, step: StepMeta, residual: torch.Tensor | None, validate: bool
 ) -> ConvGeometry:
-    """Check shapes, dtypes and devices always; check index values when ``validate`` (a host sync on CUDA)."""
+    """Check shapes, dtypes and devices always; check index values when ``validate`` (a host sync on CUDA).
+
+    ``step`` in the engine layout (``conv_state [S, C, L]``; a ring pool is viewed so by the caller)."""
+    weight, dilation = conv.weight, conv.dilation
+    query_start_loc, conv_state, state_indices = step.query_start_loc, step.conv_state, step.state_indices
+    has_initial_state, num_rejected = step.has_initial_state, step.num_rejected
+    if step.state_offsets is not None:
+        raise _fail("the step's pool is a ring ([S, L, C] with state_offsets); expected [S, C, L] (see conv_stage)")
     if c.dim() != 2:
         raise _fail(f"c.shape={tuple(c.shape)}, expected [T, C]")
     if c.dtype not in _ACT_DTYPES:

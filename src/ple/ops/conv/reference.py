@@ -18,38 +18,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..records import ConvWeights, StepMeta
 from .checks import check_conv_args
 
 __all__ = ["dilated_conv"]
 
 
 def dilated_conv(
-    c: torch.Tensor,
-    weight: torch.Tensor,
-    dilation: int,
-    query_start_loc: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_rejected: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    validate: bool = True,
+    c: torch.Tensor, conv: ConvWeights, step: StepMeta, residual: torch.Tensor | None = None, *, validate: bool = True
 ) -> torch.Tensor:
     """Causal depthwise conv with dilation over a packed batch of requests; updates ``conv_state`` in place.
 
     Args:
         c: ``[T, C]`` conv inputs of all requests, packed.
-        weight: ``[C, K]`` taps; tap ``K-1`` multiplies the current token.
-        dilation: distance in tokens between taps (``ngram_size`` in the PLE layer).
-        query_start_loc: ``[R+1]`` int, token offsets of the requests in ``c`` (``0`` first, ``T`` last).
-        conv_state: ``[S, C, L]`` state pool, ``L >= W = (K-1)*dilation``; written in place.
-        state_indices: ``[R]`` int, slot of each request; ``-1`` is a null row: its output is
-            ``residual`` (zero without it) and its slot is neither read nor written.
-        has_initial_state: ``[R]`` bool; ``False`` starts the request fresh (zero window, whatever
-            the slot holds).
-        num_rejected: ``[R]`` int or None, rejected speculative tokens at the end of the slot,
-            ``0 <= n <= L-W``; read only for rows with a slot and ``has_initial_state``.
+        conv: the taps and the dilation (:class:`ple.ops.ConvWeights`: ``weight [C, K]``, tap ``K-1``
+            multiplies the current token; ``dilation`` the distance in tokens between taps,
+            ``ngram_size`` in the PLE layer).
+        step: the packed step (:class:`ple.ops.StepMeta`) in the engine layout:
+            ``query_start_loc [R+1]`` int, token offsets of the requests in ``c`` (``0`` first, ``T``
+            last); ``conv_state [S, C, L]`` state pool, ``L >= W = (K-1)*dilation``, written in place;
+            ``state_indices [R]`` int, slot of each request, ``-1`` a null row (its output is
+            ``residual``, zero without it, and its slot is neither read nor written);
+            ``has_initial_state [R]`` bool, ``False`` starts the request fresh (zero window, whatever
+            the slot holds); ``num_rejected [R]`` int or None, rejected speculative tokens at the end
+            of the slot, ``0 <= n <= L-W``, read only for rows with a slot and ``has_initial_state``.
         residual: ``[T, C]`` in ``c.dtype`` or None, added to the activated conv.
         validate: check index values (offsets, slot range and uniqueness, ``num_rejected`` range).
 
@@ -57,18 +49,9 @@ def dilated_conv(
         ``[T, C]`` in ``c.dtype``: ``residual + silu(conv)``, computed in fp32 and rounded once.
         All state reads happen before any state write.
     """
-    geo = check_conv_args(
-        c,
-        weight,
-        dilation,
-        query_start_loc,
-        conv_state,
-        state_indices,
-        has_initial_state,
-        num_rejected,
-        residual,
-        validate,
-    )
+    geo = check_conv_args(c, conv, step, residual, validate)
+    weight, dilation, query_start_loc, conv_state = conv.weight, conv.dilation, step.query_start_loc, step.conv_state
+    state_indices, has_initial_state, num_rejected = step.state_indices, step.has_initial_state, step.num_rejected
     channels, taps, state_len = geo.channels, geo.taps, geo.state_len
     w = weight.float()
     starts = query_start_loc.tolist()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..records import ConvWeights, StepMeta
 from .checks import check_conv_args
 
 __all__ = ["dilated_conv"]
@@ -23,31 +24,12 @@ _BLOCK_ELEMENTS = 1 << 20
 
 
 def dilated_conv(
-    c: torch.Tensor,
-    weight: torch.Tensor,
-    dilation: int,
-    query_start_loc: torch.Tensor,
-    conv_state: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_rejected: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    validate: bool = True,
+    c: torch.Tensor, conv: ConvWeights, step: StepMeta, residual: torch.Tensor | None = None, *, validate: bool = True
 ) -> torch.Tensor:
     """Same contract as :func:`ple.ops.conv.reference.dilated_conv`; returns ``[T, C]`` in ``c.dtype``."""
-    geo = check_conv_args(
-        c,
-        weight,
-        dilation,
-        query_start_loc,
-        conv_state,
-        state_indices,
-        has_initial_state,
-        num_rejected,
-        residual,
-        validate,
-    )
+    geo = check_conv_args(c, conv, step, residual, validate)
+    weight, dilation, query_start_loc, conv_state = conv.weight, conv.dilation, step.query_start_loc, step.conv_state
+    state_indices, has_initial_state, num_rejected = step.state_indices, step.has_initial_state, step.num_rejected
     num_requests, state_len, channels = geo.num_requests, geo.state_len, geo.channels
     starts = query_start_loc.long()
     lengths = starts[1:] - starts[:-1]

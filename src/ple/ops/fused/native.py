@@ -21,8 +21,8 @@ from ...errors import InvalidArgumentError
 from ..conv.checks import check_conv_args
 from ..gate.checks import check_gate_args
 from ..records import ConvWeights, GateWeights, StepMeta
-from ..state import check_ring
-from ._compose import check_stage_inputs, check_token_mask
+from ..state import check_ring, engine_view
+from .composed import check_stage_inputs, check_token_mask
 
 __all__ = ["conv_stage", "gate_conv", "gate_stage", "unsupported_reason"]
 
@@ -188,20 +188,8 @@ def _check_native(value, conv_state, conv: ConvWeights, *rows) -> None:
 
 
 def _check_step(c_like: torch.Tensor, conv: ConvWeights, step: StepMeta, residual, validate: bool):
-    pool = step.conv_state if step.state_offsets is None else step.conv_state.transpose(1, 2)
     check_ring(step)
-    return check_conv_args(
-        c_like,
-        conv.weight,
-        conv.dilation,
-        step.query_start_loc,
-        pool,
-        step.state_indices,
-        step.has_initial_state,
-        step.num_rejected,
-        residual,
-        validate,
-    )
+    return check_conv_args(c_like, conv, engine_view(step), residual, validate)
 
 
 def gate_conv(
@@ -227,9 +215,7 @@ def gate_conv(
     Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built, and ``ValueError``
     for tensors it does not take (see :func:`unsupported_reason`).
     """
-    tokens, hidden_size = check_gate_args(
-        key, value, hidden, gate.norm_key, gate.norm_query, gate.norm_conv, gate.hc_count
-    )
+    tokens, hidden_size = check_gate_args(key, value, hidden, gate)
     channels = gate.hc_count * hidden_size
     _check_step(value.new_empty(1).expand(tokens, channels), conv, step, None, validate)
     _check_native(value, step.conv_state, conv, key, hidden)
@@ -266,9 +252,7 @@ def gate_stage(
     threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`ple.ops.fused.reference.gate_stage`: ``(residual, c)``, each ``[T, HC*H]``."""
-    tokens, hidden_size = check_gate_args(
-        key, value, hidden, gate.norm_key, gate.norm_query, gate.norm_conv, gate.hc_count
-    )
+    tokens, hidden_size = check_gate_args(key, value, hidden, gate)
     check_token_mask(token_mask, tokens)
     if value.dtype not in _DTYPES or value.device.type != "cpu":
         raise InvalidArgumentError(f"gate_stage (C kernel): {value.dtype} on {value.device} is not taken")

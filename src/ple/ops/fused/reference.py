@@ -8,7 +8,7 @@ import torch
 from ..conv import reference as conv_reference
 from ..gate import reference as gate_reference
 from ..records import ConvWeights, GateWeights, StepMeta
-from . import _compose
+from . import composed
 
 __all__ = ["conv_stage", "gate_conv", "gate_stage"]
 
@@ -44,7 +44,7 @@ def gate_conv(
         ``out [T, HC*H]`` in the activation dtype, or ``(out, c)``. Equal to
         ``conv_stage(*gate_stage(...))``.
     """
-    return _compose.compose(
+    return composed.compose(
         gate_reference.ngram_gate,
         conv_reference.dilated_conv,
         key,
@@ -76,7 +76,7 @@ def gate_stage(
         when ``add_hidden`` is False; masked tokens' ``v`` zeroed), rounded as :func:`gate_conv` rounds
         it, and ``c`` the conv input.
     """
-    return _compose.gate_stage(
+    return composed.gate_stage(
         gate_reference.ngram_gate, key, value, hidden, gate, token_mask=token_mask, add_hidden=add_hidden
     )
 
@@ -92,4 +92,4 @@ def conv_stage(
     """The second stage of :func:`gate_conv` over a whole packed batch: ``residual + silu(conv(c))``
     ``[T, HC*H]``; updates the state pool exactly as :func:`gate_conv` does. Rows of ``residual`` that
     the caller does not need may hold anything (only their own output rows read them)."""
-    return _compose.conv_stage(conv_reference.dilated_conv, c, residual, conv, step, validate=validate)
+    return composed.conv_stage(conv_reference.dilated_conv, c, residual, conv, step, validate=validate)

@@ -1,24 +1,19 @@
-"""Argument checks shared by the gate implementations."""
+"""Argument checks shared by the gate implementations (written once, for every twin)."""
 
 from __future__ import annotations
 
 import torch
 
 from ...errors import ArgumentTypeError, InvalidArgumentError
+from ..records import GateWeights
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_gate_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_weight: torch.Tensor,
-    norm_query_weight: torch.Tensor,
-    norm_conv_weight: torch.Tensor,
-    hc_count: int,
-) -> tuple[int, int]:
+def check_gate_args(key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor, gate: GateWeights) -> tuple[int, int]:
     """Validate shapes, dtypes and devices; return ``(T, H)``."""
+    hc_count = gate.hc_count
+    norm_key_weight, norm_query_weight, norm_conv_weight = gate.norm_key, gate.norm_query, gate.norm_conv
     if not isinstance(hc_count, int) or hc_count < 1:
         raise InvalidArgumentError(f"gate: hc_count={hc_count!r}, expected a positive int")
     if value.dim() != 2:

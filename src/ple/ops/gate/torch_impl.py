@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ..records import GateWeights
 from .checks import check_gate_args
 
 __all__ = ["ngram_gate"]
@@ -28,19 +29,12 @@ _VECTOR_PAD = 64  # elements: a multiple of every CPU vector width PyTorch uses 
 
 
 def ngram_gate(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_weight: torch.Tensor,
-    norm_query_weight: torch.Tensor,
-    norm_conv_weight: torch.Tensor,
-    eps: float,
-    hc_count: int,
+    key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor, gate: GateWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`ple.ops.gate.reference.ngram_gate`; returns ``(v, c)``, each ``[T, HC*H]``."""
-    tokens, hidden_size = check_gate_args(
-        key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, hc_count
-    )
+    tokens, hidden_size = check_gate_args(key, value, hidden, gate)
+    norm_key_weight, norm_query_weight, norm_conv_weight = gate.norm_key, gate.norm_query, gate.norm_conv
+    eps, hc_count = gate.eps, gate.hc_count
     dtype = value.dtype
     width = hc_count * hidden_size
     v = torch.empty(tokens, width, dtype=dtype, device=value.device)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..records import GateWeights
 from .checks import check_gate_args
 
 __all__ = ["ngram_gate"]
@@ -88,19 +89,12 @@ def _gate_kernel(
 
 
 def ngram_gate(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_weight: torch.Tensor,
-    norm_query_weight: torch.Tensor,
-    norm_conv_weight: torch.Tensor,
-    eps: float,
-    hc_count: int,
+    key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor, gate: GateWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`ple.ops.gate.reference.ngram_gate`; returns ``(v, c)``, each ``[T, HC*H]``."""
-    tokens, hidden_size = check_gate_args(
-        key, value, hidden, norm_key_weight, norm_query_weight, norm_conv_weight, hc_count
-    )
+    tokens, hidden_size = check_gate_args(key, value, hidden, gate)
+    norm_key_weight, norm_query_weight, norm_conv_weight = gate.norm_key, gate.norm_query, gate.norm_conv
+    eps, hc_count = gate.eps, gate.hc_count
     width = hc_count * hidden_size
     v = torch.empty((tokens, width), dtype=value.dtype, device=value.device)
     c = torch.empty((tokens, width), dtype=value.dtype, device=value.device)

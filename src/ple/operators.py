@@ -1,0 +1,142 @@
+"""The ``torch.ops.ple`` operators, each registered once: schema, reference, kernel per device, fake.
+
+Every operation of the layer's hot path is one operator of the ``ple`` library, registered by the
+module that owns its computation (``ple.ngram``: ``ngram_ids``; ``ple.table.base``:
+``table_lookup``; ``ple.ops.library``: the norm, the gate, the conv and the fused step) through
+:func:`register`, which keeps the entry in :data:`OPERATORS`::
+
+    OPERATORS["gate_conv"] = Operator(
+        name="gate_conv", schema="gate_conv(Tensor key, ...) -> (Tensor, Tensor)",
+        reference=<the literal definition>, check=<shapes, dtypes, devices>, fake=<output shapes>,
+        kernels=(Kernel("native", "cpu", ..., takes=...), Kernel("torch", "cpu", ...), Kernel("triton", "cuda", ...)),
+    )
+
+Every kernel and the reference take the operator's arguments as its schema lists them. A device's
+function, the one the dispatcher calls (:meth:`Operator.on` gives it to Python callers that skip the
+dispatcher), is ``check`` and then the device's first kernel whose ``takes`` accepts the arguments
+(the last kernel of a device takes everything). Registration uses the low-level ``Library.define`` +
+``impl`` per device, which dispatches in a few microseconds (``torch.library.custom_op`` costs
+15-25 us a call, too much for a decode step); no other Python layer is added per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgumentError
+
+__all__ = ["DEVICES", "Kernel", "OPERATORS", "Operator", "register"]
+
+DEVICES = ("cpu", "cuda")
+"""The devices the operators have kernels for (the dispatch keys ``CPU`` and ``CUDA``)."""
+
+_LIB = torch.library.Library("ple", "FRAGMENT")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One implementation of an operator on one device.
+
+    Attributes:
+        name: what it is (``"native"``: the C kernel, ``"torch"``, ``"triton"``, ...).
+        device: ``"cpu"`` or ``"cuda"``.
+        fn: the implementation, called with the operator's arguments (checked).
+        takes: whether it takes these arguments (the C kernel: some dtypes and layouts); None: all.
+        needs: the package it needs besides torch (``"triton"``), or None.
+    """
+
+    name: str
+    device: str
+    fn: Callable[..., Any]
+    takes: Callable[..., bool] | None = None
+    needs: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """A registered ``torch.ops.ple`` operator (see the module docstring)."""
+
+    name: str
+    schema: str
+    reference: Callable[..., Any]
+    kernels: tuple[Kernel, ...]
+    fake: Callable[..., Any]
+    check: Callable[..., None] | None
+    impls: dict[str, Callable[..., Any]]
+
+    def on(self, device: torch.device) -> Callable[..., Any]:
+        """The function the dispatcher runs for tensors on ``device``: checks, then the kernel."""
+        impl = self.impls.get(device.type)
+        if impl is None:
+            raise InvalidArgumentError(
+                f"{self.name}: tensors on {device}, expected one of {', '.join(DEVICES)} (the operator's kernels)"
+            )
+        return impl
+
+
+OPERATORS: dict[str, Operator] = {}
+"""Every registered operator by name (``ple.ngram``, ``ple.table`` and ``ple.ops`` register theirs on import)."""
+
+
+def register(
+    schema: str,
+    *,
+    reference: Callable[..., Any],
+    kernels: tuple[Kernel, ...],
+    fake: Callable[..., Any],
+    check: Callable[..., None] | None = None,
+) -> Operator:
+    """Define ``ple::<name>`` from ``schema``, register each device's function and ``fake``, and
+    record the operator in :data:`OPERATORS`.
+
+    ``check(*args, devices=...)`` runs before the kernel (``devices=False`` on the CPU, where every
+    tensor argument is on the CPU). Each device has one or two kernels; with two, the first says
+    what it ``takes`` and the second takes the rest.
+    """
+    name = schema.split("(", 1)[0]
+    if name in OPERATORS:
+        raise InvalidArgumentError(f"operator ple::{name} is registered twice")
+    impls = {}
+    for device in DEVICES:
+        mine = tuple(k for k in kernels if k.device == device)
+        if not mine:
+            continue
+        if len(mine) > 2 or mine[-1].takes is not None or (len(mine) == 2 and mine[0].takes is None):
+            raise InvalidArgumentError(
+                f"ple::{name} on {device}: expected a kernel that takes everything, after at most one that "
+                f"takes some arguments; got {[k.name for k in mine]}"
+            )
+        impls[device] = _device_function(mine, check, device != "cpu")
+    _LIB.define(schema)
+    for device, impl in impls.items():
+        _LIB.impl(name, impl, device.upper())
+    torch.library.register_fake(f"ple::{name}", fake, lib=_LIB)
+    op = Operator(name, schema, reference, tuple(kernels), fake, check, impls)
+    OPERATORS[name] = op
+    return op
+
+
+def _device_function(kernels: tuple[Kernel, ...], check, devices: bool) -> Callable[..., Any]:
+    general = kernels[-1].fn
+    if len(kernels) == 1:
+        if check is None:
+            return general
+
+        def checked(*args):
+            check(*args, devices=devices)
+            return general(*args)
+
+        return checked
+    special, takes = kernels[0].fn, kernels[0].takes
+    assert takes is not None
+
+    def chosen(*args):
+        if check is not None:
+            check(*args, devices=devices)
+        return special(*args) if takes(*args) else general(*args)
+
+    return chosen
