@@ -230,8 +230,8 @@ def test_native_kernel_extreme_hashes():
 
 def test_checked_entry_runs_the_kernel_on_cpu(monkeypatch):
     calls = []
-    real = native.ngram_ids
-    monkeypatch.setattr(native, "ngram_ids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native.ids_from_tensors
+    monkeypatch.setattr(native, "ids_from_tensors", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = PLEConfig(hidden_size=8, eos_token_id=1, vocab_size=50, heads_per_ngram=2, ngram_vocab_size_base=100)
     lay = cfg.layout(0)
     x, q, ctx = torch.tensor([5, 6, 7]), torch.tensor([0, 3]), torch.tensor([[2, 3]])

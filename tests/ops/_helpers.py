@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ple.ops.records import ConvWeights, GateWeights, StepMeta
+from ple.ops.records import ConvWeights, GateWeights, StepMeta, derive_gate_factors
 
 # Tolerance for comparing two fp32 computations of the same quantity in a different order.
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -38,6 +38,32 @@ def one_shot_conv(x: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch
 
 
 ConvFn = Callable[..., torch.Tensor]
+
+
+def flat_conv(fn):
+    """A ``dilated_conv`` twin (it takes the records) called with the conv's tensors, as engines hold
+    them: ``(c, weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state,
+    num_rejected=None, residual=None, *, validate=True)``."""
+
+    def call(c, weight, dilation, query_start_loc, conv_state, state_indices, has_initial_state, *rest, **kw):
+        num_rejected, residual = (*rest, None, None)[:2] if len(rest) < 2 else rest
+        num_rejected, residual = kw.pop("num_rejected", num_rejected), kw.pop("residual", residual)
+        conv = ConvWeights(weight, dilation, weight)  # the conv twins do not read the fp32 taps
+        step = StepMeta(query_start_loc, conv_state, state_indices, has_initial_state, num_rejected)
+        return fn(c, conv, step, residual, **kw)
+
+    return call
+
+
+def flat_gate(fn):
+    """An ``ngram_gate`` twin (it takes the record) called with the gate's tensors: ``(key, value,
+    hidden, norm_key_weight, norm_query_weight, norm_conv_weight, eps, hc_count)``."""
+
+    def call(key, value, hidden, norm_key, norm_query, norm_conv, eps, hc_count):
+        factors = derive_gate_factors(norm_key, norm_query, norm_conv)
+        return fn(key, value, hidden, GateWeights(norm_key, norm_query, norm_conv, eps, hc_count, *factors))
+
+    return call
 
 
 def random_conv_batch(

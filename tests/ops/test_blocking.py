@@ -7,6 +7,7 @@ from ple.ops.conv import reference as conv_ref
 from ple.ops.conv import torch_impl as conv_fast
 from ple.ops.gate import reference as gate_ref
 from ple.ops.gate import torch_impl as gate_fast
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
 
 
 @pytest.mark.parametrize("block_tokens", [1, 2, 3, 5, 16])
@@ -28,8 +29,9 @@ def test_conv_blocks_match_reference(monkeypatch, block_tokens, seed):
     has_init = torch.tensor([True, False, True, True])
     rejected = torch.tensor([1, 0, 0, 2])
     p1, p2 = pool.clone(), pool.clone()
-    want = conv_ref.dilated_conv(c, w, dilation, qsl, p1, slots, has_init, rejected, residual=res)
-    got = conv_fast.dilated_conv(c, w, dilation, qsl, p2, slots, has_init, rejected, residual=res)
+    conv = ConvWeights.build(w, dilation)
+    want = conv_ref.dilated_conv(c, conv, StepMeta(qsl, p1, slots, has_init, rejected), res)
+    got = conv_fast.dilated_conv(c, conv, StepMeta(qsl, p2, slots, has_init, rejected), res)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(p1, p2)
 
@@ -42,7 +44,8 @@ def test_gate_blocks_match_reference(monkeypatch, block_tokens):
     key, hidden = torch.randn(t, hc * h, generator=g), torch.randn(t, hc * h, generator=g)
     value = torch.randn(t, h, generator=g)
     ws = [0.2 * torch.randn(hc * h, generator=g) for _ in range(3)]
-    want = gate_ref.ngram_gate(key, value, hidden, *ws, 1e-6, hc)
-    got = gate_fast.ngram_gate(key, value, hidden, *ws, 1e-6, hc)
+    gate = GateWeights.build(*ws, 1e-6, hc)
+    want = gate_ref.ngram_gate(key, value, hidden, gate)
+    got = gate_fast.ngram_gate(key, value, hidden, gate)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

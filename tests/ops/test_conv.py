@@ -2,11 +2,16 @@ import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
-from ple.ops import dilated_conv
+import ple.ops
 from ple.ops.conv import reference, torch_impl
 
 from ..conftest import hf_config, hf_ple_layer
-from ._helpers import DTYPE_TOL, FP32_TOL, one_shot_conv, random_conv_batch, run_conv, simulate_streaming
+from ._helpers import DTYPE_TOL, FP32_TOL, flat_conv, one_shot_conv, random_conv_batch, run_conv, simulate_streaming
+
+# the twins and the operator, called with the conv's tensors
+reference_conv, torch_conv, operator_conv = map(
+    flat_conv, (reference.dilated_conv, torch_impl.dilated_conv, ple.ops.dilated_conv)
+)
 
 
 def _call(fn, c, weight, dilation, qsl, state, slots, has_init, rejected=None, residual=None, **kw):
@@ -15,7 +20,7 @@ def _call(fn, c, weight, dilation, qsl, state, slots, has_init, rejected=None, r
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 63, 129])
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_one_shot_matches_transformers_short_conv(fn, dtype, tokens):
     cfg = hf_config(hidden_size=20, hc_count=3, ngram_size=3, ple_conv_kernel_size=4)
     mod = hf_ple_layer(cfg, seed=tokens, dtype=dtype)
@@ -46,8 +51,8 @@ def test_one_shot_matches_transformers_short_conv(fn, dtype, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_impl_matches_reference(seed, decode, dtype):
     batch = random_conv_batch(seed, dtype=dtype, decode=decode)
-    out_ref, state_ref = run_conv(reference.dilated_conv, batch)
-    out, state = run_conv(torch_impl.dilated_conv, batch)
+    out_ref, state_ref = run_conv(reference_conv, batch)
+    out, state = run_conv(torch_conv, batch)
     assert out.dtype == dtype and out.shape == batch["c"].shape
     assert torch.equal(state, state_ref)
     torch.testing.assert_close(out, out_ref, **DTYPE_TOL[dtype])
@@ -57,8 +62,8 @@ def test_torch_impl_matches_reference(seed, decode, dtype):
 def test_geometries(taps, dilation, num_spec):
     for seed in range(4):
         batch = random_conv_batch(100 + seed, channels=7, taps=taps, dilation=dilation, num_spec=num_spec)
-        out_ref, state_ref = run_conv(reference.dilated_conv, batch)
-        out, state = run_conv(torch_impl.dilated_conv, batch)
+        out_ref, state_ref = run_conv(reference_conv, batch)
+        out, state = run_conv(torch_conv, batch)
         assert torch.equal(state, state_ref)
         torch.testing.assert_close(out, out_ref, **FP32_TOL)
 
@@ -68,21 +73,21 @@ def test_state_dtype_differs_from_activations(act, state):
     for seed in range(4):
         batch = random_conv_batch(200 + seed, channels=5, dtype=act)
         batch["conv_state"] = batch["conv_state"].to(state)
-        out_ref, state_ref = run_conv(reference.dilated_conv, batch)
-        out, new_state = run_conv(torch_impl.dilated_conv, batch)
+        out_ref, state_ref = run_conv(reference_conv, batch)
+        out, new_state = run_conv(torch_conv, batch)
         assert new_state.dtype == state and out.dtype == act
         assert torch.equal(new_state, state_ref)
         torch.testing.assert_close(out, out_ref, **DTYPE_TOL[act])
 
 
-def test_dispatch_uses_torch_impl_on_cpu():
+def test_operator_runs_torch_impl_on_cpu():
     batch = random_conv_batch(7)
-    out_ref, state_ref = run_conv(torch_impl.dilated_conv, batch)
-    out, state = run_conv(dilated_conv, batch)
+    out_ref, state_ref = run_conv(torch_conv, batch)
+    out, state = run_conv(operator_conv, batch)
     assert torch.equal(out, out_ref) and torch.equal(state, state_ref)
 
 
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_streaming_equals_one_shot(fn):
     counts = simulate_streaming(
         {"impl": fn},
@@ -105,7 +110,7 @@ def test_streaming_equals_one_shot(fn):
 def test_streaming_lockstep(seed):
     """Reference and fast path driven together through random schedules: identical states at every step."""
     simulate_streaming(
-        {"reference": reference.dilated_conv, "torch_impl": torch_impl.dilated_conv},
+        {"reference": reference_conv, "torch_impl": torch_conv},
         seed=10 + seed,
         channels=6,
         taps=3,
@@ -119,7 +124,7 @@ def test_streaming_lockstep(seed):
     )
 
 
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_fresh_request_ignores_slot_and_rejected(fn):
     g = torch.Generator().manual_seed(0)
     c = torch.randn(4, 3, generator=g)
@@ -130,7 +135,7 @@ def test_fresh_request_ignores_slot_and_rejected(fn):
     assert torch.equal(state[0], torch.nn.functional.pad(c.t(), (5, 0)))
 
 
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_rejection_longer_than_new_rows_zero_fills(fn):
     """Slot keeps [s0..s8] + 3 rejected; one new row x: state = 0, 0, s0..s8, x (left zero-padded)."""
     g = torch.Generator().manual_seed(1)
@@ -143,7 +148,7 @@ def test_rejection_longer_than_new_rows_zero_fills(fn):
     assert torch.equal(state[0], want)
 
 
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_null_rows_and_empty_batch(fn):
     g = torch.Generator().manual_seed(2)
     c = torch.randn(5, 3, generator=g)
@@ -172,7 +177,7 @@ def test_null_rows_and_empty_batch(fn):
 
 def test_non_contiguous_inputs():
     batch = random_conv_batch(3, channels=6)
-    out_ref, state_ref = run_conv(torch_impl.dilated_conv, batch)
+    out_ref, state_ref = run_conv(torch_conv, batch)
     nc = dict(batch)
     nc["c"] = batch["c"].t().contiguous().t()
     nc["weight"] = batch["weight"].t().contiguous().t()
@@ -181,12 +186,12 @@ def test_non_contiguous_inputs():
     pool = torch.full((batch["conv_state"].shape[0], 12, batch["conv_state"].shape[2]), float("nan"))
     pool[:, ::2] = batch["conv_state"]
     nc["conv_state"] = pool[:, ::2]  # a view into a larger pool, written through
-    out = torch_impl.dilated_conv(**nc)
+    out = torch_conv(**nc)
     torch.testing.assert_close(out, out_ref, **FP32_TOL)
     assert torch.equal(pool[:, ::2], state_ref) and torch.isnan(pool[:, 1::2]).all()
 
 
-@pytest.mark.parametrize("fn", [reference.dilated_conv, torch_impl.dilated_conv], ids=["reference", "torch_impl"])
+@pytest.mark.parametrize("fn", [reference_conv, torch_conv], ids=["reference", "torch_impl"])
 def test_validation(fn):
     c = torch.randn(5, 3)
     w = torch.randn(3, 4)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import ple._native as native_build
-from ple.ops import fused
+import ple.ops
 from ple.ops.conv import reference as conv_reference
-from ple.ops.fused import native, reference, torch_impl
+from ple.ops.fused import native, reference
+from ple.ops.fused.composed import TORCH
 from ple.ops.records import ConvWeights, GateWeights, StepMeta
 
 from ._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
@@ -32,7 +33,7 @@ def test_native_matches_composed_ops(seed, decode, dtype):
     # H around the kernel's 16-lane partial sums: below, equal, and with a remainder
     step = random_fused_step(seed, dtype=dtype, decode=decode, hidden_size=(16, 37, 5, 48)[seed % 4])
     got = run_fused(native.gate_conv, step)
-    fast = run_fused(torch_impl.gate_conv, step)
+    fast = run_fused(TORCH.gate_conv, step)
     ref = run_fused(reference.gate_conv, step)
     tol = DTYPE_TOL[dtype]
     for name, a, b, r in zip(("out", "c", "state"), got, fast, ref):
@@ -94,7 +95,7 @@ def test_masked_non_finite_values_propagate_like_the_torch_path():
     masked = int(torch.nonzero(~mask)[0])
     step["value"][masked, 0] = float("nan")
     step["key"][masked, 1] = float("inf")
-    got, fast = run_fused(native.gate_conv, step), run_fused(torch_impl.gate_conv, step)
+    got, fast = run_fused(native.gate_conv, step), run_fused(TORCH.gate_conv, step)
     for a, b in zip(got, fast):
         torch.testing.assert_close(a, b, **DTYPE_TOL[torch.float32], equal_nan=True)
 
@@ -128,16 +129,7 @@ def test_state_is_the_tail_of_kept_history_and_c(seed, dtype):
     _, c, state = run_fused(native.gate_conv, step)
     m = step["step"]
     want = m.conv_state.clone()
-    conv_reference.dilated_conv(
-        c,
-        step["conv"].weight,
-        step["conv"].dilation,
-        m.query_start_loc,
-        want,
-        m.state_indices,
-        m.has_initial_state,
-        m.num_rejected,
-    )
+    conv_reference.dilated_conv(c, step["conv"], dataclasses.replace(m, conv_state=want))
     assert torch.equal(state, want)
 
 
@@ -183,20 +175,20 @@ def test_chunked_stream_equals_one_shot_bitwise(dtype):
 
 def test_dispatch_picks_the_kernel_on_cpu(monkeypatch):
     calls = []
-    real = native.gate_conv
-    monkeypatch.setattr(native, "gate_conv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native.run
+    monkeypatch.setattr(native, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
     step = random_fused_step(1, dtype=torch.bfloat16)
-    fused.gate_conv(**step)
+    ple.ops.gate_conv(**step)
     assert calls == [1]
     step16 = random_fused_step(1, dtype=torch.float16)  # fp16 runs the PyTorch path
-    out, c = fused.gate_conv(**step16)
+    out, c = ple.ops.gate_conv(**step16)
     assert calls == [1] and out.dtype == torch.float16
 
 
 def test_token_mask_of_the_wrong_length_is_refused():
     step = random_fused_step(0, dtype=torch.float32)
     step["token_mask"] = torch.ones(step["value"].shape[0] + 1, dtype=torch.bool)
-    for impl in (native, torch_impl, reference):
+    for impl in (native, TORCH, reference):
         with pytest.raises(ValueError, match=r"token_mask.shape=.*expected \[T\]"):
             run_fused(impl.gate_conv, step)
 
@@ -383,8 +375,8 @@ def test_failed_build_warns_once_and_falls_back(fresh_build, monkeypatch):
         warnings.simplefilter("error")
         assert not native_build.available()  # once
         step = random_fused_step(4, dtype=torch.float32)
-        out, _ = fused.gate_conv(**with_state(step, step["step"].conv_state.clone()))  # the PyTorch path
-    want, _ = torch_impl.gate_conv(**with_state(step, step["step"].conv_state.clone()))
+        out, _ = ple.ops.gate_conv(**with_state(step, step["step"].conv_state.clone()))  # the PyTorch path
+    want, _ = TORCH.gate_conv(**with_state(step, step["step"].conv_state.clone()))
     torch.testing.assert_close(out, want)
     assert not list(fresh_build.glob("*.partial"))
     with pytest.raises(native_build.NativeUnavailable, match="failed"):

@@ -4,11 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-from ple.ops import ngram_gate
+import ple.ops
 from ple.ops.gate import reference, torch_impl
 
 from ..conftest import hf_config, hf_ple_layer
-from ._helpers import assert_no_worse_than_reference
+from ._helpers import assert_no_worse_than_reference, flat_gate
+
+
+# the twins and the operator, called with the gate's tensors
+reference_gate, torch_gate, operator_gate = map(
+    flat_gate, (reference.ngram_gate, torch_impl.ngram_gate, ple.ops.ngram_gate)
+)
 
 
 class _FixedEmbedding(nn.Module):
@@ -76,17 +82,17 @@ def test_reference_matches_transformers_bitwise(dtype, tokens):
     emb = torch.randn(tokens, 16, generator=g).to(dtype)
     hidden = (2 * torch.randn(tokens, 60, generator=g)).to(dtype)
     key, value, v_hf, c_hf = _transformers_gate(mod, emb, hidden)
-    v, c = reference.ngram_gate(key, value, hidden, *_weights(mod), cfg.rms_norm_eps, 3)
+    v, c = reference_gate(key, value, hidden, *_weights(mod), cfg.rms_norm_eps, 3)
     assert v.dtype == c.dtype == dtype
     assert torch.equal(v, v_hf)
     assert torch.equal(c, c_hf)
 
 
 @pytest.mark.parametrize("tokens, hidden_size, hc", [(1, 8, 1), (2, 20, 3), (63, 24, 4), (129, 37, 2)])
-@pytest.mark.parametrize("fn", [torch_impl.ngram_gate, ngram_gate], ids=["torch_impl", "dispatch"])
+@pytest.mark.parametrize("fn", [torch_gate, operator_gate], ids=["torch_impl", "operator"])
 def test_fast_path_fp32(fn, tokens, hidden_size, hc):
     args = _inputs(tokens, hidden_size, hc, torch.float32, seed=tokens + hidden_size)
-    v_ref, c_ref = reference.ngram_gate(*args, 1e-6, hc)
+    v_ref, c_ref = reference_gate(*args, 1e-6, hc)
     v, c = fn(*args, 1e-6, hc)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(c, c_ref, rtol=1e-5, atol=1e-5)
@@ -96,8 +102,8 @@ def test_fast_path_fp32(fn, tokens, hidden_size, hc):
 @pytest.mark.parametrize("tokens, hidden_size, hc", [(1, 8, 1), (2, 20, 3), (63, 24, 4), (129, 37, 2)])
 def test_fast_path_low_precision_vs_fp64(dtype, tokens, hidden_size, hc):
     args = _inputs(tokens, hidden_size, hc, dtype, seed=3 * tokens + hidden_size)
-    v_ref, c_ref = reference.ngram_gate(*args, 1e-6, hc)
-    v, c = torch_impl.ngram_gate(*args, 1e-6, hc)
+    v_ref, c_ref = reference_gate(*args, 1e-6, hc)
+    v, c = torch_gate(*args, 1e-6, hc)
     assert v.dtype == c.dtype == dtype
     v64, c64 = _exact(*args, 1e-6, hc)
     assert_no_worse_than_reference(v, v_ref, v64, atol=1e-3)
@@ -110,7 +116,7 @@ def test_zero_dot_gives_half_gate():
     hidden = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
     value = torch.tensor([[2.0, -4.0, 6.0, 8.0]])
     w = torch.zeros(4)
-    for fn in (reference.ngram_gate, torch_impl.ngram_gate):
+    for fn in (reference_gate, torch_gate):
         v, _ = fn(key, value, hidden, w, w, w, 1e-6, 1)
         assert torch.equal(v, value / 2)
 
@@ -123,7 +129,7 @@ def test_tiny_dot_is_clamped(sign):
     value = torch.tensor([[2.0, -4.0, 6.0, 8.0]])
     w = torch.zeros(4)
     want = value * torch.sigmoid(torch.tensor(sign * 1e-3))
-    for fn in (reference.ngram_gate, torch_impl.ngram_gate):
+    for fn in (reference_gate, torch_gate):
         v, _ = fn(key, value, hidden, w, w, w, 1e-6, 1)
         torch.testing.assert_close(v, want, rtol=1e-6, atol=0)
 
@@ -134,13 +140,13 @@ def test_non_contiguous_inputs():
     hidden_nc = hidden.t().contiguous().t()  # column-major
     value_nc = torch.stack([value, torch.full_like(value, float("nan"))], dim=1)[:, 0]  # row stride 2H
     assert not (key_nc.is_contiguous() or hidden_nc.is_contiguous() or value_nc.is_contiguous())
-    v_ref, c_ref = reference.ngram_gate(key, value, hidden, wk, wq, wc, 1e-6, 3)
-    v, c = torch_impl.ngram_gate(key_nc, value_nc, hidden_nc, wk, wq, wc, 1e-6, 3)
+    v_ref, c_ref = reference_gate(key, value, hidden, wk, wq, wc, 1e-6, 3)
+    v, c = torch_gate(key_nc, value_nc, hidden_nc, wk, wq, wc, 1e-6, 3)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(c, c_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fn", [reference.ngram_gate, torch_impl.ngram_gate])
+@pytest.mark.parametrize("fn", [reference_gate, torch_gate])
 def test_validation(fn):
     key, value, hidden, wk, wq, wc = _inputs(4, 6, 2, torch.float32, seed=1)
     with pytest.raises(ValueError, match=r"key.shape=\(4, 12\), expected \[T, HC\*H\] = \(4, 18\)"):

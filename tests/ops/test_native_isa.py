@@ -14,7 +14,8 @@ import torch
 
 import ple._native as native_build
 from ple.ops.conv import reference as conv_reference
-from ple.ops.fused import native, reference, torch_impl
+from ple.ops.fused import native, reference
+from ple.ops.fused.composed import TORCH
 from ple.ops.state import engine_to_ring, ring_to_engine
 
 from ._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
@@ -45,7 +46,7 @@ def test_each_isa_matches_the_reference_and_keeps_state_exact(isa, dtype):
     for seed in range(8):
         step = random_fused_step(seed, dtype=dtype, decode=seed % 2 == 1, hidden_size=(16, 37, 5, 48)[seed % 4])
         got = run_fused(native.gate_conv, step)
-        fast = run_fused(torch_impl.gate_conv, step)
+        fast = run_fused(TORCH.gate_conv, step)
         ref = run_fused(reference.gate_conv, step)
         for name, a, b, r in zip(("out", "c", "state"), got, fast, ref):
             torch.testing.assert_close(a, b, **tol, msg=lambda m, name=name: f"{isa} {name} vs torch path: {m}")
@@ -57,16 +58,7 @@ def test_each_isa_matches_the_reference_and_keeps_state_exact(isa, dtype):
         # the new slots hold exactly the tail of the kept history and the kernel's own conv inputs
         m = step["step"]
         want = m.conv_state.clone()
-        conv_reference.dilated_conv(
-            got[1],
-            step["conv"].weight,
-            step["conv"].dilation,
-            m.query_start_loc,
-            want,
-            m.state_indices,
-            m.has_initial_state,
-            m.num_rejected,
-        )
+        conv_reference.dilated_conv(got[1], step["conv"], dataclasses.replace(m, conv_state=want))
         assert torch.equal(got[2], want), (isa, seed)
 
 

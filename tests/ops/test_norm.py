@@ -37,7 +37,7 @@ def test_reference_matches_transformers_bitwise(dtype, tokens, groups, group_siz
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens, groups, group_size", [(1, 1, 8), (2, 3, 12), (63, 4, 20), (129, 2, 37)])
-@pytest.mark.parametrize("fn", [torch_impl.grouped_rms_norm, grouped_rms_norm], ids=["torch_impl", "dispatch"])
+@pytest.mark.parametrize("fn", [torch_impl.grouped_rms_norm, grouped_rms_norm], ids=["torch_impl", "operator"])
 def test_fast_path_vs_reference(fn, dtype, tokens, groups, group_size):
     g = torch.Generator().manual_seed(tokens * 7 + group_size)
     channels = groups * group_size

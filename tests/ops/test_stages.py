@@ -8,14 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from ple.ops import fused, library
-from ple.ops.fused import native, reference, torch_impl
+import ple.ops
+from ple.ops import library
+from ple.ops.fused import native, reference
+from ple.ops.fused.composed import TORCH
 from ple.ops.records import StepMeta
 from ple.ops.state import engine_to_ring, ring_to_engine, ring_window
 
 from ._helpers import random_fused_step, run_fused, run_stages, with_state
 
-BACKENDS = {"native": native, "torch": torch_impl, "reference": reference, "dispatch": fused}
+BACKENDS = {"native": native, "torch": TORCH, "reference": reference, "operators": ple.ops}
 
 
 def _assert_equal(got, want, what=""):
@@ -84,9 +86,9 @@ def test_operators_equal_the_python_entry_points(dtype, seed):
     m = s["step"]
     kernel_step = StepMeta(m.query_start_loc.long(), m.conv_state, m.state_indices, m.has_initial_state, m.num_rejected)
     out, c = library.gate_conv(
-        s["key"], s["value"], s["hidden"], s["gate"], s["conv"], kernel_step, **a, all_conv_inputs=True
+        s["key"], s["value"], s["hidden"], s["gate"], s["conv"], kernel_step, **a, return_conv_input=True
     )
-    _assert_equal((out, c, m.conv_state), run_fused(fused.gate_conv, step), "gate_conv operator")
+    _assert_equal((out, c, m.conv_state), run_fused(ple.ops.gate_conv, step), "gate_conv operator")
     s2 = with_state(step, step["step"].conv_state.clone())
     residual, c2 = library.gate_stage(s2["key"], s2["value"], s2["hidden"], s2["gate"], **a)
     m2 = dataclasses.replace(kernel_step, conv_state=s2["step"].conv_state)

@@ -8,9 +8,8 @@ triton = pytest.importorskip("triton")
 
 from ple.ops.conv import reference as conv_ref  # noqa: E402
 from ple.ops.conv import triton_impl as conv_triton  # noqa: E402
+from ple.ops.fused import composed  # noqa: E402
 from ple.ops.fused import reference as fused_ref  # noqa: E402
-from ple.ops.fused import torch_impl as fused_torch  # noqa: E402
-from ple.ops.fused import triton_impl as fused_triton  # noqa: E402
 from ple.ops.gate import reference as gate_ref  # noqa: E402
 from ple.ops.gate import triton_impl as gate_triton  # noqa: E402
 from ple.ops.norm import reference as norm_ref  # noqa: E402
@@ -21,6 +20,8 @@ from ._helpers import (  # noqa: E402
     DTYPE_TOL,
     FP32_TOL,
     assert_no_worse_than_reference,
+    flat_conv,
+    flat_gate,
     random_conv_batch,
     random_fused_step,
     run_conv,
@@ -30,6 +31,10 @@ from ._helpers import (  # noqa: E402
 )
 
 DEVICE = TRITON_DEVICE
+fused_torch, fused_triton = composed.TORCH, composed.triton()
+# the twins called with the gate's and the conv's tensors
+gate_ref_flat, gate_triton_flat = flat_gate(gate_ref.ngram_gate), flat_gate(gate_triton.ngram_gate)
+conv_ref_flat, conv_triton_flat = flat_conv(conv_ref.dilated_conv), flat_conv(conv_triton.dilated_conv)
 
 
 def test_kernels_run_natively_or_interpreted():
@@ -80,8 +85,8 @@ def test_gate(max_block, dtype, tokens, hidden_size, hc):
     value = _randn(tokens, 2 * hidden_size, seed=2, dtype=dtype)[:, ::2]  # strided columns
     hidden = _randn(tokens, width, seed=3, dtype=dtype, scale=2.0)
     weights = [_randn(width, seed=4 + i, dtype=dtype, scale=0.3) for i in range(3)]
-    v_ref, c_ref = gate_ref.ngram_gate(key, value, hidden, *weights, 1e-6, hc)
-    v, c = gate_triton.ngram_gate(key, value, hidden, *weights, 1e-6, hc)
+    v_ref, c_ref = gate_ref_flat(key, value, hidden, *weights, 1e-6, hc)
+    v, c = gate_triton_flat(key, value, hidden, *weights, 1e-6, hc)
     assert v.dtype == c.dtype == dtype
     tol = DTYPE_TOL[dtype]
     torch.testing.assert_close(v, v_ref, **tol)
@@ -93,7 +98,7 @@ def test_gate_zero_and_tiny_dot():
     hidden = torch.tensor([[0.0, 1.0, 0.0, 0.0]] * 3, device=DEVICE)
     value = torch.tensor([[2.0, -4.0, 6.0, 8.0]] * 3, device=DEVICE)
     w = torch.zeros(4, device=DEVICE)
-    v, _ = gate_triton.ngram_gate(key, value, hidden, w, w, w, 1e-6, 1)
+    v, _ = gate_triton_flat(key, value, hidden, w, w, w, 1e-6, 1)
     gates = torch.sigmoid(torch.tensor([1e-3, -1e-3, 0.0], device=DEVICE))
     torch.testing.assert_close(v, value * gates[:, None], rtol=1e-6, atol=0)
 
@@ -103,8 +108,8 @@ def test_gate_zero_and_tiny_dot():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_batch(seed, decode, dtype):
     batch = random_conv_batch(seed, channels=7, num_slots=6, dtype=dtype, decode=decode, device=DEVICE)
-    out_ref, state_ref = run_conv(conv_ref.dilated_conv, batch)
-    out, state = run_conv(conv_triton.dilated_conv, batch)
+    out_ref, state_ref = run_conv(conv_ref_flat, batch)
+    out, state = run_conv(conv_triton_flat, batch)
     assert out.dtype == dtype
     assert torch.equal(state, state_ref)
     torch.testing.assert_close(out, out_ref, **DTYPE_TOL[dtype])
@@ -113,12 +118,12 @@ def test_conv_batch(seed, decode, dtype):
 def test_conv_strided_state_pool_and_mixed_dtypes():
     batch = random_conv_batch(11, channels=6, num_slots=5, device=DEVICE)
     batch["conv_state"] = batch["conv_state"].bfloat16()  # state kept in bf16, activations in fp32
-    out_ref, state_ref = run_conv(conv_ref.dilated_conv, batch)
+    out_ref, state_ref = run_conv(conv_ref_flat, batch)
     s, ch, length = batch["conv_state"].shape
     pool = torch.full((s, 2 * ch, length), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     pool[:, ::2] = batch["conv_state"]
     b = dict(batch, conv_state=pool[:, ::2], c=batch["c"].t().contiguous().t())
-    out = conv_triton.dilated_conv(**b)
+    out = conv_triton_flat(**b)
     torch.testing.assert_close(out, out_ref, **FP32_TOL)
     assert torch.isnan(pool[:, 1::2]).all()
     if TRITON_INTERPRETED:
@@ -130,7 +135,7 @@ def test_conv_strided_state_pool_and_mixed_dtypes():
 
 def test_conv_streaming_lockstep():
     counts = simulate_streaming(
-        {"reference": conv_ref.dilated_conv, "triton": conv_triton.dilated_conv},
+        {"reference": conv_ref_flat, "triton": conv_triton_flat},
         seed=5,
         channels=3,
         taps=3,
@@ -156,9 +161,9 @@ def test_conv_null_rows_and_empty_batch():
     qsl = torch.tensor([0, 2, 5], device=DEVICE)
     slots = torch.tensor([-1, -1], device=DEVICE)
     init = torch.tensor([True, False], device=DEVICE)
-    out = conv_triton.dilated_conv(c, w, 2, qsl, state, slots, init, None, res)
+    out = conv_triton_flat(c, w, 2, qsl, state, slots, init, None, res)
     assert torch.equal(out, res) and torch.equal(state, before)
-    empty = conv_triton.dilated_conv(c[:0], w, 2, qsl[:1], state, slots[:0], init[:0], None, None)
+    empty = conv_triton_flat(c[:0], w, 2, qsl[:1], state, slots[:0], init[:0], None, None)
     assert empty.shape == (0, 3) and torch.equal(state, before)
 
 
