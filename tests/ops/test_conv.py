@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from ple.errors import InvalidArgumentError
 import ple.ops
+from ple.errors import InvalidArgumentError
 from ple.ops.conv import reference, torch_impl
 
 from ..conftest import hf_config, hf_ple_layer

@@ -10,7 +10,6 @@ from ple.ops.gate import reference, torch_impl
 from ..conftest import hf_config, hf_ple_layer
 from ._helpers import assert_no_worse_than_reference, flat_gate
 
-
 # the twins and the operator, called with the gate's tensors
 reference_gate, torch_gate, operator_gate = map(
     flat_gate, (reference.ngram_gate, torch_impl.ngram_gate, ple.ops.ngram_gate)
