@@ -280,7 +280,7 @@ def check_gather(sizes: Sizes, device: torch.device, timer: Timer, peak: float) 
 
 
 def check_gate(sizes: Sizes, device: torch.device, timer: Timer, peak: float) -> list[Record]:
-    from ple.ops.gate import ngram_gate
+    from ple.ops import GateWeights, ngram_gate
     from ple.ops.gate import torch_impl as gate_torch
 
     h, hc = sizes.hidden_size, sizes.hc_count
@@ -292,7 +292,7 @@ def check_gate(sizes: Sizes, device: torch.device, timer: Timer, peak: float) ->
         key = torch.randn(t, c, generator=g).to(device, torch.bfloat16)
         value = torch.randn(t, h, generator=g).to(device, torch.bfloat16)
         hidden = torch.randn(t, c, generator=g).to(device, torch.bfloat16)
-        args = (key, value, hidden, *w, 1e-6, hc)
+        args = (key, value, hidden, GateWeights.build(*w, 1e-6, hc))
         v, cc = ngram_gate(*args)
         v2, c2 = gate_torch.ngram_gate(*args)
         ok_v, dv = _close(v, v2, BF16_TOL)
@@ -304,7 +304,7 @@ def check_gate(sizes: Sizes, device: torch.device, timer: Timer, peak: float) ->
 
 
 def check_conv(sizes: Sizes, device: torch.device, timer: Timer, peak: float) -> list[Record]:
-    from ple.ops.conv import dilated_conv
+    from ple.ops import ConvWeights, StepMeta, dilated_conv
     from ple.ops.conv import torch_impl as conv_torch
 
     c = sizes.hidden_size * sizes.hc_count
@@ -322,8 +322,9 @@ def check_conv(sizes: Sizes, device: torch.device, timer: Timer, peak: float) ->
         init = torch.full((r,), label == "decode", dtype=torch.bool, device=device)
         pool0 = torch.randn(r, c, window, generator=g).to(device, torch.bfloat16)
         pool_a, pool_b = pool0.clone(), pool0.clone()
-        got = dilated_conv(x, weight, dil, qsl, pool_a, slots, init, None, res)
-        want = conv_torch.dilated_conv(x, weight, dil, qsl, pool_b, slots, init, None, res)
+        conv = ConvWeights.build(weight, dil)
+        got = dilated_conv(x, conv, StepMeta(qsl, pool_a, slots, init), res)
+        want = conv_torch.dilated_conv(x, conv, StepMeta(qsl, pool_b, slots, init), res)
         ok_o, do = _close(got, want, BF16_TOL)
         ok_s = torch.equal(pool_a, pool_b)
         nbytes = 3 * t * c * 2 + 2 * r * c * window * 2 + c * k * 2
@@ -338,7 +339,7 @@ def check_conv(sizes: Sizes, device: torch.device, timer: Timer, peak: float) ->
             nbytes,
         )
         pool = pool0.clone()
-        fn = functools.partial(dilated_conv, x, weight, dil, qsl, pool, slots, init, None, res, validate=False)
+        fn = functools.partial(dilated_conv, x, conv, StepMeta(qsl, pool, slots, init), res, validate=False)
         out.append(_timed_record(rec, timer, fn, peak, reset=functools.partial(pool.copy_, pool0)))
     return out
 

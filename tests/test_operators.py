@@ -11,9 +11,6 @@ import importlib.util
 import pytest
 import torch
 
-import ple.ngram
-import ple.ops
-import ple.table.base
 from ple.config import PLEConfig
 from ple.ngram import layout_tensors
 from ple.operators import DEVICES, OPERATORS
