@@ -14,20 +14,11 @@ __all__ = ["ids_from_tensors", "ngram_ids"]
 
 
 def ids_from_tensors(
-    input_ids,
-    query_start_loc,
-    ngram_context,
-    multipliers,
-    head_sizes,
-    head_offsets,
-    heads_per_ngram,
-    eos_token_id,
-    *,
-    threads=None,
+    input_ids, query_start_loc, ngram_context, mult, sizes, offs, heads_per_ngram, eos_token_id, *, threads=None
 ) -> torch.Tensor:
     """The ids ``[T, G]`` int64 on the CPU (the contract of :func:`ple.ngram.reference.ngram_ids`, inputs
-    already checked) with the layout given as its int64 CPU tensors (``multipliers [N]``, ``head_sizes
-    [G]``, ``head_offsets [G]``). Raises :class:`ple._native.NativeUnavailable` when the kernel cannot
+    already checked) with the layout given as its int64 CPU tensors (``mult``: the multipliers ``[N]``;
+    ``sizes``, ``offs``: the head sizes and offsets ``[G]``). Raises :class:`ple._native.NativeUnavailable` when the kernel cannot
     be built."""
     if input_ids.device.type != "cpu":
         raise InvalidArgumentError(
@@ -37,9 +28,7 @@ def ids_from_tensors(
     tokens = input_ids.to(torch.int64).contiguous()
     starts = query_start_loc.to(torch.int64).contiguous()
     context = ngram_context.to(torch.int64).contiguous()
-    mult = multipliers.contiguous()
-    sizes = head_sizes.contiguous()
-    offs = head_offsets.contiguous()
+    mult, sizes, offs = mult.contiguous(), sizes.contiguous(), offs.contiguous()
     order = mult.shape[0]
     out = torch.empty(tokens.shape[0], sizes.shape[0], dtype=torch.int64)
     nthreads = torch.get_num_threads() if threads is None else int(threads)

@@ -29,13 +29,7 @@ def ngram_tokens(history: list[int], ngram_size: int, eos_token_id: int) -> list
     return out
 
 
-def ngram_ids(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layout: Layout,
-    eos_token_id: int,
-) -> torch.Tensor:
+def ngram_ids(input_ids, query_start_loc, ngram_context, layout: Layout, eos_token_id: int) -> torch.Tensor:
     """N-gram row ids of a packed batch.
 
     Args:

@@ -499,17 +499,7 @@ def dilated_conv(
 
 
 def gate_conv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    gate: GateWeights,
-    conv: ConvWeights,
-    step: StepMeta,
-    *,
-    token_mask: torch.Tensor | None = None,
-    add_hidden: bool = True,
-    return_conv_input: bool = False,
-    validate: bool = True,
+    key, value, hidden, gate, conv, step, *, token_mask=None, add_hidden=True, return_conv_input=False, validate=True
 ):
     """``torch.ops.ple.gate_conv`` on records: ``out [T, HC*H]``, or ``(out, c)`` with
     ``return_conv_input``; updates the state pool in place. See :func:`ple.ops.fused.reference.gate_conv`;
@@ -523,15 +513,7 @@ def gate_conv(
     return (out, c) if return_conv_input else out
 
 
-def gate_stage(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    gate: GateWeights,
-    *,
-    token_mask: torch.Tensor | None = None,
-    add_hidden: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_stage(key, value, hidden, gate, *, token_mask=None, add_hidden=True) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ple.gate_stage`` on a record: ``(residual, c)``; see :func:`ple.ops.fused.reference.gate_stage`."""
     return torch.ops.ple.gate_stage(key, value, hidden, *_gate_args(gate), token_mask, add_hidden)
 

@@ -145,17 +145,16 @@ def _state_writeback_kernel(
 def dilated_conv(
     c: torch.Tensor, conv: ConvWeights, step: StepMeta, residual: torch.Tensor | None = None, *, validate: bool = True
 ) -> torch.Tensor:
-    """Same contract as :func:`ple.ops.conv.reference.dilated_conv`; returns ``[T, C]`` in ``c.dtype``."""
+    """The Triton twin of :func:`ple.ops.conv.reference.dilated_conv` (CUDA tensors): ``[T, C]`` in ``c.dtype``."""
     geo = check_conv_args(c, conv, step, residual, validate)
-    weight, dilation, query_start_loc, conv_state = conv.weight, conv.dilation, step.query_start_loc, step.conv_state
-    state_indices, has_initial_state, num_rejected = step.state_indices, step.has_initial_state, step.num_rejected
     tokens, channels, state_len = geo.tokens, geo.channels, geo.state_len
     out = torch.empty((tokens, channels), dtype=c.dtype, device=c.device)
     if channels == 0:
         return out
-    qsl = query_start_loc.contiguous()
-    slots = state_indices.contiguous()
-    has_init = has_initial_state.contiguous().view(torch.uint8)
+    weight, dilation, conv_state, num_rejected = conv.weight, conv.dilation, step.conv_state, step.num_rejected
+    qsl = step.query_start_loc.contiguous()
+    slots = step.state_indices.contiguous()
+    has_init = step.has_initial_state.contiguous().view(torch.uint8)
     rejected = slots if num_rejected is None else num_rejected.contiguous()  # placeholder when absent
     res = out if residual is None else residual  # placeholder when absent
 

@@ -193,19 +193,9 @@ def _check_step(c_like: torch.Tensor, conv: ConvWeights, step: StepMeta, residua
 
 
 def gate_conv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    gate: GateWeights,
-    conv: ConvWeights,
-    step: StepMeta,
-    *,
-    token_mask: torch.Tensor | None = None,
-    add_hidden: bool = True,
-    return_conv_input: bool = False,
-    validate: bool = True,
-    threads: int | None = None,
-):
+    key, value, hidden, gate, conv, step, *, token_mask=None, add_hidden=True, return_conv_input=False, validate=True,
+    threads=None,
+):  # fmt: skip
     """Same contract as :func:`ple.ops.fused.reference.gate_conv`; ``threads`` defaults to torch's.
 
     ``validate=False`` skips the index checks: the offsets and history bounds are still checked in
@@ -242,14 +232,7 @@ def gate_conv(
 
 
 def gate_stage(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    gate: GateWeights,
-    *,
-    token_mask: torch.Tensor | None = None,
-    add_hidden: bool = True,
-    threads: int | None = None,
+    key, value, hidden, gate, *, token_mask=None, add_hidden=True, threads=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`ple.ops.fused.reference.gate_stage`: ``(residual, c)``, each ``[T, HC*H]``."""
     tokens, hidden_size = check_gate_args(key, value, hidden, gate)
@@ -277,15 +260,7 @@ def gate_stage_unchecked(key, value, hidden, gate, token_mask, add_hidden, threa
     return residual, c
 
 
-def conv_stage(
-    c: torch.Tensor,
-    residual: torch.Tensor,
-    conv: ConvWeights,
-    step: StepMeta,
-    *,
-    validate: bool = True,
-    threads: int | None = None,
-) -> torch.Tensor:
+def conv_stage(c, residual, conv, step, *, validate=True, threads=None) -> torch.Tensor:
     """Same contract as :func:`ple.ops.fused.reference.conv_stage`: ``residual + silu(conv(c))`` ``[T, C]``."""
     check_stage_inputs(c, residual)
     _check_step(c, conv, step, residual, validate)

@@ -91,11 +91,9 @@ def _gate_kernel(
 def ngram_gate(
     key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor, gate: GateWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`ple.ops.gate.reference.ngram_gate`; returns ``(v, c)``, each ``[T, HC*H]``."""
+    """The Triton twin of :func:`ple.ops.gate.reference.ngram_gate` (CUDA tensors): ``(v, c)``, each ``[T, HC*H]``."""
     tokens, hidden_size = check_gate_args(key, value, hidden, gate)
-    norm_key_weight, norm_query_weight, norm_conv_weight = gate.norm_key, gate.norm_query, gate.norm_conv
-    eps, hc_count = gate.eps, gate.hc_count
-    width = hc_count * hidden_size
+    width = gate.hc_count * hidden_size
     v = torch.empty((tokens, width), dtype=value.dtype, device=value.device)
     c = torch.empty((tokens, width), dtype=value.dtype, device=value.device)
     if tokens == 0 or hidden_size == 0:
@@ -105,9 +103,9 @@ def ngram_gate(
         key,
         value,
         hidden,
-        norm_key_weight.contiguous(),
-        norm_query_weight.contiguous(),
-        norm_conv_weight.contiguous(),
+        gate.norm_key.contiguous(),
+        gate.norm_query.contiguous(),
+        gate.norm_conv.contiguous(),
         v,
         c,
         key.stride(0),
@@ -118,9 +116,9 @@ def ngram_gate(
         hidden.stride(1),
         v.stride(0),
         hidden_size,
-        float(eps),
+        float(gate.eps),
         1.0 / math.sqrt(hidden_size),
-        HC=hc_count,
+        HC=gate.hc_count,
         BLOCK_H=block,
         NUM_CHUNKS=triton.cdiv(hidden_size, block),
         num_warps=4 if block <= 1024 else 8,

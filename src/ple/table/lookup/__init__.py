@@ -19,16 +19,7 @@ from .torch_impl import dequantize_rows_into, gather_dequant_torch
 __all__ = ["gather_dequant", "gather_dequant_reference", "gather_dequant_torch", "dequantize_rows_into"]
 
 
-def gather_dequant(
-    data: torch.Tensor,
-    scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-    check: bool = True,
-    format: str | None = None,
-) -> torch.Tensor:
+def gather_dequant(data, scale, ids, dtype, *, out=None, check=True, format=None) -> torch.Tensor:
     """``[T, G*D]`` rows ``data[ids]`` dequantized to ``dtype``, on the ids' device.
 
     Picks the implementation from the ids' device: CUDA -> Triton kernel (``data`` on that device

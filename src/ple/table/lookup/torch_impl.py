@@ -101,16 +101,7 @@ def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return lut
 
 
-def gather_dequant_torch(
-    data: torch.Tensor,
-    scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-    check: bool = True,
-    format: str | None = None,
-) -> torch.Tensor:
+def gather_dequant_torch(data, scale, ids, dtype, *, out=None, check=True, format=None) -> torch.Tensor:
     """Twin of :func:`gather_dequant_reference` computed where ``data`` lives.
 
     ``data [R, D]``, ``scale`` None / ``[1]`` / ``[R, 1]``, ``ids [T, G]`` int64 -> ``[T, G*D]`` in

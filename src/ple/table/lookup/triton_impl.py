@@ -206,16 +206,7 @@ def _launch_shape(D: int) -> tuple[int, int]:
     return block_n, block_d
 
 
-def gather_dequant_triton(
-    data: torch.Tensor,
-    scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-    check: bool = True,
-    format: str | None = None,
-) -> torch.Tensor:
+def gather_dequant_triton(data, scale, ids, dtype, *, out=None, check=True, format=None) -> torch.Tensor:
     """Twin of :func:`gather_dequant_reference` as one Triton kernel.
 
     ``data [R, D]`` (device memory, or pinned host memory read over the bus), ``scale`` None /
