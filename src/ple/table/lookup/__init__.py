@@ -1,18 +1,28 @@
-"""Table lookup: gather rows by id and dequantize.
+"""Table lookup of stored rows: gather rows by id and dequantize.
 
-``gather_dequant`` is the dispatcher; its twins share one signature:
+The operator ``torch.ops.ple.gather_dequant(data, scale, ids, dtype, out, check, format)`` writes
+``[T, G*D]`` rows into ``out``; it is registered once here (:data:`ple.operators.OPERATORS`), its
+kernels sharing one signature ``(data, scale, ids, dtype, *, out=None, check=True, format=None)``:
 
-- :func:`gather_dequant_reference` — literal advanced indexing + ``row.to(dtype) * scale.to(dtype)``;
+- :func:`gather_dequant_reference` — literal advanced indexing + ``row.to(dtype) * scale.to(dtype)``
+  (the reference);
 - :func:`gather_dequant_torch` — one ``index_select`` + one dequantization pass (CPU);
-- :func:`gather_dequant_triton` — one gather+dequantize kernel (CUDA).
+- :func:`~.native.gather_dequant_blocks_native` — the C kernel for block formats (CPU, where it builds);
+- :func:`~.triton_impl.gather_dequant_triton` — one gather+dequantize kernel (CUDA; ``data`` on that
+  device or in pinned host memory).
+
+:func:`gather_dequant` runs the operator's function for the ids' device (what the stored tiers call).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ... import _native
 from ...errors import InvalidArgumentError
-from ..formats import format_info
+from ...operators import Kernel, register
+from ..formats import check_activation_dtype, format_info
+from . import native
 from .reference import gather_dequant_reference
 from .torch_impl import dequantize_rows_into, gather_dequant_torch
 
@@ -20,29 +30,69 @@ __all__ = ["gather_dequant", "gather_dequant_reference", "gather_dequant_torch",
 
 
 def gather_dequant(data, scale, ids, dtype, *, out=None, check=True, format=None) -> torch.Tensor:
-    """``[T, G*D]`` rows ``data[ids]`` dequantized to ``dtype``, on the ids' device.
+    """``[T, G*D]`` rows ``data[ids]`` dequantized to ``dtype``, on the ids' device, written into
+    ``out`` when given. Bit-exact with :func:`gather_dequant_reference`. ``data [R, D]`` (block
+    formats: ``[R, row_nbytes]`` uint8, ``format`` names the table's format), ``scale`` None / ``[1]``
+    / ``[R, 1]``, ``ids [T, G]`` int64; ``check=False`` skips the range check of the ids."""
+    run = _OPERATOR.on(ids.device)
+    if out is None:
+        out = _result(data, ids, dtype, format)
+    run(data, scale, ids, dtype, out, check, format)
+    return out
 
-    Picks the implementation from the ids' device: CUDA -> Triton kernel (``data`` on that device
-    or in pinned host memory), CPU -> torch fast path (``data`` on the CPU; block formats through
-    the C kernel where it builds). Results are bit-exact with :func:`gather_dequant_reference`.
-    ``format`` names the table's format (needed for block formats, whose ``data`` is bytes).
-    """
-    blocked = format is not None and format_info(format).blocked
-    if ids.device.type == "cuda":
-        if data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
-            raise InvalidArgumentError(
-                f"ids on {ids.device} need the table data on that device or in pinned host memory, "
-                f"got data on {data.device}"
-            )
-        from .triton_impl import gather_dequant_triton
 
-        return gather_dequant_triton(data, scale, ids, dtype, out=out, check=check, format=format)
-    if data.device.type != "cpu":
+def _result(data: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, format: str | None) -> torch.Tensor:
+    check_activation_dtype(dtype)
+    if ids.dim() != 2 or data.dim() != 2:
+        raise InvalidArgumentError(
+            f"lookup: ids must be [T, G] and data [R, D], got {tuple(ids.shape)} and {tuple(data.shape)}"
+        )
+    width = data.shape[1] if format is None else format_info(format).head_dim_of(data.shape[1])
+    return torch.empty(ids.shape[0], ids.shape[1] * width, dtype=dtype, device=ids.device)
+
+
+def _check(data, scale, ids, dtype, out, check, format, devices=True) -> None:
+    """The table data where the ids' device reads it: the same device, or pinned host memory for an accelerator."""
+    if devices and data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
+        raise InvalidArgumentError(
+            f"ids on {ids.device} need the table data on that device or in pinned host memory, got data on {data.device}"
+        )
+    if not devices and data.device.type != "cpu":
         raise InvalidArgumentError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
-    if blocked:
-        from .native import gather_dequant_blocks_native, native_available
 
-        if native_available():
-            assert format is not None
-            return gather_dequant_blocks_native(data, scale, ids, dtype, format=format, out=out, check=check)
-    return gather_dequant_torch(data, scale, ids, dtype, out=out, check=check, format=format)
+
+def _kernel(twin):
+    """A kernel on the operator's arguments: ``twin()`` with its keyword options, writing ``out``."""
+
+    def gather(data, scale, ids, dtype, out, check, format) -> None:
+        twin()(data, scale, ids, dtype, out=out, check=check, format=format)
+
+    return gather
+
+
+def _blocks_native(data, scale, ids, dtype, out, check, format) -> None:
+    native.gather_dequant_blocks_native(data, scale, ids, dtype, format=format, out=out, check=check)
+
+
+def _takes_blocks(data, scale, ids, dtype, out, check, format) -> bool:
+    return format is not None and format_info(format).blocked and _native.available()
+
+
+def _triton():
+    from .triton_impl import gather_dequant_triton
+
+    return gather_dequant_triton
+
+
+_OPERATOR = register(
+    "gather_dequant(Tensor data, Tensor? scale, Tensor ids, ScalarType dtype, Tensor(a!) out, bool check, "
+    "str? format) -> ()",
+    reference=_kernel(lambda: gather_dequant_reference),
+    kernels=(
+        Kernel("native", "cpu", _blocks_native, takes=_takes_blocks),
+        Kernel("torch", "cpu", _kernel(lambda: gather_dequant_torch)),
+        Kernel("triton", "cuda", _kernel(_triton), needs="triton"),
+    ),
+    fake=lambda *args: None,
+    check=_check,
+)
