@@ -5,8 +5,8 @@ layer and its streaming runtime (:mod:`ple.layer`, :mod:`ple.runtime`).
 
 ``import ple`` itself is light (it does not import torch, so ``ple --version`` answers at once): the
 names below are imported on first use. Using one of them, or importing a submodule, loads what it
-needs; the ``torch.ops.ple`` operators are registered by the modules that define them
-(:mod:`ple.ngram`, :mod:`ple.table`, :mod:`ple.ops`), which ``ple.PLELayer``, ``ple.Session``,
+needs; the ``torch.ops.ple`` operators are registered (each once, in :data:`ple.operators.OPERATORS`)
+by the modules that define them (:mod:`ple.ngram`, :mod:`ple.table`, :mod:`ple.ops`), which ``ple.PLELayer``, ``ple.Session``,
 ``ple.ngram_ids`` and the tables import: an engine that calls the operators directly imports those
 (or uses one of these names) first.
 """
