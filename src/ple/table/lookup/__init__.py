@@ -62,10 +62,10 @@ def _check(data, scale, ids, dtype, out, check, format, devices=True) -> None:
 
 
 def _kernel(twin):
-    """A kernel on the operator's arguments: ``twin()`` with its keyword options, writing ``out``."""
+    """A kernel on the operator's arguments: ``twin`` with its keyword options, writing ``out``."""
 
     def gather(data, scale, ids, dtype, out, check, format) -> None:
-        twin()(data, scale, ids, dtype, out=out, check=check, format=format)
+        twin(data, scale, ids, dtype, out=out, check=check, format=format)
 
     return gather
 
@@ -78,19 +78,19 @@ def _takes_blocks(data, scale, ids, dtype, out, check, format) -> bool:
     return format is not None and format_info(format).blocked and _native.available()
 
 
-def _triton():
+def _triton(data, scale, ids, dtype, *, out, check, format):
     from .triton_impl import gather_dequant_triton
 
-    return gather_dequant_triton
+    return gather_dequant_triton(data, scale, ids, dtype, out=out, check=check, format=format)
 
 
 _OPERATOR = register(
     "gather_dequant(Tensor data, Tensor? scale, Tensor ids, ScalarType dtype, Tensor(a!) out, bool check, "
     "str? format) -> ()",
-    reference=_kernel(lambda: gather_dequant_reference),
+    reference=_kernel(gather_dequant_reference),
     kernels=(
         Kernel("native", "cpu", _blocks_native, takes=_takes_blocks),
-        Kernel("torch", "cpu", _kernel(lambda: gather_dequant_torch)),
+        Kernel("torch", "cpu", _kernel(gather_dequant_torch)),
         Kernel("triton", "cuda", _kernel(_triton), needs="triton"),
     ),
     fake=lambda *args: None,
