@@ -11,10 +11,11 @@ CUDA the Triton kernels. They declare what they mutate (the state pool, the ring
 fresh tensors only, so ``torch.compile(fullgraph=True)`` and ``torch.export`` trace through them and
 CUDA graphs can capture them. No autograd: they serve the inference-only engine call.
 
-The fused operators check on every call what shapes, dtypes and devices alone tell
+The fused operators and ``ngram_gate`` check on every call what shapes, dtypes and devices alone tell
 (:func:`check_gate_operator`, :func:`check_conv_operator`: no device memory is read, so nothing
 synchronizes) and refuse arguments that disagree with each other with a ple error, because an engine
-may call the operators directly; the other operators' twins check their arguments themselves. Index
+may call the operators directly; the twins of ``grouped_rms_norm`` and ``dilated_conv`` check their
+arguments themselves (:mod:`.norm.checks`, :mod:`.conv.checks`). Index
 values (offsets, slots, rejected columns) are checked by the C kernel on the CPU and, with
 ``validate=True``, by the functions below (:meth:`ple.runtime.Batch.build` for the layer). The fake
 implementations check nothing: while tracing, sizes may be symbolic (the compiled program's calls
