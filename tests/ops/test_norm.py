@@ -83,3 +83,19 @@ def test_validation(fn):
         fn(x, torch.zeros(11), 4, 1e-6)
     with pytest.raises(TypeError, match="x.dtype=torch.int64"):
         fn(x.long(), torch.zeros(12), 4, 1e-6)
+
+
+def test_operator_wrapper_refuses_wrong_scalar_types_with_ple_errors():
+    from ple import ops
+    from ple.errors import ArgumentTypeError
+
+    x = torch.randn(4, 12)
+    with pytest.raises(ArgumentTypeError, match=r"group_size=2\.5"):
+        ops.grouped_rms_norm(x, torch.zeros(12), 2.5, 1e-6)
+    with pytest.raises(ArgumentTypeError, match="group_size=True"):
+        ops.grouped_rms_norm(x, torch.zeros(12), True, 1e-6)
+    with pytest.raises(ArgumentTypeError, match="eps='1e-6'"):
+        ops.grouped_rms_norm(x, torch.zeros(12), 4, "1e-6")
+    assert torch.equal(
+        ops.grouped_rms_norm(x, torch.zeros(12), 4, 1e-6), torch_impl.grouped_rms_norm(x, torch.zeros(12), 4, 1e-6)
+    )

@@ -475,7 +475,13 @@ def _check_values(c_like: torch.Tensor, conv: ConvWeights, step: StepMeta, resid
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """``torch.ops.ple.grouped_rms_norm``: ``x [..., C]`` with ``weight [C]`` over groups of
-    ``group_size``, ``[..., C]`` in ``x.dtype``; see :func:`ple.ops.norm.reference.grouped_rms_norm`."""
+    ``group_size``, ``[..., C]`` in ``x.dtype``; see :func:`ple.ops.norm.reference.grouped_rms_norm`.
+    A ``group_size`` that is not an int or an ``eps`` that is not a real number is refused with a
+    ple error naming it (the operator's schema would raise a bare ``RuntimeError``)."""
+    if type(group_size) is not int:
+        raise ArgumentTypeError(f"grouped_rms_norm: group_size={group_size!r}, expected a positive int")
+    if type(eps) not in (float, int):
+        raise ArgumentTypeError(f"grouped_rms_norm: eps={eps!r}, expected a float")
     return torch.ops.ple.grouped_rms_norm(x, weight, group_size, eps)
 
 
