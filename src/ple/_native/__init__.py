@@ -2,7 +2,7 @@
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
-chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512`` forces one, :func:`set_isa` too; an
+chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512|avx512bf16`` forces one, :func:`set_isa` too; an
 unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``. It is
 stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
 default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
@@ -81,9 +81,10 @@ class NativeISAError(PLEError, ValueError):
     """An instruction set the kernels cannot be forced to: unknown, or not run by this CPU."""
 
 
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "avx512bf16")
 """The kernels' instruction sets (index = the C library's number): ``portable`` is the build's
-baseline, ``avx2`` AVX2 + FMA, ``avx512`` AVX-512 (F, BW, VL, DQ) with 512-bit vectors."""
+baseline, ``avx2`` AVX2 + FMA, ``avx512`` AVX-512 (F, BW, VL, DQ) with 512-bit vectors, ``avx512bf16``
+the same plus AVX-512 BF16, with the step's rounding and SiLU loops written by hand."""
 
 
 def cache_dir() -> Path:
