@@ -103,9 +103,10 @@ ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
  * conv's SiLU and output) in intrinsics. A vector of 16 values is rounded with VCVTNEPS2BF16 (one
  * instruction, round to nearest even); that instruction reads denormal inputs as zero and writes
  * another NaN than PyTorch's 0x7FC0, so a vector holding either (one VFPCLASSPS test) takes the exact
- * integer rounding instead: the stored bits are PyTorch's in every case. SiLU's reciprocal is VRCP14PS
- * refined by one Newton step (within 2 ulp, like the three steps of recip_ge1). The sums are the
- * other variants' (same order, fused multiply-adds).
+ * integer rounding instead: the stored bits are PyTorch's in every case. SiLU's exponential is a shorter
+ * polynomial and its reciprocal VRCP14PS refined by one Newton step (see x512_silu_add): its outputs
+ * differ from the other variants' in the last few bits of fp32 before rounding. The sums are the other
+ * variants' (same order, fused multiply-adds).
  */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PLE_X86 1
@@ -128,9 +129,10 @@ X512 __m256i x512_bf16_exact(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* the same bits: the instruction, unless a lane is NaN (quiet or signalling) or denormal */
+/* the same bits: the instruction, unless a lane is NaN or denormal (VFPCLASSPS classes 0x01 quiet NaN,
+ * 0x20 denormal, 0x80 signalling NaN) */
 X512 __m256i x512_bf16(__m512 x) {
-    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) != 0, 0)) return x512_bf16_exact(x);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) return x512_bf16_exact(x);
     return (__m256i)_mm512_cvtneps_pbh(x);
 }
 
@@ -162,50 +164,60 @@ X512 void x512_store(void *p, int64_t i, __m512 x, int bf, __mmask16 k) {
 
 X512 __mmask16 x512_tail(int64_t left) { return (__mmask16)((1u << left) - 1u); }
 
-/* exp_vec's exp: clamped to [-87, 88], 2^n * p(r) with n = round(x / ln 2), Taylor degree 7 */
-X512 __m512 x512_exp(__m512 x) {
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* silu(a) + res */
+/* silu(a) + res. exp(-a) = 2^n p(s), n = round(-a / ln 2), s = a + n ln 2 (one reduction step: |n| <= 125
+ * costs at most 3e-6 relative where silu is below 1e-6), p(s) a degree-5 fit of e^-s on |s| <= ln2 / 2
+ * (within 4 ulp); a clamped to [-86, 87] for the exponential only, so 1 + e^-a stays below 2^125 and
+ * its reciprocal (VRCP14PS, one Newton step) a normal number. */
 X512 __m512 x512_silu_add(__m512 a, __m512 res) {
-    __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), x512_exp(_mm512_sub_ps(_mm512_setzero_ps(), a)));
-    d = _mm512_min_ps(d, _mm512_set1_ps(4.2535296e37f)); /* 2^125: 1/d stays a normal number */
+    const __m512 ac = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(87.0f)), _mm512_set1_ps(-86.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(ac, _mm512_set1_ps(-1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), ac);
+    __m512 p = _mm512_set1_ps(-0.008298712782561779f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.041915446519851685f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.1666755974292755f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.49998894333839417f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.9999997019767761f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0000001192092896f));
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.0f));
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
     return _mm512_fmadd_ps(a, r, res);
 }
 
 /* One vector of a K = 4 conv row: taps x0..x3 (x0..x2 in the activation dtype when `hist_bf16`, else
- * fp32; x3 fp32), SiLU, residual, stored to out. */
-X512 void x512_conv4_at(int bf, int hist_bf16, const void *x0, const void *x1, const void *x2, const float *x3,
-                         const float *w, int64_t C, const float *res, void *out, int64_t i, __mmask16 k) {
+ * fp32; x3 fp32), SiLU and the residual. */
+X512 __m512 x512_conv4_at(int hist_bf16, const void *x0, const void *x1, const void *x2, const float *x3,
+                           const float *w, int64_t C, const float *res, int64_t i, __mmask16 k) {
     __m512 a = _mm512_mul_ps(x512_load(x0, i, hist_bf16, k), x512_load(w, i, 0, k));
     a = _mm512_fmadd_ps(x512_load(x1, i, hist_bf16, k), x512_load(w + C, i, 0, k), a);
     a = _mm512_fmadd_ps(x512_load(x2, i, hist_bf16, k), x512_load(w + 2 * C, i, 0, k), a);
     a = _mm512_fmadd_ps(x512_load(x3, i, 0, k), x512_load(w + 3 * C, i, 0, k), a);
-    x512_store(out, i, x512_silu_add(a, x512_load(res, i, 0, k)), bf, k);
+    return x512_silu_add(a, x512_load(res, i, 0, k));
 }
 
 X512 void x512_conv4_body(int bf, int hist_bf16, const void *x0, const void *x1, const void *x2, const float *x3,
                            const float *w, int64_t C, const float *res, void *out) {
     int64_t i = 0;
-    for (; i + 16 <= C; i += 16) x512_conv4_at(bf, hist_bf16, x0, x1, x2, x3, w, C, res, out, i, 0xFFFF);
-    if (i < C) x512_conv4_at(bf, hist_bf16, x0, x1, x2, x3, w, C, res, out, i, x512_tail(C - i));
+    /* two vectors at a time: two independent chains, and one rounding test for both */
+    for (; i + 32 <= C; i += 32) {
+        const __m512 y0 = x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i, 0xFFFF);
+        const __m512 y1 = x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i + 16, 0xFFFF);
+        if (!bf) {
+            _mm512_storeu_ps((float *)out + i, y0);
+            _mm512_storeu_ps((float *)out + i + 16, y1);
+        } else if (__builtin_expect((_mm512_fpclass_ps_mask(y0, 0xA1) | _mm512_fpclass_ps_mask(y1, 0xA1)) == 0, 1)) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(y0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i + 16), (__m256i)_mm512_cvtneps_pbh(y1));
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), x512_bf16_exact(y0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i + 16), x512_bf16_exact(y1));
+        }
+    }
+    for (; i < C; i += 16) {
+        const __mmask16 k = C - i >= 16 ? (__mmask16)0xFFFF : x512_tail(C - i);
+        x512_store(out, i, x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i, k), bf, k);
+    }
 }
 
 /* the K = 4 conv of one row over C channels: out = silu(sum_k x_k * w[k]) + res */
@@ -221,16 +233,19 @@ __attribute__((noinline, target(BF16_TARGET))) static void x512_conv4(int bf, in
         x512_conv4_body(1, 0, x0, x1, x2, x3, w, C, res, out);
 }
 
-X512 void x512_gate_out_at(int bf, int add_hidden, const float *v, const float *wc, const void *q, __m512 cs,
-                            __m512 g, __m512 m, float *cr, float *rr, int64_t i, __mmask16 k) {
-    const __m512 x = x512_load(v, i, 0, k);
-    const __m512 c = _mm512_mul_ps(x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, cs), x512_load(wc, i, 0, k)), bf), m);
+X512 void x512_gate_out_at(int bf, int add_hidden, int masked, const float *v, const float *wc, const void *q,
+                            __m512 cs, __m512 g, float *cr, float *rr, int64_t i, __mmask16 k) {
+    /* a masked row's v and c are multiplied by 0 (NaN stays NaN); 1 would change nothing */
+    const __m512 zero = _mm512_setzero_ps(), x = x512_load(v, i, 0, k);
+    __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, cs), x512_load(wc, i, 0, k)), bf);
+    if (masked) c = _mm512_mul_ps(c, zero);
     if (k == 0xFFFF)
         _mm512_storeu_ps(cr + i, c);
     else
         _mm512_mask_storeu_ps(cr + i, k, c);
     if (!rr) return;
-    __m512 r = _mm512_mul_ps(x512_rnd(_mm512_mul_ps(x, g), bf), m);
+    __m512 r = x512_rnd(_mm512_mul_ps(x, g), bf);
+    if (masked) r = _mm512_mul_ps(r, zero);
     if (add_hidden) r = x512_rnd(_mm512_add_ps(r, x512_load(q, i, bf, k)), bf);
     if (k == 0xFFFF)
         _mm512_storeu_ps(rr + i, r);
@@ -238,28 +253,30 @@ X512 void x512_gate_out_at(int bf, int add_hidden, const float *v, const float *
         _mm512_mask_storeu_ps(rr + i, k, r);
 }
 
-X512 void x512_gate_out_body(int bf, int add_hidden, const float *v, const float *wc, const void *q, float cs,
-                              float g, float m, float *cr, float *rr, int64_t H) {
-    const __m512 vcs = _mm512_set1_ps(cs), vg = _mm512_set1_ps(g), vm = _mm512_set1_ps(m);
+X512 void x512_gate_out_body(int bf, int add_hidden, int masked, const float *v, const float *wc, const void *q,
+                              float cs, float g, float *cr, float *rr, int64_t H) {
+    const __m512 vcs = _mm512_set1_ps(cs), vg = _mm512_set1_ps(g);
     int64_t i = 0;
-    for (; i + 16 <= H; i += 16) x512_gate_out_at(bf, add_hidden, v, wc, q, vcs, vg, vm, cr, rr, i, 0xFFFF);
-    if (i < H) x512_gate_out_at(bf, add_hidden, v, wc, q, vcs, vg, vm, cr, rr, i, x512_tail(H - i));
+    for (; i + 16 <= H; i += 16) x512_gate_out_at(bf, add_hidden, masked, v, wc, q, vcs, vg, cr, rr, i, 0xFFFF);
+    if (i < H) x512_gate_out_at(bf, add_hidden, masked, v, wc, q, vcs, vg, cr, rr, i, x512_tail(H - i));
 }
 
 /* The gate's outputs of one head: cr = rnd(v cs wc) m; rr (when non-null) = rnd(rnd(v g) m + q), or
- * rnd(v g) m without the hidden; q in the activation dtype. */
-__attribute__((noinline, target(BF16_TARGET))) static void x512_gate_out(int bf, int add_hidden, const float *v,
-                                                                            const float *wc, const void *q, float cs,
-                                                                            float g, float m, float *cr, float *rr,
-                                                                            int64_t H) {
-    if (bf && add_hidden)
-        x512_gate_out_body(1, 1, v, wc, q, cs, g, m, cr, rr, H);
+ * rnd(v g) m without the hidden; q in the activation dtype; m = 0 for a masked row, else 1. */
+__attribute__((noinline, target(BF16_TARGET))) static void x512_gate_out(int bf, int add_hidden, int masked,
+                                                                            const float *v, const float *wc,
+                                                                            const void *q, float cs, float g,
+                                                                            float *cr, float *rr, int64_t H) {
+    if (masked)
+        x512_gate_out_body(bf, add_hidden, 1, v, wc, q, cs, g, cr, rr, H); /* rare: not specialized */
+    else if (bf && add_hidden)
+        x512_gate_out_body(1, 1, 0, v, wc, q, cs, g, cr, rr, H);
     else if (bf)
-        x512_gate_out_body(1, 0, v, wc, q, cs, g, m, cr, rr, H);
+        x512_gate_out_body(1, 0, 0, v, wc, q, cs, g, cr, rr, H);
     else if (add_hidden)
-        x512_gate_out_body(0, 1, v, wc, q, cs, g, m, cr, rr, H);
+        x512_gate_out_body(0, 1, 0, v, wc, q, cs, g, cr, rr, H);
     else
-        x512_gate_out_body(0, 0, v, wc, q, cs, g, m, cr, rr, H);
+        x512_gate_out_body(0, 0, 0, v, wc, q, cs, g, cr, rr, H);
 }
 #endif
 
@@ -401,7 +418,7 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
         const float m = masked ? 0.0f : 1.0f;
 #ifdef PLE_X86
         if (hand) {
-            x512_gate_out(bf, J->add_hidden, vrow, wc, (const char *)qp + o * (bf ? 2 : 4), cs, g, m, cr,
+            x512_gate_out(bf, J->add_hidden, masked, vrow, wc, (const char *)qp + o * (bf ? 2 : 4), cs, g, cr,
                           res ? res + o : 0, H);
             continue;
         }
