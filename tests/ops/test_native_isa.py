@@ -167,7 +167,9 @@ def test_bf16_rounding_instruction_keeps_pytorch_bits_for_denormals_and_nan():
     denormal_c = nan_c = 0
     try:
         for seed in range(6):
-            step = random_fused_step(seed, dtype=torch.bfloat16, decode=seed % 2 == 1, hidden_size=(16, 37, 48)[seed % 3])
+            step = random_fused_step(
+                seed, dtype=torch.bfloat16, decode=seed % 2 == 1, hidden_size=(16, 37, 48)[seed % 3]
+            )
             if not step["value"].numel():
                 continue
             tiny = (step["value"].float() * 3e-39).to(torch.bfloat16)
