@@ -1,4 +1,5 @@
-"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), compiled on first use.
+"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids) and ``ple_quant.c`` (table
+row gathers), compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
@@ -278,6 +279,8 @@ _SYMBOLS = (
     "ple_gate_conv",
     "ple_ngram_ids",
     "ple_quant_lookup",
+    "ple_gather_rows",
+    "ple_gather_lut",
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
@@ -324,6 +327,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, ptr, i64, i64, i64,  # format, data, rows, row bytes, head_dim
         ptr, i64, f32, i32, ptr, i32,  # ids, n, global scale, output kind, out, threads
     ]
+    rows = lib.ple_gather_rows
+    rows.restype = i32
+    rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]  # data, rows, row stride (bytes), row bytes, ids, n, out
+    lut = lib.ple_gather_lut
+    lut.restype = i32
+    lut.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr]  # ... ids, n, lut [256], element bytes, out
     # fmt: on
     for name in ("ple_isa_available", "ple_set_isa"):
         getattr(lib, name).restype = i32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import _native
 from ...errors import InvalidArgumentError
 from ..blocks import dequantize_blocks
 from ..formats import check_activation_dtype, check_ids, format_info
@@ -30,8 +31,12 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
 
     index_select copies element by element; for 1- and 2-byte dtypes that is an order of magnitude
     slower than moving the same bytes as int64 words. Rows are viewed as the widest integer type
-    that tiles them (bit-exact), falling back to a plain index_select for odd layouts.
+    that tiles them (bit-exact), falling back to a plain index_select for odd layouts. On the CPU with
+    the C kernels the rows are copied by ``ple_gather_rows`` (rows read ahead while one is copied).
     """
+    got = _gather_rows_native(data, flat_ids, out)
+    if got is not None:
+        return got
     esize = data.element_size()
     if data.dim() == 2 and data.shape[1] > 0 and data.stride(1) == 1:
         row_bytes = data.shape[1] * esize
@@ -49,6 +54,39 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     if out is None:
         return data.index_select(0, flat_ids)
     return torch.index_select(data, 0, flat_ids, out=out)
+
+
+def _gather_rows_native(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`gather_rows` through the C gather, or None where it does not apply (or an id is out of
+    range: index_select then raises as it would)."""
+    n = flat_ids.shape[0] if flat_ids.dim() == 1 else -1
+    if (
+        n < 1
+        or data.device.type != "cpu"
+        or data.dim() != 2
+        or data.shape[1] == 0
+        or data.stride(1) != 1
+        or flat_ids.dtype != torch.int64
+        or flat_ids.device.type != "cpu"
+        or not flat_ids.is_contiguous()
+        or (out is not None and (out.dtype != data.dtype or tuple(out.shape) != (n, data.shape[1])))
+        or (out is not None and (out.device.type != "cpu" or not out.is_contiguous()))
+        or not _native.available()
+    ):
+        return None
+    if out is None:
+        out = torch.empty(n, data.shape[1], dtype=data.dtype)
+    esize = data.element_size()
+    rc = _native.library().ple_gather_rows(
+        data.data_ptr(),
+        data.shape[0],
+        data.stride(0) * esize,
+        data.shape[1] * esize,
+        flat_ids.data_ptr(),
+        n,
+        out.data_ptr(),
+    )
+    return out if rc == 0 else None
 
 
 def dequantize_rows_into(
