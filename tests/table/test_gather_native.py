@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ple._native as native_build
-from ple.table.lookup.torch_impl import _gather_rows_native, gather_rows
+from ple.table.lookup.torch_impl import _gather_fp8_native, _gather_rows_native, dequantize_rows_into, gather_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn])
@@ -42,3 +42,26 @@ def test_ids_outside_the_table_are_refused_and_nothing_else_taken():
     assert _gather_rows_native(data.t(), ids, None) is None
     assert _gather_rows_native(data, ids.to(torch.int32), None) is None
     assert torch.equal(gather_rows(data, ids.to(torch.int32)), data[[3, 1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_fp8_gather_dequantizes_as_the_byte_table_does(dtype):
+    """Every byte (NaN included), no scale, a global scale, per-row scales: the values of the byte
+    lookup table of dequantize_rows_into after the gather, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (97, 40), generator=g, dtype=torch.uint8)
+    data[0] = torch.arange(40, dtype=torch.uint8) + 100
+    data[1, :2] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+    data = data.view(torch.float8_e4m3fn)
+    ids = torch.randint(0, 97, (300,), generator=g)
+    ids[:2] = torch.tensor([0, 1])
+    for scale in (None, torch.tensor([0.37]), torch.rand(97, 1, generator=g) * 4):
+        got = torch.empty(300, 40, dtype=dtype)
+        assert _gather_fp8_native(data, scale, ids, got)
+        want = torch.empty_like(got)
+        rows = data.view(torch.uint8).index_select(0, ids).view(torch.float8_e4m3fn)
+        dequantize_rows_into(rows, None if scale is None else scale[ids] if scale.dim() == 2 else scale, want)
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan) and nan.any()
+        assert torch.equal(got[~nan].view(-1, 1).view(torch.uint8), want[~nan].view(-1, 1).view(torch.uint8))
+    assert not _gather_fp8_native(data, None, torch.tensor([97]), torch.empty(1, 40, dtype=dtype))

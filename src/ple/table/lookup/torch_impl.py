@@ -89,6 +89,50 @@ def _gather_rows_native(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.T
     return out if rc == 0 else None
 
 
+def _gather_fp8_native(data: torch.Tensor, scale: torch.Tensor | None, flat: torch.Tensor, out: torch.Tensor) -> bool:
+    """float8 rows gathered and dequantized by ``ple_gather_lut`` into ``out`` (contiguous ``[N, D]``):
+    the byte lookup table and the scale multiplications of :func:`dequantize_rows_into`, in one pass over
+    the rows. False (nothing written) where it does not apply or an id is out of range."""
+    n = flat.shape[0]
+    if (
+        n < 1
+        or data.device.type != "cpu"
+        or data.dim() != 2
+        or data.shape[1] == 0
+        or data.stride(1) != 1
+        or flat.dtype != torch.int64
+        or flat.device.type != "cpu"
+        or not flat.is_contiguous()
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+        or not _native.available()
+    ):
+        return False
+    dtype = out.dtype
+    lut = _fp8_values(dtype, out.device)
+    per_row = scale is not None and scale.numel() != 1
+    if scale is not None and not per_row:
+        lut = lut * scale.reshape(1).to(dtype)
+    lut = lut.contiguous()
+    rc = _native.library().ple_gather_lut(
+        data.data_ptr(),
+        data.shape[0],
+        data.stride(0),
+        data.shape[1],
+        flat.data_ptr(),
+        n,
+        lut.data_ptr(),
+        lut.element_size(),
+        out.data_ptr(),
+    )
+    if rc != 0:
+        return False
+    if per_row:
+        assert scale is not None
+        out.mul_(scale.index_select(0, flat).to(dtype))  # every e4m3 value is exact in dtype: one rounding
+    return True
+
+
 def dequantize_rows_into(
     rows: torch.Tensor, scale_rows: torch.Tensor | None, out: torch.Tensor, format: str | None = None
 ) -> torch.Tensor:
@@ -171,6 +215,8 @@ def gather_dequant_torch(
         return res
     if scale is None and data.dtype == dtype:
         gather_rows(data, flat, out=res2)
+        return res
+    if data.dtype == torch.float8_e4m3fn and _gather_fp8_native(data, scale, flat, res2):
         return res
     rows = gather_rows(data, flat)  # [T*G, D] storage dtype
     if scale is None:
