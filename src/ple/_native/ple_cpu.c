@@ -117,6 +117,12 @@ ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
 #else /* 512-bit vectors (gcc's default for AVX-512 is 256-bit) */
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
 #endif
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define PLE_X512 1 /* the compiler has the AVX-512 BF16 intrinsics: the avx512bf16 variant is built */
+#endif
+#endif
+
+#ifdef PLE_X512
 #define BF16_TARGET AVX512_TARGET ",avx512bf16"
 #define X512 static inline __attribute__((always_inline, target(BF16_TARGET)))
 
@@ -416,7 +422,7 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
         float *cr = c_row + o;
         /* a masked token's v and c are multiplied by 0, as the PyTorch path does (NaN stays NaN) */
         const float m = masked ? 0.0f : 1.0f;
-#ifdef PLE_X86
+#ifdef PLE_X512
         if (hand) {
             x512_gate_out(bf, J->add_hidden, masked, vrow, wc, (const char *)qp + o * (bf ? 2 : 4), cs, g, cr,
                           res ? res + o : 0, H);
@@ -580,7 +586,7 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
             const void *h1 = (const char *)J->state + state_at(J, slot, 0, first + p - 2 * d + W) * esz;
             const void *h2 = (const char *)J->state + state_at(J, slot, 0, first + p - d + W) * esz;
             const float *s3 = src[3];
-#ifdef PLE_X86
+#ifdef PLE_X512
             if (hand) {
                 x512_conv4(bf, bf, h0, h1, h2, s3, w, C, res, op);
                 continue;
@@ -599,7 +605,7 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
         }
         if (K == 4) { /* the published geometry: taps, SiLU, residual and the store in one loop */
             const float *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
-#ifdef PLE_X86
+#ifdef PLE_X512
             if (hand) {
                 x512_conv4(bf, 0, s0, s1, s2, s3, w, C, res, op);
                 continue;
@@ -728,6 +734,7 @@ __attribute__((target(AVX512_TARGET))) static void work_avx512(job_t *J, scratch
         work(J, S, 0, 0);
 }
 
+#ifdef PLE_X512
 /* AVX-512 with its BF16 instructions: the compiler's AVX-512 vectors, the rows of x512_* by hand */
 __attribute__((target(BF16_TARGET))) static void work_avx512bf16(job_t *J, scratch_t *S, int bf) {
     if (bf)
@@ -735,6 +742,7 @@ __attribute__((target(BF16_TARGET))) static void work_avx512bf16(job_t *J, scrat
     else
         work(J, S, 0, 1);
 }
+#endif
 #endif
 
 /* Whether this CPU runs the instruction set `isa` (and the build has code for it). */
@@ -748,7 +756,9 @@ int ple_isa_available(int isa) {
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     if (isa == ISA_AVX512) return avx512;
+#ifdef PLE_X512
     if (isa == ISA_AVX512BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
 #endif
     return 0;
 }
@@ -774,7 +784,9 @@ int ple_current_isa(void) {
 
 static work_fn work_of(int isa) {
 #ifdef PLE_X86
+#ifdef PLE_X512
     if (isa == ISA_AVX512BF16) return work_avx512bf16;
+#endif
     if (isa == ISA_AVX512) return work_avx512;
     if (isa == ISA_AVX2) return work_avx2;
 #else
