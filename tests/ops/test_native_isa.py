@@ -194,3 +194,44 @@ def test_bf16_rounding_instruction_keeps_pytorch_bits_for_denormals_and_nan():
     finally:
         native_build.set_isa(before)
     assert denormal_c > 1000 and nan_c > 0, (denormal_c, nan_c)  # the cases the guard exists for did occur
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_isa_writes_the_same_state_without_the_conv_inputs(isa, dtype, threads):
+    """Without return_conv_input the kernel writes no conv inputs where a request's new state columns come
+    from its work unit's ring (one unit, chunks of at most W + 1 rows): outputs and new state equal those
+    of the call that returns every conv input, bit for bit, in both layouts, for decode steps, chunks
+    split into several work units, and pools wider than the window (speculative columns)."""
+    if isa is None:
+        return
+    for seed in range(9):
+        step = random_fused_step(seed, dtype=dtype, decode=seed % 3 == 1, long=seed % 3 == 2)
+        m = step["step"]
+        for ring in (False, True):
+            if ring:
+                pool, offsets = engine_to_ring(m.conv_state.clone())
+                offsets[::2] = 1
+                pool = torch.stack([torch.roll(pool[s], shifts=int(offsets[s]), dims=0) for s in range(pool.shape[0])])
+                base = dict(step, step=dataclasses.replace(m, conv_state=pool, state_offsets=offsets))
+            else:
+                base = step
+            results = []
+            for want_c in (True, False):
+                s = base["step"]
+                run = dict(
+                    base,
+                    step=dataclasses.replace(
+                        s,
+                        conv_state=s.conv_state.clone(),
+                        state_offsets=None if s.state_offsets is None else s.state_offsets.clone(),
+                    ),
+                    return_conv_input=want_c,
+                )
+                got = native.gate_conv(**run, threads=threads)
+                out = got[0] if want_c else got
+                results.append((out, run["step"].conv_state, run["step"].state_offsets))
+            (out_a, pool_a, off_a), (out_b, pool_b, off_b) = results
+            assert torch.equal(out_a, out_b), (isa, seed, ring)
+            assert torch.equal(pool_a, pool_b), (isa, seed, ring)
+            assert off_a is None or torch.equal(off_a, off_b)

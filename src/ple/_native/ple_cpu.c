@@ -502,6 +502,15 @@ ALWAYS_INLINE void plan_prefetch(const job_t *J, int64_t u, scratch_t *S, int bf
             S->pf_col[S->pf_n++] = (const char *)J->state + (slot * L * C + ((base + first + col) % L) * C) * esz;
 }
 
+/* Whether the state write of unit u's request takes its new columns from the ring of conv inputs of the
+ * thread that ran u (instead of c_out rows): the gate ran (no c_in), u is the request's only unit (that
+ * thread then writes the state right after it), and the ring's W + 1 rows hold the rows the state takes
+ * (its last min(n, L)). */
+ALWAYS_INLINE int state_from_ring(const job_t *J, int64_t u) {
+    const int64_t r = J->unit_request[u], n = J->starts[r + 1] - J->starts[r];
+    return !J->c_in && J->unit_begin[u] == 0 && J->unit_end[u] == n && (n < J->state_len ? n : J->state_len) <= J->window + 1;
+}
+
 ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int hand) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
     const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
@@ -510,6 +519,8 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
     const int resumes = resumes_of(J, r);
     const int64_t hist = history_end_of(J, r);
     const int active = slot >= 0;
+    /* without c_all, c_out rows are written only for a state write that cannot take them from the ring */
+    const int c_rows_for_state = active && !state_from_ring(J, u);
     /* the rows before the unit feed its taps; a row without a slot has no conv, so no taps */
     const int64_t warm = !active ? p0 : (p0 > W ? p0 - W : 0);
     if (active && resumes && p0 < W) {
@@ -556,7 +567,7 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
         else
             gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, S, bf, hand);
         if (p < p0) continue;
-        if (J->c_out && (J->c_all || p >= n - L)) {
+        if (J->c_out && (J->c_all || (c_rows_for_state && p >= n - L))) {
             void *co = (char *)J->c_out + t * C * (bf ? 2 : 4);
 #pragma omp simd
             for (int64_t i = 0; i < C; i++) st_exact(co, i, c_row[i], bf);
@@ -647,8 +658,10 @@ ALWAYS_INLINE const char *c_row_of(const job_t *J, int64_t row, int64_t esz) {
  * memmove; columns that cross into the next channel are the ones overwritten by c rows or zeroed).
  * Ring [S, L, C]: old columns stay where they are; the slot's base moves by `kept + n - L`, and only the
  * new rows (and columns before the history, when more were rejected than added) are written. */
-ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
-    const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4;
+ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf, const float *ring) {
+    /* ring: the conv inputs of the request's rows, row p at ring + (p % (W + 1)) * C (see
+     * state_from_ring), or null: read them from c_out / c_in */
+    const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4, ring_rows = J->window + 1;
     const int64_t slot = J->slots[r];
     if (slot < 0 || L == 0) return;
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
@@ -663,8 +676,16 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
         /* columns before the kept history (all of them for a fresh request) are zeros */
         const int64_t zeros = !resumes ? first_row : (shift < 0 ? (-shift < first_row ? -shift : first_row) : 0);
         for (int64_t j = 0; j < zeros; j++) memset(base + ((b + j) % L) * C * esz, 0, (size_t)(C * esz));
-        for (int64_t j = first_row; j < L; j++)
-            memcpy(base + ((b + j) % L) * C * esz, c_row_of(J, start + n - L + j, esz), (size_t)(C * esz));
+        for (int64_t j = first_row; j < L; j++) {
+            char *dst = base + ((b + j) % L) * C * esz;
+            if (ring) {
+                const float *src = ring + ((n - L + j) % ring_rows) * C;
+#pragma omp simd
+                for (int64_t i = 0; i < C; i++) st_exact(dst, i, src[i], bf);
+            } else {
+                memcpy(dst, c_row_of(J, start + n - L + j, esz), (size_t)(C * esz));
+            }
+        }
         return;
     }
     if (n >= L) {
@@ -678,6 +699,11 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
         for (int64_t i = 0; i < C; i++) memset(base + i * L * esz, 0, (size_t)(-shift * esz));
     }
     for (int64_t j = first_row; j < L; j++) {
+        if (ring) {
+            const float *src = ring + ((n - L + j) % ring_rows) * C;
+            for (int64_t i = 0; i < C; i++) st_exact(base, i * L + j, src[i], bf);
+            continue;
+        }
         const char *src = c_row_of(J, start + n - L + j, esz);
         if (bf)
             for (int64_t i = 0; i < C; i++) ((uint16_t *)base)[i * L + j] = ((const uint16_t *)src)[i];
@@ -693,7 +719,7 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand) {
         run_unit(J, u, S, bf, hand);
         int64_t r = J->unit_request[u];
         if (__atomic_sub_fetch(&J->remaining[r], 1, __ATOMIC_ACQ_REL) == 0)
-            write_state(J, r, bf);
+            write_state(J, r, bf, state_from_ring(J, u) ? S->ring : 0);
     }
 }
 
@@ -891,7 +917,8 @@ static void *thread_main(void *arg) {
 /* One step of the layer after its projections, for a packed batch of `requests` requests.
  *
  * Gate mode (c_in null): key, value, hidden rows -> gate -> conv -> out; c_out receives the conv inputs
- * (every row when c_all, else at least each request's last L rows, which the state write reads).
+ * of every row when c_all, else only rows the state write reads from there (possibly none: a request
+ * run as one work unit takes its new state columns from the unit's ring).
  * Conv mode (c_in given): the conv inputs c_in [T, C] (contiguous) and the residual rows res_in replace
  * the gate; key, value, hidden and c_out are not read or written. Rows of requests without a slot
  * (slots[r] = -1) get out = residual and need no other rows: a batch of one such request over all

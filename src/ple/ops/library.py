@@ -379,8 +379,8 @@ def gate_conv(
     all_conv_inputs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.ple.gate_conv`` on records: ``(out [T, C], c [T, C])`` (``c`` complete when
-    ``all_conv_inputs``, else only each request's last ``L`` rows are defined). Shapes, dtypes and
-    devices are checked, index values only by the C kernel."""
+    ``all_conv_inputs``, else its rows are undefined: the C kernel writes only those its state write
+    reads back). Shapes, dtypes and devices are checked, index values only by the C kernel."""
     return torch.ops.ple.gate_conv(
         key,
         value,
