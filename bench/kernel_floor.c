@@ -2,12 +2,16 @@
  *
  *   cc -O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -o /tmp/kernel_floor \
  *      bench/kernel_floor.c -lm
- *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512) [REPEAT]
+ *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD]]
  *
  * Published geometry (H 2560, HC 4, K 4, dilation 3, L 9), one decode token per request, ring state
  * pool with every request resuming (K-1 taps from its slot). The floor copies, per token, the key,
  * hidden, value rows and K-1 state columns read and the output and state column written (memcpy of
- * the written bytes, a read pass over the rest), warm like the kernel's operands. Prints medians.
+ * the written bytes, a read pass over the rest), warm like the kernel's operands. Prints medians: of
+ * this thread's CPU time with THREADS 1 (time spent descheduled on a shared machine is not counted),
+ * else of the wall clock.
+ * COLD 1 writes 64 MB before each call (the caches then hold none of the kernel's operands, as in a
+ * step between other work), and the floor copies buffers as cold.
  * Start with MALLOC_MMAP_THRESHOLD_=1073741824 to match a process that ran ple.tune_host_allocator().
  */
 #include "../src/ple/_native/ple_cpu.c"
@@ -15,9 +19,11 @@
 #include <stdio.h>
 #include <time.h>
 
+static clockid_t clock_used = CLOCK_MONOTONIC;
+
 static double now(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(clock_used, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
@@ -49,8 +55,12 @@ int main(int argc, char **argv) {
     }
     const int bf = atoi(argv[1]), threads = atoi(argv[3]), isa = atoi(argv[4]);
     const int64_t R = atoi(argv[2]);
-    const int reps = argc > 5 ? atoi(argv[5]) : 200;
+    const int reps = argc > 5 ? atoi(argv[5]) : 200, cold = argc > 6 ? atoi(argv[6]) : 0;
+    const size_t flush_bytes = (size_t)64 << 20;
+    char *flush = cold ? malloc(flush_bytes) : 0;
+    if (cold && !flush) return 3;
     const int64_t H = 2560, HC = 4, C = H * HC, K = 4, D = 3, L = 9, esz = bf ? 2 : 4;
+    if (threads == 1) clock_used = CLOCK_THREAD_CPUTIME_ID;
     if (R < 1 || reps < 1 || ple_set_isa(isa) != 0) {
         fprintf(stderr, "bad arguments, or this CPU lacks instruction set %d\n", isa);
         return 2;
@@ -81,25 +91,30 @@ int main(int argc, char **argv) {
     memset(dst, 1, (size_t)rd);
     volatile char sink = 0;
     for (int i = 0; i < reps; i++) {
+        if (cold) memset(flush, i, flush_bytes);
         const double a = now();
         const int rc = ple_gate_conv(bf, R, H, HC, K, D, L, R, R, 1e-6f, key, C, val, H, hid, C, wkq, wc, cw, starts,
                                      slots, init, 0, 0, state, base, 1, 0, 0, 0, out, cout, 0, 32, threads);
-        const double b = now();
+        double b = now();
+        t_kernel[i] = b - a;
         if (rc != 0) {
             fprintf(stderr, "ple_gate_conv returned %d\n", rc);
             return 1;
+        }
+        if (cold) {
+            memset(flush, i + 1, flush_bytes);
+            b = now();
         }
         memcpy(dst, src, (size_t)wr);
         char s = 0;
         for (int64_t j = wr; j < rd; j += 64) s = (char)(s + src[j]);
         sink = (char)(sink + s);
-        t_kernel[i] = b - a;
         t_copy[i] = now() - b;
     }
     qsort(t_kernel, (size_t)reps, sizeof(double), cmp);
     qsort(t_copy, (size_t)reps, sizeof(double), cmp);
     const double k = t_kernel[reps / 2], c = t_copy[reps / 2];
-    printf("%s, %ld tokens, %d threads, isa %d: kernel %.0f us, floor %.0f us (%.1f MB), kernel / floor %.2f\n",
-           bf ? "bf16" : "fp32", (long)R, threads, isa, k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
+    printf("%s, %ld tokens, %d threads, isa %d, %s%s: kernel %.0f us, floor %.0f us (%.1f MB), kernel / floor %.2f\n",
+           bf ? "bf16" : "fp32", (long)R, threads, isa, threads == 1 ? "CPU time" : "wall", cold ? ", cold" : "", k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
     return 0;
 }

@@ -139,3 +139,91 @@ def test_environment_variable_forces_or_refuses_by_name():
     assert _child("auto").stdout.strip() == f"runs {best}"
     out = _child("avx9").stdout.strip()
     assert out.startswith("refused PLE_NATIVE_ISA='avx9' is not an instruction set of the kernels"), out
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16)
+
+
+def test_bf16_rounding_instruction_keeps_pytorch_bits_for_denormals_and_nan():
+    """The avx512bf16 variant rounds with VCVTNEPS2BF16, which reads denormals as zero and writes another
+    NaN than PyTorch: vectors holding either take the exact rounding, so the conv inputs and the new
+    state hold the portable variant's bits exactly, and the outputs match it within tolerance with NaN
+    in the same places. Values of about 1e-39 and a large epsilon (the conv factor then stays below 1)
+    make the gate's products denormal in fp32 and bf16."""
+    if not native_build.isa_available("avx512bf16"):
+        with pytest.raises(native_build.NativeISAError, match="this CPU does not run avx512bf16"):
+            native_build.set_isa("avx512bf16")
+        return
+    before = native_build.current_isa()
+    denormal_c = nan_c = 0
+    try:
+        for seed in range(6):
+            step = random_fused_step(
+                seed, dtype=torch.bfloat16, decode=seed % 2 == 1, hidden_size=(16, 37, 48)[seed % 3]
+            )
+            if not step["value"].numel():
+                continue
+            tiny = (step["value"].float() * 3e-39).to(torch.bfloat16)
+            kv = torch.cat([step["key"], tiny], dim=1)
+            key, value = kv.split([step["key"].shape[1], tiny.shape[1]], dim=1)
+            hidden = step["hidden"].clone()
+            hidden[0, 1] = float("nan")  # the first token's gate and all its outputs are NaN
+            gate = dataclasses.replace(step["gate"], eps=1.0)
+            step = dict(step, key=key, value=value, hidden=hidden, gate=gate)
+            results = {}
+            for name in ("portable", "avx512bf16"):
+                native_build.set_isa(name)
+                results[name] = run_fused(native.gate_conv, step)
+            (out_p, c_p, s_p), (out_x, c_x, s_x) = results["portable"], results["avx512bf16"]
+            assert torch.equal(_bf16_bits(c_x), _bf16_bits(c_p)), seed
+            assert torch.equal(_bf16_bits(s_x), _bf16_bits(s_p)), seed
+            assert torch.equal(torch.isnan(out_x), torch.isnan(out_p)), seed
+            torch.testing.assert_close(out_x, out_p, **DTYPE_TOL[torch.bfloat16], equal_nan=True)
+            finite = c_p.float().abs()
+            denormal_c += int(((finite > 0) & (finite < torch.finfo(torch.float32).tiny)).sum())
+            nan_c += int((_bf16_bits(c_p) == 0x7FC0).sum())
+    finally:
+        native_build.set_isa(before)
+    assert denormal_c > 1000 and nan_c > 0, (denormal_c, nan_c)  # the cases the guard exists for did occur
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_isa_writes_the_same_state_without_the_conv_inputs(isa, dtype, threads):
+    """Without return_conv_input the kernel writes no conv inputs where a request's new state columns come
+    from its work unit's ring (one unit, chunks of at most W + 1 rows): outputs and new state equal those
+    of the call that returns every conv input, bit for bit, in both layouts, for decode steps, chunks
+    split into several work units, and pools wider than the window (speculative columns)."""
+    if isa is None:
+        return
+    for seed in range(9):
+        step = random_fused_step(seed, dtype=dtype, decode=seed % 3 == 1, long=seed % 3 == 2)
+        m = step["step"]
+        for ring in (False, True):
+            if ring:
+                pool, offsets = engine_to_ring(m.conv_state.clone())
+                offsets[::2] = 1
+                pool = torch.stack([torch.roll(pool[s], shifts=int(offsets[s]), dims=0) for s in range(pool.shape[0])])
+                base = dict(step, step=dataclasses.replace(m, conv_state=pool, state_offsets=offsets))
+            else:
+                base = step
+            results = []
+            for want_c in (True, False):
+                s = base["step"]
+                run = dict(
+                    base,
+                    step=dataclasses.replace(
+                        s,
+                        conv_state=s.conv_state.clone(),
+                        state_offsets=None if s.state_offsets is None else s.state_offsets.clone(),
+                    ),
+                    return_conv_input=want_c,
+                )
+                got = native.gate_conv(**run, threads=threads)
+                out = got[0] if want_c else got
+                results.append((out, run["step"].conv_state, run["step"].state_offsets))
+            (out_a, pool_a, off_a), (out_b, pool_b, off_b) = results
+            assert torch.equal(out_a, out_b), (isa, seed, ring)
+            assert torch.equal(pool_a, pool_b), (isa, seed, ring)
+            assert off_a is None or torch.equal(off_a, off_b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -118,6 +119,10 @@ def test_reads_begin_before_any_layer_runs_and_prefetch_is_adopted():
     for k in range(2):
         s.run(step, k, torch.zeros(4, c))
     s.end(step)
+    # the prefetched reads run on a worker thread: count once they are done (a busy machine delays them)
+    deadline = time.monotonic() + 60
+    while not all(handle.done() for _, handle in s._ahead) and time.monotonic() < deadline:
+        time.sleep(0.001)
     calls = [x.table.calls for x in layers]
     step = s.begin(nxt)
     for k in range(2):

@@ -279,6 +279,35 @@ def test_session_errors_leave_others_unaffected():
     assert sorted(s.request_ids) == ["a", "c"]
 
 
+def test_pending_chunks_are_refused_until_accepted_or_finished():
+    """A request with a speculative chunk awaiting accept() is refused in a step, whichever other
+    requests had one and were finished; once none is pending, steps of the others run and match the
+    one-shot outputs, and a slot freed while its chunk was pending serves a new request from scratch."""
+    layer = _layer(0)
+    cfg = layer.config
+    s = Session(layer, max_requests=3, num_spec=2)
+    g = torch.Generator().manual_seed(5)
+    hist = {
+        r: (torch.randn(6, cfg.hc_hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (6,), generator=g))
+        for r in "abc"
+    }
+    for r in "abc":
+        s.add(r)
+    s.step({r: (hist[r][0][:2], hist[r][1][:2]) for r in "abc"}, speculative={"b", "c"})
+    s.finish("c")  # finished while pending
+    with pytest.raises(SessionError, match="request 'b': call accept"):
+        s.step({"a": (hist["a"][0][2:3], hist["a"][1][2:3]), "b": (hist["b"][0][2:3], hist["b"][1][2:3])})
+    s.accept("b", 2)
+    outs = s.step({r: (hist[r][0][2:4], hist[r][1][2:4]) for r in "ab"})
+    s.add("d")  # into c's slot
+    out_d = s.step({"d": (hist["c"][0], hist["c"][1])})["d"]
+    for r in "ab":
+        want, _ = _oneshot(layer, hist[r][0][:4], hist[r][1][:4])
+        torch.testing.assert_close(outs[r], want[2:4], rtol=1e-5, atol=1e-5)
+    want, _ = _oneshot(layer, *hist["c"])
+    torch.testing.assert_close(out_d, want, rtol=1e-5, atol=1e-5)
+
+
 def _schedule(rng, cfg, ids, steps, num_spec):
     """A fixed random schedule: per step {request: (hidden, tokens)}, speculative ids, kept counts."""
     out = []

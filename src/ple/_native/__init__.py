@@ -1,8 +1,9 @@
-"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), compiled on first use.
+"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids) and ``ple_quant.c`` (table
+row gathers), compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
-chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512`` forces one, :func:`set_isa` too; an
+chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512|avx512bf16`` forces one, :func:`set_isa` too; an
 unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``. It is
 stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
 default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
@@ -81,9 +82,10 @@ class NativeISAError(PLEError, ValueError):
     """An instruction set the kernels cannot be forced to: unknown, or not run by this CPU."""
 
 
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "avx512bf16")
 """The kernels' instruction sets (index = the C library's number): ``portable`` is the build's
-baseline, ``avx2`` AVX2 + FMA, ``avx512`` AVX-512 (F, BW, VL, DQ) with 512-bit vectors."""
+baseline, ``avx2`` AVX2 + FMA, ``avx512`` AVX-512 (F, BW, VL, DQ) with 512-bit vectors, ``avx512bf16``
+the same plus AVX-512 BF16, with the step's rounding and SiLU loops written by hand."""
 
 
 def cache_dir() -> Path:
@@ -277,6 +279,8 @@ _SYMBOLS = (
     "ple_gate_conv",
     "ple_ngram_ids",
     "ple_quant_lookup",
+    "ple_gather_rows",
+    "ple_gather_lut",
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
@@ -323,6 +327,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32, ptr, i64, i64, i64,  # format, data, rows, row bytes, head_dim
         ptr, i64, f32, i32, ptr, i32,  # ids, n, global scale, output kind, out, threads
     ]
+    rows = lib.ple_gather_rows
+    rows.restype = i32
+    rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]  # data, rows, row stride (bytes), row bytes, ids, n, out
+    lut = lib.ple_gather_lut
+    lut.restype = i32
+    lut.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr]  # ... ids, n, lut [256], element bytes, out
     # fmt: on
     for name in ("ple_isa_available", "ple_set_isa"):
         getattr(lib, name).restype = i32

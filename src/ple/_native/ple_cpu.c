@@ -97,6 +97,195 @@ ALWAYS_INLINE float recip_ge1(float d) {
 /* SiLU, a * sigmoid(a) */
 ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
 
+/* ---------------------------------------------------------------------------------------------------
+ * Rows written by hand for CPUs with AVX-512 BF16 (the `avx512bf16` instruction set below): the two
+ * loops of a row that round to bf16 four times per channel (the gate's conv input and residual, the
+ * conv's SiLU and output) in intrinsics. A vector of 16 values is rounded with VCVTNEPS2BF16 (one
+ * instruction, round to nearest even); that instruction reads denormal inputs as zero and writes
+ * another NaN than PyTorch's 0x7FC0, so a vector holding either (one VFPCLASSPS test) takes the exact
+ * integer rounding instead: the stored bits are PyTorch's in every case. SiLU's exponential is a shorter
+ * polynomial and its reciprocal VRCP14PS refined by one Newton step (see x512_silu_add): its outputs
+ * differ from the other variants' in the last few bits of fp32 before rounding. The sums are the other
+ * variants' (same order, fused multiply-adds).
+ */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PLE_X86 1
+#include <immintrin.h>
+
+#if defined(__clang__) /* clang takes instruction sets only in the attribute; its default width is used */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c"
+#else /* 512-bit vectors (gcc's default for AVX-512 is 256-bit) */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
+#endif
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+#define PLE_X512 1 /* the compiler has the AVX-512 BF16 intrinsics: the avx512bf16 variant is built */
+#endif
+#endif
+
+#ifdef PLE_X512
+#define BF16_TARGET AVX512_TARGET ",avx512bf16"
+#define X512 static inline __attribute__((always_inline, target(BF16_TARGET)))
+
+/* bf16 bits of each lane as PyTorch rounds: nearest even, NaN -> 0x7FC0, denormals kept */
+X512 __m256i x512_bf16_exact(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* the same bits: the instruction, unless a lane is NaN or denormal (VFPCLASSPS classes 0x01 quiet NaN,
+ * 0x20 denormal, 0x80 signalling NaN) */
+X512 __m256i x512_bf16(__m512 x) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) return x512_bf16_exact(x);
+    return (__m256i)_mm512_cvtneps_pbh(x);
+}
+
+X512 __m512 x512_widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+X512 __m512 x512_rnd(__m512 x, int bf) { return bf ? x512_widen(x512_bf16(x)) : x; }
+
+/* 16 values (the first lanes of `k`) at p + i, in the activation dtype when `bf16`, else fp32 */
+X512 __m512 x512_load(const void *p, int64_t i, int bf16, __mmask16 k) {
+    if (bf16)
+        return x512_widen(k == 0xFFFF ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))
+                                      : _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i));
+    return k == 0xFFFF ? _mm512_loadu_ps((const float *)p + i) : _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+X512 void x512_store(void *p, int64_t i, __m512 x, int bf, __mmask16 k) {
+    if (bf) {
+        const __m256i b = x512_bf16(x);
+        if (k == 0xFFFF)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), b);
+        else
+            _mm256_mask_storeu_epi16((uint16_t *)p + i, k, b);
+    } else if (k == 0xFFFF) {
+        _mm512_storeu_ps((float *)p + i, x);
+    } else {
+        _mm512_mask_storeu_ps((float *)p + i, k, x);
+    }
+}
+
+X512 __mmask16 x512_tail(int64_t left) { return (__mmask16)((1u << left) - 1u); }
+
+/* silu(a) + res. exp(-a) = 2^n p(s), n = round(-a / ln 2), s = a + n ln 2 (one reduction step: |n| <= 125
+ * costs at most 3e-6 relative where silu is below 1e-6), p(s) a degree-5 fit of e^-s on |s| <= ln2 / 2
+ * (within 4 ulp); a clamped to [-86, 87] for the exponential only, so 1 + e^-a stays below 2^125 and
+ * its reciprocal (VRCP14PS, one Newton step) a normal number. */
+X512 __m512 x512_silu_add(__m512 a, __m512 res) {
+    const __m512 ac = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(87.0f)), _mm512_set1_ps(-86.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(ac, _mm512_set1_ps(-1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), ac);
+    __m512 p = _mm512_set1_ps(-0.008298712782561779f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.041915446519851685f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.1666755974292755f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.49998894333839417f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.9999997019767761f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0000001192092896f));
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    return _mm512_fmadd_ps(a, r, res);
+}
+
+/* One vector of a K = 4 conv row: taps x0..x3 (x0..x2 in the activation dtype when `hist_bf16`, else
+ * fp32; x3 fp32), SiLU and the residual. */
+X512 __m512 x512_conv4_at(int hist_bf16, const void *x0, const void *x1, const void *x2, const float *x3,
+                           const float *w, int64_t C, const float *res, int64_t i, __mmask16 k) {
+    __m512 a = _mm512_mul_ps(x512_load(x0, i, hist_bf16, k), x512_load(w, i, 0, k));
+    a = _mm512_fmadd_ps(x512_load(x1, i, hist_bf16, k), x512_load(w + C, i, 0, k), a);
+    a = _mm512_fmadd_ps(x512_load(x2, i, hist_bf16, k), x512_load(w + 2 * C, i, 0, k), a);
+    a = _mm512_fmadd_ps(x512_load(x3, i, 0, k), x512_load(w + 3 * C, i, 0, k), a);
+    return x512_silu_add(a, x512_load(res, i, 0, k));
+}
+
+X512 void x512_conv4_body(int bf, int hist_bf16, const void *x0, const void *x1, const void *x2, const float *x3,
+                           const float *w, int64_t C, const float *res, void *out) {
+    int64_t i = 0;
+    /* two vectors at a time: two independent chains, and one rounding test for both */
+    for (; i + 32 <= C; i += 32) {
+        const __m512 y0 = x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i, 0xFFFF);
+        const __m512 y1 = x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i + 16, 0xFFFF);
+        if (!bf) {
+            _mm512_storeu_ps((float *)out + i, y0);
+            _mm512_storeu_ps((float *)out + i + 16, y1);
+        } else if (__builtin_expect((_mm512_fpclass_ps_mask(y0, 0xA1) | _mm512_fpclass_ps_mask(y1, 0xA1)) == 0, 1)) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), (__m256i)_mm512_cvtneps_pbh(y0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i + 16), (__m256i)_mm512_cvtneps_pbh(y1));
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), x512_bf16_exact(y0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i + 16), x512_bf16_exact(y1));
+        }
+    }
+    for (; i < C; i += 16) {
+        const __mmask16 k = C - i >= 16 ? (__mmask16)0xFFFF : x512_tail(C - i);
+        x512_store(out, i, x512_conv4_at(hist_bf16, x0, x1, x2, x3, w, C, res, i, k), bf, k);
+    }
+}
+
+/* the K = 4 conv of one row over C channels: out = silu(sum_k x_k * w[k]) + res */
+__attribute__((noinline, target(BF16_TARGET))) static void x512_conv4(int bf, int hist_bf16, const void *x0,
+                                                                         const void *x1, const void *x2,
+                                                                         const float *x3, const float *w, int64_t C,
+                                                                         const float *res, void *out) {
+    if (!bf)
+        x512_conv4_body(0, 0, x0, x1, x2, x3, w, C, res, out);
+    else if (hist_bf16)
+        x512_conv4_body(1, 1, x0, x1, x2, x3, w, C, res, out);
+    else
+        x512_conv4_body(1, 0, x0, x1, x2, x3, w, C, res, out);
+}
+
+X512 void x512_gate_out_at(int bf, int add_hidden, int masked, const float *v, const float *wc, const void *q,
+                            __m512 cs, __m512 g, float *cr, float *rr, int64_t i, __mmask16 k) {
+    /* a masked row's v and c are multiplied by 0 (NaN stays NaN); 1 would change nothing */
+    const __m512 zero = _mm512_setzero_ps(), x = x512_load(v, i, 0, k);
+    __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, cs), x512_load(wc, i, 0, k)), bf);
+    if (masked) c = _mm512_mul_ps(c, zero);
+    if (k == 0xFFFF)
+        _mm512_storeu_ps(cr + i, c);
+    else
+        _mm512_mask_storeu_ps(cr + i, k, c);
+    if (!rr) return;
+    __m512 r = x512_rnd(_mm512_mul_ps(x, g), bf);
+    if (masked) r = _mm512_mul_ps(r, zero);
+    if (add_hidden) r = x512_rnd(_mm512_add_ps(r, x512_load(q, i, bf, k)), bf);
+    if (k == 0xFFFF)
+        _mm512_storeu_ps(rr + i, r);
+    else
+        _mm512_mask_storeu_ps(rr + i, k, r);
+}
+
+X512 void x512_gate_out_body(int bf, int add_hidden, int masked, const float *v, const float *wc, const void *q,
+                              float cs, float g, float *cr, float *rr, int64_t H) {
+    const __m512 vcs = _mm512_set1_ps(cs), vg = _mm512_set1_ps(g);
+    int64_t i = 0;
+    for (; i + 16 <= H; i += 16) x512_gate_out_at(bf, add_hidden, masked, v, wc, q, vcs, vg, cr, rr, i, 0xFFFF);
+    if (i < H) x512_gate_out_at(bf, add_hidden, masked, v, wc, q, vcs, vg, cr, rr, i, x512_tail(H - i));
+}
+
+/* The gate's outputs of one head: cr = rnd(v cs wc) m; rr (when non-null) = rnd(rnd(v g) m + q), or
+ * rnd(v g) m without the hidden; q in the activation dtype; m = 0 for a masked row, else 1. */
+__attribute__((noinline, target(BF16_TARGET))) static void x512_gate_out(int bf, int add_hidden, int masked,
+                                                                            const float *v, const float *wc,
+                                                                            const void *q, float cs, float g,
+                                                                            float *cr, float *rr, int64_t H) {
+    if (masked)
+        x512_gate_out_body(bf, add_hidden, 1, v, wc, q, cs, g, cr, rr, H); /* rare: not specialized */
+    else if (bf && add_hidden)
+        x512_gate_out_body(1, 1, 0, v, wc, q, cs, g, cr, rr, H);
+    else if (bf)
+        x512_gate_out_body(1, 0, 0, v, wc, q, cs, g, cr, rr, H);
+    else if (add_hidden)
+        x512_gate_out_body(0, 1, 0, v, wc, q, cs, g, cr, rr, H);
+    else
+        x512_gate_out_body(0, 0, 0, v, wc, q, cs, g, cr, rr, H);
+}
+#endif
+
 #define LANES 16
 #define MAX_TAPS 64 /* taps per channel the kernel takes (the published model has 4) */
 
@@ -174,7 +363,9 @@ ALWAYS_INLINE int64_t state_at(const job_t *J, int64_t slot, int64_t i, int64_t 
 }
 
 /* Conv input of row t for all streams into `c_row`; the residual into `res` when non-null. */
-ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, scratch_t *S, int bf) {
+/* `hand`: the rows written by hand (x512_*) instead of the compiler's vectors (AVX-512 BF16 only). */
+ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res, float *vrow, scratch_t *S, int bf,
+                            int hand) {
     const int64_t H = J->hidden_size, HC = J->hc;
     const void *vp = (const char *)J->value + t * J->value_stride * (bf ? 2 : 4);
     const void *kp = (const char *)J->key + t * J->key_stride * (bf ? 2 : 4);
@@ -231,6 +422,15 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
         float *cr = c_row + o;
         /* a masked token's v and c are multiplied by 0, as the PyTorch path does (NaN stays NaN) */
         const float m = masked ? 0.0f : 1.0f;
+#ifdef PLE_X512
+        if (hand) {
+            x512_gate_out(bf, J->add_hidden, masked, vrow, wc, (const char *)qp + o * (bf ? 2 : 4), cs, g, cr,
+                          res ? res + o : 0, H);
+            continue;
+        }
+#else
+        (void)hand;
+#endif
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) cr[i] = rnd(vrow[i] * cs * wc[i], bf) * m;
         if (res) {
@@ -302,7 +502,16 @@ ALWAYS_INLINE void plan_prefetch(const job_t *J, int64_t u, scratch_t *S, int bf
             S->pf_col[S->pf_n++] = (const char *)J->state + (slot * L * C + ((base + first + col) % L) * C) * esz;
 }
 
-ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
+/* Whether the state write of unit u's request takes its new columns from the ring of conv inputs of the
+ * thread that ran u (instead of c_out rows): the gate ran (no c_in), u is the request's only unit (that
+ * thread then writes the state right after it), and the ring's W + 1 rows hold the rows the state takes
+ * (its last min(n, L)). */
+ALWAYS_INLINE int state_from_ring(const job_t *J, int64_t u) {
+    const int64_t r = J->unit_request[u], n = J->starts[r + 1] - J->starts[r];
+    return !J->c_in && J->unit_begin[u] == 0 && J->unit_end[u] == n && (n < J->state_len ? n : J->state_len) <= J->window + 1;
+}
+
+ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int hand) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
     const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
@@ -310,6 +519,8 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
     const int resumes = resumes_of(J, r);
     const int64_t hist = history_end_of(J, r);
     const int active = slot >= 0;
+    /* without c_all, c_out rows are written only for a state write that cannot take them from the ring */
+    const int c_rows_for_state = active && !state_from_ring(J, u);
     /* the rows before the unit feed its taps; a row without a slot has no conv, so no taps */
     const int64_t warm = !active ? p0 : (p0 > W ? p0 - W : 0);
     if (active && resumes && p0 < W) {
@@ -354,9 +565,9 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
         if (J->c_in)
             load_row(J, t, c_row, p >= p0 ? S->res : 0, bf);
         else
-            gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, S, bf);
+            gate_row(J, t, c_row, p >= p0 ? S->res : 0, S->vrow, S, bf, hand);
         if (p < p0) continue;
-        if (J->c_out && (J->c_all || p >= n - L)) {
+        if (J->c_out && (J->c_all || (c_rows_for_state && p >= n - L))) {
             void *co = (char *)J->c_out + t * C * (bf ? 2 : 4);
 #pragma omp simd
             for (int64_t i = 0; i < C; i++) st_exact(co, i, c_row[i], bf);
@@ -386,6 +597,12 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
             const void *h1 = (const char *)J->state + state_at(J, slot, 0, first + p - 2 * d + W) * esz;
             const void *h2 = (const char *)J->state + state_at(J, slot, 0, first + p - d + W) * esz;
             const float *s3 = src[3];
+#ifdef PLE_X512
+            if (hand) {
+                x512_conv4(bf, bf, h0, h1, h2, s3, w, C, res, op);
+                continue;
+            }
+#endif
 #pragma omp simd
             for (int64_t i = 0; i < C; i++) {
                 float a = 0.0f;
@@ -399,6 +616,12 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf) {
         }
         if (K == 4) { /* the published geometry: taps, SiLU, residual and the store in one loop */
             const float *s0 = src[0], *s1 = src[1], *s2 = src[2], *s3 = src[3];
+#ifdef PLE_X512
+            if (hand) {
+                x512_conv4(bf, 0, s0, s1, s2, s3, w, C, res, op);
+                continue;
+            }
+#endif
 #pragma omp simd
             for (int64_t i = 0; i < C; i++) {
                 float a = 0.0f;
@@ -435,8 +658,10 @@ ALWAYS_INLINE const char *c_row_of(const job_t *J, int64_t row, int64_t esz) {
  * memmove; columns that cross into the next channel are the ones overwritten by c rows or zeroed).
  * Ring [S, L, C]: old columns stay where they are; the slot's base moves by `kept + n - L`, and only the
  * new rows (and columns before the history, when more were rejected than added) are written. */
-ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
-    const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4;
+ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf, const float *ring) {
+    /* ring: the conv inputs of the request's rows, row p at ring + (p % (W + 1)) * C (see
+     * state_from_ring), or null: read them from c_out / c_in */
+    const int64_t C = J->channels, L = J->state_len, esz = bf ? 2 : 4, ring_rows = J->window + 1;
     const int64_t slot = J->slots[r];
     if (slot < 0 || L == 0) return;
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
@@ -451,8 +676,16 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
         /* columns before the kept history (all of them for a fresh request) are zeros */
         const int64_t zeros = !resumes ? first_row : (shift < 0 ? (-shift < first_row ? -shift : first_row) : 0);
         for (int64_t j = 0; j < zeros; j++) memset(base + ((b + j) % L) * C * esz, 0, (size_t)(C * esz));
-        for (int64_t j = first_row; j < L; j++)
-            memcpy(base + ((b + j) % L) * C * esz, c_row_of(J, start + n - L + j, esz), (size_t)(C * esz));
+        for (int64_t j = first_row; j < L; j++) {
+            char *dst = base + ((b + j) % L) * C * esz;
+            if (ring) {
+                const float *src = ring + ((n - L + j) % ring_rows) * C;
+#pragma omp simd
+                for (int64_t i = 0; i < C; i++) st_exact(dst, i, src[i], bf);
+            } else {
+                memcpy(dst, c_row_of(J, start + n - L + j, esz), (size_t)(C * esz));
+            }
+        }
         return;
     }
     if (n >= L) {
@@ -466,6 +699,11 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
         for (int64_t i = 0; i < C; i++) memset(base + i * L * esz, 0, (size_t)(-shift * esz));
     }
     for (int64_t j = first_row; j < L; j++) {
+        if (ring) {
+            const float *src = ring + ((n - L + j) % ring_rows) * C;
+            for (int64_t i = 0; i < C; i++) st_exact(base, i * L + j, src[i], bf);
+            continue;
+        }
         const char *src = c_row_of(J, start + n - L + j, esz);
         if (bf)
             for (int64_t i = 0; i < C; i++) ((uint16_t *)base)[i * L + j] = ((const uint16_t *)src)[i];
@@ -474,14 +712,14 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf) {
     }
 }
 
-ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf) {
+ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand) {
     for (;;) {
         int64_t u = __atomic_fetch_add(&J->next_unit, 1, __ATOMIC_RELAXED);
         if (u >= J->num_units) break;
-        run_unit(J, u, S, bf);
+        run_unit(J, u, S, bf, hand);
         int64_t r = J->unit_request[u];
         if (__atomic_sub_fetch(&J->remaining[r], 1, __ATOMIC_ACQ_REL) == 0)
-            write_state(J, r, bf);
+            write_state(J, r, bf, state_from_ring(J, u) ? S->ring : 0);
     }
 }
 
@@ -492,40 +730,45 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf) {
  * call from what the CPU reports, or forced with ple_set_isa. The variants compute the same sums in the
  * same order (16 partial sums, then a fixed tree); they differ only where the compiler fuses a multiply
  * and an add (FMA, one rounding instead of two). bf16 is converted with integer shifts and the
- * round-to-nearest-even add in vector registers (not with AVX-512 BF16's VCVTNEPS2BF16, which treats
- * denormal inputs as zero and so would store other bits than PyTorch).
+ * round-to-nearest-even add in vector registers. The AVX-512 BF16 variant is the AVX-512 one with the
+ * rows of x512_* (above): VCVTNEPS2BF16 where it gives PyTorch's bits, and SiLU's reciprocal from
+ * VRCP14PS.
  */
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_COUNT = 3 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_COUNT = 4 };
 
 typedef void (*work_fn)(job_t *, scratch_t *, int);
 
 static void work_portable(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1);
+        work(J, S, 1, 0);
     else
-        work(J, S, 0);
+        work(J, S, 0, 0);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define PLE_X86 1
+#ifdef PLE_X86
 __attribute__((target("avx2,fma,bmi2,f16c"))) static void work_avx2(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1);
+        work(J, S, 1, 0);
     else
-        work(J, S, 0);
+        work(J, S, 0, 0);
 }
 
-#if defined(__clang__) /* clang takes instruction sets only in the attribute; its default width is used */
-#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c"
-#else /* 512-bit vectors (gcc's default for AVX-512 is 256-bit) */
-#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
-#endif
 __attribute__((target(AVX512_TARGET))) static void work_avx512(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1);
+        work(J, S, 1, 0);
     else
-        work(J, S, 0);
+        work(J, S, 0, 0);
 }
+
+#ifdef PLE_X512
+/* AVX-512 with its BF16 instructions: the compiler's AVX-512 vectors, the rows of x512_* by hand */
+__attribute__((target(BF16_TARGET))) static void work_avx512bf16(job_t *J, scratch_t *S, int bf) {
+    if (bf)
+        work(J, S, 1, 1);
+    else
+        work(J, S, 0, 1);
+}
+#endif
 #endif
 
 /* Whether this CPU runs the instruction set `isa` (and the build has code for it). */
@@ -536,9 +779,12 @@ int ple_isa_available(int isa) {
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
     if (isa == ISA_AVX2) return avx2;
-    if (isa == ISA_AVX512)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (isa == ISA_AVX512) return avx512;
+#ifdef PLE_X512
+    if (isa == ISA_AVX512BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
 #endif
     return 0;
 }
@@ -564,6 +810,9 @@ int ple_current_isa(void) {
 
 static work_fn work_of(int isa) {
 #ifdef PLE_X86
+#ifdef PLE_X512
+    if (isa == ISA_AVX512BF16) return work_avx512bf16;
+#endif
     if (isa == ISA_AVX512) return work_avx512;
     if (isa == ISA_AVX2) return work_avx2;
 #else
@@ -668,7 +917,8 @@ static void *thread_main(void *arg) {
 /* One step of the layer after its projections, for a packed batch of `requests` requests.
  *
  * Gate mode (c_in null): key, value, hidden rows -> gate -> conv -> out; c_out receives the conv inputs
- * (every row when c_all, else at least each request's last L rows, which the state write reads).
+ * of every row when c_all, else only rows the state write reads from there (possibly none: a request
+ * run as one work unit takes its new state columns from the unit's ring).
  * Conv mode (c_in given): the conv inputs c_in [T, C] (contiguous) and the residual rows res_in replace
  * the gate; key, value, hidden and c_out are not read or written. Rows of requests without a slot
  * (slots[r] = -1) get out = residual and need no other rows: a batch of one such request over all

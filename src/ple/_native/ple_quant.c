@@ -248,3 +248,63 @@ int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nby
     }
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------------
+ * Row gathers of plain formats, one thread. A decode step reads about a thousand rows of a few
+ * hundred bytes at random places of a table far larger than the caches: copied one after another, each
+ * row waits for memory on its own. Here the rows PREFETCH_ROWS ahead are requested while the current
+ * one is copied, so their reads overlap.
+ *
+ * ple_gather_rows: row i of out (row_bytes bytes) = row ids[i] of data (rows `stride` bytes apart).
+ * ple_gather_lut: the same rows of bytes, each byte b written as the esize-byte element lut[b] (the
+ * value of every float8 byte in the activation dtype): the gather and the dequantization in one pass.
+ * Both check every id first and return -1, writing nothing, when one is outside [0, rows); -2 for a
+ * bad geometry.
+ */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+
+static int ids_in_range(const int64_t *ids, int64_t n, int64_t rows) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (int64_t)((uint64_t)ids[i] >= (uint64_t)rows);
+    return bad == 0;
+}
+
+static void prefetch_row(const uint8_t *row, int64_t row_bytes) {
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 0);
+    __builtin_prefetch(row + row_bytes - 1, 0, 0);
+}
+
+int ple_gather_rows(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
+                    int64_t n, uint8_t *out) {
+    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0) return -2;
+    if (!ids_in_range(ids, n, rows)) return -1;
+    for (int64_t i = 0; i < n && i < PREFETCH_ROWS; i++) prefetch_row(data + ids[i] * stride, row_bytes);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_ROWS < n) prefetch_row(data + ids[i + PREFETCH_ROWS] * stride, row_bytes);
+        memcpy(out + i * row_bytes, data + ids[i] * stride, (size_t)row_bytes);
+    }
+    return 0;
+}
+
+int ple_gather_lut(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
+                   int64_t n, const void *lut, int esize, void *out) {
+    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0 || (esize != 2 && esize != 4)) return -2;
+    if (!ids_in_range(ids, n, rows)) return -1;
+    for (int64_t i = 0; i < n && i < PREFETCH_ROWS; i++) prefetch_row(data + ids[i] * stride, row_bytes);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_ROWS < n) prefetch_row(data + ids[i + PREFETCH_ROWS] * stride, row_bytes);
+        const uint8_t *src = data + ids[i] * stride;
+        if (esize == 2) {
+            const uint16_t *t = (const uint16_t *)lut;
+            uint16_t *o = (uint16_t *)out + i * row_bytes;
+            for (int64_t j = 0; j < row_bytes; j++) o[j] = t[src[j]];
+        } else {
+            const uint32_t *t = (const uint32_t *)lut;
+            uint32_t *o = (uint32_t *)out + i * row_bytes;
+            for (int64_t j = 0; j < row_bytes; j++) o[j] = t[src[j]];
+        }
+    }
+    return 0;
+}

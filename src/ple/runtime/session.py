@@ -39,7 +39,7 @@ _TOKEN_DTYPES = frozenset((torch.int64, torch.int32))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 # per-request fields read in bulk (map with these runs without a Python frame per request)
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
-_slot, _has_state, _rejected, _pending = (attrgetter(f) for f in ("slot", "has_state", "rejected", "pending"))
+_slot, _pending, _wanted = (attrgetter(f) for f in ("slot", "pending", "wanted"))
 _first, _second = itemgetter(0), itemgetter(1)
 
 
@@ -72,15 +72,63 @@ class _Pending:
     conv_input: torch.Tensor | None  # [layers, n, C]
 
 
-@dataclasses.dataclass
+class _SlotArrays:
+    """Per-slot counters of the live requests, one array each (indexed by slot): a step reads and
+    advances them for all its requests at once, without touching a Python object per request."""
+
+    __slots__ = ("length", "has_state", "rejected")
+
+    def __init__(self, slots: int):
+        self.length = np.zeros(slots, dtype=np.int64)
+        self.has_state = np.zeros(slots, dtype=np.bool_)
+        self.rejected = np.zeros(slots, dtype=np.int64)
+
+    def grow(self, extra: int) -> None:
+        self.length = np.concatenate([self.length, np.zeros(extra, dtype=np.int64)])
+        self.has_state = np.concatenate([self.has_state, np.zeros(extra, dtype=np.bool_)])
+        self.rejected = np.concatenate([self.rejected, np.zeros(extra, dtype=np.int64)])
+
+
 class _Request:
-    slot: int
-    length: int = 0
-    has_state: bool = False
-    rejected: int = 0
-    pending: _Pending | None = None
-    prefix_states: dict[int, PrefixState] = dataclasses.field(default_factory=dict)
-    wanted: set[int] = dataclasses.field(default_factory=set)  # positions the caller named
+    """A live request: its slot, a pending speculative chunk, prefix states; its length, whether its
+    slot holds state and how many of its last columns were rejected live in the session's
+    :class:`_SlotArrays` (read and written here as attributes)."""
+
+    __slots__ = ("slot", "pending", "prefix_states", "wanted", "_arrays")
+
+    def __init__(self, slot: int, arrays: _SlotArrays):
+        self.slot = slot
+        self.pending: _Pending | None = None
+        self.prefix_states: dict[int, PrefixState] = {}
+        self.wanted: set[int] = set()  # positions the caller named
+        self._arrays = arrays
+        arrays.length[slot] = 0
+        arrays.has_state[slot] = False
+        arrays.rejected[slot] = 0
+
+    @property
+    def length(self) -> int:
+        return int(self._arrays.length[self.slot])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._arrays.length[self.slot] = value
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self._arrays.has_state[self.slot])
+
+    @has_state.setter
+    def has_state(self, value: bool) -> None:
+        self._arrays.has_state[self.slot] = value
+
+    @property
+    def rejected(self) -> int:
+        return int(self._arrays.rejected[self.slot])
+
+    @rejected.setter
+    def rejected(self, value: int) -> None:
+        self._arrays.rejected[self.slot] = value
 
 
 @dataclasses.dataclass
@@ -105,6 +153,7 @@ class SessionStep:
     done: list[bool]
     ended: bool = False
     lookups: list | None = None  # per layer, a prefetch handle started at begin() (lookahead)
+    slots: np.ndarray | None = None  # the requests' slots, int64 [R]
 
     def split(self, packed: torch.Tensor) -> dict[Hashable, torch.Tensor]:
         """``{request: rows}`` views of a packed ``[T, ...]`` tensor."""
@@ -199,6 +248,8 @@ class Session:
         self._offsets = [torch.zeros(max_requests, dtype=torch.int64, device=self._device) for _ in group]
         self._contexts = torch.full((max_requests, self._ctx_len), self._eos, dtype=torch.int64)
         self._free = list(range(max_requests - 1, -1, -1))
+        self._arrays = _SlotArrays(max_requests)
+        self._pending_count = 0  # requests with a speculative chunk awaiting accept()
         self._requests: dict[Hashable, _Request] = {}
         self._open: SessionStep | None = None
         self.lookahead = bool(lookahead)
@@ -258,7 +309,7 @@ class Session:
         if from_state is not None:
             window, ctx = self._check_state(from_state)
         slot = self._free.pop()
-        req = _Request(slot=slot)
+        req = _Request(slot, self._arrays)
         self._contexts[slot] = self._eos
         if from_state is not None:
             for k in range(len(self.layers)):
@@ -312,6 +363,8 @@ class Session:
         self._check_idle("finish()")
         req = self._get(request_id)
         del self._requests[request_id]
+        if req.pending is not None:
+            self._pending_count -= 1
         self._free.append(req.slot)
 
     def grow(self, max_requests: int) -> None:
@@ -335,6 +388,7 @@ class Session:
             self._offsets = [torch.cat([o, o.new_zeros(extra)]) for o in self._offsets]
             fill = torch.full((extra, self._ctx_len), self._eos, dtype=torch.int64)
             self._contexts = torch.cat([self._contexts, fill])
+            self._arrays.grow(extra)
         self._free = list(range(max_requests - 1, self.max_requests - 1, -1)) + self._free
         self.max_requests = max_requests
 
@@ -463,9 +517,13 @@ class Session:
         tokens). Then :meth:`run` each layer once with the packed hidden ``[T, HC*H]`` (requests in
         the order of ``tokens``), then :meth:`end`. Everything is checked here; nothing changes
         until the first :meth:`run`."""
+        return self._begin_step(tokens, speculative, None)
+
+    def _begin_step(self, tokens: Mapping[Any, torch.Tensor], speculative, lens: list[int] | None) -> SessionStep:
+        """:meth:`begin`; ``lens``: the chunks' lengths when the caller checked that each is 1-D."""
         self._check_idle("begin()")
         with named_range("ple.session.prepare"):
-            step = self._begin(tokens, _request_set("speculative", speculative))
+            step = self._begin(tokens, _request_set("speculative", speculative), lens)
         if self.lookahead or self._ahead is not None:
             self._start_lookups(step)
         return step
@@ -566,7 +624,7 @@ class Session:
                     f"got {t.shape[0]}"
                 )
 
-    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset) -> SessionStep:
+    def _begin(self, tokens: Mapping[Any, torch.Tensor], spec: frozenset, known_lens: list[int] | None) -> SessionStep:
         # Everything per request in bulk (comprehensions, no branch per request); when anything is off,
         # _check_chunks goes request by request and names the problem.
         requests = self._requests
@@ -576,12 +634,14 @@ class Session:
         packed = None
         try:
             reqs = list(map(requests.__getitem__, order))
-            shapes = list(map(_shape, toks))
-            lens = [n for (n,) in shapes]  # ValueError unless every chunk is 1-D
+            if known_lens is None:
+                lens = [n for (n,) in map(_shape, toks)]  # ValueError unless every chunk is 1-D
+            else:
+                lens = known_lens
             ok = (
                 (not count or min(lens) >= 1)
                 and set(map(_dtype, toks)) <= _TOKEN_DTYPES
-                and set(map(_pending, reqs)) <= {None}
+                and (not self._pending_count or set(map(_pending, reqs)) <= {None})
                 and spec.issubset(tokens)
             )
             if ok and spec:
@@ -597,21 +657,21 @@ class Session:
             reqs = [requests[rid] for rid in order]
             lens = [int(t.shape[0]) for t in toks]
             packed = torch.cat(toks) if count else None
-        slots = list(map(_slot, reqs))
-        has_init = list(map(_has_state, reqs))
-        rejected = list(map(_rejected, reqs))
-        any_rejected = any(rejected)
+        # the requests' counters, gathered from the per-slot arrays at once
+        slots = np.fromiter(map(_slot, reqs), dtype=np.int64, count=count)
+        has_init = self._arrays.has_state[slots]
+        rejected = self._arrays.rejected[slots]
         total = sum(lens)
         decode_only = total == count
-        if decode_only and not spec and all(has_init):
+        if decode_only and not spec and has_init.all():
             kinds = (DECODE,) * count
         else:
             kinds = tuple(
                 VERIFY if rid in spec else (DECODE if n == 1 and h else PREFILL)
-                for rid, n, h in zip(order, lens, has_init)
+                for rid, n, h in zip(order, lens, has_init.tolist())
             )
         prefix_rows: dict[Hashable, int] = {}
-        if self.prefix_every or any([r.wanted for r in reqs]):
+        if self.prefix_every or any(map(_wanted, reqs)):
             for i, req in enumerate(reqs):
                 if self._positions_in(req, req.length, lens[i]):
                     prefix_rows[order[i]] = i
@@ -624,7 +684,7 @@ class Session:
                     f"request {order[r]!r}: token {int(a[pos])} at offset {pos - sum(lens[:r])} is outside "
                     f"[0, vocab_size={self._vocab})"
                 )
-        slot_t = torch.tensor(slots, dtype=torch.int64)
+        slot_t = torch.from_numpy(slots)
         if decode_only:
             qsl = torch.arange(count + 1, dtype=torch.int64)
         else:
@@ -634,11 +694,9 @@ class Session:
             query_start_loc=qsl.to(dev),
             slot_indices=slot_t.to(dev),
             kinds=tuple(kinds),
-            has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
+            has_initial_state=torch.from_numpy(has_init).to(dev),
             ngram_context=self._contexts.index_select(0, slot_t).to(dev),
-            num_rejected=torch.tensor(rejected, dtype=torch.int64, device=dev)
-            if any_rejected
-            else torch.zeros(count, dtype=torch.int64, device=dev),
+            num_rejected=torch.from_numpy(rejected).to(dev),
             conv_state=self._pools[0],
             num_spec=self.num_spec,
             state_offsets=self._offsets[0] if self._ring else None,
@@ -655,6 +713,7 @@ class Session:
             prev_windows={rid: self._window_of(requests[rid]) for rid in prefix_rows},
             conv_inputs=[None] * len(self.layers),
             done=[False] * len(self.layers),
+            slots=slots,
         )
         self._open = step
         return step
@@ -725,11 +784,10 @@ class Session:
             conv = [c.cpu() for c in step.conv_inputs if c is not None]
         requests = self._requests
         if not step.speculative and not step.prefix_rows:  # the common step: lengths advance, nothing else
-            for rid, n in zip(step.request_ids, step.lens):
-                req = requests[rid]
-                req.has_state = True
-                req.rejected = 0
-                req.length += n
+            arrays, slots = self._arrays, step.slots
+            arrays.has_state[slots] = True
+            arrays.rejected[slots] = 0
+            arrays.length[slots] += 1 if step.num_tokens == len(step.lens) else np.array(step.lens, dtype=np.int64)
             return
         for i, rid in enumerate(step.request_ids):
             req = requests[rid]
@@ -742,6 +800,7 @@ class Session:
                 rows = None if conv is None or rid not in step.prefix_rows else torch.stack([c[a:e] for c in conv])
                 if rid in step.speculative:
                     # until accept(), the slot holds all n tokens; accept() sets how many are rolled back
+                    self._pending_count += 1
                     req.pending = _Pending(
                         tokens=tokens[a:e].clone(),
                         prev_context=old_ctx[i].clone(),
@@ -780,22 +839,27 @@ class Session:
             if ok:
                 hs = list(map(_first, pairs))
                 ts = list(map(_second, pairs))
+                ok = set(map(type, hs)) <= _TENSOR_TYPES and set(map(type, ts)) <= _TENSOR_TYPES
+            if ok:
                 hshapes = list(map(_shape, hs))
                 tshapes = list(map(_shape, ts))
-                ok = (
-                    set(map(len, tshapes)) <= {1}
-                    and set(map(len, hshapes)) <= {2}
-                    and list(map(_first, hshapes)) == list(map(_first, tshapes))
-                    and set(map(_second, hshapes)) <= {width}
-                    and set(map(type, hs)) <= _TENSOR_TYPES
-                    and set(map(type, ts)) <= _TENSOR_TYPES
-                )
+                if set(tshapes) <= {(1,)} and set(hshapes) <= {(1, width)}:  # decode tokens: two passes
+                    lens = [1] * len(ts)
+                else:
+                    ok = (
+                        set(map(len, tshapes)) <= {1}
+                        and set(map(len, hshapes)) <= {2}
+                        and list(map(_first, hshapes)) == list(map(_first, tshapes))
+                        and set(map(_second, hshapes)) <= {width}
+                    )
+                    lens = list(map(_first, tshapes))
         except (AttributeError, TypeError, IndexError):
             ok = False
         if not ok:
             hs, ts = self._check_pairs(inputs)
+            lens = [int(t.shape[0]) for t in ts]
         tokens = dict(zip(inputs.keys(), ts))
-        step = self.begin(tokens, speculative)
+        step = self._begin_step(tokens, speculative, lens)
         try:
             if not step.request_ids:
                 self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
@@ -851,6 +915,7 @@ class Session:
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None
+        self._pending_count -= 1
 
 
 _base_of, _data_ptr = attrgetter("_base"), methodcaller("data_ptr")
@@ -863,12 +928,16 @@ def _packed_rows(hs: list[torch.Tensor], total: int, width: int) -> torch.Tensor
     if len(hs) == 1:
         return hs[0]
     base = hs[0]._base
-    if base is not None and set(map(_base_of, hs)) == {base} and set(map(_dtype, hs)) == {base.dtype}:
+    # identities, not the tensors: a set of tensors would hash each one through a Python method
+    if base is not None and set(map(id, map(_base_of, hs))) == {id(base)} and set(map(_dtype, hs)) == {base.dtype}:
         if set(map(_is_contiguous, hs)) == {True}:
             ptrs = list(map(_data_ptr, hs))
             row = width * hs[0].element_size()
             first = ptrs[0]
-            at = [first + row * k for k in (range(total) if total == len(hs) else _starts(hs))]
+            if total == len(hs):  # one row each: consecutive rows
+                at = list(range(first, first + row * total, row))
+            else:
+                at = [first + row * k for k in _starts(hs)]
             if ptrs == at:
                 return torch.as_strided(base, (total, width), (width, 1), hs[0].storage_offset())
     return torch.cat(hs)

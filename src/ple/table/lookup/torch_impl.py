@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import _native
 from ...errors import InvalidArgumentError
 from ..blocks import dequantize_blocks
 from ..formats import check_activation_dtype, check_ids, format_info
@@ -30,8 +31,12 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
 
     index_select copies element by element; for 1- and 2-byte dtypes that is an order of magnitude
     slower than moving the same bytes as int64 words. Rows are viewed as the widest integer type
-    that tiles them (bit-exact), falling back to a plain index_select for odd layouts.
+    that tiles them (bit-exact), falling back to a plain index_select for odd layouts. On the CPU with
+    the C kernels the rows are copied by ``ple_gather_rows`` (rows read ahead while one is copied).
     """
+    got = _gather_rows_native(data, flat_ids, out)
+    if got is not None:
+        return got
     esize = data.element_size()
     if data.dim() == 2 and data.shape[1] > 0 and data.stride(1) == 1:
         row_bytes = data.shape[1] * esize
@@ -49,6 +54,83 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     if out is None:
         return data.index_select(0, flat_ids)
     return torch.index_select(data, 0, flat_ids, out=out)
+
+
+def _gather_rows_native(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`gather_rows` through the C gather, or None where it does not apply (or an id is out of
+    range: index_select then raises as it would)."""
+    n = flat_ids.shape[0] if flat_ids.dim() == 1 else -1
+    if (
+        n < 1
+        or data.device.type != "cpu"
+        or data.dim() != 2
+        or data.shape[1] == 0
+        or data.stride(1) != 1
+        or flat_ids.dtype != torch.int64
+        or flat_ids.device.type != "cpu"
+        or not flat_ids.is_contiguous()
+        or (out is not None and (out.dtype != data.dtype or tuple(out.shape) != (n, data.shape[1])))
+        or (out is not None and (out.device.type != "cpu" or not out.is_contiguous()))
+        or not _native.available()
+    ):
+        return None
+    if out is None:
+        out = torch.empty(n, data.shape[1], dtype=data.dtype)
+    esize = data.element_size()
+    rc = _native.library().ple_gather_rows(
+        data.data_ptr(),
+        data.shape[0],
+        data.stride(0) * esize,
+        data.shape[1] * esize,
+        flat_ids.data_ptr(),
+        n,
+        out.data_ptr(),
+    )
+    return out if rc == 0 else None
+
+
+def _gather_fp8_native(data: torch.Tensor, scale: torch.Tensor | None, flat: torch.Tensor, out: torch.Tensor) -> bool:
+    """float8 rows gathered and dequantized by ``ple_gather_lut`` into ``out`` (contiguous ``[N, D]``):
+    the byte lookup table and the scale multiplications of :func:`dequantize_rows_into`, in one pass over
+    the rows. False (nothing written) where it does not apply or an id is out of range."""
+    n = flat.shape[0]
+    if (
+        n < 1
+        or data.device.type != "cpu"
+        or data.dim() != 2
+        or data.shape[1] == 0
+        or data.stride(1) != 1
+        or flat.dtype != torch.int64
+        or flat.device.type != "cpu"
+        or not flat.is_contiguous()
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
+        or not _native.available()
+    ):
+        return False
+    dtype = out.dtype
+    lut = _fp8_values(dtype, out.device)
+    per_row = scale is not None and scale.numel() != 1
+    if scale is not None and not per_row:
+        lut = lut * scale.reshape(1).to(dtype)
+    lut = lut.contiguous()
+    rc = _native.library().ple_gather_lut(
+        data.data_ptr(),
+        data.shape[0],
+        data.stride(0),
+        data.shape[1],
+        flat.data_ptr(),
+        n,
+        lut.data_ptr(),
+        lut.element_size(),
+        out.data_ptr(),
+    )
+    if rc != 0:
+        return False
+    if per_row:
+        assert scale is not None
+        out.mul_(scale.index_select(0, flat).to(dtype))  # every e4m3 value is exact in dtype: one rounding
+    return True
 
 
 def dequantize_rows_into(
@@ -124,6 +206,8 @@ def gather_dequant_torch(data, scale, ids, dtype, *, out=None, check=True, forma
         return res
     if scale is None and data.dtype == dtype:
         gather_rows(data, flat, out=res2)
+        return res
+    if data.dtype == torch.float8_e4m3fn and _gather_fp8_native(data, scale, flat, res2):
         return res
     rows = gather_rows(data, flat)  # [T*G, D] storage dtype
     if scale is None:
