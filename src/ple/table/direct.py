@@ -360,6 +360,11 @@ class DirectTable(Table):
     def cache_slots(self) -> int:
         return int(self._cache_rows.shape[0])
 
+    @property
+    def pinned_rows(self) -> int:
+        """Rows held in the cache for good (:meth:`pin`)."""
+        return self._pinned
+
     def check_file(self) -> None:
         """Raise :class:`TableFileError` if the file was changed in place since it was opened."""
         if self._fd < 0:
