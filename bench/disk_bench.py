@@ -10,20 +10,26 @@ requests consecutive pieces of it. "Cold" means the file is dropped from the pag
 page; the direct tier never fills the page cache. Every tier's outputs are compared with the
 in-memory table's, bit for bit.
 
-1. Device: random 4 KiB reads of the table file with ``O_DIRECT``, by ``fio`` (libaio, depth 32 and
-   64) when installed, and by a pread probe (threads, the direct tier's mechanism, same depths).
-2. Rows/s, cold: a decode step's distinct rows (64 requests x 16 heads) and a prefill batch's, by
-   the memory map and by the direct tier at depth 32 and 64.
-3. Session tokens/s: decode (64 requests, one token each per step) and prefill (4 x 256 tokens),
+1. Device and tiers side by side, in rounds (``--rounds``, 3): each round measures, per depth (32
+   and 64), the device's random 4 KiB ``O_DIRECT`` reads/s with ``fio`` (libaio; else a pread
+   probe of Python threads) and right after it the direct tier's cold rows/s at that depth, for a
+   decode step (64 requests x 16 heads, ~850 distinct rows) and a prefill batch (4 x 256 tokens);
+   then the memory map, cold, and the direct tier with its Python-thread reader (``reader=
+   "threads"``, depth 32). Rows/s are a step's distinct rows over the time of its lookup (reads,
+   gather and dequantization; the rows read alone, ``read_rows``, too); each round's ratio to the
+   device is taken against the ``fio`` run just before, and the report gives medians over rounds.
+   The machine is shared: the device's rate moves from run to run, hence the pairing.
+2. Session tokens/s: decode (64 requests, one token each per step) and prefill (4 x 256 tokens),
    for the table in memory, memory-mapped cold, direct cold, and direct cold with lookahead plus
    simulated model work equal to the cold read time between ``begin`` and the layer (work that
    does not use the CPU, as on an accelerator: ``time.sleep``).
-4. Lookahead: exposed read time as a share of the cold read time for simulated work of 0.5x, 1x
+3. Lookahead: exposed read time as a share of the cold read time for simulated work of 0.5x, 1x
    and 2x the read time (``sleep``, and a bf16 GEMM loop on the CPU, which competes with the reads
    for the two cores here).
-5. Budget: the direct tier with ``memory_budget`` from 0 up, half its cache holding the rows a
+4. Budget: the direct tier with ``memory_budget`` from 0 up, half its cache holding the rows a
    100k-token warm-up of real text read most (``pin``), the other half a running LRU cache, then
-   decode (64 requests x 32 steps) on the text that follows: hit rate and lookup tokens/s.
+   decode (64 requests x 32 steps) on the text that follows: hit rate, lookup tokens/s, and the
+   tokens/s of the same decode through a ``Session`` (the layer's compute included).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -129,8 +136,11 @@ def pread_iops(path: Path, depth: int, seconds: float) -> float:
 class Tier:
     """Opens a table of one kind, cold before every step when asked."""
 
-    def __init__(self, kind: str, path: Path, mem: MemoryTable, depth: int = 32, budget: int = 0):
+    def __init__(
+        self, kind: str, path: Path, mem: MemoryTable, depth: int = 32, budget: int = 0, reader: str | None = None
+    ):
         self.kind, self.path, self.mem, self.depth, self.budget = kind, path, mem, depth, budget
+        self.reader = reader
         self.table = self._open()
 
     def _open(self):
@@ -138,7 +148,7 @@ class Tier:
             return self.mem
         if self.kind == "mmap":
             return MmapTable.open(self.path)
-        return DirectTable(self.path, memory_budget=self.budget, queue_depth=self.depth)
+        return DirectTable(self.path, memory_budget=self.budget, queue_depth=self.depth, reader=self.reader)
 
     def cold(self) -> None:
         """Nothing of the file in the page cache (a memory map is reopened: its pages are dropped)."""
@@ -166,21 +176,40 @@ def step_ids(cfg: PLEConfig, tokens: np.ndarray) -> torch.Tensor:
     )
 
 
+def decode_step_ids(cfg: PLEConfig, tokens: np.ndarray) -> list[torch.Tensor]:
+    """The ``[R, G]`` ids of each decode step of ``R`` requests reading ``tokens [R, S]`` from a fresh
+    start: step ``k`` is every request's token ``k`` with its real context (the tokens before it)."""
+    r, s = tokens.shape
+    ids = step_ids(cfg, tokens).reshape(r, s, -1)
+    return [ids[:, k].contiguous() for k in range(s)]
+
+
 def rows_per_second(tier: Tier, batches: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
-    times, rows = [], 0
+    """A tier's cold rows/s over ``batches`` (each checked against ``refs``): a step's distinct rows
+    over its lookup's time, and (direct tier) over the time of reading them alone (``read_rows``)."""
+    times, read_times, rows = [], [], 0
     for ids, ref in zip(batches, refs):
         tier.cold()
         t0 = time.perf_counter()
         out = tier.table.lookup(ids, torch.bfloat16)
         times.append(time.perf_counter() - t0)
         assert torch.equal(out, ref), f"{tier.kind}: rows differ from the in-memory table's"
-        rows += int(torch.unique(ids).numel())
-    return {
-        "rows_per_s": rows / sum(times),
-        "rows_per_batch": rows / len(times),
+        distinct = np.unique(ids.numpy())
+        rows += distinct.size
+        if tier.kind == "direct":
+            tier.cold()
+            t0 = time.perf_counter()
+            tier.table.read_rows(distinct)
+            read_times.append(time.perf_counter() - t0)
+    n = rows / len(times)
+    res = {
+        "rows_per_batch": n,
         "ms_per_batch": 1e3 * statistics.median(times),
-        "rows_per_s_median_batch": rows / len(times) / statistics.median(times),
+        "rows_per_s": n / statistics.median(times),
     }
+    if read_times:
+        res["read_rows_per_s"] = n / statistics.median(read_times)
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -302,7 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs=2, default=[4, 256], metavar=("R", "S"))
     ap.add_argument("--depths", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--budgets-mb", type=float, nargs="+", default=[0, 4, 16, 64, 256])
-    ap.add_argument("--fio-seconds", type=int, default=4)
+    ap.add_argument("--fio-seconds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of device + tier measurements (medians)")
+    ap.add_argument("--decode-batches", type=int, default=12, help="decode steps timed per tier and round")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--plot", default=None, help="write the budget plot (PNG)")
     args = ap.parse_args(argv)
@@ -312,7 +343,14 @@ def main(argv=None) -> int:
     eos = cfg.eos_token_id
     workdir = Path(tempfile.mkdtemp(prefix="ple-disk-", dir=args.dir))
     path = workdir / "layer0.pletable"
-    res: dict = {"rows": lay.padded_rows, "file_bytes": None, "tokens": "real text (ple.realtext)"}
+    res: dict = {
+        "rows": lay.padded_rows,
+        "file_bytes": None,
+        "tokens": "real text (ple.realtext)",
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "load_average_start": os.getloadavg(),
+    }
     try:
         t0 = time.perf_counter()
         build_file(path, cfg)
@@ -324,37 +362,65 @@ def main(argv=None) -> int:
         mem = MemoryTable(mapped.data.clone(), mapped.scale.clone(), "fp8")
         mapped.close()
 
-        # 1. device
-        dev = {}
-        for d in args.depths:
-            drop_page_cache(path)
-            dev[f"fio_depth{d}"] = fio_iops(path, d, args.fio_seconds)
-            dev[f"pread_depth{d}"] = pread_iops(path, d, args.fio_seconds)
-        res["device_iops"] = dev
-        print("device, random 4 KiB reads/s:", {k: None if v is None else round(v) for k, v in dev.items()})
-
-        # 2. rows/s
+        # 1. device and tiers, side by side in rounds
         R = args.requests
         text = realtext.requests(R, 64, eos)
-        decode_batches = [step_ids(cfg, text[:, k : k + 1]) for k in range(8, 14)]
+        decode_batches = decode_step_ids(cfg, text)[8 : 8 + args.decode_batches]
         pr, ps = args.prefill
         prefill_batches = [step_ids(cfg, realtext.requests(pr, ps, eos, skip=100_000 + k * pr * ps)) for k in range(3)]
-        rows = {}
-        for name, batches in (("decode", decode_batches), ("prefill", prefill_batches)):
-            refs = [mem.lookup(b, torch.bfloat16) for b in batches]
-            for kind, depth in [("mmap", 0)] + [("direct", d) for d in args.depths]:
-                tier = Tier(kind, path, mem, depth=max(depth, 1))
-                key = f"{name}_{kind}" + (f"_depth{depth}" if depth else "")
-                rows[key] = rows_per_second(tier, batches, refs)
-                tier.close()
-                r = rows[key]
-                print(
-                    f"{key}: {r['rows_per_s']:,.0f} rows/s over all batches, {r['rows_per_s_median_batch']:,.0f} in the "
-                    f"median batch ({r['rows_per_batch']:,.0f} rows, {r['ms_per_batch']:.1f} ms)"
+        phases = {"decode": decode_batches, "prefill": prefill_batches}
+        refs = {name: [mem.lookup(b, torch.bfloat16) for b in bs] for name, bs in phases.items()}
+        tiers = {f"direct_depth{d}": Tier("direct", path, mem, depth=d) for d in args.depths}
+        tiers["direct_threads_depth32"] = Tier("direct", path, mem, depth=32, reader="threads")
+        assert all(t.table.reader_kind == "native" for k, t in tiers.items() if "threads" not in k)
+        rounds: list[dict] = []
+        for rnd in range(args.rounds):
+            got: dict = {}
+            for d in args.depths:
+                drop_page_cache(path)
+                iops = fio_iops(path, d, args.fio_seconds)
+                got[f"fio_depth{d}"] = iops if iops is not None else pread_iops(path, d, args.fio_seconds)
+                for name in phases:
+                    got[f"{name}_direct_depth{d}"] = rows_per_second(
+                        tiers[f"direct_depth{d}"], phases[name], refs[name]
+                    )
+            for name in phases:
+                got[f"{name}_direct_threads_depth32"] = rows_per_second(
+                    tiers["direct_threads_depth32"], phases[name], refs[name]
                 )
-        res["rows"] = rows
+                mm = Tier("mmap", path, mem)
+                got[f"{name}_mmap"] = rows_per_second(mm, phases[name], refs[name])
+                mm.close()
+            rounds.append(got)
+            print(
+                f"round {rnd + 1}: "
+                + ", ".join(
+                    f"{k} {v:,.0f}" if not isinstance(v, dict) else f"{k} {v['rows_per_s']:,.0f}"
+                    for k, v in got.items()
+                )
+            )
+        for t in tiers.values():
+            t.close()
+        summary: dict = {"rounds": rounds, "device": "fio" if shutil.which("fio") else "pread probe"}
+        for key in rounds[0]:
+            if key.startswith("fio"):
+                summary[key] = statistics.median(r[key] for r in rounds)
+                continue
+            for field in ("rows_per_s", "read_rows_per_s", "rows_per_batch", "ms_per_batch"):
+                if field in rounds[0][key]:
+                    summary[f"{key}_{field}"] = statistics.median(r[key][field] for r in rounds)
+            depth = int(key.rsplit("depth", 1)[1]) if "depth" in key else 32
+            for field in ("rows_per_s", "read_rows_per_s"):
+                if field in rounds[0][key]:
+                    summary[f"{key}_{field}_of_device"] = statistics.median(
+                        r[key][field] / r[f"fio_depth{depth}"] for r in rounds
+                    )
+        res["device_and_tiers"] = summary
+        for key, v in summary.items():
+            if key != "rounds":
+                print(f"{key}: {v:.3f}" if isinstance(v, float) and v < 10 else f"{key}: {v}")
 
-        # 3. session tokens/s
+        # 2. session tokens/s
         layer = make_layer(cfg)
         prompts = realtext.requests(R, 16, eos, skip=200_000)
         steps = realtext.requests(args.decode_steps, R, eos, skip=220_000)
@@ -389,7 +455,7 @@ def main(argv=None) -> int:
             )
         res["session"] = sess
 
-        # 4. lookahead exposed share
+        # 3. lookahead exposed share
         toks = {k: torch.tensor([int(steps[0, k])]) for k in range(R)}
         ids = step_ids(cfg, steps[:1].T.copy())
         read_s = read_time(direct, ids)
@@ -402,40 +468,63 @@ def main(argv=None) -> int:
         res["lookahead"] = look
         direct.close()
 
-        # 5. budget
+        # 4. budget
         warm = realtext.token_stream(300_000, eos)[200_000:]  # the text just before the measured one
         warm_ids = step_ids(cfg, warm.reshape(1, -1))
-        later = realtext.requests(R, 32, eos, skip=300_000)
+        later = realtext.requests(R, 40, eos, skip=300_000)  # 8 tokens of prompt, then 32 decode steps
+        later_steps = decode_step_ids(cfg, later)[8:]
+        later_refs = [mem.lookup(ids, torch.bfloat16) for ids in later_steps]
+        mem_tier = Tier("memory", path, mem)
+        _, ref_outs_budget = serve(layer, mem_tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
         budget_rows = []
         for mb in args.budgets_mb:
-            tier = Tier("direct", path, mem, budget=int(mb * 2**20))
-            t = tier.table
-            # half the cache holds the warm-up's hottest rows for good, the other half is a running LRU
-            pinned = t.pin(DirectTable.hot_rows(warm_ids, t.cache_slots // 2)) if t.cache_slots else 0
-            t.hits = t.misses = 0
-            times = []
-            for k in range(later.shape[1]):
-                ids = step_ids(cfg, later[:, k : k + 1])
-                tier.cold()
-                t0 = time.perf_counter()
-                t.lookup(ids, torch.bfloat16)
-                times.append(time.perf_counter() - t0)
-            hit = t.hits / max(1, t.hits + t.misses)
-            budget_rows.append(
-                {"budget_mb": mb, "pinned_rows": pinned, "hit_rate": hit, "tokens_per_s": R / statistics.median(times)}
-            )
-            tier.close()
+            row: dict = {"budget_mb": mb}
+            for part in ("session", "lookups"):
+                tier = Tier("direct", path, mem, budget=int(mb * 2**20))
+                t = tier.table
+                # half the cache holds the warm-up's hottest rows for good, the other half is a running LRU
+                row["pinned_rows"] = t.pin(DirectTable.hot_rows(warm_ids, t.cache_slots // 2)) if t.cache_slots else 0
+                t.hits = t.misses = 0
+                if part == "session":
+                    tps, outs = serve(layer, tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
+                    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs_budget)), f"budget {mb}: outputs differ"
+                    row["session_tokens_per_s"] = tps
+                else:
+                    times = []
+                    for ids, ref in zip(later_steps, later_refs):
+                        tier.cold()
+                        t0 = time.perf_counter()
+                        out = t.lookup(ids, torch.bfloat16)
+                        times.append(time.perf_counter() - t0)
+                        assert torch.equal(out, ref), f"budget {mb}: rows differ"
+                    row["hit_rate"] = t.hits / max(1, t.hits + t.misses)
+                    row["tokens_per_s"] = R / statistics.median(times)
+                tier.close()
+            budget_rows.append(row)
             print(
-                f"budget {mb:g} MB: {pinned:,} rows pinned, hit rate {hit:.1%}, {budget_rows[-1]['tokens_per_s']:,.0f} tok/s (lookup only)"
+                f"budget {mb:g} MB: {row['pinned_rows']:,} rows pinned, hit rate {row['hit_rate']:.1%}, "
+                f"{row['tokens_per_s']:,.0f} tok/s (lookups), {row['session_tokens_per_s']:,.0f} tok/s (Session decode)"
             )
         res["budget"] = budget_rows
         if args.plot:
             plot_budget(budget_rows, Path(args.plot))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    res["load_average_end"] = os.getloadavg()
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def plot_budget(rows: list[dict], out: Path) -> None:
@@ -445,15 +534,28 @@ def plot_budget(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     x = [max(r["budget_mb"], 0.5) for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(x, [r["tokens_per_s"] for r in rows], "o-", color="tab:blue")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot(x, [r["tokens_per_s"] for r in rows], "o-", color="tab:blue", label="lookups alone")
+    ax.plot(
+        x,
+        [r["session_tokens_per_s"] for r in rows],
+        "^-",
+        color="tab:green",
+        label="Session decode (layer compute too)",
+    )
     ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("memory budget, MB (0 plotted at 0.5)")
-    ax.set_ylabel("decode lookups, tokens/s (cold disk)", color="tab:blue")
+    ax.set_ylabel("decode tokens/s, cold disk")
     ax2 = ax.twinx()
-    ax2.plot(x, [100 * r["hit_rate"] for r in rows], "s--", color="tab:red")
+    ax2.plot(x, [100 * r["hit_rate"] for r in rows], "s--", color="tab:red", label="row cache hit rate")
+    ax2.set_ylim(0, 100)
     ax2.set_ylabel("row cache hit rate, %", color="tab:red")
-    ax.set_title("Direct tier: hot rows of real text in memory, the rest from disk")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [str(h.get_label()) for h in lines], loc="lower right", fontsize=8)
+    ax.set_title(
+        "Direct tier, real text, published geometry (64 requests):\nhot rows in memory, the rest from disk", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
