@@ -10,7 +10,7 @@ requests consecutive pieces of it. "Cold" means the file is dropped from the pag
 page; the direct tier never fills the page cache. Every tier's outputs are compared with the
 in-memory table's, bit for bit.
 
-1. Device and tiers side by side, in rounds (``--rounds``, 3): each round measures, per depth (32
+1. Device and tiers side by side, in rounds (``--rounds``, 5): each round measures, per depth (32
    and 64), the device's random 4 KiB ``O_DIRECT`` reads/s with ``fio`` (libaio; else a pread
    probe of Python threads) and right after it the direct tier's cold rows/s at that depth, for a
    decode step (64 requests x 16 heads, ~850 distinct rows) and a prefill batch (4 x 256 tokens);
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--budgets-mb", type=float, nargs="+", default=[0, 4, 16, 64, 256])
     ap.add_argument("--fio-seconds", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of device + tier measurements (medians)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of device + tier measurements (medians)")
     ap.add_argument("--decode-batches", type=int, default=12, help="decode steps timed per tier and round")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--plot", default=None, help="write the budget plot (PNG)")

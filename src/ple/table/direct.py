@@ -387,15 +387,17 @@ class DirectTable(Table):
         scales = np.empty(n, dtype=np.float32) if per_row else None
         miss = self._from_cache(rows, out, scales)
         if miss.size:
-            mrows = rows[miss]
-            mout = np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
+            every = miss.size == n  # nothing from the cache: the reads land in ``out`` itself
+            mrows = rows if every else rows[miss]
+            mout = out if every else np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
             pieces = [(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, mout)]
             mscale = None
             if per_row:
                 mscale_bytes = np.empty((miss.size, 4), dtype=np.uint8)
                 pieces.append((self._scale_offset + 4 * mrows, 4, mscale_bytes))
             self._reader.read(pieces)
-            out[miss] = mout
+            if not every:
+                out[miss] = mout
             if per_row:
                 mscale = mscale_bytes.view("<f4").reshape(-1).astype(np.float32)
                 assert scales is not None
