@@ -18,18 +18,21 @@ in-memory table's, bit for bit.
    "threads"``, depth 32). Rows/s are a step's distinct rows over the time of its lookup (reads,
    gather and dequantization; the rows read alone, ``read_rows``, too); each round's ratio to the
    device is taken against the ``fio`` run just before, and the report gives medians over rounds.
+   These lookups run on one torch thread (``--lookup-threads``).
    The machine is shared: the device's rate moves from run to run, hence the pairing.
 2. Session tokens/s: decode (64 requests, one token each per step) and prefill (4 x 256 tokens),
    for the table in memory, memory-mapped cold, direct cold, and direct cold with lookahead plus
    simulated model work equal to the cold read time between ``begin`` and the layer (work that
-   does not use the CPU, as on an accelerator: ``time.sleep``).
+   does not use the CPU, as on an accelerator: ``time.sleep``); medians of ``--session-rounds``
+   rounds, each running every table once in a rotated order.
 3. Lookahead: exposed read time as a share of the cold read time for simulated work of 0.5x, 1x
    and 2x the read time (``sleep``, and a bf16 GEMM loop on the CPU, which competes with the reads
    for the two cores here).
 4. Budget: the direct tier with ``memory_budget`` from 0 up, half its cache holding the rows a
    100k-token warm-up of real text read most (``pin``), the other half a running LRU cache, then
    decode (64 requests x 32 steps) on the text that follows: hit rate, lookup tokens/s, and the
-   tokens/s of the same decode through a ``Session`` (the layer's compute included).
+   tokens/s of the same decode through a ``Session`` (the layer's compute included); medians over
+   ``--budget-rounds`` rounds of new text, budgets in a rotated order, the caches running on.
 """
 
 from __future__ import annotations
@@ -333,6 +336,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets-mb", type=float, nargs="+", default=[0, 4, 16, 64, 256])
     ap.add_argument("--fio-seconds", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="rounds of device + tier measurements (medians)")
+    ap.add_argument("--session-rounds", type=int, default=3, help="rounds of the Session runs (medians)")
+    ap.add_argument("--budget-rounds", type=int, default=3, help="rounds of new text per budget (medians)")
+    ap.add_argument("--lookup-threads", type=int, default=1, help="torch threads of the rows/s lookups (step 1)")
     ap.add_argument("--decode-batches", type=int, default=12, help="decode steps timed per tier and round")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--plot", default=None, help="write the budget plot (PNG)")
@@ -374,6 +380,10 @@ def main(argv=None) -> int:
         tiers["direct_threads_depth32"] = Tier("direct", path, mem, depth=32, reader="threads")
         assert all(t.table.reader_kind == "native" for k, t in tiers.items() if "threads" not in k)
         rounds: list[dict] = []
+        # the lookups' gather and dequantization on one torch thread: on a 2-core machine shared with
+        # other processes, torch's two-thread gather waits for the busy core (see docs/PERFORMANCE.md)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.lookup_threads)
         for rnd in range(args.rounds):
             got: dict = {}
             for d in args.depths:
@@ -399,9 +409,14 @@ def main(argv=None) -> int:
                     for k, v in got.items()
                 )
             )
+        torch.set_num_threads(threads)
         for t in tiers.values():
             t.close()
-        summary: dict = {"rounds": rounds, "device": "fio" if shutil.which("fio") else "pread probe"}
+        summary: dict = {
+            "rounds": rounds,
+            "device": "fio" if shutil.which("fio") else "pread probe",
+            "lookup_torch_threads": args.lookup_threads,
+        }
         for key in rounds[0]:
             if key.startswith("fio"):
                 summary[key] = statistics.median(r[key] for r in rounds)
@@ -429,29 +444,37 @@ def main(argv=None) -> int:
         read_s = read_time(direct, decode_batches[0])
         sess: dict = {"decode_read_ms": read_s * 1e3}
         ref_outs: dict = {}
-        for name, lookahead, work in (
+        setups = [
             ("memory", False, 0.0),
             ("mmap_cold", False, 0.0),
             ("direct_cold", False, 0.0),
             ("direct_cold_lookahead", True, read_s),
-        ):
-            kind = name.split("_")[0]
-            row = {}
-            for phase, (p, st, chunk) in {
-                "decode": (prompts, steps, False),
-                "prefill": (pre_prompts, np.zeros((0, pr), dtype=np.int64), True),
-            }.items():
-                tier = Tier(kind, path, mem)
-                tps, outs = serve(layer, tier, p, st, lookahead, work, chunk)
-                tier.close()
-                if name == "memory":
-                    ref_outs[phase] = outs
-                else:
+        ]
+        phases_s = {
+            "decode": (prompts, steps, False),
+            "prefill": (pre_prompts, np.zeros((0, pr), dtype=np.int64), True),
+        }
+        samples: dict = {(name, phase): [] for name, _, _ in setups for phase in phases_s}
+        for rnd in range(args.session_rounds):
+            # every round runs each table once, in a rotated order (drift hits all alike)
+            for name, lookahead, work in setups[rnd % 4 :] + setups[: rnd % 4]:
+                kind = name.split("_")[0]
+                for phase, (p, st, chunk) in phases_s.items():
+                    tier = Tier(kind, path, mem)
+                    tps, outs = serve(layer, tier, p, st, lookahead, work, chunk)
+                    tier.close()
+                    if phase not in ref_outs:
+                        ref = Tier("memory", path, mem)
+                        ref_outs[phase] = serve(layer, ref, p, st, False, 0.0, chunk)[1]
                     assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs[phase])), f"{name} {phase} differs"
-                row[f"{phase}_tokens_per_s"] = tps
+                    samples[(name, phase)].append(tps)
+        for name, _, _ in setups:
+            row = {f"{phase}_tokens_per_s": statistics.median(samples[(name, phase)]) for phase in phases_s}
+            row["samples"] = {phase: samples[(name, phase)] for phase in phases_s}
             sess[name] = row
             print(
-                f"session {name}: decode {row['decode_tokens_per_s']:,.0f} tok/s, prefill {row['prefill_tokens_per_s']:,.0f} tok/s"
+                f"session {name}: decode {row['decode_tokens_per_s']:,.0f} tok/s, prefill "
+                f"{row['prefill_tokens_per_s']:,.0f} tok/s (medians of {args.session_rounds})"
             )
         res["session"] = sess
 
@@ -468,43 +491,60 @@ def main(argv=None) -> int:
         res["lookahead"] = look
         direct.close()
 
-        # 4. budget
+        # 4. budget: per budget two tables (one for lookups alone, one for a Session), each pinned
+        # once; rounds of new text in a rotated order, the running caches carried from round to round
         warm = realtext.token_stream(300_000, eos)[200_000:]  # the text just before the measured one
         warm_ids = step_ids(cfg, warm.reshape(1, -1))
-        later = realtext.requests(R, 40, eos, skip=300_000)  # 8 tokens of prompt, then 32 decode steps
-        later_steps = decode_step_ids(cfg, later)[8:]
-        later_refs = [mem.lookup(ids, torch.bfloat16) for ids in later_steps]
-        mem_tier = Tier("memory", path, mem)
-        _, ref_outs_budget = serve(layer, mem_tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
-        budget_rows = []
+        btiers: dict = {}
         for mb in args.budgets_mb:
-            row: dict = {"budget_mb": mb}
-            for part in ("session", "lookups"):
+            for part in ("lookups", "session"):
                 tier = Tier("direct", path, mem, budget=int(mb * 2**20))
                 t = tier.table
                 # half the cache holds the warm-up's hottest rows for good, the other half is a running LRU
-                row["pinned_rows"] = t.pin(DirectTable.hot_rows(warm_ids, t.cache_slots // 2)) if t.cache_slots else 0
+                if t.cache_slots:
+                    t.pin(DirectTable.hot_rows(warm_ids, t.cache_slots // 2))
                 t.hits = t.misses = 0
-                if part == "session":
-                    tps, outs = serve(layer, tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
-                    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs_budget)), f"budget {mb}: outputs differ"
-                    row["session_tokens_per_s"] = tps
-                else:
-                    times = []
-                    for ids, ref in zip(later_steps, later_refs):
-                        tier.cold()
-                        t0 = time.perf_counter()
-                        out = t.lookup(ids, torch.bfloat16)
-                        times.append(time.perf_counter() - t0)
-                        assert torch.equal(out, ref), f"budget {mb}: rows differ"
-                    row["hit_rate"] = t.hits / max(1, t.hits + t.misses)
-                    row["tokens_per_s"] = R / statistics.median(times)
-                tier.close()
+                btiers[(mb, part)] = tier
+        bsamples: dict = {(mb, part): [] for mb in args.budgets_mb for part in ("lookups", "session")}
+        mem_tier = Tier("memory", path, mem)
+        for rnd in range(args.budget_rounds):
+            later = realtext.requests(R, 40, eos, skip=300_000 + rnd * R * 40)  # 8 tokens of prompt, 32 steps
+            later_steps = decode_step_ids(cfg, later)[8:]
+            later_refs = [mem.lookup(ids, torch.bfloat16) for ids in later_steps]
+            _, ref_outs_budget = serve(layer, mem_tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
+            k = rnd % len(args.budgets_mb)
+            for mb in args.budgets_mb[k:] + args.budgets_mb[:k]:
+                tier = btiers[(mb, "session")]
+                tps, outs = serve(layer, tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
+                assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs_budget)), f"budget {mb}: outputs differ"
+                bsamples[(mb, "session")].append(tps)
+                tier = btiers[(mb, "lookups")]
+                times = []
+                for ids, ref in zip(later_steps, later_refs):
+                    tier.cold()
+                    t0 = time.perf_counter()
+                    out = tier.table.lookup(ids, torch.bfloat16)
+                    times.append(time.perf_counter() - t0)
+                    assert torch.equal(out, ref), f"budget {mb}: rows differ"
+                bsamples[(mb, "lookups")].append(R / statistics.median(times))
+        budget_rows = []
+        for mb in args.budgets_mb:
+            t = btiers[(mb, "lookups")].table
+            row = {
+                "budget_mb": mb,
+                "pinned_rows": t.pinned_rows,
+                "hit_rate": t.hits / max(1, t.hits + t.misses),
+                "tokens_per_s": statistics.median(bsamples[(mb, "lookups")]),
+                "session_tokens_per_s": statistics.median(bsamples[(mb, "session")]),
+                "samples": {"lookups": bsamples[(mb, "lookups")], "session": bsamples[(mb, "session")]},
+            }
             budget_rows.append(row)
             print(
                 f"budget {mb:g} MB: {row['pinned_rows']:,} rows pinned, hit rate {row['hit_rate']:.1%}, "
                 f"{row['tokens_per_s']:,.0f} tok/s (lookups), {row['session_tokens_per_s']:,.0f} tok/s (Session decode)"
             )
+        for tier in btiers.values():
+            tier.close()
         res["budget"] = budget_rows
         if args.plot:
             plot_budget(budget_rows, Path(args.plot))
