@@ -187,23 +187,27 @@ def decode_step_ids(cfg: PLEConfig, tokens: np.ndarray) -> list[torch.Tensor]:
     return [ids[:, k].contiguous() for k in range(s)]
 
 
-def rows_per_second(tier: Tier, batches: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
+def rows_per_second(
+    tier: Tier, batches: list[torch.Tensor], refs: list[torch.Tensor], read_batches: list[torch.Tensor] | None = None
+) -> dict:
     """A tier's cold rows/s over ``batches`` (each checked against ``refs``): a step's distinct rows
-    over its lookup's time, and (direct tier) over the time of reading them alone (``read_rows``)."""
-    times, read_times, rows = [], [], 0
+    over its lookup's time; with ``read_batches`` (direct tier), also over the time of reading
+    those batches' rows alone (``read_rows``)."""
+    times, read_times, rows, read_rows = [], [], 0, 0
     for ids, ref in zip(batches, refs):
         tier.cold()
         t0 = time.perf_counter()
         out = tier.table.lookup(ids, torch.bfloat16)
         times.append(time.perf_counter() - t0)
         assert torch.equal(out, ref), f"{tier.kind}: rows differ from the in-memory table's"
+        rows += int(np.unique(ids.numpy()).size)
+    for ids in read_batches or []:
         distinct = np.unique(ids.numpy())
-        rows += distinct.size
-        if tier.kind == "direct":
-            tier.cold()
-            t0 = time.perf_counter()
-            tier.table.read_rows(distinct)
-            read_times.append(time.perf_counter() - t0)
+        tier.cold()
+        t0 = time.perf_counter()
+        tier.table.read_rows(distinct)
+        read_times.append(time.perf_counter() - t0)
+        read_rows += distinct.size
     n = rows / len(times)
     res = {
         "rows_per_batch": n,
@@ -211,7 +215,7 @@ def rows_per_second(tier: Tier, batches: list[torch.Tensor], refs: list[torch.Te
         "rows_per_s": n / statistics.median(times),
     }
     if read_times:
-        res["read_rows_per_s"] = n / statistics.median(read_times)
+        res["read_rows_per_s"] = read_rows / len(read_times) / statistics.median(read_times)
     return res
 
 
@@ -272,9 +276,10 @@ def serve(
     return tokens / timed, outs
 
 
-def read_time(tier: Tier, ids: torch.Tensor) -> float:
+def read_time(tier: Tier, batches: list[torch.Tensor]) -> float:
+    """The median cold lookup time of ``batches`` (each read once: rows not read before)."""
     times = []
-    for _ in range(3):
+    for ids in batches:
         tier.cold()
         t0 = time.perf_counter()
         tier.table.lookup(ids, torch.bfloat16)
@@ -282,12 +287,12 @@ def read_time(tier: Tier, ids: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def exposed_share(layer, tier: Tier, toks: dict, read_s: float, work_s: float, kind: str, repeat: int = 5) -> float:
+def exposed_share(layer, tier: Tier, steps: list[dict], read_s: float, work_s: float, kind: str) -> float:
     """The read time left exposed: after ``begin`` (which starts the cold reads) and the simulated
     work, how long the layer still has to wait for its rows (polled), over the cold read time;
-    median of ``repeat``."""
+    median over ``steps`` (one decode step's tokens each, by request: every repeat reads new rows)."""
     c = layer.config.hc_hidden_size
-    n = len(toks)
+    n = len(steps[0])
     hidden = torch.randn(n, c).to(torch.bfloat16)
     a = torch.randn(256, 2560, dtype=torch.bfloat16)
     b = torch.randn(2560, 2560, dtype=torch.bfloat16)
@@ -304,7 +309,7 @@ def exposed_share(layer, tier: Tier, toks: dict, read_s: float, work_s: float, k
                 a @ b
 
     exposed = []
-    for _ in range(repeat):
+    for toks in steps:
         tier.cold()
         layer.table = tier.table
         s = Session(layer, n, lookahead=True)
@@ -368,14 +373,25 @@ def main(argv=None) -> int:
         mem = MemoryTable(mapped.data.clone(), mapped.scale.clone(), "fp8")
         mapped.close()
 
-        # 1. device and tiers, side by side in rounds
+        # 1. device and tiers, side by side in rounds. Every measurement reads text of its own (rows
+        # no earlier measurement read: a disk's own cache, or the host's under a VM, favours none)
         R = args.requests
-        text = realtext.requests(R, 64, eos)
-        decode_batches = decode_step_ids(cfg, text)[8 : 8 + args.decode_batches]
         pr, ps = args.prefill
-        prefill_batches = [step_ids(cfg, realtext.requests(pr, ps, eos, skip=100_000 + k * pr * ps)) for k in range(3)]
-        phases = {"decode": decode_batches, "prefill": prefill_batches}
-        refs = {name: [mem.lookup(b, torch.bfloat16) for b in bs] for name, bs in phases.items()}
+        pos = 0
+
+        def fresh() -> tuple[dict, dict]:
+            """The next decode steps and prefill batches of unread text, and the rows they look up."""
+            nonlocal pos
+            text = realtext.requests(R, 8 + args.decode_batches, eos, skip=pos)
+            pos += text.size
+            batches = {
+                "decode": decode_step_ids(cfg, text)[8:],
+                "prefill": [step_ids(cfg, realtext.requests(pr, ps, eos, skip=pos + k * pr * ps)) for k in range(3)],
+            }
+            pos += 3 * pr * ps
+            assert pos <= 200_000, "section 1 reads the first 200,000 tokens; the others read later text"
+            return batches, {name: [mem.lookup(b, torch.bfloat16) for b in bs] for name, bs in batches.items()}
+
         tiers = {f"direct_depth{d}": Tier("direct", path, mem, depth=d) for d in args.depths}
         tiers["direct_threads_depth32"] = Tier("direct", path, mem, depth=32, reader="threads")
         assert all(t.table.reader_kind == "native" for k, t in tiers.items() if "threads" not in k)
@@ -390,14 +406,18 @@ def main(argv=None) -> int:
                 drop_page_cache(path)
                 iops = fio_iops(path, d, args.fio_seconds)
                 got[f"fio_depth{d}"] = iops if iops is not None else pread_iops(path, d, args.fio_seconds)
+                (phases, refs), (reads, _) = fresh(), fresh()
                 for name in phases:
                     got[f"{name}_direct_depth{d}"] = rows_per_second(
-                        tiers[f"direct_depth{d}"], phases[name], refs[name]
+                        tiers[f"direct_depth{d}"], phases[name], refs[name], reads[name]
                     )
+            (phases, refs), (reads, _) = fresh(), fresh()
             for name in phases:
                 got[f"{name}_direct_threads_depth32"] = rows_per_second(
-                    tiers["direct_threads_depth32"], phases[name], refs[name]
+                    tiers["direct_threads_depth32"], phases[name], refs[name], reads[name]
                 )
+            phases, refs = fresh()
+            for name in phases:
                 mm = Tier("mmap", path, mem)
                 got[f"{name}_mmap"] = rows_per_second(mm, phases[name], refs[name])
                 mm.close()
@@ -437,40 +457,42 @@ def main(argv=None) -> int:
 
         # 2. session tokens/s
         layer = make_layer(cfg)
-        prompts = realtext.requests(R, 16, eos, skip=200_000)
-        steps = realtext.requests(args.decode_steps, R, eos, skip=220_000)
-        pre_prompts = realtext.requests(pr, ps, eos, skip=240_000)
         direct = Tier("direct", path, mem)
-        read_s = read_time(direct, decode_batches[0])
+        read_s = read_time(direct, fresh()[0]["decode"][:3])
         sess: dict = {"decode_read_ms": read_s * 1e3}
-        ref_outs: dict = {}
         setups = [
             ("memory", False, 0.0),
             ("mmap_cold", False, 0.0),
             ("direct_cold", False, 0.0),
             ("direct_cold_lookahead", True, read_s),
         ]
-        phases_s = {
-            "decode": (prompts, steps, False),
-            "prefill": (pre_prompts, np.zeros((0, pr), dtype=np.int64), True),
-        }
-        samples: dict = {(name, phase): [] for name, _, _ in setups for phase in phases_s}
+        samples: dict = {(name, phase): [] for name, _, _ in setups for phase in ("decode", "prefill")}
+        spos = 200_000
         for rnd in range(args.session_rounds):
-            # every round runs each table once, in a rotated order (drift hits all alike)
+            # every round runs each table once, in a rotated order (drift hits all alike), each on text
+            # of its own (rows no earlier run read), checked against the in-memory table on that text
             for name, lookahead, work in setups[rnd % 4 :] + setups[: rnd % 4]:
+                prompts = realtext.requests(R, 16, eos, skip=spos)
+                steps = realtext.requests(args.decode_steps, R, eos, skip=spos + R * 16)
+                pre_prompts = realtext.requests(pr, ps, eos, skip=spos + R * (16 + args.decode_steps))
+                spos += R * (16 + args.decode_steps) + pr * ps
+                assert spos <= 260_000, "section 2 reads tokens 200,000 to 260,000"
                 kind = name.split("_")[0]
+                phases_s = {
+                    "decode": (prompts, steps, False),
+                    "prefill": (pre_prompts, np.zeros((0, pr), dtype=np.int64), True),
+                }
                 for phase, (p, st, chunk) in phases_s.items():
                     tier = Tier(kind, path, mem)
                     tps, outs = serve(layer, tier, p, st, lookahead, work, chunk)
                     tier.close()
-                    if phase not in ref_outs:
-                        ref = Tier("memory", path, mem)
-                        ref_outs[phase] = serve(layer, ref, p, st, False, 0.0, chunk)[1]
-                    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs[phase])), f"{name} {phase} differs"
+                    if kind != "memory":
+                        ref = serve(layer, Tier("memory", path, mem), p, st, False, 0.0, chunk)[1]
+                        assert all(torch.equal(a, b) for a, b in zip(outs, ref)), f"{name} {phase} differs"
                     samples[(name, phase)].append(tps)
         for name, _, _ in setups:
-            row = {f"{phase}_tokens_per_s": statistics.median(samples[(name, phase)]) for phase in phases_s}
-            row["samples"] = {phase: samples[(name, phase)] for phase in phases_s}
+            row = {f"{ph}_tokens_per_s": statistics.median(samples[(name, ph)]) for ph in ("decode", "prefill")}
+            row["samples"] = {ph: samples[(name, ph)] for ph in ("decode", "prefill")}
             sess[name] = row
             print(
                 f"session {name}: decode {row['decode_tokens_per_s']:,.0f} tok/s, prefill "
@@ -479,13 +501,16 @@ def main(argv=None) -> int:
         res["session"] = sess
 
         # 3. lookahead exposed share
-        toks = {k: torch.tensor([int(steps[0, k])]) for k in range(R)}
-        ids = step_ids(cfg, steps[:1].T.copy())
-        read_s = read_time(direct, ids)
+        # fresh requests, one token each: every step's rows unread before (3 for the read time, 5 a case)
+        look_text = realtext.requests(33, R, eos, skip=260_000)
+        look_steps = [{k: torch.tensor([int(row[k])]) for k in range(R)} for row in look_text]
+        read_s = read_time(direct, [step_ids(cfg, look_text[i : i + 1].T.copy()) for i in range(3)])
         look = {"read_ms": read_s * 1e3}
+        case = 0
         for kind in ("sleep", "gemm"):
             for f in (0.5, 1.0, 2.0):
-                share = exposed_share(layer, direct, toks, read_s, f * read_s, kind)
+                share = exposed_share(layer, direct, look_steps[3 + 5 * case : 8 + 5 * case], read_s, f * read_s, kind)
+                case += 1
                 look[f"{kind}_{f}x"] = share
                 print(f"lookahead, {kind} work {f}x the reads: {share:.1%} of the read time exposed")
         res["lookahead"] = look
@@ -508,8 +533,10 @@ def main(argv=None) -> int:
         bsamples: dict = {(mb, part): [] for mb in args.budgets_mb for part in ("lookups", "session")}
         mem_tier = Tier("memory", path, mem)
         for rnd in range(args.budget_rounds):
-            later = realtext.requests(R, 40, eos, skip=300_000 + rnd * R * 40)  # 8 tokens of prompt, 32 steps
-            later_steps = decode_step_ids(cfg, later)[8:]
+            # 8 tokens of prompt, 32 steps; the lookups read other text than the Session (unread rows)
+            later = realtext.requests(R, 40, eos, skip=300_000 + rnd * R * 40)
+            other = realtext.requests(R, 40, eos, skip=300_000 + (args.budget_rounds + rnd) * R * 40)
+            later_steps = decode_step_ids(cfg, other)[8:]
             later_refs = [mem.lookup(ids, torch.bfloat16) for ids in later_steps]
             _, ref_outs_budget = serve(layer, mem_tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
             k = rnd % len(args.budgets_mb)

@@ -11,8 +11,9 @@ slows down by the cold read time). This tier instead, for each lookup:
    each taking the next of the sorted reads as it finishes one, so up to ``queue_depth`` reads are
    in flight. The pool is native (``_native/ple_direct.c``: POSIX threads, one call per lookup,
    no GIL; the rows are copied out by the threads); without the C kernels, Python threads do the
-   same at a higher cost per read (``reader=``; ``reader_kind`` says which). Reads open the file with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned
-   buffers, whole aligned blocks around each row (neighbouring rows in one block share a read);
+   same at a higher cost per read (``reader=``; ``reader_kind`` says which). Reads open the file
+   with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned buffers, whole aligned
+   blocks around each row (neighbouring rows in one block share a read);
    elsewhere (tmpfs, some network file systems) plain reads, each followed by
    ``posix_fadvise(DONTNEED)`` on the range it read, so no cached pages stay behind. ``direct``
    says which (``"odirect"`` or ``"dontneed"``);
@@ -27,7 +28,8 @@ neighbouring rows. A global scale is read once at open.
 
 Resident memory: the cache (its slots plus a bookkeeping allowance of :data:`SLOT_OVERHEAD` bytes
 per slot, all within ``memory_budget``), one aligned buffer per worker (128 KiB; more for rows over
-64 KiB) and a lookup's own rows while it runs. Nothing is mapped and the page cache is neither used nor filled.
+64 KiB) and a lookup's own rows while it runs. Nothing is mapped and the page cache is neither used
+nor filled.
 
 Like a memory map, the file must not be changed in place: every lookup compares its size and
 modification time with those at open first.
