@@ -328,13 +328,13 @@ class Fixture:
         from pathlib import Path
 
         from ..table import DirectTable
-        from ..table.table_file import TableFileWriter
+        from ..table.table_file import TABLE_SUFFIX, TableFileWriter
 
         mem = layer.table
         lay = layer.layout
         fields = layer.config.layout_fields(layer.ple_layer_index)
         folder = Path(tempfile.mkdtemp(prefix="ple-bench-table-"))
-        path = folder / "table.pletable"
+        path = folder / ("table" + TABLE_SUFFIX)
         try:
             with TableFileWriter(path, mem.rows, mem.head_dim, mem.format, lay.shard_rows, fields, force=True) as w:
                 for k in range(-(-mem.rows // lay.shard_rows)):
