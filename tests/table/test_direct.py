@@ -6,6 +6,7 @@ import concurrent.futures
 import ctypes
 import mmap
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from ple._native import NativeUnavailable
 from ple.errors import InvalidArgumentError, UsageError
 from ple.table import FORMATS, MemoryTable, TableFileError
+from ple.table import direct as direct_module
 from ple.table.base import TableRef, lookup_through
 from ple.table.direct import SLOT_OVERHEAD, DirectTable, _NativeReader, _spans
 from ple.table.formats import BLOCK_FORMATS
@@ -252,10 +254,35 @@ def test_reader_choice_without_the_native_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("PLE_NATIVE", "0")
     with pytest.raises(NativeUnavailable, match="PLE_NATIVE=0"):
         DirectTable(path, reader="native")
-    t = DirectTable(path)  # turned off on purpose: the Python threads, and the table says so
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # turned off on purpose: no warning
+        t = DirectTable(path)
     try:
-        assert t.reader_kind == "threads"
+        assert t.reader_kind == "threads"  # the Python threads, and the table says so
         ids = random_ids(ROWS, 8, 4, seed=1)
         assert_same(t.lookup(ids, torch.bfloat16), mem.lookup(ids, torch.bfloat16))
     finally:
         t.close()
+    # wanted but not built (no compiler, say): the Python threads, with a warning that says why, once
+    monkeypatch.delenv("PLE_NATIVE")
+    monkeypatch.setattr(direct_module, "_warned_threads", False)
+
+    def unavailable():
+        raise NativeUnavailable("no C compiler: 'cc' is not on PATH")
+
+    monkeypatch.setattr(direct_module._native, "library", unavailable)
+    for k in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = DirectTable(path)
+        t.close()
+        assert t.reader_kind == "threads"
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert said == (
+            []
+            if k
+            else [
+                "ple: DirectTable reads with Python threads (a fraction of the device's "
+                "rate): no C compiler: 'cc' is not on PATH"
+            ]
+        )

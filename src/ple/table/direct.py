@@ -42,6 +42,7 @@ import ctypes
 import mmap
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,28 @@ class _Reader:
         self._pool.shutdown(wait=wait)
 
 
+_warned_threads = False
+
+
+def _native_reader_available() -> bool:
+    """Whether the native reader loads; warns once, with the reason, when it was wanted but does
+    not (``PLE_NATIVE=0`` turns it off without a warning)."""
+    global _warned_threads
+    try:
+        _native.library()
+        return True
+    except _native.NativeUnavailable as e:
+        off = os.environ.get("PLE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+        if not off and not _warned_threads:
+            _warned_threads = True
+            warnings.warn(
+                f"ple: DirectTable reads with Python threads (a fraction of the device's rate): {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+
+
 class _ReadError(ctypes.Structure):
     _fields_ = [
         ("err", ctypes.c_int32),
@@ -252,8 +275,8 @@ class DirectTable(Table):
         reader: who issues the reads: ``"native"`` (the C pool of ``_native/ple_direct.c``, or
             :class:`~ple._native.NativeUnavailable` with the reason), ``"threads"`` (Python threads
             calling ``os.preadv``: about half the device's rate on a 2-core machine), or ``None``:
-            native when the C kernels build here, else threads with the warning the kernels give
-            when they fail to build (``PLE_NATIVE=0`` turns them off on purpose). ``reader_kind``
+            native when the C kernels build here, else threads with a warning that gives the
+            reason (once; ``PLE_NATIVE=0`` turns the kernels off on purpose, without one). ``reader_kind``
             says which one runs.
     """
 
@@ -273,7 +296,7 @@ class DirectTable(Table):
         if reader not in (None, "native", "threads"):
             raise InvalidArgumentError(f"reader must be 'native', 'threads' or None, got {reader!r}")
         if reader is None:
-            reader = "native" if _native.available() else "threads"
+            reader = "native" if _native_reader_available() else "threads"
         path = Path(path)
         fd, header, st = open_table(path, expected_layout_hash)
         super().__init__(header["format"], header["rows"], header["head_dim"])
