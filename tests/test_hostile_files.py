@@ -168,6 +168,11 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_isa_available(int isa) { return isa == 0; }\n"
     "int ple_set_isa(int isa) { (void)isa; return 0; }\n"
     "int ple_current_isa(void) { return 0; }\n"
+    # the direct tier's reader
+    "int ple_reader_new(void) { return 0; }\n"
+    "int ple_reader_read(void) { return 0; }\n"
+    "int ple_reader_reads(void) { return 0; }\n"
+    "void ple_reader_free(void) {}\n"
 )
 
 

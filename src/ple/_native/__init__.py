@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
-_SOURCES = (_SOURCE, Path(__file__).with_name("ple_quant.c"))
+_SOURCES = (_SOURCE, Path(__file__).with_name("ple_quant.c"), Path(__file__).with_name("ple_direct.c"))
 """Every C file of the library: the fused step and ids (``ple_cpu.c``), the block-format lookup
-(``ple_quant.c``)."""
+(``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``)."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -284,6 +284,10 @@ _SYMBOLS = (
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
+    "ple_reader_new",
+    "ple_reader_read",
+    "ple_reader_reads",
+    "ple_reader_free",
 )
 """The functions the library must export (what :func:`_declare` declares)."""
 
@@ -339,6 +343,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [i32]
     lib.ple_current_isa.restype = i32
     lib.ple_current_isa.argtypes = []
+    # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
+    lib.ple_reader_new.restype = i32
+    lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]
+    # handle, pieces, offsets, lengths, destinations, max span, error out
+    lib.ple_reader_read.restype = i64
+    lib.ple_reader_read.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]
+    lib.ple_reader_reads.restype = i64
+    lib.ple_reader_reads.argtypes = [ptr]
+    lib.ple_reader_free.restype = None
+    lib.ple_reader_free.argtypes = [ptr]
 
 
 def library() -> ctypes.CDLL:

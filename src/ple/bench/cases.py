@@ -253,13 +253,22 @@ class Fixture:
     shared with the ple layer (:meth:`ple.layer.PLELayer.from_transformers`), never copied.
     """
 
-    def __init__(self, geometry: Geometry, device: str | torch.device = "cpu", seed: int = 0):
+    def __init__(
+        self,
+        geometry: Geometry,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        memory_budget_mb: int | None = None,
+    ):
         self.geometry = geometry
         self.device = torch.device(device)
         self.seed = seed
+        self.memory_budget_mb = memory_budget_mb
         self._hf_config = None
         self._modules: dict[torch.dtype, nn.Module] = {}
         self._layers: dict[torch.dtype, Any] = {}
+        self.direct_tables: dict[torch.dtype, Any] = {}
+        """With ``memory_budget_mb``: the direct tier serving each dtype's ple layer."""
 
     # ---------------------------------------------------------------- transformers side
     @property
@@ -296,12 +305,86 @@ class Fixture:
         return self._modules[dtype]
 
     def layer(self, dtype: torch.dtype):
-        """The ple layer sharing ``module(dtype)``'s weights and table."""
+        """The ple layer sharing ``module(dtype)``'s weights and table (with ``memory_budget_mb``:
+        its table served by the direct tier instead, see :meth:`direct_table`)."""
         if dtype not in self._layers:
             from ..layer import PLELayer
 
-            self._layers[dtype] = PLELayer.from_transformers(self.module(dtype))
+            layer = PLELayer.from_transformers(self.module(dtype))
+            if self.memory_budget_mb is not None:
+                layer.table = self.direct_table(layer, dtype)
+            self._layers[dtype] = layer
         return self._layers[dtype]
+
+    def direct_table(self, layer, dtype: torch.dtype):
+        """``layer``'s in-memory table written to a table file in a temporary folder (removed once
+        open: the table keeps its descriptor) and served by :class:`~ple.table.DirectTable` with
+        ``memory_budget_mb`` MB of rows in memory: half its cache pinned with the rows a warm-up
+        stream reads most (100,000 tokens of the same source, away from the cases' text), the other
+        half a running LRU cache; every other row read from disk (O_DIRECT) when a step needs it."""
+        import os
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from ..table import DirectTable
+        from ..table.table_file import TABLE_SUFFIX, TableFileWriter
+
+        mem = layer.table
+        lay = layer.layout
+        fields = layer.config.layout_fields(layer.ple_layer_index)
+        folder = Path(tempfile.mkdtemp(prefix="ple-bench-table-"))
+        path = folder / ("table" + TABLE_SUFFIX)
+        try:
+            with TableFileWriter(path, mem.rows, mem.head_dim, mem.format, lay.shard_rows, fields, force=True) as w:
+                for k in range(-(-mem.rows // lay.shard_rows)):
+                    lo = k * lay.shard_rows
+                    w.write_shard(k, mem.data[lo : lo + lay.shard_rows].cpu())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written pages leave the page cache
+            finally:
+                os.close(fd)
+            assert self.memory_budget_mb is not None
+            table = DirectTable(path, fields, memory_budget=self.memory_budget_mb << 20)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        geo = self.geometry
+        if geo.token_source == "real":
+            from ..realtext import token_stream
+
+            warm = torch.from_numpy(token_stream(400_000, geo.eos_token_id)[300_000:])
+        else:
+            warm = self.tokens((100_000,), salt=4242).cpu()
+        ids = ple_ngram.ngram_ids(
+            warm,
+            torch.tensor([0, warm.numel()]),
+            ple_ngram.fresh_context(1, lay, geo.eos_token_id),
+            lay,
+            geo.eos_token_id,
+        )
+        table.pin(DirectTable.hot_rows(ids, table.cache_slots // 2))
+        table.hits = table.misses = 0
+        self.direct_tables[dtype] = table
+        return table
+
+    def table_report(self) -> dict[str, Any] | None:
+        """What served ple's tables with ``memory_budget_mb``: the tier, its budget, pinned rows and
+        the hit rate of its cache over the run (per dtype); None for the in-memory table."""
+        if self.memory_budget_mb is None:
+            return None
+        out: dict[str, Any] = {"tier": "direct", "memory_budget_mb": self.memory_budget_mb}
+        for dtype, t in self.direct_tables.items():
+            seen = t.hits + t.misses
+            out[dtype_name(dtype)] = {
+                "cache_slots": t.cache_slots,
+                "pinned_rows": t.pinned_rows,
+                "hit_rate": t.hits / seen if seen else None,
+                "rows_read": t.misses,
+                "reader": t.reader_kind,
+                "io": t.direct,
+            }
+        return out
 
     def ngram_module(self) -> nn.Module:
         """transformers' ``Qwen4ExpTextNGramEmbedding`` whose forward returns ``[B, S, G]`` row ids."""

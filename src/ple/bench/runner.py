@@ -95,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--synthetic-tokens", action="store_true", help="uniform random tokens instead of real text (ple.realtext)"
     )
+    parser.add_argument(
+        "--memory-budget",
+        type=argtypes.non_negative_int,
+        default=None,
+        metavar="MB",
+        help="serve ple's table from the direct tier (a table file read with O_DIRECT) keeping MB of rows in "
+        "memory: half the rows a warm-up of the same text reads most, half a running cache (default: the "
+        "table in memory)",
+    )
     parser.add_argument("--device", type=argtypes.device, default="cpu", help="torch device (default cpu)")
     parser.add_argument(
         "--threads", type=argtypes.positive_int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -529,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
         raise PLEError(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    fixture = Fixture(geometry, device, seed=args.seed)
+    fixture = Fixture(geometry, device, seed=args.seed, memory_budget_mb=getattr(args, "memory_budget", None))
 
     if args.profile:
         from .profile import profile_case
@@ -562,6 +571,13 @@ def run(args: argparse.Namespace) -> int:
     report["settings"]["max_repeat"] = max_repeat
     report["elapsed_s"] = time.perf_counter() - t0
     table = markdown_table(records, geometry)
+    served = fixture.table_report()
+    if served is not None:
+        report["settings"]["table"] = served
+        rates = ", ".join(
+            f"{k} {v['hit_rate']:.1%}" for k, v in served.items() if isinstance(v, dict) and v["hit_rate"] is not None
+        )
+        table += f"ple's table: direct tier, memory budget {served['memory_budget_mb']} MB; cache hit rate {rates or 'n/a'}\n"
     if args.json:
         print(json.dumps(report, indent=2), file=out)
     else:

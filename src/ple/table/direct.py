@@ -8,9 +8,12 @@ slows down by the cold read time). This tier instead, for each lookup:
 2. serves the rows its own cache holds (a bounded LRU of rows in memory within ``memory_budget``; rows
    given to :meth:`DirectTable.pin` stay there for good);
 3. reads the others with ``pread`` from a pool of ``queue_depth`` worker threads (32 by default),
-   each looping over its share of the sorted reads, so up to ``queue_depth`` reads are in flight.
-   Reads open the file with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned
-   buffers, whole aligned blocks around each row (neighbouring rows in one block share a read);
+   each taking the next of the sorted reads as it finishes one, so up to ``queue_depth`` reads are
+   in flight. The pool is native (``_native/ple_direct.c``: POSIX threads, one call per lookup,
+   no GIL; the rows are copied out by the threads); without the C kernels, Python threads do the
+   same at a higher cost per read (``reader=``; ``reader_kind`` says which). Reads open the file
+   with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned buffers, whole aligned
+   blocks around each row (neighbouring rows in one block share a read);
    elsewhere (tmpfs, some network file systems) plain reads, each followed by
    ``posix_fadvise(DONTNEED)`` on the range it read, so no cached pages stay behind. ``direct``
    says which (``"odirect"`` or ``"dontneed"``);
@@ -24,8 +27,9 @@ together with the row reads, in the same batch, and one 4 KiB block of scales se
 neighbouring rows. A global scale is read once at open.
 
 Resident memory: the cache (its slots plus a bookkeeping allowance of :data:`SLOT_OVERHEAD` bytes
-per slot, all within ``memory_budget``), one 128 KiB aligned buffer per worker (more for rows over 64 KiB), and a lookup's own rows
-while it runs. Nothing is mapped and the page cache is neither used nor filled.
+per slot, all within ``memory_budget``), one aligned buffer per worker (128 KiB; more for rows over
+64 KiB) and a lookup's own rows while it runs. Nothing is mapped and the page cache is neither used
+nor filled.
 
 Like a memory map, the file must not be changed in place: every lookup compares its size and
 modification time with those at open first.
@@ -34,14 +38,17 @@ modification time with those at open first.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import mmap
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import _native
 from ..errors import InvalidArgumentError, UsageError
 from .base import Table
 from .formats import format_info
@@ -77,13 +84,17 @@ class _Job:
 
 
 class _Reader:
-    """Issues sorted block reads from ``depth`` worker threads, each with its own aligned buffer."""
+    """Issues sorted block reads from ``depth`` Python worker threads, each with its own aligned
+    buffer (the reader when the native one is not used)."""
 
-    def __init__(self, fd: int, depth: int, drop_cache: bool, size: int) -> None:
+    kind = "threads"
+
+    def __init__(self, fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> None:
         self.fd = fd
         self.size = size
         self.depth = depth
         self.drop_cache = drop_cache
+        self.path = path
         self._local = threading.local()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ple-direct")
         self.reads = 0
@@ -108,25 +119,28 @@ class _Reader:
         view = memoryview(buf)
         arr = np.frombuffer(buf, dtype=np.uint8)
         spans = job.spans[lo:hi].tolist()
-        fd, size, drop = self.fd, self.size, self.drop_cache
+        fd, size, drop, path = self.fd, self.size, self.drop_cache, self.path
         cols = np.arange(job.width)
         for k in range(0, len(spans), per):
             group = spans[k : k + per]
             for j, (off, n) in enumerate(group):
                 got = os.preadv(fd, [view[j * slot : j * slot + n]], off)
                 if got < min(n, size - off):  # an aligned read may run past the end of the file
-                    raise TableFileError(f"short read: {got} of {n} bytes at byte {off} (was the file truncated?)")
+                    raise TableFileError(
+                        f"{path}: reading {n} bytes at byte {off}: short read, {got} bytes (was the file truncated?)"
+                    )
                 if drop:
                     os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
             a, b = job.first[lo + k], job.first[lo + k + len(group)]
             src = (job.span_of[a:b] - (lo + k)) * slot + job.at[a:b]
             job.dest[a:b] = arr[src[:, None] + cols]
 
-    def read(self, jobs: list[_Job]) -> None:
-        """Run every job's spans on the workers: each takes the next group of spans as it finishes
-        its last (a shared queue, so no worker waits on a slow share while others idle)."""
+    def read(self, pieces: list[tuple[np.ndarray, int, np.ndarray]]) -> None:
+        """Read every ``(offsets, width, dest)`` on the workers: each takes the next group of spans
+        as it finishes its last (a shared queue, so no worker waits on a slow share while others idle)."""
         groups = []
-        for job in jobs:
+        for offsets, width, dest in pieces:
+            job = _Job(offsets, width, dest)
             n = job.spans.shape[0]
             self.reads += n
             size = max(1, min(_BUFFER // job.slot, n // (4 * self.depth)))
@@ -143,8 +157,92 @@ class _Reader:
         for f in futures:
             f.result()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
+
+
+_warned_threads = False
+
+
+def _native_reader_available() -> bool:
+    """Whether the native reader loads; warns once, with the reason, when it was wanted but does
+    not (``PLE_NATIVE=0`` turns it off without a warning)."""
+    global _warned_threads
+    try:
+        _native.library()
+        return True
+    except _native.NativeUnavailable as e:
+        off = os.environ.get("PLE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+        if not off and not _warned_threads:
+            _warned_threads = True
+            warnings.warn(
+                f"ple: DirectTable reads with Python threads (a fraction of the device's rate): {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+
+
+class _ReadError(ctypes.Structure):
+    _fields_ = [
+        ("err", ctypes.c_int32),
+        ("offset", ctypes.c_int64),
+        ("length", ctypes.c_int64),
+        ("got", ctypes.c_int64),
+    ]
+
+
+class _NativeReader:
+    """The C reader of ``_native/ple_direct.c``: ``depth`` POSIX threads issue the reads (one
+    ``pread`` each, in flight together) and copy the rows out, without the GIL; one call per lookup."""
+
+    kind = "native"
+
+    def __init__(self, fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> None:
+        self._lib = _native.library()  # NativeUnavailable with the reason
+        self.path = path
+        handle = ctypes.c_void_p()
+        err = self._lib.ple_reader_new(fd, depth, BLOCK, int(drop_cache), size, ctypes.byref(handle))
+        if err:
+            raise OSError(err, f"starting {depth} reader threads for {path}: {os.strerror(err)}")
+        self._handle: ctypes.c_void_p | None = handle
+
+    @property
+    def reads(self) -> int:
+        return 0 if self._handle is None else int(self._lib.ple_reader_reads(self._handle))
+
+    def read(self, pieces: list[tuple[np.ndarray, int, np.ndarray]]) -> None:
+        """Read every ``(offsets, width, dest)``: ``width`` bytes at each of the sorted ``offsets``
+        (int64), into the rows of ``dest [n, width]`` (uint8, C-contiguous). The pieces' offsets
+        taken together must be sorted (rows, then their scales, which follow the rows in the file)."""
+        if self._handle is None:
+            raise UsageError(f"table file {self.path} was closed")
+        parts = [(o, w, d) for o, w, d in pieces if o.size]
+        if not parts:
+            return
+        offsets = np.ascontiguousarray(np.concatenate([o for o, _, _ in parts]), dtype=np.int64)
+        lengths = np.concatenate([np.full(o.size, w, dtype=np.int64) for o, w, _ in parts])
+        dests = np.concatenate([d.ctypes.data + w * np.arange(o.size, dtype=np.uint64) for o, w, d in parts])
+        error = _ReadError()
+        got = self._lib.ple_reader_read(
+            self._handle,
+            offsets.size,
+            offsets.ctypes.data,
+            lengths.ctypes.data,
+            dests.ctypes.data,
+            _BUFFER,
+            ctypes.byref(error),
+        )
+        if got < 0:
+            where = f"{self.path}: reading {error.length} bytes at byte {error.offset}"
+            if error.err:
+                raise TableFileError(f"{where} failed: {os.strerror(error.err)} (errno {error.err})")
+            raise TableFileError(f"{where}: short read, {error.got} bytes (was the file truncated?)")
+
+    def close(self, wait: bool = True) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.ple_reader_free(handle)
 
 
 def _spans(offsets: np.ndarray, width: int, align: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -174,6 +272,12 @@ class DirectTable(Table):
         queue_depth: worker threads, i.e. reads in flight (>= 1; 32 by default).
         direct: ``None`` (O_DIRECT where possible), ``True`` (O_DIRECT or an error), ``False``
             (plain reads dropped from the page cache after each).
+        reader: who issues the reads: ``"native"`` (the C pool of ``_native/ple_direct.c``, or
+            :class:`~ple._native.NativeUnavailable` with the reason), ``"threads"`` (Python threads
+            calling ``os.preadv``: about half the device's rate on a 2-core machine), or ``None``:
+            native when the C kernels build here, else threads with a warning that gives the
+            reason (once; ``PLE_NATIVE=0`` turns the kernels off on purpose, without one). ``reader_kind``
+            says which one runs.
     """
 
     def __init__(
@@ -184,10 +288,15 @@ class DirectTable(Table):
         memory_budget: int = 0,
         queue_depth: int = 32,
         direct: bool | None = None,
+        reader: str | None = None,
     ) -> None:
         for name, v, lo in (("memory_budget", memory_budget, 0), ("queue_depth", queue_depth, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
+        if reader not in (None, "native", "threads"):
+            raise InvalidArgumentError(f"reader must be 'native', 'threads' or None, got {reader!r}")
+        if reader is None:
+            reader = "native" if _native_reader_available() else "threads"
         path = Path(path)
         fd, header, st = open_table(path, expected_layout_hash)
         super().__init__(header["format"], header["rows"], header["head_dim"])
@@ -210,7 +319,18 @@ class DirectTable(Table):
             self._global_scale = torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what validation read leaves no trace
         self._rfd, self.direct = self._open_reader(path, fd, direct)
-        self._reader = _Reader(self._rfd, queue_depth, self.direct == "dontneed", st.st_size)
+        make = _NativeReader if reader == "native" else _Reader
+        try:
+            self._reader: _Reader | _NativeReader = make(
+                self._rfd, queue_depth, self.direct == "dontneed", st.st_size, path
+            )
+        except BaseException:
+            if self._rfd != fd:
+                os.close(self._rfd)
+            os.close(fd)
+            self._fd = -1
+            raise
+        self.reader_kind = make.kind
         self.queue_depth = queue_depth
         self.memory_budget = memory_budget
         self._slot_bytes = self._row_nbytes + (4 if kind == "row" else 0) + SLOT_OVERHEAD
@@ -265,6 +385,11 @@ class DirectTable(Table):
     def cache_slots(self) -> int:
         return int(self._cache_rows.shape[0])
 
+    @property
+    def pinned_rows(self) -> int:
+        """Rows held in the cache for good (:meth:`pin`)."""
+        return self._pinned
+
     def check_file(self) -> None:
         """Raise :class:`TableFileError` if the file was changed in place since it was opened."""
         if self._fd < 0:
@@ -287,15 +412,17 @@ class DirectTable(Table):
         scales = np.empty(n, dtype=np.float32) if per_row else None
         miss = self._from_cache(rows, out, scales)
         if miss.size:
-            mrows = rows[miss]
-            mout = np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
-            jobs = [_Job(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, mout)]
+            every = miss.size == n  # nothing from the cache: the reads land in ``out`` itself
+            mrows = rows if every else rows[miss]
+            mout = out if every else np.empty((miss.size, self._row_nbytes), dtype=np.uint8)
+            pieces = [(self._data_offset + mrows * self._row_nbytes, self._row_nbytes, mout)]
             mscale = None
             if per_row:
                 mscale_bytes = np.empty((miss.size, 4), dtype=np.uint8)
-                jobs.append(_Job(self._scale_offset + 4 * mrows, 4, mscale_bytes))
-            self._reader.read(jobs)
-            out[miss] = mout
+                pieces.append((self._scale_offset + 4 * mrows, 4, mscale_bytes))
+            self._reader.read(pieces)
+            if not every:
+                out[miss] = mout
             if per_row:
                 mscale = mscale_bytes.view("<f4").reshape(-1).astype(np.float32)
                 assert scales is not None
@@ -433,7 +560,7 @@ class DirectTable(Table):
             self._fd = -1
             reader = getattr(self, "_reader", None)
             if reader is not None:
-                reader._pool.shutdown(wait=False)
+                reader.close(wait=False)
             rfd = getattr(self, "_rfd", fd)
             if rfd != fd:
                 os.close(rfd)
