@@ -332,3 +332,10 @@ def test_architecture_map_lists_the_levels():
         return rel + "/" if name in PACKAGES else rel + ".py"
 
     assert listed == {path(name): level for name, level, _ in LEVELS}
+
+
+def test_no_module_is_over_a_thousand_lines():
+    """A module that grows past 1,000 lines is split along its seams (the rule in ARCHITECTURE.md)."""
+    sizes = {p.relative_to(SRC).as_posix(): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
+    assert sizes and max(sizes.values()) > 100  # the walk found the package
+    assert {name: n for name, n in sizes.items() if n > 1000} == {}
