@@ -42,6 +42,9 @@ _PARAMS = ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "con
 # kernels that sum in another order). bf16 rows were identical at every count tried.
 _ROW_BLOCK = 4
 
+# the fused operator's state offsets for the engine layout (unread there)
+_NO_OFFSETS = torch.empty(0, dtype=torch.int64)
+
 
 class PLELayer(nn.Module):
     """One PLE layer.
@@ -248,7 +251,8 @@ class PLELayer(nn.Module):
 
     # ------------------------------------------------------------------ derived weights
     def _param_stamp(self) -> tuple:
-        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in (getattr(self, n) for n in _PARAMS))
+        ps = self._parameters  # read directly: nn.Module.__getattr__ per name cost a few microseconds a call
+        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in [ps[n] for n in _PARAMS])
 
     def refresh_weights(self) -> None:
         """Recompute the derived buffers (``kv_weight``, the gate's and conv's fp32 factors, the
@@ -275,6 +279,20 @@ class PLELayer(nn.Module):
                     old.copy_(value)
             else:
                 self.register_buffer(name, value.clone(), persistent=False)
+        cfg = self.config
+        # the fused operator's weight arguments in its schema's order, for the eager engine call
+        self._fused_args = (
+            self.norm_key,
+            self.norm_query,
+            self.norm_conv,
+            self.gate_key_query,
+            self.gate_conv_scale,
+            cfg.rms_norm_eps,
+            cfg.hc_count,
+            self.conv_weight,
+            self.conv_taps,
+            cfg.ngram_size,
+        )
         self._seen = self._param_stamp()
 
     def _apply(self, fn, recurse=True):
@@ -441,18 +459,28 @@ class PLELayer(nn.Module):
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):
-            return ops_library.gate_conv(
-                key,
-                value,
-                hidden,
-                self.gate_weights,
-                self.conv_weights,
-                batch.step_meta(),
-                token_mask=token_mask,
-                add_hidden=add_hidden,
-                return_conv_input=return_conv_input,
-                validate=False,
-            )
+            if torch.compiler.is_compiling():
+                return ops_library.gate_conv(
+                    key,
+                    value,
+                    hidden,
+                    self.gate_weights,
+                    self.conv_weights,
+                    batch.step_meta(),
+                    token_mask=token_mask,
+                    add_hidden=add_hidden,
+                    return_conv_input=return_conv_input,
+                    validate=False,
+                )
+            # eagerly the operator takes the arguments kept since the weights last changed (no records)
+            offsets = batch.state_offsets
+            ring = offsets is not None
+            out, c = torch.ops.ple.gate_conv(
+                key, value, hidden, *self._fused_args, batch.query_start_loc, batch.conv_state, batch.slot_indices,
+                batch.has_initial_state, batch.num_rejected, offsets if ring else _NO_OFFSETS, ring, token_mask,
+                add_hidden, return_conv_input,
+            )  # fmt: skip
+            return (out, c) if return_conv_input else out
 
     # ------------------------------------------------------------------ training-style call
     def forward_padded(
