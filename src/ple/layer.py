@@ -25,6 +25,7 @@ from torch import nn
 from .config import PLEConfig
 from .errors import InvalidArgumentError, UsageError
 from .ngram import layout_tensors, ngram_ids
+from .operators import OPERATORS
 from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
@@ -251,7 +252,8 @@ class PLELayer(nn.Module):
 
     # ------------------------------------------------------------------ derived weights
     def _param_stamp(self) -> tuple:
-        ps = self._parameters  # read directly: nn.Module.__getattr__ per name cost a few microseconds a call
+        # read directly: nn.Module.__getattr__ per name cost a few microseconds a call
+        ps: dict[str, torch.Tensor] = self._parameters  # type: ignore[assignment]
         return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in [ps[n] for n in _PARAMS])
 
     def refresh_weights(self) -> None:
@@ -293,6 +295,8 @@ class PLELayer(nn.Module):
             self.conv_taps,
             cfg.ngram_size,
         )
+        derived = (self.kv_weight, self.ngram_multipliers, self.ngram_head_sizes, self.ngram_head_offsets)
+        self._on_cpu = all(t.device.type == "cpu" for t in (*self._fused_args[:5], *self._fused_args[7:9], *derived))
         self._seen = self._param_stamp()
 
     def _apply(self, fn, recurse=True):
@@ -441,9 +445,10 @@ class PLELayer(nn.Module):
 
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input):
         """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
+        ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask)
         if rows is None:
             with ops_library.named_range("ple.ids"):
-                ids = torch.ops.ple.ngram_ids(
+                ids = ids_op(
                     input_ids,
                     batch.query_start_loc,
                     batch.ngram_context,
@@ -455,7 +460,7 @@ class PLELayer(nn.Module):
                     self.config.vocab_size,  # token values checked where they are in host memory
                 )
             with ops_library.named_range("ple.lookup"):
-                rows = lookup_through(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                rows = lookup_op(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):
@@ -475,7 +480,7 @@ class PLELayer(nn.Module):
             # eagerly the operator takes the arguments kept since the weights last changed (no records)
             offsets = batch.state_offsets
             ring = offsets is not None
-            out, c = torch.ops.ple.gate_conv(
+            out, c = fused_op(
                 key, value, hidden, *self._fused_args, batch.query_start_loc, batch.conv_state, batch.slot_indices,
                 batch.has_initial_state, batch.num_rejected, offsets if ring else _NO_OFFSETS, ring, token_mask,
                 add_hidden, return_conv_input,
@@ -531,6 +536,37 @@ class PLELayer(nn.Module):
         conv = F.conv1d(x, self.conv_weight.unsqueeze(1), groups=cfg.hc_hidden_size, dilation=cfg.ngram_size)
         out = v + F.silu(conv).transpose(1, 2)
         return (out, c) if return_conv_input else out
+
+
+_CPU = torch.device("cpu")
+
+
+def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> tuple:
+    """The ids, lookup and fused operators as the engine call runs them.
+
+    Eagerly with every operand on the CPU (the CPU functions' checks skip the devices), plain tensors,
+    no profiler and no dispatch mode: the functions the dispatcher would run for CPU tensors
+    (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
+    microseconds per call). Otherwise the ``torch.ops.ple`` operators themselves (compiled and exported
+    code, other devices, tensor subclasses, profiles that show each operator)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(hidden) is not torch.Tensor
+        or hidden.device.type != "cpu"
+        or not layer._on_cpu
+        or input_ids.device.type != "cpu"
+        or batch.ngram_context.device.type != "cpu"
+        or batch.slot_indices.device.type != "cpu"
+        or batch.has_initial_state.device.type != "cpu"
+        or batch.num_rejected.device.type != "cpu"
+        or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
+        or (token_mask is not None and token_mask.device.type != "cpu")
+        or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+        or torch._C._len_torch_dispatch_stack()
+        or "table_lookup" not in OPERATORS
+    ):
+        return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+    return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 
 def _carried_layout_hash(table) -> str | None:
