@@ -690,13 +690,14 @@ class Session:
         else:
             qsl = torch.tensor([0, *_accumulate(lens)], dtype=torch.int64)
         dev = self._device
+        to = _on_host if dev.type == "cpu" else methodcaller("to", dev)
         batch = Batch(
-            query_start_loc=qsl.to(dev),
-            slot_indices=slot_t.to(dev),
+            query_start_loc=to(qsl),
+            slot_indices=to(slot_t),
             kinds=tuple(kinds),
-            has_initial_state=torch.from_numpy(has_init).to(dev),
-            ngram_context=self._contexts.index_select(0, slot_t).to(dev),
-            num_rejected=torch.from_numpy(rejected).to(dev),
+            has_initial_state=to(torch.from_numpy(has_init)),
+            ngram_context=to(self._contexts.index_select(0, slot_t)),
+            num_rejected=to(torch.from_numpy(rejected)),
             conv_state=self._pools[0],
             num_spec=self.num_spec,
             state_offsets=self._offsets[0] if self._ring else None,
@@ -705,7 +706,7 @@ class Session:
         step = SessionStep(
             request_ids=order,
             lens=lens,
-            tokens=packed.to(dev),
+            tokens=to(packed),
             batch=batch,
             num_tokens=total,
             speculative=spec,
@@ -950,6 +951,11 @@ def _starts(hs: list[torch.Tensor]) -> list[int]:
         out.append(total)
         total += h.shape[0]
     return out
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself: the step's tensors were made on the CPU, where a CPU session keeps them."""
+    return t
 
 
 def _out_of_memory(e: BaseException) -> bool:
