@@ -768,6 +768,17 @@ class Session:
     def _end(self, step: SessionStep) -> None:
         if not step.request_ids:
             return
+        arrays, slots = self._arrays, step.slots
+        if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows and self._ctx_len:
+            # a step of decode tokens: each context shifts in its token (the host rows begin() read, in
+            # place), lengths advance
+            ctx = self._contexts.numpy()
+            ctx[slots, :-1] = ctx[slots, 1:]
+            ctx[slots, -1] = step.tokens.cpu().numpy()
+            arrays.has_state[slots] = True
+            arrays.rejected[slots] = 0
+            arrays.length[slots] += 1
+            return
         batch = step.batch
         old_ctx = batch.ngram_context.cpu()
         slot_t = batch.slot_indices.cpu()
@@ -785,7 +796,6 @@ class Session:
             conv = [c.cpu() for c in step.conv_inputs if c is not None]
         requests = self._requests
         if not step.speculative and not step.prefix_rows:  # the common step: lengths advance, nothing else
-            arrays, slots = self._arrays, step.slots
             arrays.has_state[slots] = True
             arrays.rejected[slots] = 0
             arrays.length[slots] += 1 if step.num_tokens == len(step.lens) else np.array(step.lens, dtype=np.int64)
