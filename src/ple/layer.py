@@ -7,8 +7,9 @@ returns what transformers' module returns, with autograd, through the literal re
 
 The engine call is the hot path of a serving engine, written for ``torch.compile(fullgraph=True)``,
 ``torch.export`` and CUDA graphs: the ids, the lookup and the fused step are ``torch.ops.ple``
-operators; checks run outside compiled code and read only shapes, dtypes and host-side values
-(never device data: no host synchronization); the weights the kernels read (the key and value
+operators (eagerly on the CPU their CPU functions are called without the dispatcher, see
+:func:`_operators_for`); checks run outside compiled code and read only shapes, dtypes and host-side
+values (never device data: no host synchronization); the weights the kernels read (the key and value
 projections as one ``[HC*H + H, E]`` matrix, the gate's and the conv's fp32 factors) are buffers
 derived when weights load or change; the table is an opaque reference (never a graph constant).
 """
