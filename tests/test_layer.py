@@ -408,3 +408,42 @@ def test_engine_call_refuses_tokens_outside_the_vocabulary_on_the_cpu():
     with pytest.raises(NgramInputError, match=r"ngram_context\[0, 0\] = -1"):
         layer(torch.randn(3, cfg.hc_hidden_size), torch.tensor([1, 2, 2]), bad_ctx)
     assert torch.equal(pool, torch.zeros_like(pool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
+    """Eagerly on the CPU the engine call runs the operators' CPU functions directly; under a profiler
+    (and in compiled code, other devices, tensor subclasses) the torch.ops.ple operators. Both give the
+    same outputs and states, bit for bit, and refuse the same tokens."""
+    import ple.layer as layer_module
+    from ple.ngram import NgramInputError
+
+    hf, mod, rng = _random_hf(21, dtype)
+    layer = PLELayer.from_transformers(mod)
+    cfg = layer.config
+    lens = [4, 1, 6]
+    toks = torch.cat([_stream(rng, n, cfg.vocab_size, cfg.eos_token_id) for n in lens])
+    h = torch.randn(sum(lens), cfg.hc_hidden_size).to(dtype)
+    ctx = torch.full((3, cfg.ngram_size - 1), cfg.eos_token_id)
+    start = layer.new_state_pool(3)
+    start.normal_()
+    direct = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+    assert direct[2] is not torch.ops.ple.gate_conv  # the CPU function, not the operator
+    outs, pools = [], []
+    for profiled in (False, True):
+        pool = start.clone()
+        batch = Batch.build(lens, [0, 1, 2], ctx, pool, has_initial_state=[True, True, False])
+        if profiled:
+            with torch.profiler.profile() as prof:
+                outs.append(layer(h, toks, batch, return_conv_input=True))
+            names = {e.name for e in prof.events()}
+            assert {"ple::ngram_ids", "ple::table_lookup", "ple::gate_conv"} <= names
+        else:
+            outs.append(layer(h, toks, batch, return_conv_input=True))
+        pools.append(pool)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], start)
+    bad = toks.clone()
+    bad[2] = cfg.vocab_size
+    with pytest.raises(NgramInputError, match=f"token id {cfg.vocab_size} at position 2"):
+        layer(h, bad, Batch.build(lens, [0, 1, 2], ctx, start.clone()))

@@ -7,8 +7,9 @@ returns what transformers' module returns, with autograd, through the literal re
 
 The engine call is the hot path of a serving engine, written for ``torch.compile(fullgraph=True)``,
 ``torch.export`` and CUDA graphs: the ids, the lookup and the fused step are ``torch.ops.ple``
-operators; checks run outside compiled code and read only shapes, dtypes and host-side values
-(never device data: no host synchronization); the weights the kernels read (the key and value
+operators (eagerly on the CPU their CPU functions are called without the dispatcher, see
+:func:`_operators_for`); checks run outside compiled code and read only shapes, dtypes and host-side
+values (never device data: no host synchronization); the weights the kernels read (the key and value
 projections as one ``[HC*H + H, E]`` matrix, the gate's and the conv's fp32 factors) are buffers
 derived when weights load or change; the table is an opaque reference (never a graph constant).
 """
@@ -25,6 +26,7 @@ from torch import nn
 from .config import PLEConfig
 from .errors import InvalidArgumentError, UsageError
 from .ngram import layout_tensors, ngram_ids
+from .operators import OPERATORS
 from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
@@ -41,6 +43,9 @@ _PARAMS = ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "con
 # multiple of this (measured on AVX-512 + AMX with 1-16 threads: other small counts take tail
 # kernels that sum in another order). bf16 rows were identical at every count tried.
 _ROW_BLOCK = 4
+
+# the fused operator's state offsets for the engine layout (unread there)
+_NO_OFFSETS = torch.empty(0, dtype=torch.int64)
 
 
 class PLELayer(nn.Module):
@@ -248,7 +253,9 @@ class PLELayer(nn.Module):
 
     # ------------------------------------------------------------------ derived weights
     def _param_stamp(self) -> tuple:
-        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in (getattr(self, n) for n in _PARAMS))
+        # read directly: nn.Module.__getattr__ per name cost a few microseconds a call
+        ps: dict[str, torch.Tensor] = self._parameters  # type: ignore[assignment]
+        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in [ps[n] for n in _PARAMS])
 
     def refresh_weights(self) -> None:
         """Recompute the derived buffers (``kv_weight``, the gate's and conv's fp32 factors, the
@@ -275,6 +282,22 @@ class PLELayer(nn.Module):
                     old.copy_(value)
             else:
                 self.register_buffer(name, value.clone(), persistent=False)
+        cfg = self.config
+        # the fused operator's weight arguments in its schema's order, for the eager engine call
+        self._fused_args = (
+            self.norm_key,
+            self.norm_query,
+            self.norm_conv,
+            self.gate_key_query,
+            self.gate_conv_scale,
+            cfg.rms_norm_eps,
+            cfg.hc_count,
+            self.conv_weight,
+            self.conv_taps,
+            cfg.ngram_size,
+        )
+        derived = (self.kv_weight, self.ngram_multipliers, self.ngram_head_sizes, self.ngram_head_offsets)
+        self._on_cpu = all(t.device.type == "cpu" for t in (*self._fused_args[:5], *self._fused_args[7:9], *derived))
         self._seen = self._param_stamp()
 
     def _apply(self, fn, recurse=True):
@@ -423,9 +446,10 @@ class PLELayer(nn.Module):
 
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input):
         """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
+        ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask)
         if rows is None:
             with ops_library.named_range("ple.ids"):
-                ids = torch.ops.ple.ngram_ids(
+                ids = ids_op(
                     input_ids,
                     batch.query_start_loc,
                     batch.ngram_context,
@@ -437,22 +461,32 @@ class PLELayer(nn.Module):
                     self.config.vocab_size,  # token values checked where they are in host memory
                 )
             with ops_library.named_range("ple.lookup"):
-                rows = lookup_through(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                rows = lookup_op(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):
-            return ops_library.gate_conv(
-                key,
-                value,
-                hidden,
-                self.gate_weights,
-                self.conv_weights,
-                batch.step_meta(),
-                token_mask=token_mask,
-                add_hidden=add_hidden,
-                return_conv_input=return_conv_input,
-                validate=False,
-            )
+            if torch.compiler.is_compiling():
+                return ops_library.gate_conv(
+                    key,
+                    value,
+                    hidden,
+                    self.gate_weights,
+                    self.conv_weights,
+                    batch.step_meta(),
+                    token_mask=token_mask,
+                    add_hidden=add_hidden,
+                    return_conv_input=return_conv_input,
+                    validate=False,
+                )
+            # eagerly the operator takes the arguments kept since the weights last changed (no records)
+            offsets = batch.state_offsets
+            ring = offsets is not None
+            out, c = fused_op(
+                key, value, hidden, *self._fused_args, batch.query_start_loc, batch.conv_state, batch.slot_indices,
+                batch.has_initial_state, batch.num_rejected, offsets if ring else _NO_OFFSETS, ring, token_mask,
+                add_hidden, return_conv_input,
+            )  # fmt: skip
+            return (out, c) if return_conv_input else out
 
     # ------------------------------------------------------------------ training-style call
     def forward_padded(
@@ -503,6 +537,37 @@ class PLELayer(nn.Module):
         conv = F.conv1d(x, self.conv_weight.unsqueeze(1), groups=cfg.hc_hidden_size, dilation=cfg.ngram_size)
         out = v + F.silu(conv).transpose(1, 2)
         return (out, c) if return_conv_input else out
+
+
+_CPU = torch.device("cpu")
+
+
+def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> tuple:
+    """The ids, lookup and fused operators as the engine call runs them.
+
+    Eagerly with every operand on the CPU (the CPU functions' checks skip the devices), plain tensors,
+    no profiler and no dispatch mode: the functions the dispatcher would run for CPU tensors
+    (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
+    microseconds per call). Otherwise the ``torch.ops.ple`` operators themselves (compiled and exported
+    code, other devices, tensor subclasses, profiles that show each operator)."""
+    if (
+        torch.compiler.is_compiling()
+        or type(hidden) is not torch.Tensor
+        or hidden.device.type != "cpu"
+        or not layer._on_cpu
+        or input_ids.device.type != "cpu"
+        or batch.ngram_context.device.type != "cpu"
+        or batch.slot_indices.device.type != "cpu"
+        or batch.has_initial_state.device.type != "cpu"
+        or batch.num_rejected.device.type != "cpu"
+        or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
+        or (token_mask is not None and token_mask.device.type != "cpu")
+        or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+        or torch._C._len_torch_dispatch_stack()
+        or "table_lookup" not in OPERATORS
+    ):
+        return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+    return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 
 def _carried_layout_hash(table) -> str | None:

@@ -131,7 +131,11 @@ def first_out_of_range(tokens: torch.Tensor | np.ndarray, vocab_size: int | None
     top = (1 << 63) - 1 if vocab_size is None else vocab_size
     if isinstance(tokens, np.ndarray):
         a = tokens.reshape(-1)
-        if not a.size or (int(a.min()) >= 0 and int(a.max()) < top):
+        if a.size <= 16:  # a few tokens: a list pass costs less than two numpy reductions
+            flat = a.tolist()
+            if not flat or (min(flat) >= 0 and max(flat) < top):
+                return None
+        elif int(a.min()) >= 0 and int(a.max()) < top:
             return None
         return int(np.flatnonzero((a < 0) | (a >= top))[0])
     if _in_range(tokens, top):

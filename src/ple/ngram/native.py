@@ -25,10 +25,8 @@ def ids_from_tensors(
             f"ngram_ids (C kernel): input_ids is on {input_ids.device}, the kernel runs on the CPU"
         )
     lib = _native.library()
-    tokens = input_ids.to(torch.int64).contiguous()
-    starts = query_start_loc.to(torch.int64).contiguous()
-    context = ngram_context.to(torch.int64).contiguous()
-    mult, sizes, offs = mult.contiguous(), sizes.contiguous(), offs.contiguous()
+    tokens, starts, context = _i64(input_ids), _i64(query_start_loc), _i64(ngram_context)
+    mult, sizes, offs = _i64(mult), _i64(sizes), _i64(offs)
     order = mult.shape[0]
     out = torch.empty(tokens.shape[0], sizes.shape[0], dtype=torch.int64)
     nthreads = torch.get_num_threads() if threads is None else int(threads)
@@ -60,6 +58,11 @@ def ids_from_tensors(
             f"heads_per_ngram={heads_per_ngram}; the kernel takes ngram_size 2..64)"
         )
     return out
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous int64 (itself when it is: the usual case, without two tensor calls)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 ngram_ids = with_layout(ids_from_tensors)

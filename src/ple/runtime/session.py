@@ -690,13 +690,14 @@ class Session:
         else:
             qsl = torch.tensor([0, *_accumulate(lens)], dtype=torch.int64)
         dev = self._device
+        to = _on_host if dev.type == "cpu" else methodcaller("to", dev)
         batch = Batch(
-            query_start_loc=qsl.to(dev),
-            slot_indices=slot_t.to(dev),
+            query_start_loc=to(qsl),
+            slot_indices=to(slot_t),
             kinds=tuple(kinds),
-            has_initial_state=torch.from_numpy(has_init).to(dev),
-            ngram_context=self._contexts.index_select(0, slot_t).to(dev),
-            num_rejected=torch.from_numpy(rejected).to(dev),
+            has_initial_state=to(torch.from_numpy(has_init)),
+            ngram_context=to(self._contexts.index_select(0, slot_t)),
+            num_rejected=to(torch.from_numpy(rejected)),
             conv_state=self._pools[0],
             num_spec=self.num_spec,
             state_offsets=self._offsets[0] if self._ring else None,
@@ -705,7 +706,7 @@ class Session:
         step = SessionStep(
             request_ids=order,
             lens=lens,
-            tokens=packed.to(dev),
+            tokens=to(packed),
             batch=batch,
             num_tokens=total,
             speculative=spec,
@@ -767,6 +768,17 @@ class Session:
     def _end(self, step: SessionStep) -> None:
         if not step.request_ids:
             return
+        arrays, slots = self._arrays, step.slots
+        if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows and self._ctx_len:
+            # a step of decode tokens: each context shifts in its token (the host rows begin() read, in
+            # place), lengths advance
+            ctx = self._contexts.numpy()
+            ctx[slots, :-1] = ctx[slots, 1:]
+            ctx[slots, -1] = step.tokens.cpu().numpy()
+            arrays.has_state[slots] = True
+            arrays.rejected[slots] = 0
+            arrays.length[slots] += 1
+            return
         batch = step.batch
         old_ctx = batch.ngram_context.cpu()
         slot_t = batch.slot_indices.cpu()
@@ -784,7 +796,6 @@ class Session:
             conv = [c.cpu() for c in step.conv_inputs if c is not None]
         requests = self._requests
         if not step.speculative and not step.prefix_rows:  # the common step: lengths advance, nothing else
-            arrays, slots = self._arrays, step.slots
             arrays.has_state[slots] = True
             arrays.rejected[slots] = 0
             arrays.length[slots] += 1 if step.num_tokens == len(step.lens) else np.array(step.lens, dtype=np.int64)
@@ -950,6 +961,11 @@ def _starts(hs: list[torch.Tensor]) -> list[int]:
         out.append(total)
         total += h.shape[0]
     return out
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself: the step's tensors were made on the CPU, where a CPU session keeps them."""
+    return t
 
 
 def _out_of_memory(e: BaseException) -> bool:

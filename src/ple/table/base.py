@@ -176,6 +176,10 @@ class StoredTable(Table):
         """Write the rows of (already checked) ``ids [T, G]`` into ``out [T, G*head_dim]`` on the ids' device."""
         data, scale = self.data, self.scale
         dev = out.device
+        if dev.type == "cpu" and scale is None and data.dtype == out.dtype and data.device.type == "cpu":
+            # plain rows in the activation dtype on the host: the copy alone (what gather_dequant runs)
+            gather_rows(data, ids.reshape(-1), out=out.view(-1, data.shape[1]))
+            return
         if data.device == dev or self._gathers_on_device(dev):
             gather_dequant(data, scale, ids.to(dev), out.dtype, out=out, check=False, format=self.format)
         elif data.device.type == "cpu":

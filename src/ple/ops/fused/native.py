@@ -167,6 +167,17 @@ def kernel_step(step: StepMeta) -> StepMeta:
     """The step with the index tensors as the kernel reads them (contiguous int64, bool)."""
     i64 = torch.int64
     nr = step.num_rejected
+    qsl, slots, has_init = step.query_start_loc, step.state_indices, step.has_initial_state
+    if (
+        qsl.dtype == i64
+        and slots.dtype == i64
+        and (nr is None or nr.dtype == i64)
+        and qsl.is_contiguous()
+        and slots.is_contiguous()
+        and has_init.is_contiguous()
+        and (nr is None or nr.is_contiguous())
+    ):
+        return step  # as built by a Batch: nothing to convert
     return StepMeta(
         step.query_start_loc.to(i64).contiguous(),
         step.conv_state,
