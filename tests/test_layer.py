@@ -429,6 +429,13 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     start.normal_()
     direct = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
     assert direct[2] is not torch.ops.ple.gate_conv  # the CPU function, not the operator
+    with pytest.MonkeyPatch.context() as mp:  # a torch without the dispatch-mode count: the operators
+        mp.setattr(layer_module, "_DISPATCH_STACK", None)
+        via = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        assert via[0] is torch.ops.ple.ngram_ids and via[2] is torch.ops.ple.gate_conv
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # a dispatch mode: the operators
+        via = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        assert via[2] is torch.ops.ple.gate_conv
     outs, pools = [], []
     for profiled in (False, True):
         pool = start.clone()

@@ -540,6 +540,13 @@ class PLELayer(nn.Module):
 
 
 _CPU = torch.device("cpu")
+_DISPATCH_STACK = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _dispatch_modes() -> int:
+    """How many dispatch modes are active (fake tensors, tracing); a torch without the count is
+    taken to have one, so the engine call then always goes through the operators."""
+    return 1 if _DISPATCH_STACK is None else _DISPATCH_STACK()
 
 
 def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> tuple:
@@ -563,7 +570,7 @@ def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tenso
         or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
         or (token_mask is not None and token_mask.device.type != "cpu")
         or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
-        or torch._C._len_torch_dispatch_stack()
+        or _dispatch_modes()
         or "table_lookup" not in OPERATORS
     ):
         return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
