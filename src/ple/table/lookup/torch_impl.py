@@ -56,22 +56,33 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     return torch.index_select(data, 0, flat_ids, out=out)
 
 
+def _host_contiguous(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _native_gather_takes(data: torch.Tensor, flat_ids: torch.Tensor) -> bool:
+    """Whether the C gathers take these rows: host rows ``data [R, D]`` with unit stride along ``D``
+    and a non-empty contiguous int64 ``flat_ids [N]`` on the host, with the C kernels built."""
+    return (
+        flat_ids.dim() == 1
+        and flat_ids.shape[0] > 0
+        and flat_ids.dtype == torch.int64
+        and _host_contiguous(flat_ids)
+        and data.device.type == "cpu"
+        and data.dim() == 2
+        and data.shape[1] > 0
+        and data.stride(1) == 1
+        and _native.available()
+    )
+
+
 def _gather_rows_native(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
     """:func:`gather_rows` through the C gather, or None where it does not apply (or an id is out of
     range: index_select then raises as it would)."""
     n = flat_ids.shape[0] if flat_ids.dim() == 1 else -1
-    if (
-        n < 1
-        or data.device.type != "cpu"
-        or data.dim() != 2
-        or data.shape[1] == 0
-        or data.stride(1) != 1
-        or flat_ids.dtype != torch.int64
-        or flat_ids.device.type != "cpu"
-        or not flat_ids.is_contiguous()
-        or (out is not None and (out.dtype != data.dtype or tuple(out.shape) != (n, data.shape[1])))
-        or (out is not None and (out.device.type != "cpu" or not out.is_contiguous()))
-        or not _native.available()
+    if not _native_gather_takes(data, flat_ids) or (
+        out is not None
+        and (out.dtype != data.dtype or tuple(out.shape) != (n, data.shape[1]) or not _host_contiguous(out))
     ):
         return None
     if out is None:
@@ -94,19 +105,7 @@ def _gather_fp8_native(data: torch.Tensor, scale: torch.Tensor | None, flat: tor
     the byte lookup table and the scale multiplications of :func:`dequantize_rows_into`, in one pass over
     the rows. False (nothing written) where it does not apply or an id is out of range."""
     n = flat.shape[0]
-    if (
-        n < 1
-        or data.device.type != "cpu"
-        or data.dim() != 2
-        or data.shape[1] == 0
-        or data.stride(1) != 1
-        or flat.dtype != torch.int64
-        or flat.device.type != "cpu"
-        or not flat.is_contiguous()
-        or out.device.type != "cpu"
-        or not out.is_contiguous()
-        or not _native.available()
-    ):
+    if not _native_gather_takes(data, flat) or not _host_contiguous(out):
         return False
     dtype = out.dtype
     lut = _fp8_values(dtype, out.device)
