@@ -65,3 +65,19 @@ def test_native_fp8_gather_dequantizes_as_the_byte_table_does(dtype):
         assert torch.equal(torch.isnan(got), nan) and nan.any()
         assert torch.equal(got[~nan].view(-1, 1).view(torch.uint8), want[~nan].view(-1, 1).view(torch.uint8))
     assert not _gather_fp8_native(data, None, torch.tensor([97]), torch.empty(1, 40, dtype=dtype))
+
+
+def test_the_lookup_operator_refuses_a_scale_that_does_not_fit_the_rows():
+    from ple.errors import InvalidArgumentError
+    from ple.table.lookup import gather_dequant
+
+    data = torch.randn(10, 4).to(torch.float8_e4m3fn)
+    ids = torch.tensor([[1, 9]])
+    for scale in (torch.ones(3, 1), torch.ones(10), torch.ones(10, 2)):
+        with pytest.raises(InvalidArgumentError, match=r"scale.shape=.* does not fit data of 10 rows"):
+            torch.ops.ple.gather_dequant(data, scale, ids, torch.float32, torch.empty(1, 8), False, None)
+        with pytest.raises(InvalidArgumentError, match=r"scale.shape="):
+            gather_dequant(data, scale, ids, torch.float32)
+    want = data.float()[[1, 9]].reshape(1, 8) * 2
+    assert torch.equal(gather_dequant(data, torch.full((10, 1), 2.0), ids, torch.float32), want)
+    assert torch.equal(gather_dequant(data, torch.tensor([2.0]), ids, torch.float32), want)

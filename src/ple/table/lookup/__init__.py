@@ -52,13 +52,19 @@ def _result(data: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, format: s
 
 
 def _check(data, scale, ids, dtype, out, check, format, devices=True) -> None:
-    """The table data where the ids' device reads it: the same device, or pinned host memory for an accelerator."""
+    """The table data where the ids' device reads it (the same device, or pinned host memory for an
+    accelerator), and a scale that fits the data's rows."""
     if devices and data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
         raise InvalidArgumentError(
             f"ids on {ids.device} need the table data on that device or in pinned host memory, got data on {data.device}"
         )
     if not devices and data.device.type != "cpu":
         raise InvalidArgumentError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
+    if scale is not None and scale.shape != (1,) and scale.shape != (data.shape[0], 1):
+        raise InvalidArgumentError(
+            f"lookup: scale.shape={tuple(scale.shape)} does not fit data of {data.shape[0]} rows: "
+            f"expected (1,) or ({data.shape[0]}, 1), or no scale"
+        )
 
 
 def _kernel(twin):
