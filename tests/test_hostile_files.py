@@ -168,6 +168,8 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_isa_available(int isa) { return isa == 0; }\n"
     "int ple_set_isa(int isa) { (void)isa; return 0; }\n"
     "int ple_current_isa(void) { return 0; }\n"
+    "int ple_team_kind(void) { return 0; }\n"
+    "void ple_team_after_fork(void) {}\n"
     # the direct tier's reader
     "int ple_reader_new(void) { return 0; }\n"
     "int ple_reader_read(void) { return 0; }\n"

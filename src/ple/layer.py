@@ -413,6 +413,8 @@ class PLELayer(nn.Module):
         elif rows is None:
             self._require_table()
         try:
+            if not torch.is_grad_enabled():
+                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
             with torch.no_grad():
                 return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         finally:

@@ -11,6 +11,13 @@ model and flags (a cache shared between machines stays correct), so later proces
 without compiling (a build takes about a second). ``PLE_NATIVE=0`` turns the kernels off (ple then
 uses its PyTorch fast paths).
 
+Where this process's PyTorch runs its intra-op threads on GNU OpenMP (Linux wheels: ``libgomp`` is
+mapped once torch is imported), the library is built with ``-fopenmp`` and shares that runtime: the
+kernels' threads are PyTorch's own, already running (and still spinning after a GEMM), so a step's
+second thread joins in microseconds instead of competing with a spinning one (:func:`team`).
+``PLE_NATIVE_OPENMP=0`` builds without OpenMP (threads started per call); a compiler without OpenMP
+warns once and builds without it.
+
 What is loaded is verified: beside each library ``<name>.so`` the build writes ``<name>.so.sha256``
 (its SHA-256 and size), both through a temporary file, fsync and rename. A process reads the
 library's bytes, checks them against that record, and loads its own private copy of the checked
@@ -49,6 +56,8 @@ __all__ = [
     "isa_available",
     "library",
     "set_isa",
+    "team",
+    "threads_for",
 ]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
@@ -69,6 +78,7 @@ _FLAGS = [
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_forked = False  # this process is a fork (its OpenMP runtime cannot start teams: see team())
 _library_file: Path | None = None  # the cache file whose checked bytes were loaded
 _error: str | None = None
 _warned = False
@@ -97,12 +107,34 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "ple"
 
 
-def _flags() -> list[str]:
+def _flags(openmp: bool = False) -> list[str]:
+    flags = list(_FLAGS)
     if platform.machine().lower() in ("x86_64", "amd64"):
         # the baseline instruction set: the kernels carry AVX2 and AVX-512 variants of their own,
         # chosen at run time (ISAS)
-        return [f for f in _FLAGS if f != "-march=native"]
-    return list(_FLAGS)
+        flags.remove("-march=native")
+    return flags + ["-fopenmp"] if openmp else flags
+
+
+def _off(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("0", "false", "no", "off")
+
+
+def _torch_openmp() -> str | None:
+    """The GNU OpenMP runtime PyTorch runs its intra-op threads on (the path of the ``libgomp`` mapped
+    into this process once torch is imported), or None: not Linux, another runtime (Intel's, LLVM's),
+    no OpenMP, or ``PLE_NATIVE_OPENMP=0``."""
+    if _off(os.environ.get("PLE_NATIVE_OPENMP")) or not os.path.exists("/proc/self/maps"):
+        return None
+    import torch  # noqa: F401  (its runtime must be mapped before the maps are read)
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split(None, 5)[5].strip() for ln in f if len(ln.split(None, 5)) == 6}
+    except OSError:
+        return None
+    gomp = sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))
+    return gomp[0] if len(gomp) == 1 else None
 
 
 def _compiler() -> str:
@@ -219,14 +251,14 @@ def _names() -> str:
     return " and ".join(p.name for p in _SOURCES)
 
 
-def _compile(cc: str, folder: Path, name: str) -> bytes:
+def _compile(cc: str, folder: Path, name: str, flags: list[str]) -> bytes:
     """The bytes of a fresh build (its temporary output is removed)."""
     fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".partial", dir=folder)
     os.close(fd)
     try:
         try:
             proc = subprocess.run(
-                [cc, *_flags(), "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=300
+                [cc, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True, timeout=300
             )
         except (OSError, subprocess.SubprocessError) as e:  # includes a compile that ran past 300 s
             raise NativeUnavailable(f"building {_names()} with {cc} failed: {e}") from e
@@ -246,16 +278,34 @@ def _build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"C compiler {cc} does not run: {e}") from e
+    gomp = _torch_openmp()
+    if gomp is None:
+        return _build_with(cc, version, _flags())
+    try:
+        return _build_with(cc, version, _flags(openmp=True))
+    except NativeUnavailable as e:
+        if "omp" not in "".join(str(e).lower().split("\n")[1:]):
+            raise  # the compiler's message does not name OpenMP (a timeout, a broken compiler): no retry
+        warnings.warn(
+            f"ple: the C kernels are built without OpenMP (their threads are started per call, not PyTorch's "
+            f"OpenMP threads of {gomp}): {e}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return _build_with(cc, version, _flags())
+
+
+def _build_with(cc: str, version: str, flags: list[str]) -> ctypes.CDLL:
     source = b"\0".join(p.read_bytes() for p in _SOURCES)
     digest = hashlib.sha256(
-        b"\0".join([source, " ".join(_flags()).encode(), version.encode(), _cpu_signature()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]
     name = f"ple_cpu-{digest}.so"
     folder = _writable_cache(name)
     target, stamp = folder / name, folder / (name + ".sha256")
     lib = _load_cached(target, stamp)
     if lib is None:
-        data = _compile(cc, folder, name)
+        data = _compile(cc, folder, name, flags)
         try:
             lib = _dlopen_copy(data, folder)
         except OSError as e:
@@ -284,6 +334,8 @@ _SYMBOLS = (
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
+    "ple_team_kind",
+    "ple_team_after_fork",
     "ple_reader_new",
     "ple_reader_read",
     "ple_reader_reads",
@@ -333,16 +385,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     rows = lib.ple_gather_rows
     rows.restype = i32
-    rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]  # data, rows, row stride (bytes), row bytes, ids, n, out
+    rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32]  # data, rows, row stride (B), row bytes, ids, n, out, threads
     lut = lib.ple_gather_lut
     lut.restype = i32
-    lut.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr]  # ... ids, n, lut [256], element bytes, out
+    lut.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]  # ... ids, n, lut [256], element bytes, out, threads
     # fmt: on
     for name in ("ple_isa_available", "ple_set_isa"):
         getattr(lib, name).restype = i32
         getattr(lib, name).argtypes = [i32]
     lib.ple_current_isa.restype = i32
     lib.ple_current_isa.argtypes = []
+    lib.ple_team_kind.restype = i32
+    lib.ple_team_kind.argtypes = []
+    lib.ple_team_after_fork.restype = None
+    lib.ple_team_after_fork.argtypes = []
     # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
     lib.ple_reader_new.restype = i32
     lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]
@@ -368,6 +424,8 @@ def library() -> ctypes.CDLL:
                 raise NativeUnavailable(_error)
             try:
                 lib = _build()
+                if _forked:
+                    lib.ple_team_after_fork()
                 _apply_isa(lib, os.environ.get("PLE_NATIVE_ISA", "auto"), "PLE_NATIVE_ISA=")
                 _lib = lib
             except NativeUnavailable as e:
@@ -412,6 +470,49 @@ def set_isa(name: str) -> str:
 def current_isa() -> str:
     """The instruction set the kernels run (one of :data:`ISAS`)."""
     return ISAS[library().ple_current_isa()]
+
+
+def team() -> str:
+    """How the kernels run on several threads: ``"openmp"`` (the OpenMP threads PyTorch runs its own
+    work on, shared with it: the library is built with ``-fopenmp`` when this process's torch uses GNU
+    OpenMP, unless ``PLE_NATIVE_OPENMP=0``) or ``"pthreads"`` (threads started per call; also in a
+    forked child, where GNU OpenMP cannot start a team)."""
+    if _lib is not None and _lib is _team[0]:
+        return _team[1]
+    lib = library()
+    if lib is not _team[0]:
+        _team[:] = [lib, ("pthreads", "openmp")[lib.ple_team_kind()]]
+    return _team[1]
+
+
+_team: list = [None, "pthreads"]
+"""The library :func:`team` last asked and its answer (asked once per library)."""
+
+
+def _after_fork_in_child() -> None:
+    """GNU OpenMP cannot start a team in a child forked after its parent ran one: the child's kernels
+    run on threads started per call (the C library sees forks after it loaded; this covers a library
+    loaded in the child)."""
+    global _forked
+    _forked = True
+    _team[:] = [None, "pthreads"]
+    if _lib is not None:
+        _lib.ple_team_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def threads_for(items: int, per_thread: int) -> int:
+    """Threads for a kernel call over ``items`` pieces of work: one per ``per_thread`` pieces, at most
+    ``torch.get_num_threads()``, on PyTorch's OpenMP threads (:func:`team`); one where threads would
+    be started per call (starting one costs more than a gather or the ids of a step save)."""
+    if items < 2 * per_thread or team() != "openmp":
+        return 1
+    import torch
+
+    return max(1, min(torch.get_num_threads(), items // per_thread))
 
 
 def available() -> bool:

@@ -12,6 +12,9 @@
  */
 #include <math.h>
 #include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -323,6 +326,7 @@ typedef struct {
 } job_t;
 
 #define MAX_PREFETCH 64 /* state columns a unit's prefetch plan names */
+#define MAX_PLAN (MAX_PREFETCH + 3) /* and the key, value and hidden rows of its first row */
 
 typedef struct {
     float *ring, *vrow, *res, *acc;
@@ -331,17 +335,28 @@ typedef struct {
     float *zero;   /* [C] zeros: the taps of a fresh request's history */
     float *block;  /* the one allocation all of the above live in (zero first) */
     size_t floats; /* its size */
-    /* prefetch plan: the state columns the next unit will gather, fetched a few lines at a time while
-     * this unit computes (they are the step's only reads that no hardware prefetcher can guess) */
-    const char *pf_col[MAX_PREFETCH];
-    int64_t pf_n, pf_i, pf_off, pf_bytes;
+    /* prefetch plan: the reads of a unit this thread is likely to run next that no hardware prefetcher
+     * can guess (the state columns it gathers, the first rows of its key, value and hidden: each unit of
+     * a decode step is one row, at another place than the last), fetched a few lines at a time while
+     * this unit computes */
+    const char *pf_at[MAX_PLAN];
+    int64_t pf_len[MAX_PLAN];
+    int64_t pf_n, pf_i, pf_off, pf_lines;
 } scratch_t;
+
+ALWAYS_INLINE void plan_add(scratch_t *S, const void *at, int64_t bytes) {
+    if (S->pf_n >= MAX_PLAN || bytes <= 0) return;
+    S->pf_at[S->pf_n] = (const char *)at;
+    S->pf_len[S->pf_n++] = bytes;
+    S->pf_lines += (bytes + 63) / 64;
+}
 
 ALWAYS_INLINE void prefetch_some(scratch_t *S, int lines) {
     for (; lines > 0 && S->pf_i < S->pf_n; lines--) {
-        __builtin_prefetch(S->pf_col[S->pf_i] + S->pf_off, 0, 2);
+        __builtin_prefetch(S->pf_at[S->pf_i] + S->pf_off, 0, 2);
         S->pf_off += 64;
-        if (S->pf_off >= S->pf_bytes) {
+        S->pf_lines--;
+        if (S->pf_off >= S->pf_len[S->pf_i]) {
             S->pf_off = 0;
             S->pf_i++;
         }
@@ -390,7 +405,7 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
     const int masked = J->mask != 0 && J->mask[t] == 0;
     /* the plan's lines spread over the heads: a few per block of 256 channels */
     const int64_t blocks = HC * ((H + 255) / 256);
-    const int per_block = (int)((S->pf_n - S->pf_i) * ((S->pf_bytes + 63) / 64) / (blocks > 0 ? blocks : 1)) + 1;
+    const int per_block = (int)(S->pf_lines / (blocks > 0 ? blocks : 1)) + 1;
     for (int64_t h = 0; h < HC; h++) {
         const int64_t o = h * H;
         const float *wkq = J->wkq + o;
@@ -485,21 +500,31 @@ ALWAYS_INLINE int64_t needed_columns(const job_t *J, int64_t u, uint8_t *need, i
     return count;
 }
 
-/* Plan the prefetch of the state columns unit u will gather (ring layout only: a column is one run
- * of bytes there). */
+/* Plan the prefetch of unit u's reads that no hardware prefetcher guesses: the key, value and hidden
+ * rows of its first row (gate stage) and the state columns it gathers (ring layout only: a column is
+ * one run of bytes there). */
 ALWAYS_INLINE void plan_prefetch(const job_t *J, int64_t u, scratch_t *S, int bf) {
-    S->pf_n = S->pf_i = S->pf_off = 0;
-    if (u >= J->num_units || !J->ring_base || J->window > MAX_PREFETCH) return;
+    S->pf_n = S->pf_i = S->pf_off = S->pf_lines = 0;
+    if (u >= J->num_units) return;
+    const int64_t r = J->unit_request[u], esz = bf ? 2 : 4, C = J->channels;
+    if (!J->c_in) {
+        const int64_t W = J->window, p0 = J->unit_begin[u];
+        const int64_t t = J->starts[r] + (J->slots[r] < 0 ? p0 : (p0 > W ? p0 - W : 0)); /* run_unit's `warm` */
+        if (t < J->starts[r + 1]) {
+            plan_add(S, (const char *)J->key + t * J->key_stride * esz, C * esz);
+            plan_add(S, (const char *)J->value + t * J->value_stride * esz, J->hidden_size * esz);
+            plan_add(S, (const char *)J->hidden + t * J->hidden_stride * esz, C * esz);
+        }
+    }
+    if (!J->ring_base || J->window > MAX_PREFETCH) return;
     if (!needed_columns(J, u, S->need, 0)) return;
-    const int64_t r = J->unit_request[u], slot = J->slots[r], first = history_end_of(J, r) - J->window;
-    const int64_t esz = bf ? 2 : 4, C = J->channels, L = J->state_len;
+    const int64_t slot = J->slots[r], first = history_end_of(J, r) - J->window, L = J->state_len;
     /* another thread may be moving this slot's base (the unit already ran there): any value is a
      * valid column, and a prefetch of a stale one is only a wasted line */
     const int64_t base = __atomic_load_n(&J->ring_base[slot], __ATOMIC_RELAXED);
-    S->pf_bytes = C * esz;
     for (int64_t col = 0; col < J->window; col++)
         if (S->need[col])
-            S->pf_col[S->pf_n++] = (const char *)J->state + (slot * L * C + ((base + first + col) % L) * C) * esz;
+            plan_add(S, (const char *)J->state + (slot * L * C + ((base + first + col) % L) * C) * esz, C * esz);
 }
 
 /* Whether the state write of unit u's request takes its new columns from the ring of conv inputs of the
@@ -914,6 +939,63 @@ static void *thread_main(void *arg) {
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------------
+ * Teams. ple_team_run runs fn(arg) on up to `threads` threads, the caller's among them, and returns
+ * once every one returned; the work inside takes its pieces from a shared counter, so it finishes
+ * whatever number of threads joined. Built with OpenMP (ple._native does so when the process's
+ * PyTorch runs on GNU OpenMP, whose runtime the library then shares), the threads are the caller's
+ * OpenMP team: PyTorch's own intra-op threads, already started, and still spinning after the step's
+ * GEMM. A team then starts in about a microsecond and no idle thread competes with it for a core.
+ * Without OpenMP the other threads are POSIX threads started per call (tens of microseconds). Returns
+ * how many threads ran fn.
+ */
+static int g_forked; /* this process is a fork of one that may have run OpenMP teams */
+
+/* GNU OpenMP cannot run a team in a child forked after its parent ran one (the child waits forever for
+ * threads that were not copied), so a forked child runs its teams on POSIX threads: forks after this
+ * library was loaded are seen here, forks before it by ple._native (os.register_at_fork). */
+void ple_team_after_fork(void) { g_forked = 1; }
+
+__attribute__((constructor)) static void team_init(void) { pthread_atfork(0, 0, ple_team_after_fork); }
+
+int ple_team_kind(void) {
+#ifdef _OPENMP
+    return !g_forked;
+#else
+    return 0;
+#endif
+}
+
+int ple_team_run(int threads, void *(*fn)(void *), void *arg) {
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    if (threads == 1) {
+        fn(arg);
+        return 1;
+    }
+#ifdef _OPENMP
+    if (!g_forked) {
+        int ran = 0;
+#pragma omp parallel num_threads(threads)
+        {
+            fn(arg);
+#pragma omp atomic
+            ran++;
+        }
+        return ran;
+    }
+#endif
+    pthread_t tid[256];
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&tid[started], 0, fn, arg) != 0) break;
+        started++;
+    }
+    fn(arg);
+    for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
+    return started + 1;
+}
+
 /* One step of the layer after its projections, for a packed batch of `requests` requests.
  *
  * Gate mode (c_in null): key, value, hidden rows -> gate -> conv -> out; c_out receives the conv inputs
@@ -1006,17 +1088,10 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     }
     if (threads < 1) threads = 1;
     if (threads > units) threads = (int)(units > 0 ? units : 1);
-    J.ahead = threads;
-    pthread_t tid[256];
-    thread_arg_t arg = {&J, bf, work_of(ple_current_isa())};
     if (threads > 256) threads = 256;
-    int started = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&tid[started], 0, thread_main, &arg) != 0) break;
-        started++;
-    }
-    thread_main(&arg);
-    for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
+    J.ahead = threads;
+    thread_arg_t arg = {&J, bf, work_of(ple_current_isa())};
+    ple_team_run(threads, thread_main, &arg);
     /* a thread that could not allocate its scratch takes no unit; the others finish them all */
     if (J.next_unit < J.num_units) rc = J.failed ? -2 : -3;
 done:
@@ -1131,14 +1206,7 @@ int ple_ngram_ids(const int64_t *tokens, int64_t total, const int64_t *starts, i
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
     if ((int64_t)threads > (total + J.chunk - 1) / J.chunk) threads = (int)((total + J.chunk - 1) / J.chunk);
-    pthread_t tid[256];
-    int started = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&tid[started], 0, ids_worker, &J) != 0) break;
-        started++;
-    }
-    if (total > 0) ids_worker(&J);
-    for (int i = 0; i < started; i++) pthread_join(tid[i], 0);
+    if (total > 0) ple_team_run(threads, ids_worker, &J);
     free(head);
     return 0;
 }

@@ -250,10 +250,11 @@ int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nby
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * Row gathers of plain formats, one thread. A decode step reads about a thousand rows of a few
- * hundred bytes at random places of a table far larger than the caches: copied one after another, each
- * row waits for memory on its own. Here the rows PREFETCH_ROWS ahead are requested while the current
- * one is copied, so their reads overlap.
+ * Row gathers of plain formats. A decode step reads about a thousand rows of a few hundred bytes at
+ * random places of a table far larger than the caches: copied one after another, each row waits for
+ * memory on its own. Here the rows PREFETCH_ROWS ahead are requested while the current one is copied,
+ * so their reads overlap; `threads` threads (a team of ple_team_run, ple_cpu.c) take chunks of
+ * GATHER_CHUNK rows from a shared counter.
  *
  * ple_gather_rows: row i of out (row_bytes bytes) = row ids[i] of data (rows `stride` bytes apart).
  * ple_gather_lut: the same rows of bytes, each byte b written as the esize-byte element lut[b] (the
@@ -264,6 +265,9 @@ int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nby
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 16
 #endif
+#define GATHER_CHUNK 128
+
+int ple_team_run(int threads, void *(*fn)(void *), void *arg);
 
 static int ids_in_range(const int64_t *ids, int64_t n, int64_t rows) {
     int64_t bad = 0;
@@ -276,35 +280,65 @@ static void prefetch_row(const uint8_t *row, int64_t row_bytes) {
     __builtin_prefetch(row + row_bytes - 1, 0, 0);
 }
 
-int ple_gather_rows(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
-                    int64_t n, uint8_t *out) {
-    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0) return -2;
-    if (!ids_in_range(ids, n, rows)) return -1;
-    for (int64_t i = 0; i < n && i < PREFETCH_ROWS; i++) prefetch_row(data + ids[i] * stride, row_bytes);
-    for (int64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_ROWS < n) prefetch_row(data + ids[i + PREFETCH_ROWS] * stride, row_bytes);
-        memcpy(out + i * row_bytes, data + ids[i] * stride, (size_t)row_bytes);
-    }
-    return 0;
-}
+typedef struct {
+    const uint8_t *data;
+    int64_t stride, row_bytes, n;
+    const int64_t *ids;
+    const void *lut; /* null: plain bytes */
+    int esize;
+    void *out;
+    int64_t next;
+} gather_job_t;
 
-int ple_gather_lut(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
-                   int64_t n, const void *lut, int esize, void *out) {
-    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0 || (esize != 2 && esize != 4)) return -2;
-    if (!ids_in_range(ids, n, rows)) return -1;
-    for (int64_t i = 0; i < n && i < PREFETCH_ROWS; i++) prefetch_row(data + ids[i] * stride, row_bytes);
-    for (int64_t i = 0; i < n; i++) {
-        if (i + PREFETCH_ROWS < n) prefetch_row(data + ids[i + PREFETCH_ROWS] * stride, row_bytes);
-        const uint8_t *src = data + ids[i] * stride;
-        if (esize == 2) {
-            const uint16_t *t = (const uint16_t *)lut;
-            uint16_t *o = (uint16_t *)out + i * row_bytes;
+static void gather_range(const gather_job_t *G, int64_t a, int64_t b) {
+    const int64_t stride = G->stride, row_bytes = G->row_bytes;
+    for (int64_t i = a; i < b && i < a + PREFETCH_ROWS; i++) prefetch_row(G->data + G->ids[i] * stride, row_bytes);
+    for (int64_t i = a; i < b; i++) {
+        if (i + PREFETCH_ROWS < b) prefetch_row(G->data + G->ids[i + PREFETCH_ROWS] * stride, row_bytes);
+        const uint8_t *src = G->data + G->ids[i] * stride;
+        if (!G->lut) {
+            memcpy((uint8_t *)G->out + i * row_bytes, src, (size_t)row_bytes);
+        } else if (G->esize == 2) {
+            const uint16_t *t = (const uint16_t *)G->lut;
+            uint16_t *o = (uint16_t *)G->out + i * row_bytes;
             for (int64_t j = 0; j < row_bytes; j++) o[j] = t[src[j]];
         } else {
-            const uint32_t *t = (const uint32_t *)lut;
-            uint32_t *o = (uint32_t *)out + i * row_bytes;
+            const uint32_t *t = (const uint32_t *)G->lut;
+            uint32_t *o = (uint32_t *)G->out + i * row_bytes;
             for (int64_t j = 0; j < row_bytes; j++) o[j] = t[src[j]];
         }
     }
+}
+
+static void *gather_worker(void *arg) {
+    gather_job_t *G = (gather_job_t *)arg;
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&G->next, GATHER_CHUNK, __ATOMIC_RELAXED);
+        if (a >= G->n) break;
+        gather_range(G, a, a + GATHER_CHUNK < G->n ? a + GATHER_CHUNK : G->n);
+    }
+    return NULL;
+}
+
+static int gather(gather_job_t *G, int threads) {
+    const int64_t chunks = (G->n + GATHER_CHUNK - 1) / GATHER_CHUNK;
+    if (threads > chunks) threads = chunks > 0 ? (int)chunks : 1;
+    ple_team_run(threads, gather_worker, G);
     return 0;
+}
+
+int ple_gather_rows(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
+                    int64_t n, uint8_t *out, int threads) {
+    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0) return -2;
+    if (!ids_in_range(ids, n, rows)) return -1;
+    gather_job_t G = {data, stride, row_bytes, n, ids, NULL, 1, out, 0};
+    return gather(&G, threads);
+}
+
+int ple_gather_lut(const uint8_t *data, int64_t rows, int64_t stride, int64_t row_bytes, const int64_t *ids,
+                   int64_t n, const void *lut, int esize, void *out, int threads) {
+    if (rows < 0 || row_bytes < 1 || stride < row_bytes || n < 0 || (esize != 2 && esize != 4)) return -2;
+    if (!ids_in_range(ids, n, rows)) return -1;
+    gather_job_t G = {data, stride, row_bytes, n, ids, lut, esize, out, 0};
+    return gather(&G, threads);
 }

@@ -247,6 +247,8 @@ class Session:
         self._pools = [self._new_pool(max_requests) for _ in group]
         self._offsets = [torch.zeros(max_requests, dtype=torch.int64, device=self._device) for _ in group]
         self._contexts = torch.full((max_requests, self._ctx_len), self._eos, dtype=torch.int64)
+        self._contexts_np = self._contexts.numpy()  # the same memory, for the decode step's in-place shift
+        self._decode_starts: dict[int, torch.Tensor] = {}  # query_start_loc of n one-token requests (read only)
         self._free = list(range(max_requests - 1, -1, -1))
         self._arrays = _SlotArrays(max_requests)
         self._pending_count = 0  # requests with a speculative chunk awaiting accept()
@@ -388,6 +390,7 @@ class Session:
             self._offsets = [torch.cat([o, o.new_zeros(extra)]) for o in self._offsets]
             fill = torch.full((extra, self._ctx_len), self._eos, dtype=torch.int64)
             self._contexts = torch.cat([self._contexts, fill])
+            self._contexts_np = self._contexts.numpy()
             self._arrays.grow(extra)
         self._free = list(range(max_requests - 1, self.max_requests - 1, -1)) + self._free
         self.max_requests = max_requests
@@ -686,7 +689,9 @@ class Session:
                 )
         slot_t = torch.from_numpy(slots)
         if decode_only:
-            qsl = torch.arange(count + 1, dtype=torch.int64)
+            qsl = self._decode_starts.get(count)
+            if qsl is None:  # the kernels only read it: one tensor per batch size, kept
+                qsl = self._decode_starts[count] = torch.arange(count + 1, dtype=torch.int64)
         else:
             qsl = torch.tensor([0, *_accumulate(lens)], dtype=torch.int64)
         dev = self._device
@@ -772,7 +777,7 @@ class Session:
         if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows and self._ctx_len:
             # a step of decode tokens: each context shifts in its token (the host rows begin() read, in
             # place), lengths advance
-            ctx = self._contexts.numpy()
+            ctx = self._contexts_np
             ctx[slots, :-1] = ctx[slots, 1:]
             ctx[slots, -1] = step.tokens.cpu().numpy()
             arrays.has_state[slots] = True

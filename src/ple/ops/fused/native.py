@@ -4,8 +4,9 @@ Gate, mask, conv taps (from the request's earlier rows or, before its chunk, str
 slot), SiLU, residual and the state write-back run row by row with fp32 arithmetic, so each input
 is read from memory once and the output written once (the PyTorch path makes about six passes).
 Rounding points are those of the PyTorch fast path. Work is split into token ranges of requests
-run by up to ``torch.get_num_threads()`` threads (one per 2^18 row elements: small steps run on one);
-results do not depend on the split.
+run by up to ``torch.get_num_threads()`` threads (PyTorch's own OpenMP threads where the library shares
+its OpenMP runtime, see :func:`ple._native.team`; one per 2^15 row elements then, per 2^18 with threads
+started per call); results do not depend on the split.
 
 The two stages run the same kernel: :func:`gate_stage` is the gate over rows without state (its
 output is the rounded residual), :func:`conv_stage` reads given conv inputs and residual rows
@@ -53,14 +54,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_MIN_THREAD_ELEMENTS = 1 << 18
-"""Row elements (tokens x channels) a thread must have before another one is started: below, starting
-the thread costs more than it saves (a decode step of 8 requests at the published geometry runs on one
-thread, one of 64 on two)."""
+_MIN_THREAD_ELEMENTS = {"openmp": 1 << 15, "pthreads": 1 << 18}
+"""Row elements (tokens x channels) per thread before another thread joins: below, starting it costs
+more than it saves. PyTorch's OpenMP threads are already running (a few microseconds to join: a decode
+step of 4 requests at the published geometry runs on two); a thread started per call costs tens of
+microseconds (8 requests run on one, 64 on two)."""
 
 
 def _default_threads(tokens: int, channels: int) -> int:
-    return max(1, min(torch.get_num_threads(), tokens * channels // _MIN_THREAD_ELEMENTS))
+    return max(1, min(torch.get_num_threads(), tokens * channels // _MIN_THREAD_ELEMENTS[_native.team()]))
 
 
 def _unit_tokens(tokens: int, nthreads: int) -> int:

@@ -24,6 +24,8 @@ def _result(out: torch.Tensor | None, T: int, width: int, dtype: torch.dtype, de
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16)
+_ROWS_PER_THREAD = 256
+"""Rows per thread of the C gathers (a decode step of 64 requests, about 1,000 rows, runs on two)."""
 
 
 def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -32,7 +34,8 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     index_select copies element by element; for 1- and 2-byte dtypes that is an order of magnitude
     slower than moving the same bytes as int64 words. Rows are viewed as the widest integer type
     that tiles them (bit-exact), falling back to a plain index_select for odd layouts. On the CPU with
-    the C kernels the rows are copied by ``ple_gather_rows`` (rows read ahead while one is copied).
+    the C kernels the rows are copied by ``ple_gather_rows`` (rows read ahead while one is copied; on
+    PyTorch's OpenMP threads, see :func:`ple._native.threads_for`).
     """
     got = _gather_rows_native(data, flat_ids, out)
     if got is not None:
@@ -96,6 +99,7 @@ def _gather_rows_native(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.T
         flat_ids.data_ptr(),
         n,
         out.data_ptr(),
+        _native.threads_for(n, _ROWS_PER_THREAD),
     )
     return out if rc == 0 else None
 
@@ -123,6 +127,7 @@ def _gather_fp8_native(data: torch.Tensor, scale: torch.Tensor | None, flat: tor
         lut.data_ptr(),
         lut.element_size(),
         out.data_ptr(),
+        _native.threads_for(n, _ROWS_PER_THREAD),
     )
     if rc != 0:
         return False
