@@ -68,7 +68,9 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     assert v["ple"] == ple.__version__
     assert v["python"].count(".") == 2
     assert isinstance(v["transformers"], str)
-    assert v["cpu_kernels"] == "C (ple._native)"
+    from ple import _native
+
+    assert v["cpu_kernels"] == f"C (ple._native), {_native.current_isa()}, {_native.team()} threads"
     s = rep["settings"]
     assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size

@@ -212,7 +212,10 @@ def versions() -> dict[str, str | None]:
     from .. import _native
 
     # which CPU path the layer and the ids ran: the C kernels, or (no compiler, PLE_NATIVE=0) PyTorch
-    out["cpu_kernels"] = "C (ple._native)" if _native.available() else "PyTorch"
+    # (with their instruction set and threads: PyTorch's OpenMP team, or threads started per call)
+    out["cpu_kernels"] = (
+        f"C (ple._native), {_native.current_isa()}, {_native.team()} threads" if _native.available() else "PyTorch"
+    )
     try:
         import triton
 
