@@ -174,3 +174,32 @@ def test_forked_child_runs_its_kernels_without_the_parents_team():
         team, digest = pickle.loads(f.read())
     assert team == "pthreads"
     assert digest == want
+
+
+def test_lookahead_worker_gathers_on_its_own_thread():
+    """The prefetch worker's gathers never start a team: the model's work keeps the other cores."""
+    import threading
+
+    from ple.table import MemoryTable
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        main = native_build.threads_for(10**6, 256)
+        seen = []
+        worker = threading.Thread(
+            target=lambda: (native_build.background_thread(), seen.append(native_build.threads_for(10**6, 256)))
+        )
+        worker.start()
+        worker.join()
+        assert seen == [1]
+        assert native_build.threads_for(10**6, 256) == main  # the mark is the worker's alone
+        table = MemoryTable(torch.randn(4096, 16).to(torch.bfloat16))
+        ids = torch.randint(0, 4096, (64, 16))
+        handle = table.start_prefetch(ids, torch.bfloat16)
+        assert torch.equal(handle.wait(), table.lookup(ids, torch.bfloat16))
+        handle.release()
+        assert table._engine._pool().submit(native_build.threads_for, 10**6, 256).result() == 1
+        table.close()
+    finally:
+        torch.set_num_threads(before)

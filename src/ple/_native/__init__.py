@@ -56,6 +56,7 @@ __all__ = [
     "isa_available",
     "library",
     "set_isa",
+    "background_thread",
     "team",
     "threads_for",
 ]
@@ -504,11 +505,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_local = threading.local()
+
+
+def background_thread() -> None:
+    """Mark the calling thread as one that works beside the model (a lookahead worker): its kernel
+    calls then run on it alone, instead of starting an OpenMP team that would take cores from the
+    model's own work (:func:`threads_for`)."""
+    _local.background = True
+
+
 def threads_for(items: int, per_thread: int) -> int:
     """Threads for a kernel call over ``items`` pieces of work: one per ``per_thread`` pieces, at most
     ``torch.get_num_threads()``, on PyTorch's OpenMP threads (:func:`team`); one where threads would
-    be started per call (starting one costs more than a gather or the ids of a step save)."""
-    if items < 2 * per_thread or team() != "openmp":
+    be started per call (starting one costs more than a gather or the ids of a step save), and on a
+    :func:`background_thread`."""
+    if items < 2 * per_thread or team() != "openmp" or getattr(_local, "background", False):
         return 1
     import torch
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _native
 from ..errors import PLEError
 
 __all__ = ["PrefetchError", "PrefetchHandle", "Prefetch"]
@@ -248,7 +249,10 @@ class PrefetchEngine:
             if self._closed:
                 raise PrefetchError(f"{self.owner} is closed: no new prefetch")
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ple-prefetch")
+                # the worker's gathers run on it alone: the model's work has the other cores
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="ple-prefetch", initializer=_native.background_thread
+                )
             return self._executor
 
     def start(self, ids: torch.Tensor, dtype: torch.dtype, seq: int) -> Prefetch:
