@@ -203,3 +203,37 @@ def test_lookahead_worker_gathers_on_its_own_thread():
         table.close()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A clean build state with its own cache folder (the process's library is restored afterwards)."""
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_build, "_lib", None)
+    monkeypatch.setattr(native_build, "_error", None)
+    monkeypatch.setattr(native_build, "_warned", False)
+    return tmp_path
+
+
+def test_compiler_without_openmp_warns_and_builds_without_it(fresh_build, monkeypatch):
+    import shutil
+
+    if native_build._torch_openmp() is None:
+        pytest.skip("this PyTorch does not run on GNU OpenMP here: the library is built without it anyway")
+    real = shutil.which(os.environ.get("CC", "cc"))
+    if real is None:
+        pytest.skip("no C compiler")
+    fake = fresh_build / "cc-without-openmp"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -fopenmp ] && { echo "cc: error: unsupported option -fopenmp (no libgomp)" >&2; '
+        "exit 1; }; done\n"
+        f'exec {real} "$@"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with pytest.warns(RuntimeWarning, match="built without OpenMP"):
+        native_build.library()
+    assert native_build.team() == "pthreads"
+    data, ids, fp8 = _gather_inputs()
+    assert torch.equal(_lib_gather(data, ids, 2), data.index_select(0, ids))

@@ -351,16 +351,25 @@ ALWAYS_INLINE void plan_add(scratch_t *S, const void *at, int64_t bytes) {
     S->pf_lines += (bytes + 63) / 64;
 }
 
-ALWAYS_INLINE void prefetch_some(scratch_t *S, int lines) {
-    for (; lines > 0 && S->pf_i < S->pf_n; lines--) {
-        __builtin_prefetch(S->pf_at[S->pf_i] + S->pf_off, 0, 2);
-        S->pf_off += 64;
-        S->pf_lines--;
-        if (S->pf_off >= S->pf_len[S->pf_i]) {
-            S->pf_off = 0;
-            S->pf_i++;
+/* The next `lines` lines of the plan (its position kept in registers: updating it in the scratch per line
+ * would chain every prefetch through a store and a load) */
+ALWAYS_INLINE void prefetch_some(scratch_t *S, int64_t lines) {
+    int64_t i = S->pf_i, off = S->pf_off;
+    const int64_t n = S->pf_n, start = lines;
+    while (lines > 0 && i < n) {
+        const char *at = S->pf_at[i];
+        const int64_t len = S->pf_len[i];
+        int64_t stop = off + lines * 64;
+        if (stop > len) stop = len;
+        for (; off < stop; off += 64, lines--) __builtin_prefetch(at + off, 0, 2);
+        if (off >= len) {
+            off = 0;
+            i++;
         }
     }
+    S->pf_i = i;
+    S->pf_off = off;
+    S->pf_lines -= start - lines;
 }
 
 /* Whether request r continues the history held in its slot, and where that history ends (column). */
@@ -405,7 +414,7 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
     const int masked = J->mask != 0 && J->mask[t] == 0;
     /* the plan's lines spread over the heads: a few per block of 256 channels */
     const int64_t blocks = HC * ((H + 255) / 256);
-    const int per_block = (int)(S->pf_lines / (blocks > 0 ? blocks : 1)) + 1;
+    const int64_t per_block = S->pf_lines / (blocks > 0 ? blocks : 1) + 1;
     for (int64_t h = 0; h < HC; h++) {
         const int64_t o = h * H;
         const float *wkq = J->wkq + o;
