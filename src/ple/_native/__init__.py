@@ -285,15 +285,17 @@ def _build() -> ctypes.CDLL:
     try:
         return _build_with(cc, version, _flags(openmp=True))
     except NativeUnavailable as e:
-        if "omp" not in "".join(str(e).lower().split("\n")[1:]):
-            raise  # the compiler's message does not name OpenMP (a timeout, a broken compiler): no retry
-        warnings.warn(
-            f"ple: the C kernels are built without OpenMP (their threads are started per call, not PyTorch's "
-            f"OpenMP threads of {gomp}): {e}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return _build_with(cc, version, _flags())
+        if "timed out" in str(e):
+            raise  # a second build would wait as long
+        failed = e
+    lib = _build_with(cc, version, _flags())  # a plain build that fails too raises its own reason
+    warnings.warn(
+        f"ple: the C kernels are built without OpenMP (their threads are started per call, not PyTorch's "
+        f"OpenMP threads of {gomp}): {failed}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return lib
 
 
 def _build_with(cc: str, version: str, flags: list[str]) -> ctypes.CDLL:

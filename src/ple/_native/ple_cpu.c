@@ -12,9 +12,6 @@
  */
 #include <math.h>
 #include <pthread.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
