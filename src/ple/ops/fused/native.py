@@ -57,7 +57,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 _MIN_THREAD_ELEMENTS = {"openmp": 1 << 15, "pthreads": 1 << 18}
 """Row elements (tokens x channels) per thread before another thread joins: below, starting it costs
 more than it saves. PyTorch's OpenMP threads are already running (a few microseconds to join: a decode
-step of 4 requests at the published geometry runs on two); a thread started per call costs tens of
+step of 7 requests at the published geometry runs on two); a thread started per call costs tens of
 microseconds (8 requests run on one, 64 on two)."""
 
 
