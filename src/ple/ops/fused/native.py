@@ -5,7 +5,7 @@ slot), SiLU, residual and the state write-back run row by row with fp32 arithmet
 is read from memory once and the output written once (the PyTorch path makes about six passes).
 Rounding points are those of the PyTorch fast path. Work is split into token ranges of requests
 run by up to ``torch.get_num_threads()`` threads (PyTorch's own OpenMP threads where the library shares
-its OpenMP runtime, see :func:`ple._native.team`; one per 2^15 row elements then, per 2^18 with threads
+its OpenMP runtime, see :func:`ple._native.team`; one per 2^13 row elements then, per 2^18 with threads
 started per call); results do not depend on the split.
 
 The two stages run the same kernel: :func:`gate_stage` is the gate over rows without state (its
@@ -54,10 +54,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_MIN_THREAD_ELEMENTS = {"openmp": 1 << 15, "pthreads": 1 << 18}
+_MIN_THREAD_ELEMENTS = {"openmp": 1 << 13, "pthreads": 1 << 18}
 """Row elements (tokens x channels) per thread before another thread joins: below, starting it costs
 more than it saves. PyTorch's OpenMP threads are already running (a few microseconds to join: a decode
-step of 7 requests at the published geometry runs on two); a thread started per call costs tens of
+step of 2 requests at the published geometry runs on two); a thread started per call costs tens of
 microseconds (8 requests run on one, 64 on two)."""
 
 
