@@ -237,3 +237,33 @@ def test_compiler_without_openmp_warns_and_builds_without_it(fresh_build, monkey
     assert native_build.team() == "pthreads"
     data, ids, fp8 = _gather_inputs()
     assert torch.equal(_lib_gather(data, ids, 2), data.index_select(0, ids))
+
+
+@pytest.mark.parametrize("fmt", [0, 4, 7])  # q8_0, q4_0, nvfp4
+def test_block_lookup_equal_on_any_number_of_threads_and_writes_nothing_on_a_bad_id(fmt):
+    """``ple_quant_lookup`` on a team: the same bits on 1-5 threads; an id outside the table is refused
+    (-1) before any row is written."""
+    head_dim = 64
+    row_bytes = {0: 2 * 34, 4: 2 * 18, 7: 32 + 4}[fmt]
+    g = torch.Generator().manual_seed(fmt)
+    data = torch.randint(0, 256, (3000, row_bytes), generator=g, dtype=torch.uint8)
+    ids = torch.randint(0, 3000, (1100,), generator=g)
+    lib = native_build.library()
+
+    def run(ids: torch.Tensor, threads: int) -> tuple[int, torch.Tensor]:
+        out = torch.full((ids.shape[0], head_dim), 7.0)
+        rc = lib.ple_quant_lookup(
+            fmt, data.data_ptr(), data.shape[0], row_bytes, head_dim, ids.data_ptr(), ids.shape[0], 0.5, 0,
+            out.data_ptr(), threads,
+        )  # fmt: skip
+        return rc, out
+
+    rc, one = run(ids, 1)
+    assert rc == 0
+    for threads in (2, 3, 5):
+        rc, got = run(ids, threads)
+        assert rc == 0 and _digest(got) == _digest(one)
+    bad = ids.clone()
+    bad[-1] = 3000
+    rc, untouched = run(bad, 3)
+    assert rc == -1 and bool((untouched == 7.0).all())

@@ -118,6 +118,7 @@ def _flags(openmp: bool = False) -> list[str]:
 
 
 def _off(value: str | None) -> bool:
+    """Whether an environment switch (``PLE_NATIVE``, ``PLE_NATIVE_OPENMP``) is set to off."""
     return value is not None and value.strip().lower() in ("0", "false", "no", "off")
 
 
@@ -417,7 +418,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def library() -> ctypes.CDLL:
     """The loaded kernel library (built on first use); raises :class:`NativeUnavailable` with the reason."""
     global _lib, _error
-    if os.environ.get("PLE_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _off(os.environ.get("PLE_NATIVE")):
         raise NativeUnavailable("the fused CPU kernels are turned off (PLE_NATIVE=0)")
     if _lib is not None:
         return _lib
@@ -517,12 +518,14 @@ def background_thread() -> None:
     _local.background = True
 
 
-def threads_for(items: int, per_thread: int) -> int:
+def threads_for(items: int, per_thread: int, *, started_per_call: bool = False) -> int:
     """Threads for a kernel call over ``items`` pieces of work: one per ``per_thread`` pieces, at most
-    ``torch.get_num_threads()``, on PyTorch's OpenMP threads (:func:`team`); one where threads would
-    be started per call (starting one costs more than a gather or the ids of a step save), and on a
-    :func:`background_thread`."""
-    if items < 2 * per_thread or team() != "openmp" or getattr(_local, "background", False):
+    ``torch.get_num_threads()``, on PyTorch's OpenMP threads (:func:`team`); one on a
+    :func:`background_thread`, and one where threads would be started per call unless
+    ``started_per_call`` says the pieces pay for that (block decoding does; a row copy does not)."""
+    if items < 2 * per_thread or getattr(_local, "background", False):
+        return 1
+    if not started_per_call and team() != "openmp":
         return 1
     import torch
 
@@ -536,7 +539,7 @@ def available() -> bool:
         library()
         return True
     except NativeUnavailable as e:
-        if not _warned and os.environ.get("PLE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off"):
+        if not _warned and not _off(os.environ.get("PLE_NATIVE")):
             _warned = True
             warnings.warn(f"ple: using the PyTorch CPU path: {e}", RuntimeWarning, stacklevel=2)
         return False

@@ -319,7 +319,6 @@ typedef struct {
     int64_t *remaining; /* per request: units not yet finished */
     int64_t next_unit;
     int64_t ahead; /* the unit a thread is likely to take next is this many after its current one */
-    int failed;
 } job_t;
 
 #define MAX_PREFETCH 64 /* state columns a unit's prefetch plan names */
@@ -936,7 +935,6 @@ static void *thread_main(void *arg) {
     thread_arg_t *a = (thread_arg_t *)arg;
     scratch_t S;
     if (!alloc_scratch(a->job, &S)) {
-        __atomic_store_n(&a->job->failed, 1, __ATOMIC_RELAXED);
         free_scratch(&S);
         return 0;
     }
@@ -1014,7 +1012,7 @@ int ple_team_run(int threads, void *(*fn)(void *), void *arg) {
  * has_init [R] (bool bytes), rejected [R] or null: a request resumes from its slot when it has one and
  * has_init; its history then ends `rejected` columns before the slot's end.
  *
- * Returns 0 on success; -1 bad geometry, -2 out of memory, -3 thread start failed,
+ * Returns 0 on success; -1 bad geometry, -2 out of memory,
  * 1000 + r: request r has an out-of-range history (its slot cannot hold the window). */
 int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64_t taps, int64_t dilation,
                   int64_t state_len, int64_t num_slots, int64_t requests, float eps, const void *key,
@@ -1098,8 +1096,9 @@ int ple_gate_conv(int bf, int64_t tokens, int64_t hidden_size, int64_t hc, int64
     J.ahead = threads;
     thread_arg_t arg = {&J, bf, work_of(ple_current_isa())};
     ple_team_run(threads, thread_main, &arg);
-    /* a thread that could not allocate its scratch takes no unit; the others finish them all */
-    if (J.next_unit < J.num_units) rc = J.failed ? -2 : -3;
+    /* a thread that could not allocate its scratch takes no unit; the others (the caller's among them,
+     * which runs whatever number of threads started) finish them all, unless none could */
+    if (J.next_unit < J.num_units) rc = -2;
 done:
     free(J.unit_request);
     free(J.unit_begin);

@@ -5,8 +5,8 @@
  * (one float32 rounding per operation, in its order: no fused multiply-add, hence the pragma and
  * the separate statements), then rounded once, to nearest even, to bf16 or fp16.
  *
- * Returns 0, or -1 when an id is outside [0, rows) (nothing is written past that id), -2 for an
- * unknown format or output kind.
+ * Returns 0, or -1 when an id is outside [0, rows) (nothing is written), -2 for an unknown format or
+ * output kind.
  */
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -15,7 +15,6 @@
 #endif
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -161,27 +160,31 @@ static void decode32(int fmt, const uint8_t *b, float *v) {
     }
 }
 
+int ple_team_run(int threads, void *(*fn)(void *), void *arg); /* ple_cpu.c */
+
+static int ids_in_range(const int64_t *ids, int64_t n, int64_t rows) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (int64_t)((uint64_t)ids[i] >= (uint64_t)rows);
+    return bad == 0;
+}
+
+#define QUANT_CHUNK 64 /* rows a thread takes at a time */
+
 typedef struct {
     int fmt, kind;
     const uint8_t *data;
-    int64_t rows, row_nbytes, block_nbytes, head_dim;
+    int64_t row_nbytes, block_nbytes, head_dim, n;
     const int64_t *ids;
-    int64_t start, stop;
     float global_scale;
     void *out;
-    int status;
+    int64_t next;
 } job_t;
 
-static void run(job_t *job) {
+static void decode_rows(const job_t *job, int64_t a, int64_t b) {
     float v[32], t;
     const int64_t D = job->head_dim;
-    for (int64_t i = job->start; i < job->stop; i++) {
-        int64_t r = job->ids[i];
-        if (r < 0 || r >= job->rows) {
-            job->status = -1;
-            return;
-        }
-        const uint8_t *row = job->data + r * job->row_nbytes;
+    for (int64_t i = a; i < b; i++) {
+        const uint8_t *row = job->data + job->ids[i] * job->row_nbytes;
         if (job->fmt == F_NVFP4) {
             const uint8_t *sc = row + D / 2;
             for (int64_t c = 0; c < D; c += 16) {
@@ -204,49 +207,29 @@ static void run(job_t *job) {
     }
 }
 
-static void *run_thread(void *arg) {
-    run((job_t *)arg);
+static void *quant_worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&job->next, QUANT_CHUNK, __ATOMIC_RELAXED);
+        if (a >= job->n) break;
+        decode_rows(job, a, a + QUANT_CHUNK < job->n ? a + QUANT_CHUNK : job->n);
+    }
     return NULL;
 }
 
+/* Rows ids[0 .. n) decoded into out on up to `threads` threads (a team of ple_team_run, at least 256
+ * rows each). Returns 0; -1, writing nothing, when an id is outside [0, rows); -2 for a bad format or
+ * output kind. */
 int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nbytes, int64_t head_dim,
                      const int64_t *ids, int64_t n, float global_scale, int out_kind, void *out, int threads) {
     static const int64_t BLOCK_NBYTES[8] = {34, 24, 22, 20, 18, 18, 17, 9};
-    enum { MAX_THREADS = 64 };
-    job_t jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS];
     if (fmt < 0 || fmt > F_NVFP4 || out_kind < OUT_F32 || out_kind > OUT_BF16) return -2;
+    if (!ids_in_range(ids, n, rows)) return -1;
     if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (n < 256 * (int64_t)threads) threads = (int)(n / 256) > 1 ? (int)(n / 256) : 1;
-    for (int k = 0; k < threads; k++) {
-        job_t *j = &jobs[k];
-        j->fmt = fmt;
-        j->kind = out_kind;
-        j->data = data;
-        j->rows = rows;
-        j->row_nbytes = row_nbytes;
-        j->block_nbytes = BLOCK_NBYTES[fmt];
-        j->head_dim = head_dim;
-        j->ids = ids;
-        j->start = n * k / threads;
-        j->stop = n * (k + 1) / threads;
-        j->global_scale = global_scale;
-        j->out = out;
-        j->status = 0;
-        started[k] = 0;
-    }
-    for (int k = 1; k < threads; k++) started[k] = pthread_create(&tids[k], NULL, run_thread, &jobs[k]) == 0;
-    for (int k = 1; k < threads; k++)
-        if (!started[k]) run(&jobs[k]);
-    run(&jobs[0]);
-    int status = jobs[0].status;
-    for (int k = 1; k < threads; k++) {
-        if (started[k]) pthread_join(tids[k], NULL);
-        if (jobs[k].status) status = jobs[k].status;
-    }
-    return status;
+    job_t job = {fmt, out_kind, data, row_nbytes, BLOCK_NBYTES[fmt], head_dim, n, ids, global_scale, out, 0};
+    ple_team_run(threads, quant_worker, &job);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -266,14 +249,6 @@ int ple_quant_lookup(int fmt, const uint8_t *data, int64_t rows, int64_t row_nby
 #define PREFETCH_ROWS 16
 #endif
 #define GATHER_CHUNK 128
-
-int ple_team_run(int threads, void *(*fn)(void *), void *arg);
-
-static int ids_in_range(const int64_t *ids, int64_t n, int64_t rows) {
-    int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) bad |= (int64_t)((uint64_t)ids[i] >= (uint64_t)rows);
-    return bad == 0;
-}
 
 static void prefetch_row(const uint8_t *row, int64_t row_bytes) {
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 0);

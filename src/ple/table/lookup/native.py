@@ -73,7 +73,7 @@ def gather_dequant_blocks_native(
         g,
         _OUT_KIND[dtype],
         out.data_ptr(),
-        max(1, torch.get_num_threads()),
+        _native.threads_for(flat.numel(), 256, started_per_call=True),
     )
     if rc == -1:
         check_ids(ids, data.shape[0])  # names the id
