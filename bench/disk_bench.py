@@ -194,20 +194,28 @@ def decode_step_ids(cfg: PLEConfig, tokens: np.ndarray) -> list[torch.Tensor]:
     return [ids[:, k].contiguous() for k in range(s)]
 
 
+def cold_lookup_times(tier: Tier, batches: list[torch.Tensor], refs: list[torch.Tensor], what: str) -> list[float]:
+    """Seconds of each lookup of ``batches`` with nothing of the file cached before it; each result is
+    checked against ``refs`` (``what`` names the tier in the failure)."""
+    times = []
+    for ids, ref in zip(batches, refs):
+        tier.cold()
+        t0 = time.perf_counter()
+        out = tier.table.lookup(ids, torch.bfloat16)
+        times.append(time.perf_counter() - t0)
+        assert torch.equal(out, ref), f"{what}: rows differ from the in-memory table's"
+    return times
+
+
 def rows_per_second(
     tier: Tier, batches: list[torch.Tensor], refs: list[torch.Tensor], read_batches: list[torch.Tensor] | None = None
 ) -> dict:
     """A tier's cold rows/s over ``batches`` (each checked against ``refs``): a step's distinct rows
     over its lookup's time; with ``read_batches`` (direct tier), also over the time of reading
     those batches' rows alone (``read_rows``)."""
-    times, read_times, rows, read_rows = [], [], 0, 0
-    for ids, ref in zip(batches, refs):
-        tier.cold()
-        t0 = time.perf_counter()
-        out = tier.table.lookup(ids, torch.bfloat16)
-        times.append(time.perf_counter() - t0)
-        assert torch.equal(out, ref), f"{tier.kind}: rows differ from the in-memory table's"
-        rows += int(np.unique(ids.numpy()).size)
+    times = cold_lookup_times(tier, batches, refs, tier.kind)
+    rows = sum(int(np.unique(ids.numpy()).size) for ids in batches)
+    read_times, read_rows = [], 0
     for ids in read_batches or []:
         distinct = np.unique(ids.numpy())
         tier.cold()
@@ -557,14 +565,7 @@ def main(argv=None) -> int:
                 tps, outs = serve(layer, tier, later[:, :8], later[:, 8:].T.copy(), False, 0.0, False)
                 assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs_budget)), f"budget {mb}: outputs differ"
                 bsamples[(mb, "session")].append(tps)
-                tier = btiers[(mb, "lookups")]
-                times = []
-                for ids, ref in zip(later_steps, later_refs):
-                    tier.cold()
-                    t0 = time.perf_counter()
-                    out = tier.table.lookup(ids, torch.bfloat16)
-                    times.append(time.perf_counter() - t0)
-                    assert torch.equal(out, ref), f"budget {mb}: rows differ"
+                times = cold_lookup_times(btiers[(mb, "lookups")], later_steps, later_refs, f"budget {mb}")
                 bsamples[(mb, "lookups")].append(R / statistics.median(times))
         budget_rows = []
         for mb in args.budgets_mb:

@@ -18,7 +18,7 @@ On the CPU with the C kernel (bf16/fp32) the pools are kept token-major as rings
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
@@ -89,6 +89,25 @@ class _SlotArrays:
         self.rejected = np.concatenate([self.rejected, np.zeros(extra, dtype=np.int64)])
 
 
+class _SlotField:
+    """A request's counter kept in the session's per-slot array of the same name, read as ``cast``."""
+
+    def __init__(self, cast: Callable[[Any], Any]):
+        self.cast = cast
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, req: Any, owner: type | None = None) -> Any:
+        if req is None:
+            return self
+        return self.cast(getattr(req._arrays, self.name)[req.slot])
+
+    def __set__(self, req: Any, value: Any) -> None:
+        getattr(req._arrays, self.name)[req.slot] = value
+
+
 class _Request:
     """A live request: its slot, a pending speculative chunk, prefix states; its length, whether its
     slot holds state and how many of its last columns were rejected live in the session's
@@ -106,29 +125,9 @@ class _Request:
         arrays.has_state[slot] = False
         arrays.rejected[slot] = 0
 
-    @property
-    def length(self) -> int:
-        return int(self._arrays.length[self.slot])
-
-    @length.setter
-    def length(self, value: int) -> None:
-        self._arrays.length[self.slot] = value
-
-    @property
-    def has_state(self) -> bool:
-        return bool(self._arrays.has_state[self.slot])
-
-    @has_state.setter
-    def has_state(self, value: bool) -> None:
-        self._arrays.has_state[self.slot] = value
-
-    @property
-    def rejected(self) -> int:
-        return int(self._arrays.rejected[self.slot])
-
-    @rejected.setter
-    def rejected(self, value: int) -> None:
-        self._arrays.rejected[self.slot] = value
+    length = _SlotField(int)
+    has_state = _SlotField(bool)
+    rejected = _SlotField(int)
 
 
 @dataclasses.dataclass
