@@ -170,6 +170,9 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_current_isa(void) { return 0; }\n"
     "int ple_team_kind(void) { return 0; }\n"
     "void ple_team_after_fork(void) {}\n"
+    # the session's per-slot arrays
+    "int ple_slots_read(void) { return 0; }\n"
+    "void ple_slots_advance(void) {}\n"
     # the direct tier's reader
     "int ple_reader_new(void) { return 0; }\n"
     "int ple_reader_read(void) { return 0; }\n"

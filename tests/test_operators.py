@@ -209,11 +209,27 @@ def test_the_cpu_operator_runs_the_kernel_its_entry_chooses(name, seed):
         assert torch.equal(a, b), f"{name}: result {i} is not the {kernel.name} kernel's"
     args = SAMPLES[name](seed, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(_results(name, op.on(torch.device("cpu"))(*args), args), want))
+    args = SAMPLES[name](seed, "cpu")  # the same kernel without the check
+    assert all(torch.equal(a, b) for a, b in zip(_results(name, op.kernel_on(torch.device("cpu"))(*args), args), want))
+
+
+def test_kernel_on_skips_the_check_and_on_runs_it():
+    op = OPERATORS["ngram_ids"]
+    args = list(SAMPLES["ngram_ids"](0, "cpu"))
+    tokens = args[0].clone()
+    tokens[1] = 10**6  # outside the vocabulary: the check refuses it, the id kernel hashes it all the same
+    args[0] = tokens
+    with pytest.raises(ValueError, match="1000000"):
+        op.on(torch.device("cpu"))(*args)
+    ids = op.kernel_on(torch.device("cpu"))(*args)
+    assert ids.shape[0] == tokens.shape[0]
 
 
 def test_a_device_without_kernels_is_refused():
     with pytest.raises(ValueError, match=r"grouped_rms_norm: tensors on meta, expected one of cpu, cuda"):
         OPERATORS["grouped_rms_norm"].on(torch.device("meta"))
+    with pytest.raises(ValueError, match=r"grouped_rms_norm: tensors on meta, expected one of cpu, cuda"):
+        OPERATORS["grouped_rms_norm"].kernel_on(torch.device("meta"))
 
 
 # table references are opaque (tests/test_compile.py); the gather writes a given tensor (no fake outputs)

@@ -33,7 +33,7 @@ from .ops.gate import reference as gate_reference
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
 from .table import StoredTable
-from .table.base import TableRef, lookup_through
+from .table.base import TableRef, lookup_built, lookup_through
 from .table.table_file import hash_layout
 
 __all__ = ["PLELayer"]
@@ -405,18 +405,35 @@ class PLELayer(nn.Module):
             )
         with ops_library.named_range("ple.check"):
             self._check_call(hidden, input_ids, batch, rows, token_mask)
-            if self._seen != self._param_stamp():
-                self.refresh_weights()
+        if prefetched is not None and rows is not None:
+            raise InvalidArgumentError("give prefetched= or rows=, not both")
+        return self._run(hidden, input_ids, batch, prefetched, rows, token_mask, add_hidden, return_conv_input, True)
+
+    def run_built(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, prefetched, return_conv_input: bool
+    ):
+        """The engine call for a caller that built every operand itself: ``ple.Session``, whose batch
+        comes from its own checked state, whose tokens it range-checked, and whose ``hidden`` it checked
+        to be ``[T, HC*H]`` in the layer's dtype. The operators' checks are skipped (on the CPU); the
+        weights are still refreshed when they changed. Returns what :meth:`forward` returns."""
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            raise UsageError(
+                "the engine call is inference-only (it updates the state pool in place); "
+                "use forward_padded() for gradients"
+            )
+        return self._run(hidden, input_ids, batch, prefetched, None, None, True, return_conv_input, False)
+
+    def _run(self, hidden, input_ids, batch, prefetched, rows, token_mask, add_hidden, return_conv_input, checked):
+        if self._seen != self._param_stamp():
+            self.refresh_weights()
         if prefetched is not None:
-            if rows is not None:
-                raise InvalidArgumentError("give prefetched= or rows=, not both")
             prefetched.check_bound(self, input_ids, batch.query_start_loc, batch.ngram_context)
             rows = prefetched.wait()
         elif rows is None:
             self._require_table()
         try:
             with torch.no_grad() if torch.is_grad_enabled() else _GRAD_ALREADY_OFF:
-                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
+                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked)
         finally:
             if prefetched is not None:
                 prefetched.release()
@@ -446,9 +463,10 @@ class PLELayer(nn.Module):
         if token_mask is not None and token_mask.shape != (tokens,):
             raise InvalidArgumentError(f"token_mask must be [T={tokens}], got {tuple(token_mask.shape)}")
 
-    def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input):
-        """The hot path: operators only, no checks, no host synchronization (``torch.compile``-able)."""
-        ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask)
+    def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked=True):
+        """The hot path: operators only, no host synchronization (``torch.compile``-able); ``checked=False``
+        runs the CPU kernels without the operators' checks (see :meth:`run_built`)."""
+        ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask, checked)
         if rows is None:
             with ops_library.named_range("ple.ids"):
                 ids = ids_op(
@@ -551,14 +569,18 @@ def _dispatch_modes() -> int:
     return 1 if _DISPATCH_STACK is None else _DISPATCH_STACK()
 
 
-def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> tuple:
+def _operators_for(
+    layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask, checked: bool = True
+) -> tuple:
     """The ids, lookup and fused operators as the engine call runs them.
 
     Eagerly with every operand on the CPU (the CPU functions' checks skip the devices), plain tensors,
     no profiler and no dispatch mode: the functions the dispatcher would run for CPU tensors
     (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
-    microseconds per call). Otherwise the ``torch.ops.ple`` operators themselves (compiled and exported
-    code, other devices, tensor subclasses, profiles that show each operator)."""
+    microseconds per call), or with ``checked=False`` the kernels alone
+    (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
+    ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
+    subclasses, profiles that show each operator)."""
     if (
         torch.compiler.is_compiling()
         or type(hidden) is not torch.Tensor
@@ -576,6 +598,8 @@ def _operators_for(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tenso
         or "table_lookup" not in OPERATORS
     ):
         return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+    if not checked:
+        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
     return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 

@@ -67,6 +67,7 @@ class Operator:
     fake: Callable[..., Any]
     check: Callable[..., None] | None
     impls: dict[str, Callable[..., Any]]
+    kernel_impls: dict[str, Callable[..., Any]]
 
     def on(self, device: torch.device) -> Callable[..., Any]:
         """The function the dispatcher runs for tensors on ``device``: checks, then the kernel."""
@@ -76,6 +77,12 @@ class Operator:
                 f"{self.name}: tensors on {device}, expected one of {', '.join(DEVICES)} (the operator's kernels)"
             )
         return impl
+
+    def kernel_on(self, device: torch.device) -> Callable[..., Any]:
+        """:meth:`on` without the check: the kernel it would choose for these arguments. Only for a
+        caller that built every operand itself from checked inputs (``ple.Session``'s steps)."""
+        self.on(device)  # the same error for a device without kernels
+        return self.kernel_impls[device.type]
 
 
 OPERATORS: dict[str, Operator] = {}
@@ -100,7 +107,7 @@ def register(
     name = schema.split("(", 1)[0]
     if name in OPERATORS:
         raise InvalidArgumentError(f"operator ple::{name} is registered twice")
-    impls = {}
+    impls, kernel_impls = {}, {}
     for device in DEVICES:
         mine = tuple(k for k in kernels if k.device == device)
         if not mine:
@@ -111,11 +118,12 @@ def register(
                 f"takes some arguments; got {[k.name for k in mine]}"
             )
         impls[device] = _device_function(mine, check, device != "cpu")
+        kernel_impls[device] = _device_function(mine, None, device != "cpu")
     _LIB.define(schema)
     for device, impl in impls.items():
         _LIB.impl(name, impl, device.upper())
     torch.library.register_fake(f"ple::{name}", fake, lib=_LIB)
-    op = Operator(name, schema, reference, tuple(kernels), fake, check, impls)
+    op = Operator(name, schema, reference, tuple(kernels), fake, check, impls, kernel_impls)
     OPERATORS[name] = op
     return op
 

@@ -622,3 +622,37 @@ def test_rows_cut_from_one_tensor_give_the_outputs_of_separate_rows():
         for rid in range(len(lens)):
             assert torch.equal(got[rid], want[rid]), (name, rid)
         assert got_s.prefix_state(0).length == lens[0]
+
+
+def test_session_steps_follow_weights_changed_in_place_and_refuse_gradients():
+    # the session's engine call skips the operators' checks (it built every operand) but still picks
+    # up weights changed in place, and still refuses a hidden that wants gradients
+    from ple.errors import UsageError
+
+    changed, later = _layer.__wrapped__(0), _layer.__wrapped__(0)  # two fresh copies of one layer
+    with torch.no_grad():
+        changed.norm_key.mul_(1.5)
+    width = changed.config.hc_hidden_size
+    g = torch.Generator().manual_seed(3)
+    steps = [
+        {r: (torch.randn(n, width, generator=g), torch.randint(0, 40, (n,), generator=g)) for r, n in pairs}
+        for pairs in (((0, 3), (1, 1)), ((2, 4), (3, 2)))
+    ]
+    a, b = Session(changed, 4), Session(later, 4)
+    for s in (a, b):
+        s.add(0)
+        s.add(1)
+    first_a, first_b = a.step(steps[0]), b.step(steps[0])
+    assert not torch.equal(first_a[0], first_b[0])  # the change matters
+    with torch.no_grad():
+        later.norm_key.mul_(1.5)
+    for s in (a, b):  # fresh requests: the same state in both sessions
+        s.add(2)
+        s.add(3)
+    second_a, second_b = a.step(steps[1]), b.step(steps[1])
+    for r in (2, 3):
+        assert torch.equal(second_a[r], second_b[r]), r
+    wants_grad = {0: (torch.randn(1, width).requires_grad_(), torch.tensor([5]))}
+    with torch.enable_grad(), pytest.raises(UsageError, match="inference-only"):
+        a.step(wants_grad)
+    assert a.request_ids == [0, 1, 2, 3]

@@ -340,6 +340,8 @@ _SYMBOLS = (
     "ple_current_isa",
     "ple_team_kind",
     "ple_team_after_fork",
+    "ple_slots_read",
+    "ple_slots_advance",
     "ple_reader_new",
     "ple_reader_read",
     "ple_reader_reads",
@@ -403,6 +405,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ple_team_kind.argtypes = []
     lib.ple_team_after_fork.restype = None
     lib.ple_team_after_fork.argtypes = []
+    # a session's decode step: tokens, slots, n, vocab, contexts, ctx_len, has_state, rejected, 4 outputs
+    lib.ple_slots_read.restype = i64
+    lib.ple_slots_read.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    # tokens, slots, n, contexts, ctx_len, has_state, rejected, length
+    lib.ple_slots_advance.restype = None
+    lib.ple_slots_advance.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr]
     # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
     lib.ple_reader_new.restype = i32
     lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]

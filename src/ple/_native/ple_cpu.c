@@ -1215,3 +1215,43 @@ int ple_ngram_ids(const int64_t *tokens, int64_t total, const int64_t *starts, i
     free(head);
     return 0;
 }
+
+/* A session's decode step reads its per-slot arrays in one pass: request i (slot slots[i], token
+ * tokens[i]) gets its context row [ctx_len], has_state flag and rejected count. Returns -1 when every
+ * token lies in [0, vocab), else the index of the first that does not (the outputs are then
+ * unspecified); *all_has is 1 when every request's slot holds state. Slots are trusted (the session's
+ * own). */
+int64_t ple_slots_read(const int64_t *tokens, const int64_t *slots, int64_t n, int64_t vocab,
+                       const int64_t *contexts, int64_t ctx_len, const uint8_t *has_state,
+                       const int64_t *rejected, int64_t *ctx_out, uint8_t *has_out, int64_t *rej_out,
+                       int32_t *all_has) {
+    for (int64_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= vocab) return i;
+    int32_t all = 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = slots[i];
+        memcpy(ctx_out + i * ctx_len, contexts + s * ctx_len, sizeof(int64_t) * (size_t)ctx_len);
+        has_out[i] = has_state[s] ? 1 : 0;
+        all &= has_out[i];
+        rej_out[i] = rejected[s];
+    }
+    *all_has = all;
+    return -1;
+}
+
+/* After a session's decode step: each request's context row shifts in its token, its slot holds
+ * state, nothing is rejected, its length grows by one. */
+void ple_slots_advance(const int64_t *tokens, const int64_t *slots, int64_t n, int64_t *contexts,
+                       int64_t ctx_len, uint8_t *has_state, int64_t *rejected, int64_t *length) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = slots[i];
+        if (ctx_len > 0) {
+            int64_t *row = contexts + s * ctx_len;
+            memmove(row, row + 1, sizeof(int64_t) * (size_t)(ctx_len - 1));
+            row[ctx_len - 1] = tokens[i];
+        }
+        has_state[s] = 1;
+        rejected[s] = 0;
+        length[s] += 1;
+    }
+}

@@ -66,7 +66,7 @@ _NO_RANGE = contextlib.nullcontext()
 def named_range(name: str):
     """A named range for profilers (``torch.profiler.record_function``) while a profiler runs; a
     shared no-op otherwise (about a microsecond) and inside code that ``torch.compile`` traces."""
-    if torch.compiler.is_compiling() or not getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+    if not getattr(torch.autograd.profiler, "_is_profiler_enabled", True) or torch.compiler.is_compiling():
         return _NO_RANGE
     return torch.profiler.record_function(name)
 

@@ -18,7 +18,7 @@ On the CPU with the C kernel (bf16/fp32) the pools are kept token-major as rings
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
@@ -31,6 +31,7 @@ from ..ngram import first_out_of_range, next_ngram_context, ngram_ids
 from ..ops.library import named_range
 from ..ops.state import ring_to_engine, ring_window
 from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
+from .slots import SlotArrays, SlotField
 
 __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 
@@ -72,50 +73,14 @@ class _Pending:
     conv_input: torch.Tensor | None  # [layers, n, C]
 
 
-class _SlotArrays:
-    """Per-slot counters of the live requests, one array each (indexed by slot): a step reads and
-    advances them for all its requests at once, without touching a Python object per request."""
-
-    __slots__ = ("length", "has_state", "rejected")
-
-    def __init__(self, slots: int):
-        self.length = np.zeros(slots, dtype=np.int64)
-        self.has_state = np.zeros(slots, dtype=np.bool_)
-        self.rejected = np.zeros(slots, dtype=np.int64)
-
-    def grow(self, extra: int) -> None:
-        self.length = np.concatenate([self.length, np.zeros(extra, dtype=np.int64)])
-        self.has_state = np.concatenate([self.has_state, np.zeros(extra, dtype=np.bool_)])
-        self.rejected = np.concatenate([self.rejected, np.zeros(extra, dtype=np.int64)])
-
-
-class _SlotField:
-    """A request's counter kept in the session's per-slot array of the same name, read as ``cast``."""
-
-    def __init__(self, cast: Callable[[Any], Any]):
-        self.cast = cast
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, req: Any, owner: type | None = None) -> Any:
-        if req is None:
-            return self
-        return self.cast(getattr(req._arrays, self.name)[req.slot])
-
-    def __set__(self, req: Any, value: Any) -> None:
-        getattr(req._arrays, self.name)[req.slot] = value
-
-
 class _Request:
     """A live request: its slot, a pending speculative chunk, prefix states; its length, whether its
     slot holds state and how many of its last columns were rejected live in the session's
-    :class:`_SlotArrays` (read and written here as attributes)."""
+    :class:`~ple.runtime.slots.SlotArrays` (read and written here as attributes)."""
 
     __slots__ = ("slot", "pending", "prefix_states", "wanted", "_arrays")
 
-    def __init__(self, slot: int, arrays: _SlotArrays):
+    def __init__(self, slot: int, arrays: SlotArrays):
         self.slot = slot
         self.pending: _Pending | None = None
         self.prefix_states: dict[int, PrefixState] = {}
@@ -125,9 +90,9 @@ class _Request:
         arrays.has_state[slot] = False
         arrays.rejected[slot] = 0
 
-    length = _SlotField(int)
-    has_state = _SlotField(bool)
-    rejected = _SlotField(int)
+    length = SlotField(int)
+    has_state = SlotField(bool)
+    rejected = SlotField(int)
 
 
 @dataclasses.dataclass
@@ -245,11 +210,9 @@ class Session:
         self._ring = native and state_layout != "engine"
         self._pools = [self._new_pool(max_requests) for _ in group]
         self._offsets = [torch.zeros(max_requests, dtype=torch.int64, device=self._device) for _ in group]
-        self._contexts = torch.full((max_requests, self._ctx_len), self._eos, dtype=torch.int64)
-        self._contexts_np = self._contexts.numpy()  # the same memory, for the decode step's in-place shift
         self._decode_starts: dict[int, torch.Tensor] = {}  # query_start_loc of n one-token requests (read only)
         self._free = list(range(max_requests - 1, -1, -1))
-        self._arrays = _SlotArrays(max_requests)
+        self._arrays = SlotArrays(max_requests, self._ctx_len, self._eos)
         self._pending_count = 0  # requests with a speculative chunk awaiting accept()
         self._requests: dict[Hashable, _Request] = {}
         self._open: SessionStep | None = None
@@ -311,11 +274,11 @@ class Session:
             window, ctx = self._check_state(from_state)
         slot = self._free.pop()
         req = _Request(slot, self._arrays)
-        self._contexts[slot] = self._eos
+        self._arrays.contexts[slot] = self._eos
         if from_state is not None:
             for k in range(len(self.layers)):
                 self._write_window(k, slot, window[k])
-            self._contexts[slot] = ctx
+            self._arrays.contexts[slot] = ctx
             req.length = from_state.length
             req.has_state = True
             self._maybe_keep(req, from_state)
@@ -387,9 +350,6 @@ class Session:
                 ) from None
             self._pools = pools
             self._offsets = [torch.cat([o, o.new_zeros(extra)]) for o in self._offsets]
-            fill = torch.full((extra, self._ctx_len), self._eos, dtype=torch.int64)
-            self._contexts = torch.cat([self._contexts, fill])
-            self._contexts_np = self._contexts.numpy()
             self._arrays.grow(extra)
         self._free = list(range(max_requests - 1, self.max_requests - 1, -1)) + self._free
         self.max_requests = max_requests
@@ -447,7 +407,7 @@ class Session:
         return PrefixState(w.contiguous(), ctx, length)
 
     def _state_now(self, req: _Request) -> PrefixState:
-        return self._state(self._window_of(req), self._contexts[req.slot].clone(), req.length)
+        return self._state(self._window_of(req), self._arrays.contexts[req.slot].clone(), req.length)
 
     def _open_chunk_end(self, request_id: Hashable, req: _Request) -> int | None:
         """The request's length after its chunk in the open step, or None when it is not in one."""
@@ -567,13 +527,13 @@ class Session:
                 raise SessionError(f"unknown request {rid!r}")
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] < 1:
                 raise SessionError(f"request {rid!r}: tokens must be a non-empty 1-D tensor")
-            ctx = self._contexts[req.slot]
+            ctx = self._arrays.contexts[req.slot]
             if step is not None and rid in step.request_ids:
                 if rid in step.speculative:
                     raise SessionError(f"request {rid!r} is in a speculative chunk: its next context is unknown")
                 i = step.request_ids.index(rid)
                 a = sum(step.lens[:i])
-                ctx = torch.cat([self._contexts[req.slot], step.tokens[a : a + step.lens[i]].cpu()])
+                ctx = torch.cat([self._arrays.contexts[req.slot], step.tokens[a : a + step.lens[i]].cpu()])
                 ctx = ctx[ctx.numel() - self._ctx_len :]
             ctx_rows.append(ctx)
             chunks.append(t.to(torch.int64).cpu())
@@ -659,33 +619,42 @@ class Session:
             reqs = [requests[rid] for rid in order]
             lens = [int(t.shape[0]) for t in toks]
             packed = torch.cat(toks) if count else None
-        # the requests' counters, gathered from the per-slot arrays at once
+        # the requests' counters and contexts, gathered from the per-slot arrays at once
+        arrays = self._arrays
         slots = np.fromiter(map(_slot, reqs), dtype=np.int64, count=count)
-        has_init = self._arrays.has_state[slots]
-        rejected = self._arrays.rejected[slots]
         total = sum(lens)
         decode_only = total == count
-        if decode_only and not spec and has_init.all():
-            kinds = (DECODE,) * count
-        else:
-            kinds = tuple(
-                VERIFY if rid in spec else (DECODE if n == 1 and h else PREFILL)
-                for rid, n, h in zip(order, lens, has_init.tolist())
-            )
         prefix_rows: dict[Hashable, int] = {}
         if self.prefix_every or any(map(_wanted, reqs)):
             for i, req in enumerate(reqs):
                 if self._positions_in(req, req.length, lens[i]):
                     prefix_rows[order[i]] = i
-        packed = packed.to(torch.int64) if packed is not None else torch.zeros(0, dtype=torch.int64)
-        if packed.numel():
-            a = packed.cpu().numpy()
-            if (pos := first_out_of_range(a, self._vocab)) is not None:
-                r = int(np.searchsorted(np.cumsum(lens), pos, side="right"))
-                raise SessionError(
-                    f"request {order[r]!r}: token {int(a[pos])} at offset {pos - sum(lens[:r])} is outside "
-                    f"[0, vocab_size={self._vocab})"
+        if packed is None:
+            packed = torch.zeros(0, dtype=torch.int64)
+        elif packed.dtype != torch.int64:
+            packed = packed.to(torch.int64)
+        host = packed if packed.device.type == "cpu" else packed.cpu()
+        if decode_only and count:  # one token per request: one pass reads all (and checks the tokens)
+            bad, contexts, has_t, rejected_t, all_have = arrays.read_decode(host, slots, self._vocab)
+            if bad is not None:
+                self._token_outside(order, lens, host, bad)
+            if all_have and not spec:
+                kinds = (DECODE,) * count
+            else:
+                kinds = tuple(
+                    VERIFY if rid in spec else (DECODE if h else PREFILL) for rid, h in zip(order, has_t.tolist())
                 )
+        else:
+            has_init = arrays.has_state[slots]
+            kinds = tuple(
+                VERIFY if rid in spec else (DECODE if n == 1 and h else PREFILL)
+                for rid, n, h in zip(order, lens, has_init.tolist())
+            )
+            if (pos := first_out_of_range(host.numpy(), self._vocab)) is not None:
+                self._token_outside(order, lens, host, pos)
+            has_t = torch.from_numpy(has_init)
+            rejected_t = torch.from_numpy(arrays.rejected[slots])
+            contexts = arrays.contexts.index_select(0, torch.from_numpy(slots))
         slot_t = torch.from_numpy(slots)
         if decode_only:
             qsl = self._decode_starts.get(count)
@@ -699,9 +668,9 @@ class Session:
             query_start_loc=to(qsl),
             slot_indices=to(slot_t),
             kinds=tuple(kinds),
-            has_initial_state=to(torch.from_numpy(has_init)),
-            ngram_context=to(self._contexts.index_select(0, slot_t)),
-            num_rejected=to(torch.from_numpy(rejected)),
+            has_initial_state=to(has_t),
+            ngram_context=to(contexts),
+            num_rejected=to(rejected_t),
             conv_state=self._pools[0],
             num_spec=self.num_spec,
             state_offsets=self._offsets[0] if self._ring else None,
@@ -722,6 +691,14 @@ class Session:
         )
         self._open = step
         return step
+
+    def _token_outside(self, order: list, lens: list[int], packed: torch.Tensor, pos: int):
+        """Raise for the token at ``pos`` of the packed step, naming its request and offset."""
+        r = int(np.searchsorted(np.cumsum(lens), pos, side="right"))
+        raise SessionError(
+            f"request {order[r]!r}: token {int(packed[pos])} at offset {pos - sum(lens[:r])} is outside "
+            f"[0, vocab_size={self._vocab})"
+        )
 
     def run(self, step: SessionStep, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Run layer ``layer`` (index into :attr:`layers`) of an open step: ``hidden [T, HC*H]`` packed
@@ -749,7 +726,7 @@ class Session:
         prefetched = None
         if step.lookups is not None:
             prefetched, step.lookups[layer] = step.lookups[layer], None
-        result = self.layers[layer](hidden, step.tokens, batch, return_conv_input=need_c, prefetched=prefetched)
+        result = self.layers[layer].run_built(hidden, step.tokens, batch, prefetched, need_c)
         step.done[layer] = True
         if need_c:
             out, c = result
@@ -773,15 +750,10 @@ class Session:
         if not step.request_ids:
             return
         arrays, slots = self._arrays, step.slots
-        if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows and self._ctx_len:
-            # a step of decode tokens: each context shifts in its token (the host rows begin() read, in
-            # place), lengths advance
-            ctx = self._contexts_np
-            ctx[slots, :-1] = ctx[slots, 1:]
-            ctx[slots, -1] = step.tokens.cpu().numpy()
-            arrays.has_state[slots] = True
-            arrays.rejected[slots] = 0
-            arrays.length[slots] += 1
+        assert slots is not None
+        if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows:
+            # a step of decode tokens: each context shifts in its token, lengths advance
+            arrays.advance_decode(step.tokens if step.tokens.device.type == "cpu" else step.tokens.cpu(), slots)
             return
         batch = step.batch
         old_ctx = batch.ngram_context.cpu()
@@ -791,7 +763,7 @@ class Session:
             new_ctx = torch.cat([old_ctx[:, 1:], tokens.view(-1, 1)], dim=1) if self._ctx_len else old_ctx
         else:
             new_ctx = next_ngram_context(tokens, batch.query_start_loc.cpu(), old_ctx)
-        self._contexts.index_copy_(0, slot_t, new_ctx)
+        self._arrays.contexts.index_copy_(0, slot_t, new_ctx)
         starts = None
         if step.prefix_rows or step.speculative:
             starts = [0, *_accumulate(step.lens)]
@@ -926,7 +898,7 @@ class Session:
         if p.prev_window is not None and p.conv_input is not None:
             self._states_inside(req, p.prev_length, kept, p.prev_window, p.prev_context, p.tokens, p.conv_input)
         ctx = next_ngram_context(p.tokens[:kept], torch.tensor([0, kept]), p.prev_context.view(1, -1))[0]
-        self._contexts[req.slot] = ctx
+        self._arrays.contexts[req.slot] = ctx
         req.length = p.prev_length + kept
         req.rejected = n - kept
         req.pending = None

@@ -276,6 +276,15 @@ if register_opaque_type is not None:
     )
 
 
+def lookup_built(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The lookup of ids a layer's own kernel computed from its layout (so inside the table's rows,
+    which the layer checked against that layout when it took the table): the operator's work without
+    its checks, for ``ple.Session``'s steps (which checked that the layer holds a table)."""
+    table = ref.table
+    assert table is not None
+    return table.lookup(ids, dtype, check=False)
+
+
 def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)``; on a torch without opaque
     reference types the operator does not exist and the table is called directly (eager only)."""
