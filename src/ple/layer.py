@@ -91,6 +91,7 @@ class PLELayer(nn.Module):
         self.ple_layer_index = ple_layer_index
         self.layout = config.layout(ple_layer_index)
         c, h, e, k = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
+        self._kv_widths = (c, h)  # the key and value columns of the projections' result
         self.key_proj = nn.Parameter(torch.zeros(c, e, dtype=dtype, device=device))
         self.value_proj = nn.Parameter(torch.zeros(h, e, dtype=dtype, device=device))
         self.norm_key = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
@@ -364,8 +365,7 @@ class PLELayer(nn.Module):
             kv = F.linear(emb, w)[:tokens]
         else:
             kv = F.linear(emb, w)
-        c = self.config.hc_hidden_size
-        return kv[:, :c], kv[:, c:]
+        return kv.split(self._kv_widths, 1)  # one call for both views
 
     def forward(
         self,
@@ -581,6 +581,19 @@ def _operators_for(
     (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
     ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
     subclasses, profiles that show each operator)."""
+    if not checked:  # the session's operands: tokens and batch on its device, as the layer's weights
+        if (
+            type(hidden) is not torch.Tensor
+            or hidden.device.type != "cpu"
+            or not layer._on_cpu
+            or batch.slot_indices.device.type != "cpu"
+            or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+            or _dispatch_modes()
+            or "table_lookup" not in OPERATORS
+            or torch.compiler.is_compiling()
+        ):
+            return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
     if (
         torch.compiler.is_compiling()
         or type(hidden) is not torch.Tensor
@@ -598,8 +611,6 @@ def _operators_for(
         or "table_lookup" not in OPERATORS
     ):
         return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
-    if not checked:
-        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
     return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 

@@ -81,8 +81,8 @@ class Operator:
     def kernel_on(self, device: torch.device) -> Callable[..., Any]:
         """:meth:`on` without the check: the kernel it would choose for these arguments. Only for a
         caller that built every operand itself from checked inputs (``ple.Session``'s steps)."""
-        self.on(device)  # the same error for a device without kernels
-        return self.kernel_impls[device.type]
+        impl = self.kernel_impls.get(device.type)
+        return self.on(device) if impl is None else impl  # on() raises for a device without kernels
 
 
 OPERATORS: dict[str, Operator] = {}

@@ -33,14 +33,14 @@ def _same(a: tuple, b: tuple) -> bool:
 def test_the_c_pass_reads_and_advances_what_numpy_does(ctx_len):
     c_arrays, np_arrays = _filled(True, ctx_len=ctx_len), _filled(False, ctx_len=ctx_len)
     assert c_arrays.native and not np_arrays.native
-    slots = np.array([5, 0, 11, 3], dtype=np.int64)
+    slots = torch.tensor([5, 0, 11, 3])
     tokens = torch.tensor([4, 49, 0, 17])
     got, want = c_arrays.read_decode(tokens, slots, 50), np_arrays.read_decode(tokens, slots, 50)
     assert got[0] is None and want[0] is None
     for x, y in zip(got[1:4], want[1:4]):
         assert x.dtype == y.dtype and torch.equal(x, y)
     assert got[4] is want[4] is False  # slots 0 and 3 hold no state
-    assert torch.equal(got[1], c_arrays.contexts[torch.from_numpy(slots)])
+    assert torch.equal(got[1], c_arrays.contexts[slots])
     assert got[2].tolist() == [True, False, True, False] and got[3].tolist() == [1, 0, 3, 3]
     c_arrays.advance_decode(tokens, slots)
     np_arrays.advance_decode(tokens, slots)
@@ -50,7 +50,7 @@ def test_the_c_pass_reads_and_advances_what_numpy_does(ctx_len):
     assert c_arrays.length[[5, 0, 11, 3]].tolist() == [16, 1, 34, 10] and c_arrays.length[1] == 3
     assert c_arrays.has_state[[5, 0, 11, 3]].all() and not c_arrays.has_state[6]
     assert not c_arrays.rejected[[5, 0, 11, 3]].any() and c_arrays.rejected[6] == 2
-    slots = np.array([5, 11], dtype=np.int64)
+    slots = torch.tensor([5, 11])
     assert c_arrays.read_decode(torch.tensor([1, 2]), slots, 50)[4] is True
 
 
@@ -60,7 +60,7 @@ def test_a_token_outside_the_range_is_found_first(native):
         pytest.skip("the C kernels do not build here")
     a = _filled(native)
     before = _snapshot(a)
-    slots = np.array([1, 2, 4, 5], dtype=np.int64)
+    slots = torch.tensor([1, 2, 4, 5])
     for tokens, bad in (([3, 50, -1, 2], 1), ([3, 4, -1, 2], 2), ([3, 4, 5, 49], None)):
         assert a.read_decode(torch.tensor(tokens), slots, 50)[0] == bad
     assert _same(_snapshot(a), before)  # reading changes nothing
@@ -75,9 +75,9 @@ def test_growing_keeps_values_and_the_c_pass_follows_the_new_arrays(native):
     a.grow(3)
     assert torch.equal(a.contexts[:4], before[0]) and (a.contexts[4:] == 7).all()
     assert np.array_equal(a.length[:4], before[1]) and not a.length[4:].any()
-    a.advance_decode(torch.tensor([9, 8]), np.array([6, 0], dtype=np.int64))
+    a.advance_decode(torch.tensor([9, 8]), torch.tensor([6, 0]))
     assert a.contexts[6].tolist() == [7, 7, 9] and a.contexts[0, -1] == 8 and a.length[6] == 1
-    _, ctx, has, _, _ = a.read_decode(torch.tensor([1]), np.array([6], dtype=np.int64), 50)
+    _, ctx, has, _, _ = a.read_decode(torch.tensor([1]), torch.tensor([6]), 50)
     assert ctx.tolist() == [[7, 7, 9]] and has.tolist() == [True]
 
 

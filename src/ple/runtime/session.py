@@ -118,6 +118,7 @@ class SessionStep:
     ended: bool = False
     lookups: list | None = None  # per layer, a prefetch handle started at begin() (lookahead)
     slots: np.ndarray | None = None  # the requests' slots, int64 [R]
+    slot_tensor: torch.Tensor | None = None  # the same in a host tensor
 
     def split(self, packed: torch.Tensor) -> dict[Hashable, torch.Tensor]:
         """``{request: rows}`` views of a packed ``[T, ...]`` tensor."""
@@ -634,8 +635,9 @@ class Session:
         elif packed.dtype != torch.int64:
             packed = packed.to(torch.int64)
         host = packed if packed.device.type == "cpu" else packed.cpu()
+        slot_t = torch.from_numpy(slots)
         if decode_only and count:  # one token per request: one pass reads all (and checks the tokens)
-            bad, contexts, has_t, rejected_t, all_have = arrays.read_decode(host, slots, self._vocab)
+            bad, contexts, has_t, rejected_t, all_have = arrays.read_decode(host, slot_t, self._vocab)
             if bad is not None:
                 self._token_outside(order, lens, host, bad)
             if all_have and not spec:
@@ -654,8 +656,7 @@ class Session:
                 self._token_outside(order, lens, host, pos)
             has_t = torch.from_numpy(has_init)
             rejected_t = torch.from_numpy(arrays.rejected[slots])
-            contexts = arrays.contexts.index_select(0, torch.from_numpy(slots))
-        slot_t = torch.from_numpy(slots)
+            contexts = arrays.contexts.index_select(0, slot_t)
         if decode_only:
             qsl = self._decode_starts.get(count)
             if qsl is None:  # the kernels only read it: one tensor per batch size, kept
@@ -688,6 +689,7 @@ class Session:
             conv_inputs=[None] * len(self.layers),
             done=[False] * len(self.layers),
             slots=slots,
+            slot_tensor=slot_t,
         )
         self._open = step
         return step
@@ -705,7 +707,7 @@ class Session:
         in the step's request order; returns the new hidden ``[T, HC*H]``. Each layer runs once."""
         if not isinstance(step, SessionStep) or step is not self._open or step.ended:
             raise SessionError("run() needs the open step of this session (from begin(), before end())")
-        if not is_int(layer) or not 0 <= layer < len(self.layers):
+        if (type(layer) is not int and not is_int(layer)) or not 0 <= layer < len(self.layers):
             raise SessionError(f"layer {layer!r} outside [0, {len(self.layers)})")
         if step.done[layer]:
             raise SessionError(f"layer {layer} already ran in this step")
@@ -750,10 +752,11 @@ class Session:
         if not step.request_ids:
             return
         arrays, slots = self._arrays, step.slots
-        assert slots is not None
+        assert slots is not None and step.slot_tensor is not None
         if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows:
             # a step of decode tokens: each context shifts in its token, lengths advance
-            arrays.advance_decode(step.tokens if step.tokens.device.type == "cpu" else step.tokens.cpu(), slots)
+            host = step.tokens if step.tokens.device.type == "cpu" else step.tokens.cpu()
+            arrays.advance_decode(host, step.slot_tensor)
             return
         batch = step.batch
         old_ctx = batch.ngram_context.cpu()

@@ -66,13 +66,13 @@ class SlotArrays:
         self._point()
 
     def read_decode(
-        self, tokens: torch.Tensor, slots: np.ndarray, vocab_size: int
+        self, tokens: torch.Tensor, slots: torch.Tensor, vocab_size: int
     ) -> tuple[int | None, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """What a step of one token per request reads, in one pass.
 
         Args:
             tokens: ``[n]`` contiguous int64 host tensor, request ``i``'s token.
-            slots: ``[n]`` int64 array of distinct live slots.
+            slots: ``[n]`` contiguous int64 host tensor of distinct live slots.
             vocab_size: the tokens' range ``[0, vocab_size)``.
 
         Returns:
@@ -88,7 +88,7 @@ class SlotArrays:
             all_has = ctypes.c_int32(0)
             p_ctx, _, p_has, p_rej = self._ptrs
             bad = self._lib.ple_slots_read(
-                tokens.data_ptr(), slots.ctypes.data, n, vocab_size, p_ctx, ctx_len, p_has, p_rej,
+                tokens.data_ptr(), slots.data_ptr(), n, vocab_size, p_ctx, ctx_len, p_has, p_rej,
                 ctx.data_ptr(), has.data_ptr(), rej.data_ptr(), ctypes.byref(all_has),
             )  # fmt: skip
             return (None if bad < 0 else int(bad)), ctx, has, rej, bool(all_has.value)
@@ -96,13 +96,14 @@ class SlotArrays:
         bad_at = np.flatnonzero((a < 0) | (a >= vocab_size))
         if bad_at.size:
             return int(bad_at[0]), ctx, has, rej, False
-        ctx.copy_(self.contexts.index_select(0, torch.from_numpy(slots)))
-        h = self.has_state[slots]
+        ctx.copy_(self.contexts.index_select(0, slots))
+        at = slots.numpy()
+        h = self.has_state[at]
         has.copy_(torch.from_numpy(h))
-        rej.copy_(torch.from_numpy(self.rejected[slots]))
+        rej.copy_(torch.from_numpy(self.rejected[at]))
         return None, ctx, has, rej, bool(h.all())
 
-    def advance_decode(self, tokens: torch.Tensor, slots: np.ndarray) -> None:
+    def advance_decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """After a step of one token per request (``tokens [n]`` contiguous int64 host tensor,
         ``slots [n]`` as :meth:`read_decode` took them): each context shifts in its token, each slot
         holds state, none rejected, each length grows by one."""
@@ -110,16 +111,17 @@ class SlotArrays:
         if self._lib is not None:
             p_ctx, p_len, p_has, p_rej = self._ptrs
             self._lib.ple_slots_advance(
-                tokens.data_ptr(), slots.ctypes.data, n, p_ctx, self.contexts.shape[1], p_has, p_rej, p_len
+                tokens.data_ptr(), slots.data_ptr(), n, p_ctx, self.contexts.shape[1], p_has, p_rej, p_len
             )
             return
+        at = slots.numpy()
         ctx = self.contexts.numpy()
         if ctx.shape[1]:
-            ctx[slots, :-1] = ctx[slots, 1:]
-            ctx[slots, -1] = tokens.numpy()
-        self.has_state[slots] = True
-        self.rejected[slots] = 0
-        self.length[slots] += 1
+            ctx[at, :-1] = ctx[at, 1:]
+            ctx[at, -1] = tokens.numpy()
+        self.has_state[at] = True
+        self.rejected[at] = 0
+        self.length[at] += 1
 
 
 class SlotField:
