@@ -378,6 +378,7 @@ class PLELayer(nn.Module):
         return_conv_input: bool = False,
         token_mask: torch.Tensor | None = None,
         add_hidden: bool = True,
+        checked: bool = True,
     ):
         """New hidden state ``hidden + v + conv``, ``[T, HC*H]``, for a packed batch.
 
@@ -393,6 +394,10 @@ class PLELayer(nn.Module):
             token_mask: ``[T]`` bool/0-1, False for padding tokens: their ``v`` and conv input are
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
+            checked: False skips the checks of the arguments and of the operators on the CPU, for a
+                caller that built every operand itself from inputs it checked (``ple.Session``: its
+                batch from its own state, its range-checked tokens, ``hidden [T, HC*H]`` in the
+                layer's dtype). Weights changed since the last call are still picked up.
         """
         if torch.compiler.is_compiling():
             if prefetched is not None:
@@ -403,27 +408,11 @@ class PLELayer(nn.Module):
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
-        with ops_library.named_range("ple.check"):
-            self._check_call(hidden, input_ids, batch, rows, token_mask)
+        if checked:
+            with ops_library.named_range("ple.check"):
+                self._check_call(hidden, input_ids, batch, rows, token_mask)
         if prefetched is not None and rows is not None:
             raise InvalidArgumentError("give prefetched= or rows=, not both")
-        return self._run(hidden, input_ids, batch, prefetched, rows, token_mask, add_hidden, return_conv_input, True)
-
-    def run_built(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, prefetched, return_conv_input: bool
-    ):
-        """The engine call for a caller that built every operand itself: ``ple.Session``, whose batch
-        comes from its own checked state, whose tokens it range-checked, and whose ``hidden`` it checked
-        to be ``[T, HC*H]`` in the layer's dtype. The operators' checks are skipped (on the CPU); the
-        weights are still refreshed when they changed. Returns what :meth:`forward` returns."""
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            raise UsageError(
-                "the engine call is inference-only (it updates the state pool in place); "
-                "use forward_padded() for gradients"
-            )
-        return self._run(hidden, input_ids, batch, prefetched, None, None, True, return_conv_input, False)
-
-    def _run(self, hidden, input_ids, batch, prefetched, rows, token_mask, add_hidden, return_conv_input, checked):
         if self._seen != self._param_stamp():
             self.refresh_weights()
         if prefetched is not None:
@@ -433,7 +422,9 @@ class PLELayer(nn.Module):
             self._require_table()
         try:
             with torch.no_grad() if torch.is_grad_enabled() else _GRAD_ALREADY_OFF:
-                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked)
+                return self._step(
+                    hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, bool(checked)
+                )
         finally:
             if prefetched is not None:
                 prefetched.release()
@@ -465,7 +456,7 @@ class PLELayer(nn.Module):
 
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked=True):
         """The hot path: operators only, no host synchronization (``torch.compile``-able); ``checked=False``
-        runs the CPU kernels without the operators' checks (see :meth:`run_built`)."""
+        runs the CPU kernels without the operators' checks (see :meth:`forward`)."""
         ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask, checked)
         if rows is None:
             with ops_library.named_range("ple.ids"):

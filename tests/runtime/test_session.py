@@ -656,3 +656,24 @@ def test_session_steps_follow_weights_changed_in_place_and_refuse_gradients():
     with torch.enable_grad(), pytest.raises(UsageError, match="inference-only"):
         a.step(wants_grad)
     assert a.request_ids == [0, 1, 2, 3]
+
+
+def test_session_steps_go_through_the_module_call():
+    # forward hooks and a forward replaced on the instance see every step, as with a plain engine call
+    layer = _layer.__wrapped__(1)
+    width = layer.config.hc_hidden_size
+    seen = []
+    handle = layer.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append(kwargs["checked"]), with_kwargs=True
+    )
+    s = Session(layer, 2)
+    s.add("a")
+    s.step({"a": (torch.randn(2, width), torch.tensor([1, 2]))})
+    handle.remove()
+    assert seen == [False]  # the session's call skips the checks of operands it built itself
+    layer.forward = lambda hidden, *args, **kwargs: hidden * 0  # type: ignore[method-assign]
+    try:
+        out = s.step({"a": (torch.ones(1, width), torch.tensor([3]))})
+    finally:
+        del layer.forward
+    assert torch.equal(out["a"], torch.zeros(1, width))

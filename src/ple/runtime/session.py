@@ -728,7 +728,11 @@ class Session:
         prefetched = None
         if step.lookups is not None:
             prefetched, step.lookups[layer] = step.lookups[layer], None
-        result = self.layers[layer].run_built(hidden, step.tokens, batch, prefetched, need_c)
+        # through the module call (hooks run), without the checks: every operand but hidden is the
+        # session's own, and hidden was checked above
+        result = self.layers[layer](
+            hidden, step.tokens, batch, return_conv_input=need_c, prefetched=prefetched, checked=False
+        )
         step.done[layer] = True
         if need_c:
             out, c = result
