@@ -25,6 +25,9 @@ that many bytes (a copy reads and writes as much), both buffers warm, as the ste
 ``--cpu-time`` (with ``--threads 1``) reads this thread's CPU time instead of the wall clock, so time
 spent descheduled on a machine shared with other work is not counted.
 
+``--parts`` also times the parts of a ``begin``/``run``/``end`` decode step inside it (``begin``, the ids,
+gather and fused kernels, the GEMM, the rest of the engine call, ``end``).
+
 ``--bookkeeping`` times ``Session.step`` around a layer that returns its input (no computation): the
 session's own per-step and per-request work (checks, packing the batch, splitting the outputs, the
 contexts and lengths), for 1 and ``--requests`` decode requests; the per-request cost is the slope.
@@ -287,6 +290,74 @@ def bookkeeping_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     return {"case": "bookkeeping", "samples": samples, "per_request_us": per_request * 1e6}
 
 
+def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
+    """Where a ``begin``/``run``/``end`` decode step of ``requests`` goes, each part timed inside the
+    step by wrapping it (the rest of the engine call: its Python, records and outputs around the three
+    C kernels and the GEMM). ``repeat`` x 4 steps after 8 untimed ones; seconds per part and step."""
+    import ple.ngram.native as ids_native
+    import ple.ops.fused.native as fused_native
+    import ple.table.lookup.torch_impl as lookup_torch
+
+    cfg = layer.config
+    c, dtype = cfg.hc_hidden_size, layer.dtype
+    g = torch.Generator().manual_seed(4)
+    session = Session(layer, requests)
+    for r in range(requests):
+        session.add(r)
+    session.step(
+        {
+            r: (torch.randn(16, c, generator=g).to(dtype), torch.randint(0, cfg.vocab_size, (16,), generator=g))
+            for r in range(requests)
+        }
+    )
+    hidden = torch.randn(4, requests, c, generator=g).to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (4, requests), generator=g)
+    chunks = [{r: tokens[s, r : r + 1] for r in range(requests)} for s in range(4)]
+    spent: dict[str, list[float]] = {}
+    wrapped = [
+        (fused_native, "run", "fused gate + conv kernel"),
+        (lookup_torch, "_gather_rows_native", "row gather kernel"),
+        (ids_native, "ids_from_tensors", "n-gram ids kernel"),
+        (PLELayer, "project", "GEMM"),
+        (PLELayer, "forward", "engine call"),
+        (Session, "_begin", "begin"),
+        (Session, "_end", "end"),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def timed(fn, label):
+        def call(*a, **k):
+            t0 = CLOCK()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent.setdefault(label, []).append(CLOCK() - t0)
+
+        return call
+
+    for (owner, name, label), (_, _, fn) in zip(wrapped, originals):
+        setattr(owner, name, timed(fn, label))
+    try:
+        with torch.no_grad():
+            for i in range(repeat + 2):
+                if i == 2:
+                    spent.clear()
+                for s in range(4):
+                    t0 = CLOCK()
+                    st = session.begin(chunks[s])
+                    session.run(st, 0, hidden[s])
+                    session.end(st)
+                    spent.setdefault("step", []).append(CLOCK() - t0)
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    med = {k: statistics.median(v) for k, v in spent.items()}
+    kernels = ("fused gate + conv kernel", "row gather kernel", "n-gram ids kernel", "GEMM")
+    med["rest of the engine call"] = med["engine call"] - sum(med.get(k, 0.0) for k in kernels)
+    med["beside the GEMM"] = med["step"] - med["GEMM"]
+    return {"case": f"parts of a decode step, {requests} requests", "median_s": med}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -299,6 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
     p.add_argument("--bookkeeping", action="store_true", help="also time the session's own work per request")
+    p.add_argument("--parts", action="store_true", help="also time the parts of a begin/run/end decode step")
     p.add_argument(
         "--cpu-time",
         action="store_true",
@@ -362,6 +434,13 @@ def main(argv=None) -> int:
             + f"; per request {b['per_request_us']:.2f} us"
         )
         results.append(b)
+    if args.parts and args.requests > 0:
+        parts = parts_case(layer, args.requests, max(8, args.repeat))
+        print(f"{parts['case']} (ms, medians):")
+        order = ("begin", "n-gram ids kernel", "row gather kernel", "GEMM", "fused gate + conv kernel")
+        order += ("rest of the engine call", "end", "beside the GEMM", "step")
+        print("  " + ", ".join(f"{k} {parts['median_s'][k] * 1e3:.3f}" for k in order if k in parts["median_s"]))
+        results.append(parts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -516,3 +516,27 @@ def test_memory_budget_serves_ples_table_from_the_direct_tier(tmp_path, capsys):
     served = json.loads(out_json.read_text())["settings"]["table"]
     assert served["tier"] == "direct" and served["memory_budget_mb"] == 1
     assert 0 < served["bf16"]["hit_rate"] < 1 and served["bf16"]["rows_read"] > 0
+
+
+def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
+    import importlib.util
+
+    import ple.ops.fused.native as fused_native
+    from ple import PLEConfig, PLELayer, Session
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "session_floor.py"
+    spec = importlib.util.spec_from_file_location("session_floor_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = PLEConfig(
+        hidden_size=16, hc_count=2, ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, vocab_size=500,
+        eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),
+    )  # fmt: skip
+    layer = module.build_layer(cfg, torch.float32)
+    before = (fused_native.run, PLELayer.forward, PLELayer.project, Session._begin, Session._end)
+    got = module.parts_case(layer, 3, 1)["median_s"]
+    assert (fused_native.run, PLELayer.forward, PLELayer.project, Session._begin, Session._end) == before
+    for part in ("begin", "GEMM", "engine call", "end", "step", "rest of the engine call", "beside the GEMM"):
+        assert got[part] >= 0, part
+    assert got["step"] >= got["GEMM"] and got["engine call"] >= got["GEMM"]
