@@ -365,7 +365,8 @@ class PLELayer(nn.Module):
             kv = F.linear(emb, w)[:tokens]
         else:
             kv = F.linear(emb, w)
-        return kv.split(self._kv_widths, 1)  # one call for both views
+        key, value = kv.split_with_sizes(self._kv_widths, 1)  # both views in one call (no Python wrapper)
+        return key, value
 
     def forward(
         self,
