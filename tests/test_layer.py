@@ -436,20 +436,24 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     with torch._subclasses.fake_tensor.FakeTensorMode():  # a dispatch mode: the operators
         via = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
         assert via[2] is torch.ops.ple.gate_conv
+    bare = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None, False)
+    assert bare[2] is not direct[2] and bare[2] is not torch.ops.ple.gate_conv  # the kernel without its check
     outs, pools = [], []
-    for profiled in (False, True):
+    for way in ("direct", "profiled", "unchecked"):
         pool = start.clone()
         batch = Batch.build(lens, [0, 1, 2], ctx, pool, has_initial_state=[True, True, False])
-        if profiled:
+        if way == "profiled":
             with torch.profiler.profile() as prof:
                 outs.append(layer(h, toks, batch, return_conv_input=True))
             names = {e.name for e in prof.events()}
             assert {"ple::ngram_ids", "ple::table_lookup", "ple::gate_conv"} <= names
         else:
-            outs.append(layer(h, toks, batch, return_conv_input=True))
+            outs.append(layer(h, toks, batch, return_conv_input=True, checked=way == "direct"))
         pools.append(pool)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], start)
+    for k in (1, 2):
+        assert torch.equal(outs[0][0], outs[k][0]) and torch.equal(outs[0][1], outs[k][1]), k
+        assert torch.equal(pools[0], pools[k]), k
+    assert not torch.equal(pools[0], start)
     bad = toks.clone()
     bad[2] = cfg.vocab_size
     with pytest.raises(NgramInputError, match=f"token id {cfg.vocab_size} at position 2"):

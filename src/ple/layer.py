@@ -395,10 +395,13 @@ class PLELayer(nn.Module):
             token_mask: ``[T]`` bool/0-1, False for padding tokens: their ``v`` and conv input are
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
-            checked: False skips the checks of the arguments and of the operators on the CPU, for a
-                caller that built every operand itself from inputs it checked (``ple.Session``: its
-                batch from its own state, its range-checked tokens, ``hidden [T, HC*H]`` in the
-                layer's dtype). Weights changed since the last call are still picked up.
+            checked: False skips the checks of the arguments and the operators' checks on the CPU,
+                for a caller that built every operand itself from inputs it checked (``ple.Session``:
+                its batch from its own state, its range-checked tokens, ``hidden [T, HC*H]`` in the
+                layer's dtype). The caller vouches for every shape, dtype and token value the checks
+                would have read: a wrong one is not named and can make the C kernels read or write out
+                of bounds. Devices are still looked at (anything off the CPU goes through the checked
+                operators), and weights changed since the last call are still picked up.
         """
         if torch.compiler.is_compiling():
             if prefetched is not None:
@@ -573,19 +576,6 @@ def _operators_for(
     (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
     ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
     subclasses, profiles that show each operator)."""
-    if not checked:  # the session's operands: tokens and batch on its device, as the layer's weights
-        if (
-            type(hidden) is not torch.Tensor
-            or hidden.device.type != "cpu"
-            or not layer._on_cpu
-            or batch.slot_indices.device.type != "cpu"
-            or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
-            or _dispatch_modes()
-            or "table_lookup" not in OPERATORS
-            or torch.compiler.is_compiling()
-        ):
-            return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
-        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
     if (
         torch.compiler.is_compiling()
         or type(hidden) is not torch.Tensor
@@ -603,6 +593,8 @@ def _operators_for(
         or "table_lookup" not in OPERATORS
     ):
         return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+    if not checked:
+        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
     return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 
