@@ -448,7 +448,7 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
             names = {e.name for e in prof.events()}
             assert {"ple::ngram_ids", "ple::table_lookup", "ple::gate_conv"} <= names
         else:
-            outs.append(layer(h, toks, batch, return_conv_input=True, checked=way == "direct"))
+            outs.append(layer(h, toks, batch, return_conv_input=True, _checked=way == "direct"))
         pools.append(pool)
     for k in (1, 2):
         assert torch.equal(outs[0][0], outs[k][0]) and torch.equal(outs[0][1], outs[k][1]), k

@@ -379,7 +379,7 @@ class PLELayer(nn.Module):
         return_conv_input: bool = False,
         token_mask: torch.Tensor | None = None,
         add_hidden: bool = True,
-        checked: bool = True,
+        _checked: bool = True,
     ):
         """New hidden state ``hidden + v + conv``, ``[T, HC*H]``, for a packed batch.
 
@@ -395,13 +395,6 @@ class PLELayer(nn.Module):
             token_mask: ``[T]`` bool/0-1, False for padding tokens: their ``v`` and conv input are
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
-            checked: False skips the checks of the arguments and the operators' checks on the CPU,
-                for a caller that built every operand itself from inputs it checked (``ple.Session``:
-                its batch from its own state, its range-checked tokens, ``hidden [T, HC*H]`` in the
-                layer's dtype). The caller vouches for every shape, dtype and token value the checks
-                would have read: a wrong one is not named and can make the C kernels read or write out
-                of bounds. Devices are still looked at (anything off the CPU goes through the checked
-                operators), and weights changed since the last call are still picked up.
         """
         if torch.compiler.is_compiling():
             if prefetched is not None:
@@ -412,7 +405,11 @@ class PLELayer(nn.Module):
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
-        if checked:
+        # _checked=False: ple.Session's call only. It built every operand itself from inputs it checked
+        # (its batch from its own state, range-checked tokens, hidden [T, HC*H] in the layer's dtype), so
+        # the argument checks and the operators' checks on the CPU are skipped; devices are still looked
+        # at (anything off the CPU goes through the checked operators) and changed weights picked up.
+        if _checked:
             with ops_library.named_range("ple.check"):
                 self._check_call(hidden, input_ids, batch, rows, token_mask)
         if prefetched is not None and rows is not None:
@@ -427,7 +424,7 @@ class PLELayer(nn.Module):
         try:
             with torch.no_grad() if torch.is_grad_enabled() else _GRAD_ALREADY_OFF:
                 return self._step(
-                    hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, bool(checked)
+                    hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, bool(_checked)
                 )
         finally:
             if prefetched is not None:
@@ -460,7 +457,7 @@ class PLELayer(nn.Module):
 
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked=True):
         """The hot path: operators only, no host synchronization (``torch.compile``-able); ``checked=False``
-        runs the CPU kernels without the operators' checks (see :meth:`forward`)."""
+        runs the CPU kernels without the operators' checks (``ple.Session``'s calls, see :meth:`forward`)."""
         ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask, checked)
         if rows is None:
             with ops_library.named_range("ple.ids"):

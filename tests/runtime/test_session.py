@@ -664,7 +664,7 @@ def test_session_steps_go_through_the_module_call():
     width = layer.config.hc_hidden_size
     seen = []
     handle = layer.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.append(kwargs["checked"]), with_kwargs=True
+        lambda mod, args, kwargs, out: seen.append(kwargs["_checked"]), with_kwargs=True
     )
     s = Session(layer, 2)
     s.add("a")

@@ -731,7 +731,7 @@ class Session:
         # through the module call (hooks run), without the checks: every operand but hidden is the
         # session's own, and hidden was checked above
         result = self.layers[layer](
-            hidden, step.tokens, batch, return_conv_input=need_c, prefetched=prefetched, checked=False
+            hidden, step.tokens, batch, return_conv_input=need_c, prefetched=prefetched, _checked=False
         )
         step.done[layer] = True
         if need_c:
