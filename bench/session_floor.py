@@ -125,10 +125,10 @@ def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     return out
 
 
-def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict:
+def prefilled_session(layer: PLELayer, requests: int, g: torch.Generator) -> Session:
+    """A session of ``requests`` requests, each after a random 16-token prompt (decode steps then resume)."""
     cfg = layer.config
     c, dtype = cfg.hc_hidden_size, layer.dtype
-    g = torch.Generator().manual_seed(1)
     session = Session(layer, requests)
     for r in range(requests):
         session.add(r)
@@ -138,6 +138,14 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
             for r in range(requests)
         }
     )
+    return session
+
+
+def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict:
+    cfg = layer.config
+    c, dtype = cfg.hc_hidden_size, layer.dtype
+    g = torch.Generator().manual_seed(1)
+    session = prefilled_session(layer, requests, g)
     saved = {r: session.prefix_state(r) for r in range(requests)}
     step_h = torch.randn(steps, requests, c, generator=g).to(dtype)
     step_t = torch.randint(0, cfg.vocab_size, (steps, requests), generator=g)
@@ -301,15 +309,7 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     cfg = layer.config
     c, dtype = cfg.hc_hidden_size, layer.dtype
     g = torch.Generator().manual_seed(4)
-    session = Session(layer, requests)
-    for r in range(requests):
-        session.add(r)
-    session.step(
-        {
-            r: (torch.randn(16, c, generator=g).to(dtype), torch.randint(0, cfg.vocab_size, (16,), generator=g))
-            for r in range(requests)
-        }
-    )
+    session = prefilled_session(layer, requests, g)
     hidden = torch.randn(4, requests, c, generator=g).to(dtype)
     tokens = torch.randint(0, cfg.vocab_size, (4, requests), generator=g)
     chunks = [{r: tokens[s, r : r + 1] for r in range(requests)} for s in range(4)]
