@@ -79,12 +79,12 @@ class SlotArrays:
             ``(bad, contexts [n, N-1], has_state [n] bool, rejected [n] int64, all_have_state)``;
             ``bad`` is the index of the first token outside the range, else None.
         """
-        n = slots.shape[0]
-        ctx_len = self.contexts.shape[1]
-        ctx = torch.empty((n, ctx_len), dtype=torch.int64)
-        has = torch.empty(n, dtype=torch.bool)
-        rej = torch.empty(n, dtype=torch.int64)
         if self._lib is not None:
+            n = slots.shape[0]
+            ctx_len = self.contexts.shape[1]
+            ctx = torch.empty((n, ctx_len), dtype=torch.int64)
+            has = torch.empty(n, dtype=torch.bool)
+            rej = torch.empty(n, dtype=torch.int64)
             all_has = ctypes.c_int32(0)
             p_ctx, _, p_has, p_rej = self._ptrs
             bad = self._lib.ple_slots_read(
@@ -94,14 +94,10 @@ class SlotArrays:
             return (None if bad < 0 else int(bad)), ctx, has, rej, bool(all_has.value)
         a = tokens.numpy()
         bad_at = np.flatnonzero((a < 0) | (a >= vocab_size))
-        if bad_at.size:
-            return int(bad_at[0]), ctx, has, rej, False
-        ctx.copy_(self.contexts.index_select(0, slots))
         at = slots.numpy()
         h = self.has_state[at]
-        has.copy_(torch.from_numpy(h))
-        rej.copy_(torch.from_numpy(self.rejected[at]))
-        return None, ctx, has, rej, bool(h.all())
+        ctx, rej = self.contexts.index_select(0, slots), torch.from_numpy(self.rejected[at])
+        return (int(bad_at[0]) if bad_at.size else None), ctx, torch.from_numpy(h), rej, bool(h.all())
 
     def advance_decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """After a step of one token per request (``tokens [n]`` contiguous int64 host tensor,
