@@ -427,19 +427,34 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     ctx = torch.full((3, cfg.ngram_size - 1), cfg.eos_token_id)
     start = layer.new_state_pool(3)
     start.normal_()
-    direct = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+
+    def operators(checked=True):
+        eager = layer_module._eager_on_cpu(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        return layer_module._operators_for(eager, checked)
+
+    direct = operators()
     assert direct[2] is not torch.ops.ple.gate_conv  # the CPU function, not the operator
     with pytest.MonkeyPatch.context() as mp:  # a torch without the dispatch-mode count: the operators
         mp.setattr(layer_module, "_DISPATCH_STACK", None)
-        via = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        via = operators()
         assert via[0] is torch.ops.ple.ngram_ids and via[2] is torch.ops.ple.gate_conv
     with torch._subclasses.fake_tensor.FakeTensorMode():  # a dispatch mode: the operators
-        via = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        via = operators()
         assert via[2] is torch.ops.ple.gate_conv
-    bare = layer_module._operators_for(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None, False)
+    bare = operators(False)
     assert bare[2] is not direct[2] and bare[2] is not torch.ops.ple.gate_conv  # the kernel without its check
+    native_calls = []
+    real_step = layer._native_step
+    assert real_step is not None
+
+    def counted(*args):
+        got = real_step(*args)
+        native_calls.append(got is not None)
+        return got
+
     outs, pools = [], []
-    for way in ("direct", "profiled", "unchecked"):
+    ways = ("direct", "profiled", "unchecked", "unchecked-operators")
+    for way in ways:
         pool = start.clone()
         batch = Batch.build(lens, [0, 1, 2], ctx, pool, has_initial_state=[True, True, False])
         if way == "profiled":
@@ -448,11 +463,17 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
             names = {e.name for e in prof.events()}
             assert {"ple::ngram_ids", "ple::table_lookup", "ple::gate_conv"} <= names
         else:
-            outs.append(layer(h, toks, batch, return_conv_input=True, _checked=way == "direct"))
+            # unchecked: the C kernels called directly (NativeStep); unchecked-operators: without it
+            layer._native_step = counted if way == "unchecked" else None
+            try:
+                outs.append(layer(h, toks, batch, return_conv_input=True, _checked=way == "direct"))
+            finally:
+                layer._native_step = real_step
         pools.append(pool)
-    for k in (1, 2):
-        assert torch.equal(outs[0][0], outs[k][0]) and torch.equal(outs[0][1], outs[k][1]), k
-        assert torch.equal(pools[0], pools[k]), k
+    assert native_calls == [True]  # the native step ran once, for the unchecked way, and took the operands
+    for k in range(1, len(ways)):
+        assert torch.equal(outs[0][0], outs[k][0]) and torch.equal(outs[0][1], outs[k][1]), ways[k]
+        assert torch.equal(pools[0], pools[k]), ways[k]
     assert not torch.equal(pools[0], start)
     bad = toks.clone()
     bad[2] = cfg.vocab_size

@@ -35,6 +35,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.checkpoint", 4, "checkpoint"),
     ("ple.runtime.batch", 4, "batch"),
     ("ple.runtime.host", 4, "host"),
+    ("ple.native_step", 4, "native_step"),
     ("ple.layer", 5, "layer"),
     ("ple.runtime", 6, "runtime"),
     ("ple.parallel", 6, "parallel"),

@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import PLEConfig
 from .errors import InvalidArgumentError, UsageError
+from .native_step import NativeStep
 from .ngram import layout_tensors, ngram_ids
 from .operators import OPERATORS
 from .ops import library as ops_library
@@ -301,6 +302,7 @@ class PLELayer(nn.Module):
         )
         derived = (self.kv_weight, self.ngram_multipliers, self.ngram_head_sizes, self.ngram_head_offsets)
         self._on_cpu = all(t.device.type == "cpu" for t in (*self._fused_args[:5], *self._fused_args[7:9], *derived))
+        self._native_step: NativeStep | None = NativeStep.build(self) if self._on_cpu else None
         self._seen = self._param_stamp()
 
     def _apply(self, fn, recurse=True):
@@ -458,7 +460,13 @@ class PLELayer(nn.Module):
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked=True):
         """The hot path: operators only, no host synchronization (``torch.compile``-able); ``checked=False``
         runs the CPU kernels without the operators' checks (``ple.Session``'s calls, see :meth:`forward`)."""
-        ids_op, lookup_op, fused_op = _operators_for(self, hidden, input_ids, batch, token_mask, checked)
+        eager_cpu = _eager_on_cpu(self, hidden, input_ids, batch, token_mask)
+        if not checked and eager_cpu and rows is None and token_mask is None and self._native_step is not None:
+            # the session's step: the C kernels called directly (None: they do not take these operands)
+            got = self._native_step(hidden, input_ids, batch, add_hidden, return_conv_input)
+            if got is not None:
+                return got
+        ids_op, lookup_op, fused_op = _operators_for(eager_cpu, checked)
         if rows is None:
             with ops_library.named_range("ple.ids"):
                 ids = ids_op(
@@ -561,19 +569,10 @@ def _dispatch_modes() -> int:
     return 1 if _DISPATCH_STACK is None else _DISPATCH_STACK()
 
 
-def _operators_for(
-    layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask, checked: bool = True
-) -> tuple:
-    """The ids, lookup and fused operators as the engine call runs them.
-
-    Eagerly with every operand on the CPU (the CPU functions' checks skip the devices), plain tensors,
-    no profiler and no dispatch mode: the functions the dispatcher would run for CPU tensors
-    (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
-    microseconds per call), or with ``checked=False`` the kernels alone
-    (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
-    ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
-    subclasses, profiles that show each operator)."""
-    if (
+def _eager_on_cpu(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> bool:
+    """Whether the engine call runs eagerly with every operand on the CPU: plain tensors, no profiler,
+    no dispatch mode, not compiling (so the operators' CPU functions may be called directly)."""
+    return not (
         torch.compiler.is_compiling()
         or type(hidden) is not torch.Tensor
         or hidden.device.type != "cpu"
@@ -582,13 +581,26 @@ def _operators_for(
         or batch.ngram_context.device.type != "cpu"
         or batch.slot_indices.device.type != "cpu"
         or batch.has_initial_state.device.type != "cpu"
-        or batch.num_rejected.device.type != "cpu"
+        or (batch.num_rejected is not None and batch.num_rejected.device.type != "cpu")
         or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
         or (token_mask is not None and token_mask.device.type != "cpu")
         or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
         or _dispatch_modes()
         or "table_lookup" not in OPERATORS
-    ):
+    )
+
+
+def _operators_for(eager_cpu: bool, checked: bool = True) -> tuple:
+    """The ids, lookup and fused operators as the engine call runs them.
+
+    Eagerly with every operand on the CPU (``eager_cpu``, see :func:`_eager_on_cpu`; the CPU functions'
+    checks skip the devices): the functions the dispatcher would run for CPU tensors
+    (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
+    microseconds per call), or with ``checked=False`` the kernels alone
+    (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
+    ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
+    subclasses, profiles that show each operator)."""
+    if not eager_cpu:
         return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
     if not checked:
         return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)

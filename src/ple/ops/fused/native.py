@@ -25,17 +25,17 @@ from ..records import ConvWeights, GateWeights, StepMeta
 from ..state import check_ring, engine_view
 from .composed import check_stage_inputs, check_token_mask
 
-__all__ = ["conv_stage", "gate_conv", "gate_stage", "unsupported_reason"]
+__all__ = ["MAX_TAPS", "conv_stage", "gate_conv", "gate_stage", "launch", "raise_for_code", "unsupported_reason"]
 
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
-_MAX_TAPS = 64  # MAX_TAPS in ple_cpu.c
+MAX_TAPS = 64  # MAX_TAPS in ple_cpu.c: conv taps per channel the kernel takes
 
 
 def unsupported_reason(value: torch.Tensor, conv_state: torch.Tensor, taps: int, *rows: torch.Tensor) -> str | None:
     """Why these tensors cannot take the C kernel (None when they can). ``rows``: activations whose
     rows the kernel reads (each must have unit column stride)."""
-    if taps > _MAX_TAPS:
-        return f"{taps} conv taps (the kernel takes at most {_MAX_TAPS})"
+    if taps > MAX_TAPS:
+        return f"{taps} conv taps (the kernel takes at most {MAX_TAPS})"
     if value.device.type != "cpu":
         return f"tensors are on {value.device}, the kernel runs on the CPU"
     if value.dtype not in _DTYPES:
@@ -69,7 +69,15 @@ def _unit_tokens(tokens: int, nthreads: int) -> int:
     return max(32, -(-tokens // (4 * max(1, nthreads))))
 
 
-def _raise(rc: int, step: StepMeta, window: int, state_len: int) -> None:
+def launch(tokens: int, channels: int) -> tuple[int, int]:
+    """``(tokens per work unit, threads)`` of a kernel call over ``[tokens, channels]`` rows with the
+    default thread count (what :func:`gate_conv` passes when ``threads`` is None)."""
+    nthreads = _default_threads(tokens, channels)
+    return _unit_tokens(tokens, nthreads), nthreads
+
+
+def raise_for_code(rc: int, step: StepMeta, window: int, state_len: int) -> None:
+    """Raise the error the kernel's non-zero return code ``rc`` stands for."""
     if rc >= 1000:
         r = rc - 1000
         rej = 0 if step.num_rejected is None else int(step.num_rejected[r])
@@ -162,7 +170,7 @@ def run(
         nthreads,
     )
     if rc != 0:
-        _raise(rc, step, conv.window, state_len)
+        raise_for_code(rc, step, conv.window, state_len)
 
 
 def kernel_step(step: StepMeta) -> StepMeta:

@@ -1,0 +1,187 @@
+"""A session's engine call on the CPU as direct C calls: ids, row gather, the GEMM, the fused step.
+
+``ple.Session`` builds every operand of its engine call itself (the batch from its own state, tokens it
+range-checked, ``hidden [T, HC*H]`` checked in the layer's dtype), so :meth:`ple.PLELayer.forward` with
+the session's private ``_checked=False`` may skip every check. On the CPU it then runs this: the C kernels
+the operators would choose (``ple_ngram_ids``, ``ple_gather_rows`` for plain rows in the activation dtype
+held in memory, ``ple_gate_conv``) called straight from here, with the weights' and layout's pointers
+taken once when the layer's weights or table change. The operators' Python layers (records, kernel
+choice, argument conversion: about a hundred calls a step) are not run; each of those costs tens of
+microseconds right after the GEMM, whose weights leave every cache cold.
+
+The same kernels on the same operands give the same bits as the operators (tested). A table of another
+tier or format is read through its own lookup (``Table.lookup(check=False)``); anything the kernels do
+not take here (a column-strided hidden, a C library turned off with ``PLE_NATIVE=0``) makes
+:meth:`NativeStep.__call__` return None, and the layer then runs its operators.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _native
+from .errors import InvalidArgumentError
+from .ops.fused import native as fused_native
+from .ops.records import StepMeta
+from .table.memory import MemoryTable
+
+__all__ = ["NativeStep"]
+
+_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+_GATHER_ROWS_PER_THREAD = 256  # the row gather's second thread joins from 512 rows (as the lookup's)
+
+
+class NativeStep:
+    """One layer's CPU engine call through the C kernels (see the module). Build it with :meth:`build`
+    after the layer's weights are derived; :meth:`__call__` runs one step."""
+
+    __slots__ = (
+        "_layer",
+        "_lib",
+        "_ids_fn",
+        "_gather_fn",
+        "_fused_fn",
+        "_ids_args",
+        "_fused_args",
+        "_groups",
+        "_embed",
+        "_channels",
+        "_dtype",
+        "_eos",
+        "_table",
+        "_table_args",
+    )
+
+    def __init__(self, layer) -> None:
+        cfg, lay = layer.config, layer.layout
+        mult, sizes, offs = layer.ngram_multipliers, layer.ngram_head_sizes, layer.ngram_head_offsets
+        self._layer = layer
+        self._lib: Any = None
+        self._ids_fn: Any = None
+        self._gather_fn: Any = None
+        self._fused_fn: Any = None
+        # ple_ngram_ids(tokens, T, starts, R, context, | order, heads_per_ngram, mult, sizes, offs, | eos, out, threads)
+        self._ids_args = (mult.shape[0], lay.heads_per_ngram, mult.data_ptr(), sizes.data_ptr(), offs.data_ptr())
+        self._eos = int(cfg.eos_token_id)
+        self._groups = sizes.shape[0]
+        self._embed = lay.embed_dim
+        self._channels = cfg.hc_hidden_size
+        self._dtype = layer.dtype
+        taps = layer.conv_taps
+        # ple_gate_conv(bf, T, | H, HC, K, dilation, | L, S, R, | eps, ..., | key_query, conv_scale, taps, ...)
+        self._fused_args: tuple = (
+            cfg.hidden_size,
+            cfg.hc_count,
+            taps.shape[0],
+            cfg.ngram_size,
+            float(cfg.rms_norm_eps),
+            layer.gate_key_query.data_ptr(),
+            layer.gate_conv_scale.data_ptr(),
+            taps.data_ptr(),
+        )
+        self._table: Any = None
+        self._table_args: tuple | None = None
+
+    @classmethod
+    def build(cls, layer) -> NativeStep | None:
+        """The native step of ``layer`` (a :class:`ple.PLELayer` whose weights are derived), or None where
+        the kernels do not take it: an activation dtype other than bfloat16 and float32, more conv taps
+        than the kernel holds, weights off the CPU. The C library is loaded (built) at the first call."""
+        derived = (layer.kv_weight, layer.gate_key_query, layer.gate_conv_scale, layer.conv_taps)
+        layout = (layer.ngram_multipliers, layer.ngram_head_sizes, layer.ngram_head_offsets)
+        if layer.dtype not in _DTYPES or any(t.device.type != "cpu" for t in (*derived, *layout)):
+            return None
+        if layer.conv_taps.shape[0] > fused_native.MAX_TAPS:
+            return None
+        return cls(layer)
+
+    def _gather_args(self, table) -> tuple | None:
+        """``(data pointer, rows, row stride in bytes, row bytes)`` for the C row gather, when ``table``
+        holds plain rows in the activation dtype in host memory; else None (its own lookup reads it)."""
+        if type(table) is not MemoryTable or table.scale is not None:
+            return None
+        data = table.data
+        if data.device.type != "cpu" or data.dtype != self._dtype or data.dim() != 2 or data.stride(1) != 1:
+            return None
+        esize = data.element_size()
+        return (data.data_ptr(), data.shape[0], data.stride(0) * esize, data.shape[1] * esize)
+
+    def __call__(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, add_hidden: bool, return_c: bool):
+        """``hidden + v + conv`` ``[T, HC*H]`` (and the conv inputs ``[T, HC*H]`` with ``return_c``) for the
+        session-built step ``(hidden [T, HC*H], input_ids [T] int64, batch)``, with every tensor on the CPU;
+        the state pool is updated in place. None (nothing computed, nothing changed) where the kernels
+        do not take these operands."""
+        try:
+            lib = _native.library()  # PLE_NATIVE=0 takes effect at once, as for the operators
+        except _native.NativeUnavailable:
+            return None
+        qsl, ctx, pool = batch.query_start_loc, batch.ngram_context, batch.conv_state
+        slots, has_init, rejected, offsets = (
+            batch.slot_indices,
+            batch.has_initial_state,
+            batch.num_rejected,
+            batch.state_offsets,
+        )
+        if lib is not self._lib:
+            self._lib = lib
+            self._ids_fn, self._gather_fn, self._fused_fn = lib.ple_ngram_ids, lib.ple_gather_rows, lib.ple_gate_conv
+        if not (
+            hidden.stride(1) == 1
+            and pool.dtype == self._dtype
+            and pool.is_contiguous()
+            and input_ids.dtype == qsl.dtype == ctx.dtype == slots.dtype == torch.int64
+            and has_init.dtype == torch.bool
+            and (rejected is None or rejected.dtype == torch.int64)
+            and input_ids.is_contiguous()
+            and qsl.is_contiguous()
+            and ctx.is_contiguous()
+            and slots.is_contiguous()
+            and has_init.is_contiguous()
+            and (rejected is None or rejected.is_contiguous())
+        ):
+            return None
+        layer = self._layer
+        table = layer.table_ref.table
+        if table is not self._table:
+            self._table, self._table_args = table, self._gather_args(table)
+        tokens = hidden.shape[0]
+        threads = torch.get_num_threads()
+        ids = torch.empty(tokens, self._groups, dtype=torch.int64)
+        requests = qsl.shape[0] - 1
+        rc = self._ids_fn(
+            input_ids.data_ptr(), tokens, qsl.data_ptr(), requests, ctx.data_ptr(), *self._ids_args, self._eos,
+            ids.data_ptr(), threads,
+        )  # fmt: skip
+        if rc != 0:
+            raise InvalidArgumentError(f"ngram_ids (C kernel): code {rc} for a step the session built")
+        if self._table_args is not None and tokens:
+            rows = torch.empty(tokens, self._embed, dtype=self._dtype)
+            n = tokens * self._groups
+            rc = self._gather_fn(
+                *self._table_args, ids.data_ptr(), n, rows.data_ptr(),
+                _native.threads_for(n, _GATHER_ROWS_PER_THREAD),
+            )  # fmt: skip
+            if rc != 0:  # an id outside the table: the layout and the table disagree
+                raise InvalidArgumentError(f"table lookup (C gather): code {rc} for rows of {table!r}")
+        else:
+            rows = table.lookup(ids, self._dtype, check=False)
+        key, value = layer.project(rows)
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        c = torch.empty_like(out)
+        state_len = pool.shape[1] if offsets is not None else pool.shape[2]
+        unit, kthreads = fused_native.launch(tokens, self._channels)
+        h, hc, k, dilation, eps, kq, cs, taps = self._fused_args
+        rc = self._fused_fn(
+            _DTYPES[self._dtype], tokens, h, hc, k, dilation, state_len, pool.shape[0], requests, eps,
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), hidden.data_ptr(), hidden.stride(0),
+            kq, cs, taps, qsl.data_ptr(), slots.data_ptr(), has_init.data_ptr(),
+            None if rejected is None else rejected.data_ptr(), None,
+            pool.data_ptr(), None if offsets is None else offsets.data_ptr(), int(add_hidden), None, None, 0,
+            out.data_ptr(), c.data_ptr(), int(bool(return_c)), unit, kthreads,
+        )  # fmt: skip
+        if rc != 0:
+            step = StepMeta(qsl, pool, slots, has_init, rejected, offsets)
+            fused_native.raise_for_code(rc, step, (k - 1) * dilation, state_len)
+        return (out, c) if return_c else out

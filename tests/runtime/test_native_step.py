@@ -1,0 +1,146 @@
+"""A session's engine call on the CPU through NativeStep (direct C calls) gives the bits of the
+operators' path, for every kind of step, state layout, table and dtype; where the kernels do not take
+the operands it steps aside and the operators run."""
+
+import random
+
+import pytest
+import torch
+
+from ple import _native
+from ple.native_step import NativeStep
+from ple.runtime import Session
+from ple.table import MemoryTable
+
+from .test_session import _layer, _schedule
+
+pytestmark = pytest.mark.skipif(not _native.available(), reason="the C kernels do not build here")
+
+
+class _Spy:
+    """Stands in for a layer's native step: counts the calls it took and the ones it stepped aside from."""
+
+    def __init__(self, real):
+        self.real, self.took, self.declined = real, 0, 0
+
+    def __call__(self, *args):
+        got = self.real(*args)
+        if got is None:
+            self.declined += 1
+        else:
+            self.took += 1
+        return got
+
+
+def _fp8_table(table) -> MemoryTable:
+    data = table.data.float()
+    scale = data.abs().max() / 448.0
+    return MemoryTable((data / scale).to(torch.float8_e4m3fn), torch.tensor([scale.item()]))
+
+
+def _run_both(layer, layout, steps, dtype, seed=3):
+    """The same schedule through two sessions, one with the layer's native step and one without; returns
+    (outputs, pools, prefix states) of each and the spy."""
+    spy = _Spy(layer._native_step)
+    rng = random.Random(seed)
+    sessions = [Session(layer, 4, num_spec=2, prefix_every=3, state_layout=layout) for _ in range(2)]
+    for s in sessions:
+        for rid in "abc":
+            s.add(rid)
+    got: list[list] = [[], []]
+    real = layer._native_step
+    try:
+        for inputs, spec, kept in _schedule(rng, layer.config, "abc", steps, 2):
+            inputs = {r: (h.to(dtype), t) for r, (h, t) in inputs.items()}
+            for k, s in enumerate(sessions):
+                layer._native_step = spy if k == 0 else None
+                got[k].append(s.step(inputs, speculative=spec))
+                for r, n in kept.items():
+                    s.accept(r, n)
+    finally:
+        layer._native_step = real
+    states = [{r: s.prefix_states(r) for r in "abc"} for s in sessions]
+    return got, [s.conv_state for s in sessions], states, spy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["ring", "engine"])
+@pytest.mark.parametrize("table", ["plain", "fp8"])
+def test_native_steps_equal_the_operators_bit_for_bit(dtype, layout, table):
+    """Prefill chunks, decode tokens, speculative chunks with rejections and prefix states: the native
+    step (the C gather for plain rows in memory, the table's own lookup for fp8 rows) gives exactly the
+    outputs, pools and prefix states of the operators' path, and it took every step."""
+    layer = _layer(1).to(dtype)
+    plain = layer.table
+    try:
+        if table == "fp8":
+            layer.set_table(_fp8_table(plain))
+        got, pools, states, spy = _run_both(layer, layout, 10, dtype)
+        assert spy.took == 10 and spy.declined == 0
+        for a, b in zip(*got):
+            assert a.keys() == b.keys() and all(torch.equal(a[r], b[r]) for r in a)
+        assert torch.equal(pools[0], pools[1])
+        for r in "abc":
+            a, b = states[0][r], states[1][r]
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[p].conv_window, b[p].conv_window) for p in a)
+    finally:
+        layer.set_table(plain)
+        layer.to(torch.float32)
+
+
+def test_a_new_table_is_read_by_the_native_step():
+    """The C gather's table pointer follows set_table: after a swap, the rows of the new table."""
+    layer = _layer(0)
+    plain = layer.table
+    other = MemoryTable(torch.randn_like(plain.data))
+    try:
+        before, _, _, _ = _run_both(layer, "ring", 2, torch.float32, seed=5)
+        layer.set_table(other)
+        after, _, _, spy = _run_both(layer, "ring", 2, torch.float32, seed=5)
+        assert spy.took == 2
+        for a, b in zip(*after):
+            assert all(torch.equal(a[r], b[r]) for r in a)  # native and operators read the new table alike
+        assert any(not torch.equal(x[r], y[r]) for x, y in zip(before[0], after[0]) for r in x)
+    finally:
+        layer.set_table(plain)
+
+
+def test_the_native_step_steps_aside_where_the_kernels_do_not_take_the_operands(monkeypatch):
+    """A column-strided hidden and PLE_NATIVE=0 (read at every call) leave the step to the operators;
+    the outputs stay those of the layer."""
+    layer = _layer(0)
+    width = layer.config.hc_hidden_size
+    spy = _Spy(layer._native_step)
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 2 * width, generator=g)
+    chunk = {0: torch.tensor([5, 9, 11])}
+    outs = []
+    try:
+        layer._native_step = spy
+        for case in ("strided", "off", "native"):
+            session = Session(layer, 1)
+            session.add(0)
+            step = session.begin(chunk)
+            hidden = wide[:, ::2] if case == "strided" else wide[:, ::2].contiguous()
+            with monkeypatch.context() as mp:
+                if case == "off":
+                    mp.setenv("PLE_NATIVE", "0")
+                outs.append(session.run(step, 0, hidden))
+            session.end(step)
+    finally:
+        layer._native_step = spy.real
+    assert spy.declined == 2 and spy.took == 1
+    for out in outs[:2]:
+        torch.testing.assert_close(out, outs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_layers_the_kernels_do_not_compute_have_no_native_step():
+    layer = _layer(2)
+    try:
+        assert isinstance(layer._native_step, NativeStep)
+        layer.to(torch.float16)
+        assert layer._native_step is None  # the fused kernel computes bfloat16 and float32
+    finally:
+        layer.to(torch.float32)
+    assert isinstance(layer._native_step, NativeStep)
