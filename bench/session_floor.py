@@ -125,6 +125,17 @@ def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     return out
 
 
+_LABELS = {"engine": "engine", "phases": "begin/run/end", "session": "session"}
+
+
+def paired_ratios(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Per call kind, the median over rounds of (its time / the floor's time in the same round): a slow
+    drift of the machine's speed moves both samples of a round alike, so this is steadier than the ratio
+    of the medians."""
+    floor = samples["floor"]
+    return {k: statistics.median(x / f for x, f in zip(samples[k], floor)) for k in _LABELS}
+
+
 def prefilled_session(layer: PLELayer, requests: int, g: torch.Generator) -> Session:
     """A session of ``requests`` requests, each after a random 16-token prompt (decode steps then resume)."""
     cfg = layer.config
@@ -168,8 +179,8 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
             session.finish(r)
             session.add(r, from_state=saved[r])
 
-    def run_session():
-        return [torch.cat(list(session.step(inputs[s]).values())) for s in range(steps)]
+    def run_session():  # Session.step alone: its outputs are joined for the check below, untimed
+        return [session.step(inputs[s]) for s in range(steps)]
 
     def run_engine():
         return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
@@ -186,7 +197,7 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
 
     reset_session()
     pool.copy_(pool0)
-    a, b = run_session(), run_engine()
+    a, b = [torch.cat(list(out.values())) for out in run_session()], run_engine()
     reset_session()
     c = run_phases()
     same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
@@ -318,7 +329,7 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
         (fused_native, "run", "fused gate + conv kernel"),
         (lookup_torch, "_gather_rows_native", "row gather kernel"),
         (ids_native, "ids_from_tensors", "n-gram ids kernel"),
-        (PLELayer, "project", "GEMM"),
+        (PLELayer, "projections", "GEMM"),
         (PLELayer, "forward", "engine call"),
         (Session, "_begin", "begin"),
         (Session, "_end", "end"),
@@ -335,8 +346,22 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
 
         return call
 
+    # a session's CPU step calls the C kernels straight from the layer's NativeStep: time those calls
+    native = layer._native_step
+    native_fns = (
+        ("_ids_fn", "n-gram ids kernel"),
+        ("_gather_fn", "row gather kernel"),
+        ("_fused_fn", "fused gate + conv kernel"),
+    )
+    with torch.no_grad():  # one untimed step binds the native step's C functions
+        st = session.begin(chunks[0])
+        session.run(st, 0, hidden[0])
+        session.end(st)
+    native_originals = [(name, getattr(native, name)) for name, _ in native_fns] if native is not None else []
     for (owner, name, label), (_, _, fn) in zip(wrapped, originals):
         setattr(owner, name, timed(fn, label))
+    for (name, label), (_, fn) in zip(native_fns, native_originals):
+        setattr(native, name, timed(fn, label))
     try:
         with torch.no_grad():
             for i in range(repeat + 2):
@@ -351,6 +376,8 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
+        for name, fn in native_originals:
+            setattr(native, name, fn)
     med = {k: statistics.median(v) for k, v in spent.items()}
     kernels = ("fused gate + conv kernel", "row gather kernel", "n-gram ids kernel", "GEMM")
     med["rest of the engine call"] = med["engine call"] - sum(med.get(k, 0.0) for k in kernels)
@@ -424,6 +451,12 @@ def main(argv=None) -> int:
             f"{med['session'] / med['floor']:.3f} | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
             f"{med['engine'] / med['traffic']:.2f} | {med['phases'] / med['traffic']:.2f} | "
             f"{med['session'] / med['traffic']:.2f} | {'yes' if r['session_equals_engine'] else 'NO'} |"
+        )
+    for r in results:
+        r["paired_ratios"] = paired = paired_ratios(r["samples"])
+        print(
+            f"{r['case']}, median of the rounds' own ratios to the floor (each call divided by the floor call of "
+            "its round): " + ", ".join(f"{_LABELS[k]} {v:.3f}" for k, v in paired.items())
         )
     if args.bookkeeping:
         b = bookkeeping_case(layer, max(2, args.requests), args.repeat)

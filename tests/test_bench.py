@@ -534,9 +534,30 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
         eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),
     )  # fmt: skip
     layer = module.build_layer(cfg, torch.float32)
-    before = (fused_native.run, PLELayer.forward, PLELayer.project, Session._begin, Session._end)
+    before = (fused_native.run, PLELayer.forward, PLELayer.projections, Session._begin, Session._end)
     got = module.parts_case(layer, 3, 1)["median_s"]
-    assert (fused_native.run, PLELayer.forward, PLELayer.project, Session._begin, Session._end) == before
-    for part in ("begin", "GEMM", "engine call", "end", "step", "rest of the engine call", "beside the GEMM"):
+    assert (fused_native.run, PLELayer.forward, PLELayer.projections, Session._begin, Session._end) == before
+    native = layer._native_step
+    assert all(type(getattr(native, n)).__name__ != "function" for n in ("_ids_fn", "_gather_fn", "_fused_fn"))
+    parts = ("begin", "GEMM", "engine call", "end", "step", "rest of the engine call", "beside the GEMM")
+    parts += ("n-gram ids kernel", "row gather kernel", "fused gate + conv kernel")  # the session's C calls
+    for part in parts:
         assert got[part] >= 0, part
     assert got["step"] >= got["GEMM"] and got["engine call"] >= got["GEMM"]
+    assert got["engine call"] >= got["GEMM"] + got["fused gate + conv kernel"]
+
+
+def test_session_floor_paired_ratios_divide_each_round_by_its_own_floor():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "session_floor.py"
+    spec = importlib.util.spec_from_file_location("session_floor_ratios", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # the machine slows down 2x in the second half; each call is 1.1x / 1.2x / 1.3x its round's floor
+    floor = [1.0, 1.0, 1.0, 2.0, 2.0]
+    samples = {"floor": floor, "engine": [1.1 * f for f in floor], "phases": [1.2 * f for f in floor]}
+    samples["session"] = [1.3 * f for f in floor]
+    got = module.paired_ratios(samples)
+    assert got == pytest.approx({"engine": 1.1, "phases": 1.2, "session": 1.3})

@@ -351,7 +351,13 @@ class PLELayer(nn.Module):
 
     def project(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value projections of table rows ``emb [T, E]`` as one GEMM: ``(key [T, HC*H],
-        value [T, H])``, views of one ``[T, HC*H + H]`` result.
+        value [T, H])``, views of :meth:`projections`' ``[T, HC*H + H]`` result."""
+        key, value = self.projections(emb).split_with_sizes(self._kv_widths, 1)  # both views in one call
+        return key, value
+
+    def projections(self, emb: torch.Tensor) -> torch.Tensor:
+        """``[T, HC*H + H]``: the key (first ``HC*H`` columns) and value projections of table rows
+        ``emb [T, E]``, one GEMM.
 
         Each output row depends only on its own input row, whatever the other rows: on the CPU an
         fp32 (or fp16) GEMM is padded with zero rows to a multiple of 4 rows, where its rows do not
@@ -364,11 +370,8 @@ class PLELayer(nn.Module):
             # traced code pads whatever T is (a branch on T would specialize an unbacked size)
             if torch.compiler.is_compiling() or tokens % _ROW_BLOCK:
                 emb = F.pad(emb, (0, 0, 0, (-tokens) % _ROW_BLOCK))
-            kv = F.linear(emb, w)[:tokens]
-        else:
-            kv = F.linear(emb, w)
-        key, value = kv.split_with_sizes(self._kv_widths, 1)  # both views in one call (no Python wrapper)
-        return key, value
+            return F.linear(emb, w)[:tokens]
+        return F.linear(emb, w)
 
     def forward(
         self,

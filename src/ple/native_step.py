@@ -31,6 +31,9 @@ __all__ = ["NativeStep"]
 
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 _GATHER_ROWS_PER_THREAD = 256  # the row gather's second thread joins from 512 rows (as the lookup's)
+_KEPT_TOKENS = 256
+"""Steps of up to this many tokens (decode steps, small chunks) reuse the native step's scratch buffers
+(the row ids, the gathered rows and the conv inputs a step does not return); longer ones allocate theirs."""
 
 
 class NativeStep:
@@ -52,6 +55,8 @@ class NativeStep:
         "_eos",
         "_table",
         "_table_args",
+        "_value_offset",
+        "_scratch",
     )
 
     def __init__(self, layer) -> None:
@@ -81,8 +86,10 @@ class NativeStep:
             layer.gate_conv_scale.data_ptr(),
             taps.data_ptr(),
         )
+        self._value_offset = cfg.hc_hidden_size * (2 if layer.dtype == torch.bfloat16 else 4)  # bytes into a kv row
         self._table: Any = None
         self._table_args: tuple | None = None
+        self._scratch: _Scratch | None = None
 
     @classmethod
     def build(cls, layer) -> NativeStep | None:
@@ -117,6 +124,9 @@ class NativeStep:
             lib = _native.library()  # PLE_NATIVE=0 takes effect at once, as for the operators
         except _native.NativeUnavailable:
             return None
+        if lib is not self._lib:
+            self._lib = lib
+            self._ids_fn, self._gather_fn, self._fused_fn = lib.ple_ngram_ids, lib.ple_gather_rows, lib.ple_gate_conv
         qsl, ctx, pool = batch.query_start_loc, batch.ngram_context, batch.conv_state
         slots, has_init, rejected, offsets = (
             batch.slot_indices,
@@ -124,9 +134,6 @@ class NativeStep:
             batch.num_rejected,
             batch.state_offsets,
         )
-        if lib is not self._lib:
-            self._lib = lib
-            self._ids_fn, self._gather_fn, self._fused_fn = lib.ple_ngram_ids, lib.ple_gather_rows, lib.ple_gate_conv
         if not (
             hidden.stride(1) == 1
             and pool.dtype == self._dtype
@@ -147,41 +154,69 @@ class NativeStep:
         if table is not self._table:
             self._table, self._table_args = table, self._gather_args(table)
         tokens = hidden.shape[0]
-        threads = torch.get_num_threads()
-        ids = torch.empty(tokens, self._groups, dtype=torch.int64)
-        requests = qsl.shape[0] - 1
-        rc = self._ids_fn(
-            input_ids.data_ptr(), tokens, qsl.data_ptr(), requests, ctx.data_ptr(), *self._ids_args, self._eos,
-            ids.data_ptr(), threads,
-        )  # fmt: skip
-        if rc != 0:
-            raise InvalidArgumentError(f"ngram_ids (C kernel): code {rc} for a step the session built")
-        if self._table_args is not None and tokens:
-            rows = torch.empty(tokens, self._embed, dtype=self._dtype)
-            n = tokens * self._groups
-            rc = self._gather_fn(
-                *self._table_args, ids.data_ptr(), n, rows.data_ptr(),
-                _native.threads_for(n, _GATHER_ROWS_PER_THREAD),
+        threads, team = torch.get_num_threads(), _native.team()
+        # scratch this call alone holds (a call on another thread meanwhile makes its own)
+        kept, self._scratch = self._scratch, None
+        scratch = kept
+        if scratch is None or not scratch.fits(tokens, return_c):
+            scratch = _Scratch(tokens, self._groups, self._embed, self._channels, self._dtype, return_c)
+        try:
+            requests = qsl.shape[0] - 1
+            rc = self._ids_fn(
+                input_ids.data_ptr(), tokens, qsl.data_ptr(), requests, ctx.data_ptr(), *self._ids_args, self._eos,
+                scratch.ids_at, threads,
             )  # fmt: skip
-            if rc != 0:  # an id outside the table: the layout and the table disagree
-                raise InvalidArgumentError(f"table lookup (C gather): code {rc} for rows of {table!r}")
-        else:
-            rows = table.lookup(ids, self._dtype, check=False)
-        key, value = layer.project(rows)
-        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        c = torch.empty_like(out)
-        state_len = pool.shape[1] if offsets is not None else pool.shape[2]
-        unit, kthreads = fused_native.launch(tokens, self._channels)
-        h, hc, k, dilation, eps, kq, cs, taps = self._fused_args
-        rc = self._fused_fn(
-            _DTYPES[self._dtype], tokens, h, hc, k, dilation, state_len, pool.shape[0], requests, eps,
-            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), hidden.data_ptr(), hidden.stride(0),
-            kq, cs, taps, qsl.data_ptr(), slots.data_ptr(), has_init.data_ptr(),
-            None if rejected is None else rejected.data_ptr(), None,
-            pool.data_ptr(), None if offsets is None else offsets.data_ptr(), int(add_hidden), None, None, 0,
-            out.data_ptr(), c.data_ptr(), int(bool(return_c)), unit, kthreads,
-        )  # fmt: skip
-        if rc != 0:
-            step = StepMeta(qsl, pool, slots, has_init, rejected, offsets)
-            fused_native.raise_for_code(rc, step, (k - 1) * dilation, state_len)
+            if rc != 0:
+                raise InvalidArgumentError(f"ngram_ids (C kernel): code {rc} for a step the session built")
+            if self._table_args is not None:
+                n = tokens * self._groups
+                gthreads = _native.threads_for(n, _GATHER_ROWS_PER_THREAD, threads=threads, kind=team)
+                rc = self._gather_fn(*self._table_args, scratch.ids_at, n, scratch.rows_at, gthreads)
+                if rc != 0:  # an id outside the table: the layout and the table disagree
+                    raise InvalidArgumentError(f"table lookup (C gather): code {rc} for rows of {table!r}")
+                rows = scratch.rows[:tokens]
+            else:
+                rows = table.lookup(scratch.ids[:tokens], self._dtype, check=False)
+            kv = layer.projections(rows)  # key: its first HC*H columns, value: the H after them
+            out = torch.empty((tokens, self._channels), dtype=self._dtype)
+            c = torch.empty((tokens, self._channels), dtype=self._dtype) if return_c else None
+            state_len = pool.shape[1] if offsets is not None else pool.shape[2]
+            unit, kthreads = fused_native.launch(tokens, self._channels, threads, team)
+            h, hc, k, dilation, eps, kq, cs, taps = self._fused_args
+            key, kv_stride = kv.data_ptr(), kv.stride(0)
+            rc = self._fused_fn(
+                _DTYPES[self._dtype], tokens, h, hc, k, dilation, state_len, pool.shape[0], requests, eps,
+                key, kv_stride, key + self._value_offset, kv_stride, hidden.data_ptr(), hidden.stride(0),
+                kq, cs, taps, qsl.data_ptr(), slots.data_ptr(), has_init.data_ptr(),
+                None if rejected is None else rejected.data_ptr(), None,
+                pool.data_ptr(), None if offsets is None else offsets.data_ptr(), int(add_hidden), None, None, 0,
+                out.data_ptr(), scratch.c_at if c is None else c.data_ptr(), int(bool(return_c)), unit, kthreads,
+            )  # fmt: skip
+            if rc != 0:
+                step = StepMeta(qsl, pool, slots, has_init, rejected, offsets)
+                fused_native.raise_for_code(rc, step, (k - 1) * dilation, state_len)
+        finally:
+            self._scratch = scratch if scratch.kept else kept
         return (out, c) if return_c else out
+
+
+class _Scratch:
+    """A step's buffers that never leave it: the row ids ``[T, G]`` int64, the gathered rows ``[T, E]``
+    and the conv inputs ``[T, HC*H]`` of a step that does not return them (the kernel writes the rows
+    a state update reads there), with their addresses. Kept by the native step between calls when made
+    for at most :data:`_KEPT_TOKENS` tokens (room for twice the step, up to that many)."""
+
+    __slots__ = ("tokens", "kept", "ids", "rows", "c", "ids_at", "rows_at", "c_at")
+
+    def __init__(self, tokens: int, groups: int, embed: int, channels: int, dtype: torch.dtype, return_c: bool):
+        self.kept = tokens <= _KEPT_TOKENS
+        self.tokens = n = min(_KEPT_TOKENS, 2 * tokens) if self.kept else tokens
+        self.ids = torch.empty((n, groups), dtype=torch.int64)
+        self.rows = torch.empty((n, embed), dtype=dtype)
+        self.c = None if return_c else torch.empty((n, channels), dtype=dtype)
+        self.ids_at, self.rows_at = self.ids.data_ptr(), self.rows.data_ptr()
+        self.c_at = 0 if self.c is None else self.c.data_ptr()
+
+    def fits(self, tokens: int, return_c: bool) -> bool:
+        """Whether a step of ``tokens`` tokens can use these buffers."""
+        return tokens <= self.tokens and (return_c or self.c is not None)

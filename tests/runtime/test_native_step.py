@@ -144,3 +144,37 @@ def test_layers_the_kernels_do_not_compute_have_no_native_step():
     finally:
         layer.to(torch.float32)
     assert isinstance(layer._native_step, NativeStep)
+
+
+def test_scratch_buffers_are_kept_for_short_steps_only():
+    """Decode-sized steps reuse the native step's scratch (ids, rows, conv inputs); a long chunk
+    allocates its own and leaves the kept ones in place; outputs equal the operators' either way."""
+    layer = _layer(0)
+    width, vocab = layer.config.hc_hidden_size, layer.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    steps = [
+        {"a": (torch.randn(300, width, generator=g), torch.randint(0, vocab, (300,), generator=g))},
+        {"a": (torch.randn(1, width, generator=g), torch.randint(0, vocab, (1,), generator=g))},
+        {"a": (torch.randn(400, width, generator=g), torch.randint(0, vocab, (400,), generator=g))},
+        {"a": (torch.randn(1, width, generator=g), torch.randint(0, vocab, (1,), generator=g))},
+    ]
+    native = layer._native_step
+    native._scratch = None
+    kept = []
+    outs: list[list] = [[], []]
+    try:
+        for k in range(2):
+            layer._native_step = native if k == 0 else None
+            session = Session(layer, 1)
+            session.add("a")
+            for step in steps:
+                outs[k].append(session.step(step)["a"])
+                if k == 0:
+                    kept.append(native._scratch)
+    finally:
+        layer._native_step = native
+    assert kept[0] is None  # the 300-token chunk's buffers were not kept
+    assert kept[1] is not None and kept[1].kept and kept[1].tokens == 2
+    assert kept[2] is kept[1] and kept[3] is kept[1]  # the long chunk left the decode buffers in place
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -526,18 +526,23 @@ def background_thread() -> None:
     _local.background = True
 
 
-def threads_for(items: int, per_thread: int, *, started_per_call: bool = False) -> int:
+def threads_for(
+    items: int, per_thread: int, *, started_per_call: bool = False, threads: int | None = None, kind: str | None = None
+) -> int:
     """Threads for a kernel call over ``items`` pieces of work: one per ``per_thread`` pieces, at most
     ``torch.get_num_threads()``, on PyTorch's OpenMP threads (:func:`team`); one on a
     :func:`background_thread`, and one where threads would be started per call unless
-    ``started_per_call`` says the pieces pay for that (block decoding does; a row copy does not)."""
+    ``started_per_call`` says the pieces pay for that (block decoding does; a row copy does not).
+    ``threads`` and ``kind``: ``torch.get_num_threads()`` and :func:`team`, when the caller has them."""
     if items < 2 * per_thread or getattr(_local, "background", False):
         return 1
-    if not started_per_call and team() != "openmp":
+    if not started_per_call and (team() if kind is None else kind) != "openmp":
         return 1
-    import torch
+    if threads is None:
+        import torch
 
-    return max(1, min(torch.get_num_threads(), items // per_thread))
+        threads = torch.get_num_threads()
+    return max(1, min(threads, items // per_thread))
 
 
 def available() -> bool:

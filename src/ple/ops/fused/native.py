@@ -62,18 +62,19 @@ microseconds (8 requests run on one, 64 on two)."""
 
 
 def _default_threads(tokens: int, channels: int) -> int:
-    return max(1, min(torch.get_num_threads(), tokens * channels // _MIN_THREAD_ELEMENTS[_native.team()]))
+    return launch(tokens, channels, torch.get_num_threads(), _native.team())[1]
 
 
 def _unit_tokens(tokens: int, nthreads: int) -> int:
     return max(32, -(-tokens // (4 * max(1, nthreads))))
 
 
-def launch(tokens: int, channels: int) -> tuple[int, int]:
-    """``(tokens per work unit, threads)`` of a kernel call over ``[tokens, channels]`` rows with the
-    default thread count (what :func:`gate_conv` passes when ``threads`` is None)."""
-    nthreads = _default_threads(tokens, channels)
-    return _unit_tokens(tokens, nthreads), nthreads
+def launch(tokens: int, channels: int, threads: int, team: str) -> tuple[int, int]:
+    """``(tokens per work unit, threads)`` of a kernel call over ``[tokens, channels]`` rows when
+    ``threads`` (``torch.get_num_threads()``) may run and the kernels' threads are ``team``
+    (:func:`ple._native.team`): what :func:`gate_conv` passes when its ``threads`` is None."""
+    nthreads = max(1, min(threads, tokens * channels // _MIN_THREAD_ELEMENTS[team]))
+    return max(32, -(-tokens // (4 * nthreads))), nthreads
 
 
 def raise_for_code(rc: int, step: StepMeta, window: int, state_len: int) -> None:
