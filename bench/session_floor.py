@@ -78,11 +78,12 @@ def build_layer(cfg: PLEConfig, dtype: torch.dtype) -> PLELayer:
         layer.refresh_weights()
     lay = layer.layout
     block = torch.randn(65537, lay.head_dim, generator=g).to(dtype)
-    data = torch.empty(lay.padded_rows, lay.head_dim, dtype=dtype)
+    # allocated as a checkpoint loader allocates a table (its rows on 2 MiB pages where Linux allows)
+    table = MemoryTable.empty(lay.padded_rows, lay.head_dim, "bf16" if dtype == torch.bfloat16 else "fp32")
     for a in range(0, lay.padded_rows, block.shape[0]):
         n = min(block.shape[0], lay.padded_rows - a)
-        data[a : a + n].copy_(block[:n])
-    layer.set_table(MemoryTable(data))
+        table.data[a : a + n].copy_(block[:n])
+    layer.set_table(table)
     return layer
 
 

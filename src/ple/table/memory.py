@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
 import torch
 
 from ..errors import InvalidArgumentError, UsageError
 from .base import StoredTable
 from .formats import check_scale_values, check_table_tensors, format_info
 
-__all__ = ["MemoryTable", "PinnedHostTable"]
+__all__ = ["MemoryTable", "PinnedHostTable", "advise_huge_pages"]
 
 
 def _normalize_scale(data: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor | None:
@@ -28,6 +33,8 @@ def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bo
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise InvalidArgumentError(f"head_dim must be an integer >= 1, got {head_dim!r}")
     data = torch.empty(rows, info.width(head_dim), dtype=info.storage_dtype, device=device, pin_memory=pin_memory)
+    if not pin_memory:
+        advise_huge_pages(data)  # before the loader's first write: the pages are then made 2 MiB
     shape = {"none": None, "global": (1,), "row": (rows, 1)}[info.scale_kind]
     # Scales start as NaN: a scale the loader forgot to fill shows up as NaN rows, never as
     # plausible numbers.
@@ -35,6 +42,37 @@ def _empty_tensors(rows: int, head_dim: int, format: str, device, pin_memory: bo
     if shape is not None:
         scale = torch.full(shape, float("nan"), dtype=torch.float32, device=device, pin_memory=pin_memory)
     return data, scale
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_libc = None
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back the host memory of ``t`` with 2 MiB pages (``madvise(MADV_HUGEPAGE)``, for
+    transparent huge pages in their default ``madvise`` mode) over the whole 2 MiB pages it spans.
+
+    A table lookup reads rows at random over gigabytes: with 4 KiB pages nearly every row costs a TLB
+    miss and a page-table walk, which right after a GEMM runs from memory too (a decode step's row
+    gather of 64 requests, 1,024 rows from a 1.5 GB table: 86 -> 55 us after the GEMM). Advised before
+    the first write, the pages are made huge as they are touched; memory already touched is
+    collapsed later by the kernel's background thread. Returns whether the kernel took the advice:
+    False (nothing done) off Linux, for a tensor off the CPU or spanning no whole 2 MiB page, or where
+    the kernel has no transparent huge pages. Values are unchanged either way."""
+    global _libc
+    if _MADV_HUGEPAGE is None or not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    hi = (start + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if hi - lo < _HUGE_PAGE:
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
 class _TensorTable(StoredTable):
@@ -75,7 +113,8 @@ class MemoryTable(_TensorTable):
     @classmethod
     def empty(cls, rows: int, head_dim: int, format: str, device: str | torch.device = "cpu") -> MemoryTable:
         """An uninitialized table whose ``data`` (and ``scale``, NaN-filled) a loader fills in place,
-        e.g. ``t.data[a:b].copy_(shard)`` and ``t.scale.copy_(weight_scale)``."""
+        e.g. ``t.data[a:b].copy_(shard)`` and ``t.scale.copy_(weight_scale)``. Host rows are advised onto
+        2 MiB pages before they are written (:func:`advise_huge_pages`): lookups then miss the TLB less."""
         data, scale = _empty_tensors(rows, head_dim, format, device)
         table = cls.__new__(cls)
         _TensorTable.__init__(table, data, scale, format)  # NaN scales until filled: not checked
