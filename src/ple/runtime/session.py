@@ -200,6 +200,7 @@ class Session:
         self._ctx_len = cfg.ngram_size - 1
         self._dtype = first.dtype
         self._device = first.key_proj.device
+        self._on_cpu = self._device.type == "cpu"
         # the C kernel reads and writes ring pools; other paths keep the engine layout
         native = self._device.type == "cpu" and self._dtype in (torch.bfloat16, torch.float32) and _native.available()
         if state_layout not in ("auto", "ring", "engine"):
@@ -759,7 +760,7 @@ class Session:
         assert slots is not None and step.slot_tensor is not None
         if step.num_tokens == len(step.lens) and not step.speculative and not step.prefix_rows:
             # a step of decode tokens: each context shifts in its token, lengths advance
-            host = step.tokens if step.tokens.device.type == "cpu" else step.tokens.cpu()
+            host = step.tokens if self._on_cpu else step.tokens.cpu()  # a CPU session's step keeps them there
             arrays.advance_decode(host, step.slot_tensor)
             return
         batch = step.batch
