@@ -413,8 +413,9 @@ def test_engine_call_refuses_tokens_outside_the_vocabulary_on_the_cpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     """Eagerly on the CPU the engine call runs the operators' CPU functions directly; under a profiler
-    (and in compiled code, other devices, tensor subclasses) the torch.ops.ple operators. Both give the
-    same outputs and states, bit for bit, and refuse the same tokens."""
+    (and in compiled code, other devices, tensor subclasses) the torch.ops.ple operators; the session's
+    unchecked call runs the C kernels from the layer's NativeStep, or without it the kernels through the
+    operators' registry. All give the same outputs and states, bit for bit, and refuse the same tokens."""
     import ple.layer as layer_module
     from ple.ngram import NgramInputError
 

@@ -17,6 +17,7 @@ not take here (a column-strided hidden, a C library turned off with ``PLE_NATIVE
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class NativeStep:
     def __init__(self, layer) -> None:
         cfg, lay = layer.config, layer.layout
         mult, sizes, offs = layer.ngram_multipliers, layer.ngram_head_sizes, layer.ngram_head_offsets
-        self._layer = layer
+        self._layer = weakref.ref(layer)  # the layer holds this step: no reference cycle keeps it alive
         self._lib: Any = None
         self._ids_fn: Any = None
         self._gather_fn: Any = None
@@ -149,7 +150,9 @@ class NativeStep:
             and (rejected is None or rejected.is_contiguous())
         ):
             return None
-        layer = self._layer
+        layer = self._layer()
+        if layer is None:
+            return None
         table = layer.table_ref.table
         if table is not self._table:
             self._table, self._table_args = table, self._gather_args(table)

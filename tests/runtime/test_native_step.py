@@ -178,3 +178,24 @@ def test_scratch_buffers_are_kept_for_short_steps_only():
     assert kept[2] is kept[1] and kept[3] is kept[1]  # the long chunk left the decode buffers in place
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_a_layer_dropped_is_freed_without_the_cycle_collector():
+    """The native step refers to its layer weakly: dropping the last reference frees the layer (and its
+    weights) at once, with the cyclic garbage collector off."""
+    import gc
+    import weakref
+
+    from ple import PLELayer
+
+    layer = PLELayer(_layer(0).config, 0)
+    assert isinstance(layer._native_step, NativeStep)
+    gone = weakref.ref(layer)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del layer
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
