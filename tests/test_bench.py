@@ -518,17 +518,23 @@ def test_memory_budget_serves_ples_table_from_the_direct_tier(tmp_path, capsys):
     assert 0 < served["bf16"]["hit_rate"] < 1 and served["bf16"]["rows_read"] > 0
 
 
-def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
+def _session_floor_script():
+    """``bench/session_floor.py`` loaded as a module."""
     import importlib.util
-
-    import ple.ops.fused.native as fused_native
-    from ple import PLEConfig, PLELayer, Session
 
     path = Path(__file__).resolve().parents[1] / "bench" / "session_floor.py"
     spec = importlib.util.spec_from_file_location("session_floor_under_test", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
+    import ple.ops.fused.native as fused_native
+    from ple import PLEConfig, PLELayer, Session, _native
+
+    module = _session_floor_script()
     cfg = PLEConfig(
         hidden_size=16, hc_count=2, ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, vocab_size=500,
         eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),
@@ -537,8 +543,9 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
     before = (fused_native.run, PLELayer.forward, PLELayer.projections, Session._begin, Session._end)
     got = module.parts_case(layer, 3, 1)["median_s"]
     assert (fused_native.run, PLELayer.forward, PLELayer.projections, Session._begin, Session._end) == before
-    native = layer._native_step
-    assert all(type(getattr(native, n)).__name__ != "function" for n in ("_ids_fn", "_gather_fn", "_fused_fn"))
+    native, lib = layer._native_step, _native.library()
+    assert native._ids_fn is lib.ple_ngram_ids and native._gather_fn is lib.ple_gather_rows
+    assert native._fused_fn is lib.ple_gate_conv  # the C functions themselves again, not the timers
     parts = ("begin", "GEMM", "engine call", "end", "step", "rest of the engine call", "beside the GEMM")
     parts += ("n-gram ids kernel", "row gather kernel", "fused gate + conv kernel")  # the session's C calls
     for part in parts:
@@ -548,13 +555,7 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
 
 
 def test_session_floor_paired_ratios_divide_each_round_by_its_own_floor():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "session_floor.py"
-    spec = importlib.util.spec_from_file_location("session_floor_ratios", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _session_floor_script()
     # the machine slows down 2x in the second half; each call is 1.1x / 1.2x / 1.3x its round's floor
     floor = [1.0, 1.0, 1.0, 2.0, 2.0]
     samples = {"floor": floor, "engine": [1.1 * f for f in floor], "phases": [1.2 * f for f in floor]}

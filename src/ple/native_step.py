@@ -26,7 +26,6 @@ from . import _native
 from .errors import InvalidArgumentError
 from .ops.fused import native as fused_native
 from .ops.records import StepMeta
-from .table.memory import MemoryTable
 
 __all__ = ["NativeStep"]
 
@@ -94,24 +93,20 @@ class NativeStep:
 
     @classmethod
     def build(cls, layer) -> NativeStep | None:
-        """The native step of ``layer`` (a :class:`ple.PLELayer` whose weights are derived), or None where
-        the kernels do not take it: an activation dtype other than bfloat16 and float32, more conv taps
-        than the kernel holds, weights off the CPU. The C library is loaded (built) at the first call."""
-        derived = (layer.kv_weight, layer.gate_key_query, layer.gate_conv_scale, layer.conv_taps)
-        layout = (layer.ngram_multipliers, layer.ngram_head_sizes, layer.ngram_head_offsets)
-        if layer.dtype not in _DTYPES or any(t.device.type != "cpu" for t in (*derived, *layout)):
-            return None
-        if layer.conv_taps.shape[0] > fused_native.MAX_TAPS:
+        """The native step of ``layer`` (a :class:`ple.PLELayer` whose weights are derived and on the CPU:
+        the layer asks only then), or None where the kernels do not take it: an activation dtype other
+        than bfloat16 and float32, more conv taps than the kernel holds. The C library is loaded (built)
+        at the first call."""
+        if layer.dtype not in _DTYPES or layer.conv_taps.shape[0] > fused_native.MAX_TAPS:
             return None
         return cls(layer)
 
     def _gather_args(self, table) -> tuple | None:
         """``(data pointer, rows, row stride in bytes, row bytes)`` for the C row gather, when ``table``
-        holds plain rows in the activation dtype in host memory; else None (its own lookup reads it)."""
-        if type(table) is not MemoryTable or table.scale is not None:
-            return None
-        data = table.data
-        if data.device.type != "cpu" or data.dtype != self._dtype or data.dim() != 2 or data.stride(1) != 1:
+        gives its rows as a lookup in the activation dtype returns them (:meth:`Table.host_rows`); else
+        None (its own lookup reads it)."""
+        data = table.host_rows(self._dtype)
+        if data is None:
             return None
         esize = data.element_size()
         return (data.data_ptr(), data.shape[0], data.stride(0) * esize, data.shape[1] * esize)

@@ -44,3 +44,23 @@ def test_pinned_and_device_tables_exact(fmt):
             assert torch.equal(h.wait().cpu(), ref)
             h.release()
         table.close()
+
+
+def test_host_rows_are_given_only_where_a_lookup_returns_them_unchanged(tmp_path):
+    """`host_rows(dtype)`: a memory table's plain rows of that dtype (each row equal to the lookup of its
+    id); None for another dtype, scaled rows, and a mapped file (whose lookups check the file)."""
+    from ple.table import MmapTable
+
+    from ._helpers import write_file
+
+    data, _ = make_table("bf16", 64, 16)
+    table = MemoryTable(data)
+    rows = table.host_rows(torch.bfloat16)
+    assert rows is data
+    ids = random_ids(64, 5, 3)
+    assert torch.equal(table.lookup(ids, torch.bfloat16), rows[ids.reshape(-1)].reshape(5, 48))
+    assert table.host_rows(torch.float32) is None
+    fp8, scale = make_table("fp8", 64, 16)
+    assert MemoryTable(fp8, scale).host_rows(torch.bfloat16) is None
+    mapped = MmapTable.open(write_file(tmp_path / "t.ple", "bf16", data, None, 32))
+    assert mapped.host_rows(torch.bfloat16) is None

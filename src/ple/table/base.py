@@ -101,6 +101,12 @@ class Table(abc.ABC):
         self._lookup_into(ids, out)
         return out
 
+    def host_rows(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[rows, head_dim]``: the rows as a lookup in ``dtype`` returns them, unchanged, when they lie in
+        this process's host memory as such (a copy of row ``i`` is the lookup of id ``i``), with unit
+        column stride; else None. Tiers that check their backing file on every lookup give None."""
+        return None
+
     def start_prefetch(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> PrefetchHandle:
         """Start ``lookup(ids, dtype)`` in the background; ``handle.wait()`` returns its rows.
 

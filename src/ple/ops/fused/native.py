@@ -61,10 +61,6 @@ step of 2 requests at the published geometry runs on two); a thread started per 
 microseconds (8 requests run on one, 64 on two)."""
 
 
-def _default_threads(tokens: int, channels: int) -> int:
-    return launch(tokens, channels, torch.get_num_threads(), _native.team())[1]
-
-
 def _unit_tokens(tokens: int, nthreads: int) -> int:
     return max(32, -(-tokens // (4 * max(1, nthreads))))
 
@@ -74,7 +70,7 @@ def launch(tokens: int, channels: int, threads: int, team: str) -> tuple[int, in
     ``threads`` (``torch.get_num_threads()``) may run and the kernels' threads are ``team``
     (:func:`ple._native.team`): what :func:`gate_conv` passes when its ``threads`` is None."""
     nthreads = max(1, min(threads, tokens * channels // _MIN_THREAD_ELEMENTS[team]))
-    return max(32, -(-tokens // (4 * nthreads))), nthreads
+    return _unit_tokens(tokens, nthreads), nthreads
 
 
 def raise_for_code(rc: int, step: StepMeta, window: int, state_len: int) -> None:
@@ -132,7 +128,11 @@ def run(
     else:
         hidden_size, hc, eps, wkq, wc = c_in.shape[1], 1, 0.0, None, None
         strides = (0, 0, 0)
-    nthreads = _default_threads(tokens, out.shape[1]) if threads is None else int(threads)
+    if threads is None:
+        unit, nthreads = launch(tokens, out.shape[1], torch.get_num_threads(), _native.team())
+    else:
+        nthreads = int(threads)
+        unit = _unit_tokens(tokens, nthreads)
     rc = lib.ple_gate_conv(
         _DTYPES[ref.dtype],
         tokens,
@@ -167,7 +167,7 @@ def run(
         _ptr(out),
         _ptr(c_out),
         int(bool(c_all)),
-        _unit_tokens(tokens, nthreads),
+        unit,
         nthreads,
     )
     if rc != 0:
