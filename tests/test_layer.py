@@ -480,3 +480,16 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     bad[2] = cfg.vocab_size
     with pytest.raises(NgramInputError, match=f"token id {cfg.vocab_size} at position 2"):
         layer(h, bad, Batch.build(lens, [0, 1, 2], ctx, start.clone()))
+
+
+def test_projections_refuse_rows_of_another_width_or_dtype():
+    from ple.errors import InvalidArgumentError
+
+    hf, mod, _ = _random_hf(3, torch.float32)
+    layer = PLELayer.from_transformers(mod)
+    e = layer.config.ple_embed_dim
+    key, value = layer.project(torch.randn(3, e))
+    assert key.shape == (3, layer.config.hc_hidden_size) and value.shape == (3, layer.config.hidden_size)
+    for bad, what in ((torch.randn(3, e + 1), rf"\(3, {e + 1}\)"), (torch.randn(3, e).double(), "float64")):
+        with pytest.raises(InvalidArgumentError, match=what):
+            layer.projections(bad)

@@ -365,6 +365,11 @@ class PLELayer(nn.Module):
         padding). Ranks that each project their own rows thus get the rows of the whole batch's GEMM.
         """
         w = self.kv_weight
+        if not isinstance(emb, torch.Tensor) or emb.dim() != 2 or emb.shape[1] != w.shape[1] or emb.dtype != w.dtype:
+            raise InvalidArgumentError(
+                f"emb must be [T, E={w.shape[1]}] {w.dtype}, got {tuple(getattr(emb, 'shape', ()))} "
+                f"{getattr(emb, 'dtype', type(emb).__name__)}"
+            )
         tokens = emb.shape[0]
         if emb.device.type == "cpu" and emb.dtype != torch.bfloat16:
             # traced code pads whatever T is (a branch on T would specialize an unbacked size)

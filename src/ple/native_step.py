@@ -145,13 +145,32 @@ class NativeStep:
             and (rejected is None or rejected.is_contiguous())
         ):
             return None
+        # the shapes the kernels index by (a session's step has them by construction): refused, never read
+        tokens, requests, channels = hidden.shape[0], (qsl.shape[0] if qsl.dim() == 1 else 0) - 1, self._channels
+        ring = offsets is not None
+        if not (
+            hidden.dim() == 2
+            and hidden.shape[1] == channels
+            and input_ids.shape == (tokens,)
+            and ctx.shape == (requests, self._ids_args[0] - 1)
+            and slots.shape == has_init.shape == (requests,)
+            and (rejected is None or rejected.shape == (requests,))
+            and pool.dim() == 3
+            and pool.shape[2 if ring else 1] == channels
+            and (not ring or offsets.shape == (pool.shape[0],))
+        ):
+            raise InvalidArgumentError(
+                f"native step: hidden {tuple(hidden.shape)}, input_ids {tuple(input_ids.shape)}, query_start_loc "
+                f"{tuple(qsl.shape)}, ngram_context {tuple(ctx.shape)}, slots {tuple(slots.shape)}, conv_state "
+                f"{tuple(pool.shape)} disagree (expected hidden [T, HC*H={channels}], input_ids [T], [R] per "
+                "request, a [S, C, L] pool or a [S, L, C] ring with [S] offsets)"
+            )
         layer = self._layer()
         if layer is None:
             return None
         table = layer.table_ref.table
         if table is not self._table:
             self._table, self._table_args = table, self._gather_args(table)
-        tokens = hidden.shape[0]
         threads, team = torch.get_num_threads(), _native.team()
         # scratch this call alone holds (a call on another thread meanwhile makes its own)
         kept, self._scratch = self._scratch, None
@@ -159,13 +178,13 @@ class NativeStep:
         if scratch is None or not scratch.fits(tokens, return_c):
             scratch = _Scratch(tokens, self._groups, self._embed, self._channels, self._dtype, return_c)
         try:
-            requests = qsl.shape[0] - 1
             rc = self._ids_fn(
                 input_ids.data_ptr(), tokens, qsl.data_ptr(), requests, ctx.data_ptr(), *self._ids_args, self._eos,
                 scratch.ids_at, threads,
             )  # fmt: skip
             if rc != 0:
-                raise InvalidArgumentError(f"ngram_ids (C kernel): code {rc} for a step the session built")
+                what = f"query_start_loc is not 0 .. T={tokens}, non-decreasing" if rc == -3 else f"code {rc}"
+                raise InvalidArgumentError(f"ngram_ids (C kernel): {what}")
             if self._table_args is not None:
                 n = tokens * self._groups
                 gthreads = _native.threads_for(n, _GATHER_ROWS_PER_THREAD, threads=threads, kind=team)

@@ -199,3 +199,30 @@ def test_a_layer_dropped_is_freed_without_the_cycle_collector():
     finally:
         if enabled:
             gc.enable()
+
+
+def test_operands_that_disagree_are_refused_before_any_kernel_reads_them():
+    """Called directly with a batch that disagrees with its hidden and tokens, the native step raises a
+    ple error (shapes named; query_start_loc past T from the ids kernel) and leaves the pool as it was."""
+    from ple.errors import InvalidArgumentError
+    from ple.runtime import Batch
+
+    layer = _layer(0)
+    cfg = layer.config
+    pool = layer.new_state_pool(2)
+    ctx = torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id)
+    batch = Batch.build([1, 1], [0, 1], ctx, pool)
+    hidden = torch.randn(2, cfg.hc_hidden_size)
+    before = pool.clone()
+    for h, t in (
+        (hidden, torch.tensor([1, 2, 3])),
+        (hidden[:1], torch.tensor([1])),
+        (torch.randn(2, 3), torch.tensor([1, 2])),
+    ):
+        # shapes are compared in Python; offsets past T (read from the tensor) are the ids kernel's refusal
+        with pytest.raises(
+            InvalidArgumentError, match=r"native step: hidden|ngram_ids \(C kernel\): query_start_loc is not 0 \.\. T=1"
+        ):
+            layer._native_step(h.contiguous(), t, batch, True, False)
+    assert torch.equal(pool, before)
+    assert layer._native_step(hidden, torch.tensor([1, 2]), batch, True, False).shape == hidden.shape

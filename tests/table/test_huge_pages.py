@@ -40,6 +40,10 @@ def test_an_empty_host_table_is_advised_onto_huge_pages_before_it_is_filled():
 
 
 def test_memory_without_a_whole_huge_page_or_off_the_host_is_left_alone():
+    from ple.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="takes a tensor, got ndarray"):
+        advise_huge_pages(torch.empty(4).numpy())
     assert advise_huge_pages(torch.empty(1000)) is False  # 4 KB: no whole 2 MiB page
     assert advise_huge_pages(torch.empty(1 << 22, device="meta")) is False
     t = torch.arange(3 << 20, dtype=torch.float32)

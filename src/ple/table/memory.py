@@ -10,7 +10,7 @@ import sys
 import torch
 
 from ..errors import InvalidArgumentError, UsageError
-from .base import StoredTable
+from .base import StoredTable, Table
 from .formats import check_scale_values, check_table_tensors, format_info
 
 __all__ = ["MemoryTable", "PinnedHostTable", "advise_huge_pages"]
@@ -61,6 +61,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     False (nothing done) off Linux, for a tensor off the CPU or spanning no whole 2 MiB page, or where
     the kernel has no transparent huge pages. Values are unchanged either way."""
     global _libc
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"advise_huge_pages takes a tensor, got {type(t).__name__}")
     if _MADV_HUGEPAGE is None or not sys.platform.startswith("linux") or t.device.type != "cpu":
         return False
     start = t.data_ptr()
@@ -88,6 +90,9 @@ class _TensorTable(StoredTable):
         return self._data
 
     def host_rows(self, dtype: torch.dtype) -> torch.Tensor | None:
+        cls = type(self)
+        if cls.lookup is not Table.lookup or cls._lookup_into is not StoredTable._lookup_into:
+            return None  # a subclass that looks up otherwise: its rows are what its lookup says
         data = self._data
         if self._scale is not None or data.dtype != dtype or data.device.type != "cpu" or data.stride(1) != 1:
             return None
