@@ -4,7 +4,9 @@ row gathers), compiled on first use.
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
 chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512|avx512bf16`` forces one, :func:`set_isa` too; an
-unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``. It is
+unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``.
+``PLE_NATIVE_PREFETCH=auto|all|N`` (and :func:`set_prefetch_lines`) sets how much of its next work
+unit the fused kernel prefetches. It is
 stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
 default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
 model and flags (a cache shared between machines stays correct), so later processes load it
@@ -43,7 +45,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from ..errors import PLEError
+from ..errors import InvalidArgumentError, PLEError
 from ..files import read_regular, write_atomically
 
 __all__ = [
@@ -338,6 +340,8 @@ _SYMBOLS = (
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
+    "ple_set_prefetch_lines",
+    "ple_prefetch_lines",
     "ple_team_kind",
     "ple_team_after_fork",
     "ple_slots_read",
@@ -401,6 +405,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [i32]
     lib.ple_current_isa.restype = i32
     lib.ple_current_isa.argtypes = []
+    lib.ple_set_prefetch_lines.restype = i32
+    lib.ple_set_prefetch_lines.argtypes = [i64]
+    lib.ple_prefetch_lines.restype = i64
+    lib.ple_prefetch_lines.argtypes = []
     lib.ple_team_kind.restype = i32
     lib.ple_team_kind.argtypes = []
     lib.ple_team_after_fork.restype = None
@@ -439,6 +447,7 @@ def library() -> ctypes.CDLL:
                 if _forked:
                     lib.ple_team_after_fork()
                 _apply_isa(lib, os.environ.get("PLE_NATIVE_ISA", "auto"), "PLE_NATIVE_ISA=")
+                _apply_prefetch(lib, os.environ.get("PLE_NATIVE_PREFETCH", "auto"), "PLE_NATIVE_PREFETCH=")
                 _lib = lib
             except NativeUnavailable as e:
                 _error = str(e)
@@ -482,6 +491,49 @@ def set_isa(name: str) -> str:
 def current_isa() -> str:
     """The instruction set the kernels run (one of :data:`ISAS`)."""
     return ISAS[library().ple_current_isa()]
+
+
+_PREFETCH_ALL = 2**63 - 1
+"""The C library's "whole runs" (``ple_prefetch_lines``)."""
+
+
+def _apply_prefetch(lib: ctypes.CDLL, value, what: str) -> None:
+    """Set the fused kernel's prefetch plan in ``lib`` (see :func:`set_prefetch_lines`)."""
+    spelled = value.strip().lower() if isinstance(value, str) else value
+    if spelled == "auto":
+        lines = -1
+    elif spelled == "all":
+        lines = _PREFETCH_ALL
+    elif isinstance(spelled, str) and spelled.isdigit():
+        lines = int(spelled)
+    elif type(spelled) is int and spelled >= 0:
+        lines = spelled
+    else:
+        raise InvalidArgumentError(
+            f"{what}{value!r} is not a prefetch depth of the kernels: 'auto', 'all' or a number of lines >= 0"
+        )
+    lib.ple_set_prefetch_lines(min(lines, _PREFETCH_ALL))
+
+
+def prefetch_lines() -> int | str:
+    """How much of the next work unit's rows and state columns the fused step's C kernel prefetches
+    while it computes one unit: ``"all"`` (whole rows and columns), or at most that many 64-byte lines
+    from the start of each (0: none)."""
+    lines = library().ple_prefetch_lines()
+    return "all" if lines == _PREFETCH_ALL else int(lines)
+
+
+def set_prefetch_lines(lines: int | str) -> int | str:
+    """Set the fused kernel's prefetch plan from now on, in this process (``PLE_NATIVE_PREFETCH`` sets it
+    at load): ``"all"`` whole rows and state columns, a number of lines from the start of each (0: no
+    plan), or ``"auto"``: this CPU's default (8 lines on Intel cores, whose line-fill buffers whole runs
+    would hold up; whole runs elsewhere). Returns the plan before (:func:`prefetch_lines`). The plan
+    changes no result, only when the bytes arrive. Raises :class:`ple.errors.InvalidArgumentError` for another
+    value (nothing changes)."""
+    lib = library()
+    before = prefetch_lines()
+    _apply_prefetch(lib, lines, "prefetch depth ")
+    return before
 
 
 def team() -> str:
