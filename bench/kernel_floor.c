@@ -2,7 +2,7 @@
  *
  *   cc -O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -o /tmp/kernel_floor \
  *      bench/kernel_floor.c -lm
- *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD]]
+ *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD [PLAN]]]
  *
  * Published geometry (H 2560, HC 4, K 4, dilation 3, L 9), one decode token per request, ring state
  * pool with every request resuming (K-1 taps from its slot). The floor copies, per token, the key,
@@ -12,6 +12,8 @@
  * else of the wall clock.
  * COLD 1 writes 64 MB before each call (the caches then hold none of the kernel's operands, as in a
  * step between other work), and the floor copies buffers as cold.
+ * PLAN: the kernel's prefetch plan, lines per run (-1 this CPU's default, the library's; 0 none; a
+ * large number: whole runs), as ple_set_prefetch_lines takes it.
  * Start with MALLOC_MMAP_THRESHOLD_=1073741824 to match a process that ran ple.tune_host_allocator().
  */
 #include "../src/ple/_native/ple_cpu.c"
@@ -50,7 +52,7 @@ static void fill(void *p, int64_t n, int bf) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s BF16 TOKENS THREADS ISA [REPEAT]\n", argv[0]);
+        fprintf(stderr, "usage: %s BF16 TOKENS THREADS ISA [REPEAT [COLD [PLAN]]]\n", argv[0]);
         return 2;
     }
     const int bf = atoi(argv[1]), threads = atoi(argv[3]), isa = atoi(argv[4]);
@@ -61,7 +63,8 @@ int main(int argc, char **argv) {
     if (cold && !flush) return 3;
     const int64_t H = 2560, HC = 4, C = H * HC, K = 4, D = 3, L = 9, esz = bf ? 2 : 4;
     if (threads == 1) clock_used = CLOCK_THREAD_CPUTIME_ID;
-    if (R < 1 || reps < 1 || ple_set_isa(isa) != 0) {
+    const int64_t plan = argc > 7 ? atoll(argv[7]) : -1;
+    if (R < 1 || reps < 1 || ple_set_isa(isa) != 0 || ple_set_prefetch_lines(plan) != 0) {
         fprintf(stderr, "bad arguments, or this CPU lacks instruction set %d\n", isa);
         return 2;
     }
@@ -114,7 +117,15 @@ int main(int argc, char **argv) {
     qsort(t_kernel, (size_t)reps, sizeof(double), cmp);
     qsort(t_copy, (size_t)reps, sizeof(double), cmp);
     const double k = t_kernel[reps / 2], c = t_copy[reps / 2];
-    printf("%s, %ld tokens, %d threads, isa %d, %s%s: kernel %.0f us, floor %.0f us (%.1f MB), kernel / floor %.2f\n",
-           bf ? "bf16" : "fp32", (long)R, threads, isa, threads == 1 ? "CPU time" : "wall", cold ? ", cold" : "", k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
+    const int64_t lines = ple_prefetch_lines();
+    char plan_text[32];
+    if (lines == PLAN_ALL)
+        snprintf(plan_text, sizeof plan_text, "whole runs");
+    else
+        snprintf(plan_text, sizeof plan_text, "%ld lines", (long)lines);
+    printf("%s, %ld tokens, %d threads, isa %d, prefetch %s, %s%s: kernel %.0f us, floor %.0f us (%.1f MB), kernel / floor "
+           "%.2f\n",
+           bf ? "bf16" : "fp32", (long)R, threads, isa, plan_text, threads == 1 ? "CPU time" : "wall", cold ? ", cold" : "",
+           k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
     return 0;
 }

@@ -562,3 +562,26 @@ def test_session_floor_paired_ratios_divide_each_round_by_its_own_floor():
     samples["session"] = [1.3 * f for f in floor]
     got = module.paired_ratios(samples)
     assert got == pytest.approx({"engine": 1.1, "phases": 1.2, "session": 1.3})
+
+
+def test_kernel_floor_builds_and_runs_with_each_prefetch_plan(tmp_path):
+    """``bench/kernel_floor.c`` (the fused kernel alone against a copy of its bytes) compiles warning-free
+    against the library's source, runs a small step with the plan it is given and names that plan, and
+    refuses a plan below -1."""
+    import shutil
+
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "kernel_floor"
+    source = Path(__file__).resolve().parents[1] / "bench" / "kernel_floor.c"
+    flags = ["-O1", "-Wall", "-Wextra", "-Werror", "-fopenmp-simd", "-pthread"]
+    subprocess.run([cc, *flags, "-o", str(exe), str(source), "-lm"], check=True, capture_output=True, timeout=300)
+    for plan, said in (("0", "prefetch 0 lines"), ("3", "prefetch 3 lines"), ("9223372036854775807", "whole runs")):
+        out = subprocess.run(
+            [str(exe), "1", "4", "1", "0", "3", "0", plan], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        assert said in out.stdout and "kernel / floor" in out.stdout, out.stdout
+    bad = subprocess.run([str(exe), "1", "4", "1", "0", "3", "0", "-5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "bad arguments" in bad.stderr
