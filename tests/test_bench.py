@@ -70,7 +70,11 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     assert isinstance(v["transformers"], str)
     from ple import _native
 
-    assert v["cpu_kernels"] == f"C (ple._native), {_native.current_isa()}, {_native.team()} threads"
+    plan = _native.prefetch_lines()
+    plan_text = "whole runs" if plan == "all" else f"{plan} lines"
+    assert v["cpu_kernels"] == (
+        f"C (ple._native), {_native.current_isa()}, {_native.team()} threads, prefetch {plan_text}"
+    )
     s = rep["settings"]
     assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size

@@ -212,10 +212,14 @@ def versions() -> dict[str, str | None]:
     from .. import _native
 
     # which CPU path the layer and the ids ran: the C kernels, or (no compiler, PLE_NATIVE=0) PyTorch
-    # (with their instruction set and threads: PyTorch's OpenMP team, or threads started per call)
-    out["cpu_kernels"] = (
-        f"C (ple._native), {_native.current_isa()}, {_native.team()} threads" if _native.available() else "PyTorch"
-    )
+    # (with their instruction set, threads: PyTorch's OpenMP team or threads started per call, and
+    # the fused kernel's prefetch plan)
+    if _native.available():
+        plan = _native.prefetch_lines()
+        plan_text = "whole runs" if plan == "all" else f"{plan} lines"
+        out["cpu_kernels"] = f"C (ple._native), {_native.current_isa()}, {_native.team()} threads, prefetch {plan_text}"
+    else:
+        out["cpu_kernels"] = "PyTorch"
     try:
         import triton
 
