@@ -168,6 +168,9 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_isa_available(int isa) { return isa == 0; }\n"
     "int ple_set_isa(int isa) { (void)isa; return 0; }\n"
     "int ple_current_isa(void) { return 0; }\n"
+    # the fused kernel's prefetch plan (the loader sets "auto": -1)
+    "int ple_set_prefetch_lines(long long lines) { (void)lines; return 0; }\n"
+    "long long ple_prefetch_lines(void) { return 0; }\n"
     "int ple_team_kind(void) { return 0; }\n"
     "void ple_team_after_fork(void) {}\n"
     # the session's per-slot arrays

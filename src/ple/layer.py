@@ -359,10 +359,13 @@ class PLELayer(nn.Module):
         """``[T, HC*H + H]``: the key (first ``HC*H`` columns) and value projections of table rows
         ``emb [T, E]``, one GEMM.
 
-        Each output row depends only on its own input row, whatever the other rows: on the CPU an
-        fp32 (or fp16) GEMM is padded with zero rows to a multiple of 4 rows, where its rows do not
-        depend on the row count (a decode step's GEMM reads the weights either way; bf16 needs no
-        padding). Ranks that each project their own rows thus get the rows of the whole batch's GEMM.
+        Each output row is its own input row's projection, whatever the other rows. Whether its last
+        bits also match the whole batch's GEMM is the CPU's GEMM's choice: on the CPU an fp32 (or fp16)
+        GEMM is padded with zero rows to a multiple of 4 rows, where PyTorch's GEMM on an AMD EPYC (AVX2,
+        AVX-512) no longer depends on the row count (a decode step's GEMM reads the weights either way;
+        bf16 needs no padding there), so ranks that each project their own rows get the rows of the
+        whole batch's GEMM; on an Intel Xeon with AMX, GEMMs of a few rows (fp32 on one thread, bf16 on
+        one or four) are blocked otherwise and can differ from it in the last bit.
         """
         w = self.kv_weight
         if not isinstance(emb, torch.Tensor) or emb.dim() != 2 or emb.shape[1] != w.shape[1] or emb.dtype != w.dtype:

@@ -1,5 +1,7 @@
 """Sequence parallelism: the ranks of a group each hold a contiguous shard of a packed batch's token
-rows and together compute what one process computes, bit for bit.
+rows and together compute what one process computes, bit for bit where the CPU's GEMM gives a row the
+same bits whatever rows it is computed with (:meth:`ple.PLELayer.projections`; on an Intel Xeon with
+AMX, GEMMs of a few rows may differ from the whole batch's in the last bit).
 
 Rank ``s`` of a group of ``W`` holds rows ``[s*S, s*S + S)`` of the batch, ``S = ceil(T / W)``
 (the last shards padded, as the engines pad), and every rank has the whole ``input_ids`` and batch
