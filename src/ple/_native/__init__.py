@@ -4,13 +4,13 @@ row gathers), compiled on first use.
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
 chosen at run time (``PLE_NATIVE_ISA=portable|avx2|avx512|avx512bf16`` forces one, :func:`set_isa` too; an
-unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``.
-``PLE_NATIVE_PREFETCH=auto|all|N`` (and :func:`set_prefetch_lines`) sets how much of its next work
-unit the fused kernel prefetches. It is
-stored under ``$PLE_CACHE_DIR`` (default ``~/.cache/ple``; a per-user temporary folder when the
-default cannot be written), keyed by the source, the flags, the compiler's version and the CPU's
-model and flags (a cache shared between machines stays correct), so later processes load it
-without compiling (a build takes about a second). ``PLE_NATIVE=0`` turns the kernels off (ple then
+unknown name or one the CPU lacks raises :class:`NativeISAError`); elsewhere as ``-march=native``
+(``PLE_NATIVE_PREFETCH=auto|all|N`` and :func:`set_prefetch_lines` set how much of its next work unit
+the fused kernel prefetches). The library is stored under ``$PLE_CACHE_DIR`` (default
+``~/.cache/ple``; a per-user temporary folder when the default cannot be written), keyed by the
+source, the flags, the compiler's version and the CPU's model and flags (a cache shared between
+machines stays correct), so later processes load it without compiling (a build takes about a
+second). ``PLE_NATIVE=0`` turns the kernels off (ple then
 uses its PyTorch fast paths).
 
 Where this process's PyTorch runs its intra-op threads on GNU OpenMP (Linux wheels: ``libgomp`` is
@@ -528,8 +528,8 @@ def set_prefetch_lines(lines: int | str) -> int | str:
     at load): ``"all"`` whole rows and state columns, a number of lines from the start of each (0: no
     plan), or ``"auto"``: this CPU's default (8 lines on Intel cores, whose line-fill buffers whole runs
     would hold up; whole runs elsewhere). Returns the plan before (:func:`prefetch_lines`). The plan
-    changes no result, only when the bytes arrive. Raises :class:`ple.errors.InvalidArgumentError` for another
-    value (nothing changes)."""
+    changes no result, only when the bytes arrive. Raises :class:`ple.errors.InvalidArgumentError` for
+    another value (nothing changes)."""
     lib = library()
     before = prefetch_lines()
     _apply_prefetch(lib, lines, "prefetch depth ")
