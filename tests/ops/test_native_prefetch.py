@@ -70,6 +70,18 @@ def test_depths_set_and_read_back(restore_prefetch):
     assert native_build.prefetch_lines() == default
 
 
+def test_the_default_follows_the_cpu(restore_prefetch):
+    """``auto`` is 8 lines on Intel cores (whole runs held up their loads there) and whole runs elsewhere."""
+    import platform
+
+    vendor = None
+    if platform.machine().lower() in ("x86_64", "amd64") and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            vendor = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), None)
+    native_build.set_prefetch_lines("auto")
+    assert native_build.prefetch_lines() == (8 if vendor == "GenuineIntel" else "all"), vendor
+
+
 @pytest.mark.parametrize("bad", [-1, -3, 2.5, True, "some", "", None])
 def test_bad_depths_are_refused_by_name(bad, restore_prefetch):
     native_build.set_prefetch_lines(5)
