@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ple import PLEConfig, PLELayer, Session, tune_host_allocator
 from ple.bench.cases import step_traffic, traffic_copy
+from ple.bench.runner import versions
 from ple.runtime import Batch
 from ple.table import MemoryTable
 
@@ -430,14 +431,10 @@ def main(argv=None) -> int:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.lower().startswith("model name")), cpu)
     except OSError:
         pass
-    from ple import _native
-
-    kernels = "PyTorch kernels"
-    if _native.available():
-        plan = _native.prefetch_lines()
-        kernels = f"C kernels {_native.current_isa()}, prefetch {'whole runs' if plan == 'all' else f'{plan} lines'}"
+    kernels = versions()["cpu_kernels"]  # what ple bench records: the kernels' ISA, threads, prefetch plan
     print(
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {kernels}, {torch.get_num_threads()} threads, {args.dtype}"
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, CPU kernels {kernels}, "
+        f"{torch.get_num_threads()} threads, {args.dtype}"
         f"{', GEMM cached' if args.without_gemm else ''}{', thread CPU time' if args.cpu_time else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )

@@ -352,11 +352,16 @@ typedef struct {
 static int64_t g_plan_lines = -1;
 
 static int64_t plan_lines_default(void) {
+    static int64_t lines = -1; /* found once (every thread finds the same value) */
+    int64_t found = __atomic_load_n(&lines, __ATOMIC_RELAXED);
+    if (found >= 0) return found;
+    found = PLAN_ALL;
 #ifdef PLE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_is("intel")) return 8;
+    if (__builtin_cpu_is("intel")) found = 8;
 #endif
-    return PLAN_ALL;
+    __atomic_store_n(&lines, found, __ATOMIC_RELAXED);
+    return found;
 }
 
 /* Set the plan's lines per run: -1 this CPU's default, 0 no plan, PLAN_ALL whole runs. Returns 0, or -1
