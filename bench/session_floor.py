@@ -6,15 +6,17 @@
 Builds a PLE layer at the published geometry (H 2560, HC 4, E 2560, 16 heads of 160, K 4; random
 weights, a table of ``--table-base``), checks that ``Session.step`` gives exactly the outputs of the
 engine call on prebuilt batches (the same steps from the same state), then times in rotating order,
-each after an untimed reset of the state: the floor (``F.linear`` of ``[T, 2560] x [12800, 2560]``),
-the engine call ``layer(hidden, ids, batch)`` with prebuilt batches (the engine layout of the state pool,
+each after an untimed reset of the state: the floor (the two projections as the layer computes them,
+``PLELayer.projections`` of ``[T, 2560]`` with ``[12800, 2560]``: see ``ple.cpu_gemm``), ``F.linear`` of the
+same shapes (for reference: on a CPU where the layer packs its bf16 weights for small steps, the GEMM most
+code runs), the engine call ``layer(hidden, ids, batch)`` with prebuilt batches (the engine layout of the state pool,
 ``[slots, HC*H, L]``), the session's engine call ``begin``/``run``/``end`` (packed hidden, ring pools), and
 ``Session.step`` (per-request inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
 ``--prefill`` tokens. Prints medians (ms) and ratios to the floor; ``ple bench`` runs the same steps
 with the check against transformers (``session-*`` cases), which costs far more time on a CPU.
 
-``--without-gemm`` replaces ``F.linear`` by its cached result (computed once per shape): what remains
-is everything the layer and the session do besides the projections.
+``--without-gemm`` replaces ``F.linear`` and the packed GEMM by their cached results (computed once per
+shape): what remains is everything the layer and the session do besides the projections.
 
 The traffic floor (``traffic`` column) is a plain copy of as many bytes as the step must read and write
 (``ple.bench.cases.step_traffic``, from the shapes and dtypes: tokens and contexts, the row ids written and read,
@@ -46,7 +48,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ple import PLEConfig, PLELayer, Session, tune_host_allocator
+from ple import PLEConfig, PLELayer, Session, cpu_gemm, tune_host_allocator
 from ple.bench.cases import step_traffic, traffic_copy
 from ple.bench.runner import versions
 from ple.runtime import Batch
@@ -94,8 +96,9 @@ def _kv_weight(layer: PLELayer) -> torch.Tensor:
 
 
 def without_gemm() -> None:
-    """Make ``F.linear`` return a cached result per (shapes, dtype): the GEMM costs nothing."""
-    real = F.linear
+    """Make ``F.linear`` and the packed GEMM (``ple.cpu_gemm.linear``) return a cached result per
+    (shapes, dtype): the GEMM costs nothing."""
+    real, real_packed = F.linear, cpu_gemm.linear
     cache: dict = {}
 
     def cached(x, w, b=None):
@@ -104,7 +107,14 @@ def without_gemm() -> None:
             cache[key] = real(x, w, b)
         return cache[key]
 
+    def cached_packed(x, w, packed):
+        key = ("packed", tuple(x.shape), tuple(w.shape), x.dtype)
+        if key not in cache:
+            cache[key] = real_packed(x, w, packed)
+        return cache[key]
+
     torch.nn.functional.linear = cached
+    cpu_gemm.linear = cached_packed
 
 
 CLOCK = time.perf_counter
@@ -208,7 +218,8 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
     copy = traffic_copy(read + written)
     fns = {
-        "floor": lambda: [F.linear(x, w) for _ in range(steps)],
+        "floor": lambda: [layer.projections(x) for _ in range(steps)],
+        "linear": lambda: [F.linear(x, w) for _ in range(steps)],
         "engine": run_engine,
         "session": run_session,
         "phases": run_phases,
@@ -216,6 +227,7 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     }
     reset = {
         "floor": lambda: None,
+        "linear": lambda: None,
         "engine": lambda: pool.copy_(pool0),
         "session": reset_session,
         "phases": reset_session,
@@ -261,7 +273,8 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
     read, written = step_traffic(layer, tokens, 1, 0)
     copy = traffic_copy(read + written)
     fns = {
-        "floor": lambda: F.linear(x, w),
+        "floor": lambda: layer.projections(x),
+        "linear": lambda: F.linear(x, w),
         "engine": lambda: layer(hidden, ids, batch),
         "session": lambda: session.step({0: (hidden, ids)}),
         "phases": run_phases,
@@ -269,6 +282,7 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
     }
     reset = {
         "floor": lambda: None,
+        "linear": lambda: None,
         "engine": lambda: pool.zero_(),
         "session": reset_session,
         "phases": reset_session,
@@ -434,23 +448,23 @@ def main(argv=None) -> int:
     kernels = versions()["cpu_kernels"]  # what ple bench records: the kernels' ISA, threads, prefetch plan
     print(
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, CPU kernels {kernels}, "
-        f"{torch.get_num_threads()} threads, {args.dtype}"
+        f"{torch.get_num_threads()} threads, {args.dtype}, GEMM {versions()['cpu_gemm']}"
         f"{', GEMM cached' if args.without_gemm else ''}{', thread CPU time' if args.cpu_time else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
     print(
-        "| case | floor ms | engine ms | begin/run/end ms | session ms | engine / floor | begin/run/end / floor "
+        "| case | floor ms | F.linear ms | engine ms | begin/run/end ms | session ms | engine / floor | begin/run/end / floor "
         "| session / floor | traffic MB | traffic ms | engine / traffic | begin/run/end / traffic "
         "| session / traffic | outputs equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in results:
         med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
         r["median_ms"] = med
         ok &= r["session_equals_engine"]
         print(
-            f"| {r['case']} | {med['floor']:.2f} | {med['engine']:.2f} | {med['phases']:.2f} | {med['session']:.2f} | "
+            f"| {r['case']} | {med['floor']:.2f} | {med['linear']:.2f} | {med['engine']:.2f} | {med['phases']:.2f} | {med['session']:.2f} | "
             f"{med['engine'] / med['floor']:.3f} | {med['phases'] / med['floor']:.3f} | "
             f"{med['session'] / med['floor']:.3f} | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
             f"{med['engine'] / med['traffic']:.2f} | {med['phases'] / med['traffic']:.2f} | "

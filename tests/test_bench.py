@@ -589,3 +589,43 @@ def test_kernel_floor_builds_and_runs_with_each_prefetch_plan(tmp_path):
         assert said in out.stdout and "kernel / floor" in out.stdout, out.stdout
     bad = subprocess.run([str(exe), "1", "4", "1", "0", "3", "0", "-5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "bad arguments" in bad.stderr
+
+
+def test_session_floor_without_gemm_caches_both_gemms(monkeypatch):
+    """``--without-gemm`` caches ``F.linear`` and the packed GEMM alike: the projections then cost a lookup."""
+    import torch.nn.functional as F
+
+    from ple import PLEConfig, cpu_gemm
+
+    module = _session_floor_script()
+    monkeypatch.setattr(F, "linear", F.linear)  # restored after the test: without_gemm() replaces both
+    monkeypatch.setattr(cpu_gemm, "linear", cpu_gemm.linear)
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on" if cpu_gemm._missing() is None else "off")
+    cfg = PLEConfig(
+        hidden_size=16, hc_count=2, ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, vocab_size=500,
+        eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),
+    )  # fmt: skip
+    layer = module.build_layer(cfg, torch.bfloat16)
+    module.without_gemm()
+    for rows in (3, cpu_gemm.MAX_ROWS + 1):
+        x = torch.randn(rows, 16).bfloat16()
+        first = layer.projections(x)
+        assert layer.projections(torch.randn(rows, 16).bfloat16()) is first  # cached per shape
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="no oneDNN")
+def test_packed_gemm_script_prints_a_row_per_count(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "packed_gemm.py"
+    spec = importlib.util.spec_from_file_location("packed_gemm_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--rows", "1,300", "--out", "48", "--in", "32", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 300 |")]
+    assert len(lines) == 2 and lines[1].endswith("| no |"), out  # 300 rows: beyond MAX_ROWS
+    assert "the layer's GEMM here" in out
+    with pytest.raises(SystemExit):
+        module.main(["--rows", "0"])

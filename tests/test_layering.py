@@ -29,6 +29,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.safetensors_file", 2, "safetensors_file"),
     ("ple.realtext", 2, "realtext"),
     ("ple.operators", 2, "operators"),
+    ("ple.cpu_gemm", 2, "cpu_gemm"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),
     ("ple.ops", 3, "ops"),

@@ -8,8 +8,9 @@ A case compares three things on the same rows:
   inputs and outputs, contexts and states kept by the session);
 - ``transformers``: ``Qwen4ExpTextPLELayer`` run as transformers runs it (padded
   ``[B, S, HC*H]`` tensors, ``hidden + module(hidden, ids, cache)``, its ``DynamicCache`` for decode);
-- ``floor``: the two projections alone (``F.linear`` of ``[T, E]`` with ``[HC*H + H, E]`` in the
-  same dtype), the arithmetic no implementation of the layer can avoid.
+- ``floor``: the two projections alone (``[T, E]`` with ``[HC*H + H, E]`` in the same dtype, the GEMM
+  the layer runs: ``F.linear``, or on a CPU where :mod:`ple.cpu_gemm` packs bf16 weights, the packed
+  GEMM for steps of up to its ``MAX_ROWS`` rows), the arithmetic no implementation of the layer can avoid.
 
 Before anything is timed the runner calls ``check(ple(), transformers())``: fp32 outputs must agree
 within ``1e-4 * (1 + max|out|)``; bf16 outputs are judged against transformers run in fp32 on the same
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_gemm
 from .. import ngram as ple_ngram
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError
@@ -420,16 +422,18 @@ class Fixture:
         return torch.randn(shape, generator=g).bfloat16().to(device=self.device, dtype=dtype)
 
     def floor(self, rows: list[int], dtype: torch.dtype) -> Callable[[], Any]:
-        """The projections alone: ``F.linear([n, E], [HC*H + H, E])`` for each ``n`` in ``rows``."""
+        """The projections alone: ``[n, E] x [HC*H + H, E]`` for each ``n`` in ``rows``, through the GEMM the
+        layer runs (``F.linear``, or the packed one of :mod:`ple.cpu_gemm` where the layer takes it)."""
         geo = self.geometry
         g = self._gen(99)
         w = (
             torch.randn(geo.config.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5
         ).to(device=self.device, dtype=dtype)
         xs = [torch.randn(n, geo.embed_dim, generator=g).to(device=self.device, dtype=dtype) for n in rows]
+        packed = cpu_gemm.PackedWeight(w) if w.device.type == "cpu" and cpu_gemm.packing(dtype) else None
 
         def run():
-            return [F.linear(x, w) for x in xs]
+            return [cpu_gemm.linear(x, w, packed) if cpu_gemm.use_packed(x, packed) else F.linear(x, w) for x in xs]
 
         return run
 

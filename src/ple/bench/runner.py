@@ -220,6 +220,9 @@ def versions() -> dict[str, str | None]:
         out["cpu_kernels"] = f"C (ple._native), {_native.current_isa()}, {_native.team()} threads, prefetch {plan_text}"
     else:
         out["cpu_kernels"] = "PyTorch"
+    from .. import cpu_gemm
+
+    out["cpu_gemm"] = cpu_gemm.describe()  # the bf16 projections' GEMM on the CPU: packed weights or F.linear
     try:
         import triton
 

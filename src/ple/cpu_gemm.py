@@ -1,0 +1,169 @@
+"""The projections' GEMM on the CPU with the weights packed once: oneDNN's blocked layout for bf16.
+
+``F.linear`` on a bf16 CPU tensor hands the weight to oneDNN in PyTorch's row-major layout, and oneDNN
+reorders it into the blocked layout its matrix kernels read on every call: for the published
+projections (``[12800, 2560]`` bf16, 65.5 MB) a decode step of 64 rows then reads and writes the
+weight twice before multiplying. :class:`PackedWeight` keeps one reordered copy (as large as the
+weight) and :func:`linear` multiplies with it (``torch.ops.mkldnn._linear_pointwise``, the call
+PyTorch's own compiler emits for frozen CPU linears). Measured on an Intel Xeon with AMX, two
+threads: 64 rows 4.3 -> 2.4 ms, one row 2.3 -> 1.4 ms, 192 rows 7.6 -> 5.2 ms; from 256 rows on the
+two are as fast (2,048 rows: the packed one 5-10 % slower), so steps of fewer than
+:data:`MAX_ROWS` + 1 rows take it. The results have the bits of ``F.linear``'s there (the same oneDNN
+kernels; tested for every row count where the packed GEMM is on).
+
+When it is on (``PLE_PACKED_GEMM``, read at each packing):
+
+- ``auto`` (the default): on CPUs with AMX (the ``amx_bf16`` flag), where it was measured;
+- ``1``/``on``: wherever PyTorch has oneDNN (an error names what is missing where it has not);
+- ``0``/``off``: never (``F.linear`` for every step).
+
+Only bf16 weights are packed: fp32 goes through another library (MKL) in ``F.linear``, whose bits
+oneDNN's do not match.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .errors import InvalidArgumentError
+
+__all__ = ["MAX_ROWS", "PackedWeight", "describe", "linear", "mode", "packing", "use_packed"]
+
+MAX_ROWS = 255
+"""The most rows a GEMM takes the packed weight for (beyond, ``F.linear``: as fast or faster)."""
+
+_HINT = 64
+"""The row count the packed layout is chosen for (a decode step's; its results match ``F.linear``'s
+for every row count, where the layout chosen for one row differs from them at 64 and 256 rows)."""
+
+_MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+
+
+def mode() -> str:
+    """``PLE_PACKED_GEMM`` as ``"auto"``, ``"on"`` or ``"off"``; a value outside those is refused by name."""
+    raw = os.environ.get("PLE_PACKED_GEMM", "auto")
+    got = _MODES.get(raw.strip().lower())
+    if got is None:
+        raise InvalidArgumentError(f"PLE_PACKED_GEMM={raw!r}: give auto, 1/on or 0/off")
+    return got
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_amx() -> bool:
+    """Whether the CPU reports AMX for bf16 (Linux: the ``amx_bf16`` flag of ``/proc/cpuinfo``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _missing() -> str | None:
+    """What this PyTorch lacks for packed weights (None: nothing)."""
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch is built without oneDNN (torch.backends.mkldnn.is_available() is False)"
+    ops = torch.ops.mkldnn
+    for name in ("_reorder_linear_weight", "_linear_pointwise"):
+        try:
+            getattr(ops, name)
+        except (AttributeError, RuntimeError):
+            return f"this PyTorch has no torch.ops.mkldnn.{name}"
+    return None
+
+
+def packing(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` on the CPU are packed now (:func:`mode`, the CPU, this PyTorch).
+    Raises where ``PLE_PACKED_GEMM`` asks for packing this PyTorch cannot do."""
+    m = mode()
+    if m == "off" or dtype != torch.bfloat16:
+        return False
+    if m == "auto" and not _cpu_has_amx():
+        return False
+    missing = _missing()
+    if missing is None:
+        return True
+    if m == "on":
+        raise InvalidArgumentError(f"PLE_PACKED_GEMM=on: {missing}")
+    return False
+
+
+def describe() -> str:
+    """One line for benchmark records: which GEMM the bf16 projections run on the CPU."""
+    try:
+        on = packing(torch.bfloat16)
+    except InvalidArgumentError as e:
+        return f"error: {e}"
+    if on:
+        return f"packed oneDNN weights up to {MAX_ROWS} rows, F.linear beyond (PLE_PACKED_GEMM={mode()})"
+    return f"F.linear (PLE_PACKED_GEMM={mode()})"
+
+
+class PackedWeight:
+    """A CPU weight ``[N, K]`` reordered once into oneDNN's blocked layout, for :func:`linear`.
+
+    It follows its source: :meth:`get` packs again when the weight tensor has changed since (another
+    tensor, or an in-place write: its version counter). Copies and pickles of a module holding one
+    carry no packed data (oneDNN's opaque tensors have no storage to copy); they pack on first use.
+    """
+
+    __slots__ = ("_packed", "_key")
+
+    def __init__(self, weight: torch.Tensor | None = None) -> None:
+        self._packed: torch.Tensor | None = None
+        self._key: tuple | None = None
+        if weight is not None:
+            self.pack(weight)
+
+    @staticmethod
+    def _key_of(w: torch.Tensor) -> tuple:
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor keeps no version: only pack() follows its changes
+            version = -1
+        return (w.data_ptr(), version, tuple(w.shape), w.dtype)
+
+    def pack(self, weight: torch.Tensor) -> None:
+        """Pack ``weight`` (a 2-D bf16 CPU tensor) now."""
+        with torch.no_grad():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _HINT)
+        self._key = self._key_of(weight)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight``, packed now if it is not current."""
+        if self._packed is None or self._key_of(weight) != self._key:
+            self.pack(weight)
+        assert self._packed is not None
+        return self._packed
+
+    def __deepcopy__(self, memo) -> PackedWeight:
+        return PackedWeight()
+
+    def __reduce__(self):
+        return (PackedWeight, ())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """``F.linear(x, weight)`` ``[T, N]`` for ``x [T, K]`` with the packed copy of ``weight [N, K]``
+    (the caller chose it: bf16 CPU tensors, at most :data:`MAX_ROWS` rows, no gradients)."""
+    if not x.is_contiguous():
+        x = x.contiguous()  # a column-strided x gives other bits than F.linear's
+    return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), None, "none", [], "")
+
+
+def use_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
+    """Whether :func:`linear` takes ``x`` (rows on the CPU, few enough, no gradient, eager: traced code,
+    compiled or exported, takes ``F.linear`` whatever the row count, without a guard on it)."""
+    return (
+        packed is not None
+        and type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and x.shape[0] <= MAX_ROWS
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )

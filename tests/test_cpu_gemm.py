@@ -1,0 +1,195 @@
+"""The projections' GEMM with bf16 weights packed once for oneDNN (ple.cpu_gemm): when it is on, that it
+gives F.linear's results (its bits on CPUs with AMX, where it is on by default), and that the packed copy
+follows its weight through in-place changes, copies, pickles and device moves."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ple import PLEConfig, PLELayer, cpu_gemm
+from ple.errors import InvalidArgumentError
+
+HAS_ONEDNN = cpu_gemm._missing() is None
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch has no oneDNN")
+
+
+def _amx_flag() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def _same_or_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-equal where the packed GEMM is on by default (AMX: the same oneDNN kernels as F.linear's);
+    elsewhere (forced on) within one bf16 rounding of the fp32 sums."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if _amx_flag():
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [(None, "auto"), ("auto", "auto"), ("", "auto"), ("1", "on"), ("ON", "on"), ("0", "off"), (" off ", "off")],
+)
+def test_mode_reads_the_switch(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("PLE_PACKED_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("PLE_PACKED_GEMM", raw)
+    assert cpu_gemm.mode() == want
+
+
+@pytest.mark.parametrize("raw", ["yes", "2", "packed"])
+def test_a_bad_switch_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv("PLE_PACKED_GEMM", raw)
+    with pytest.raises(InvalidArgumentError, match=f"PLE_PACKED_GEMM='{raw}'"):
+        cpu_gemm.mode()
+    with pytest.raises(InvalidArgumentError, match="PLE_PACKED_GEMM"):
+        PLELayer(_config(), dtype=torch.bfloat16)
+
+
+def test_auto_packs_bf16_on_cpus_with_amx_only(monkeypatch):
+    monkeypatch.delenv("PLE_PACKED_GEMM", raising=False)
+    assert cpu_gemm.packing(torch.bfloat16) == (_amx_flag() and HAS_ONEDNN)
+    assert cpu_gemm.packing(torch.float32) is False
+    monkeypatch.setenv("PLE_PACKED_GEMM", "off")
+    assert cpu_gemm.packing(torch.bfloat16) is False
+    assert cpu_gemm.describe() == "F.linear (PLE_PACKED_GEMM=off)"
+
+
+def test_on_without_onednn_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(InvalidArgumentError, match="without oneDNN"):
+        cpu_gemm.packing(torch.bfloat16)
+    assert cpu_gemm.describe().startswith("error: PLE_PACKED_GEMM=on")
+    monkeypatch.setenv("PLE_PACKED_GEMM", "auto")
+    assert cpu_gemm.packing(torch.bfloat16) is False  # auto: F.linear, as on any CPU it does not take
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 100, cpu_gemm.MAX_ROWS])
+def test_packed_linear_gives_f_linear_results(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(320, 96, generator=g) / 10).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    packed = cpu_gemm.PackedWeight(w)
+    _same_or_one_rounding(cpu_gemm.linear(x, w, packed), F.linear(x, w))
+    # a column-strided x is made contiguous first (oneDNN reads it otherwise)
+    xt = x.t().contiguous().t()
+    _same_or_one_rounding(cpu_gemm.linear(xt, w, packed), F.linear(x, w))
+
+
+@needs_onednn
+def test_packed_weight_follows_its_weight():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    packed = cpu_gemm.PackedWeight(w)
+    before = cpu_gemm.linear(x, w, packed)
+    w.mul_(2)  # in place: the version counter moves, the next call packs again
+    after = cpu_gemm.linear(x, w, packed)
+    _same_or_one_rounding(after, F.linear(x, w))
+    assert not torch.equal(after, before)
+    other = torch.randn(64, 32, generator=g).bfloat16()  # another tensor
+    _same_or_one_rounding(cpu_gemm.linear(x, other, packed), F.linear(x, other))
+    # copies and pickles carry no opaque data; they pack on first use
+    for clone in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert clone._packed is None
+        _same_or_one_rounding(cpu_gemm.linear(x, other, clone), F.linear(x, other))
+
+
+def test_use_packed_only_for_small_gradient_free_steps():
+    packed = cpu_gemm.PackedWeight()
+    x = torch.zeros(cpu_gemm.MAX_ROWS, 4, dtype=torch.bfloat16)
+    assert cpu_gemm.use_packed(x, packed)
+    assert not cpu_gemm.use_packed(x, None)
+    assert not cpu_gemm.use_packed(torch.zeros(cpu_gemm.MAX_ROWS + 1, 4, dtype=torch.bfloat16), packed)
+    xg = x.clone().requires_grad_()
+    assert not cpu_gemm.use_packed(xg, packed)
+    with torch.no_grad():
+        assert cpu_gemm.use_packed(xg, packed)
+
+
+def _config() -> PLEConfig:
+    return PLEConfig(
+        hidden_size=16,
+        hc_count=2,
+        ple_layer_ids=(1,),
+        ple_embed_dim=24,
+        ngram_size=3,
+        heads_per_ngram=2,
+        vocab_size=300,
+        eos_token_id=5,
+        split_ngram_parts=1,
+    )
+
+
+def _layer(seed: int = 0) -> PLELayer:
+    layer = PLELayer(_config(), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 4)
+    layer.refresh_weights()
+    return layer
+
+
+@needs_onednn
+def test_layer_projections_take_the_packed_weight_and_follow_changes(monkeypatch):
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    layer = _layer()
+    assert layer._kv_packed is not None
+    g = torch.Generator().manual_seed(9)
+    for rows in (1, 9, cpu_gemm.MAX_ROWS, cpu_gemm.MAX_ROWS + 1, 300):
+        emb = torch.randn(rows, 24, generator=g).bfloat16()
+        _same_or_one_rounding(layer.projections(emb), F.linear(emb, layer.kv_weight))
+    calls = []
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    emb = torch.randn(cpu_gemm.MAX_ROWS + 1, 24, generator=g).bfloat16()
+    layer.projections(emb[:3])
+    layer.projections(emb)
+    assert calls == [3]  # the packed GEMM for the small step only
+    # the parameters change in place: the derived weight and its packed copy follow
+    with torch.no_grad():
+        layer.key_proj.mul_(-1)
+    layer.refresh_weights()
+    _same_or_one_rounding(layer.projections(emb[:4]), F.linear(emb[:4], layer.kv_weight))
+    # a copy of the layer packs its own weight
+    twin = copy.deepcopy(layer)
+    _same_or_one_rounding(twin.projections(emb[:4]), layer.projections(emb[:4]))
+    with torch.no_grad():
+        twin.value_proj.zero_()
+    twin.refresh_weights()
+    assert torch.count_nonzero(twin.projections(emb[:4])[:, 32:]) == 0
+    assert torch.count_nonzero(layer.projections(emb[:4])[:, 32:]) > 0
+
+
+@needs_onednn
+def test_layer_packs_only_bf16_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    layer = _layer()
+    assert layer._kv_packed is not None
+    layer.float()
+    assert layer._kv_packed is None
+    layer.bfloat16()
+    assert layer._kv_packed is not None
+    monkeypatch.setenv("PLE_PACKED_GEMM", "off")
+    assert _layer()._kv_packed is None
+
+
+def test_use_packed_never_for_traced_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    packed = cpu_gemm.PackedWeight()
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.zeros(4, 4, dtype=torch.bfloat16))
+        assert not cpu_gemm.use_packed(x, packed)
