@@ -122,6 +122,41 @@ ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
 #endif
 #endif
 
+#ifdef PLE_X86
+/* Columns cols[0 .. nc-1] of a slot of the [S, C, L] layout (channel i's L values are one run from
+ * `slot`), widened to fp32: hist[cols[k] * C + i] = slot[i * L + cols[k]], 8 channels a gather (AVX2;
+ * x512_gather_columns below takes 16). A bf16 lane gathers the 32-bit word that starts at its element
+ * (the element is its low half), so the last channel, whose word may end past the slot, is read alone.
+ * The values are those of the scalar loop in run_unit exactly. */
+__attribute__((noinline, target("avx2,fma"))) static void x256_gather_columns(int bf, const char *slot, int64_t L,
+                                                                                int64_t C, const int64_t *cols,
+                                                                                int64_t nc, float *hist) {
+    const int64_t esz = bf ? 2 : 4, vector_end = bf ? C - 1 : C;
+    const __m256i row = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t)(L * esz)));
+    for (int64_t k = 0; k < nc; k++) {
+        const int64_t col = cols[k];
+        float *dst = hist + col * C;
+        const __m256i at = _mm256_add_epi32(row, _mm256_set1_epi32((int32_t)(col * esz)));
+        int64_t i = 0;
+        for (; i + 8 <= vector_end; i += 8) {
+            const char *base = slot + i * L * esz;
+            if (bf)
+                _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_i32gather_epi32((const int *)base, at, 1), 16)));
+            else
+                _mm256_storeu_ps(dst + i, _mm256_i32gather_ps((const float *)base, at, 1));
+        }
+        for (; i < C; i++) {
+            if (bf) {
+                const uint32_t u = (uint32_t)((const uint16_t *)slot)[i * L + col] << 16;
+                memcpy(dst + i, &u, 4);
+            } else {
+                dst[i] = ((const float *)slot)[i * L + col];
+            }
+        }
+    }
+}
+#endif
+
 #ifdef PLE_X512
 #define BF16_TARGET AVX512_TARGET ",avx512bf16"
 #define X512 static inline __attribute__((always_inline, target(BF16_TARGET)))
@@ -609,7 +644,8 @@ ALWAYS_INLINE int state_from_ring(const job_t *J, int64_t u) {
     return !J->c_in && J->unit_begin[u] == 0 && J->unit_end[u] == n && (n < J->state_len ? n : J->state_len) <= J->window + 1;
 }
 
-ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int hand) {
+/* `gathers`: the [S, C, L] layout's history columns read with vector gathers (AVX2 and up). */
+ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int hand, int gathers) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
     const int64_t r = J->unit_request[u], p0 = J->unit_begin[u], p1 = J->unit_end[u];
     const int64_t start = J->starts[r], n = J->starts[r + 1] - start;
@@ -652,6 +688,14 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
                 x512_gather_columns(bf, (const char *)J->state + at * (bf ? 2 : 4), L, C, cols, nc, S->hist);
                 more = -1; /* done */
             }
+#endif
+#ifdef PLE_X86
+            if (gathers && !more && 8 * L * (bf ? 2 : 4) < INT32_MAX) {
+                x256_gather_columns(bf, (const char *)J->state + at * (bf ? 2 : 4), L, C, cols, nc, S->hist);
+                more = -1;
+            }
+#else
+            (void)gathers;
 #endif
             if (!more) {
                 for (int64_t i = 0; i < C; i++)
@@ -817,11 +861,11 @@ ALWAYS_INLINE void write_state(const job_t *J, int64_t r, int bf, const float *r
     }
 }
 
-ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand) {
+ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand, int gathers) {
     for (;;) {
         int64_t u = __atomic_fetch_add(&J->next_unit, 1, __ATOMIC_RELAXED);
         if (u >= J->num_units) break;
-        run_unit(J, u, S, bf, hand);
+        run_unit(J, u, S, bf, hand, gathers);
         int64_t r = J->unit_request[u];
         if (__atomic_sub_fetch(&J->remaining[r], 1, __ATOMIC_ACQ_REL) == 0)
             write_state(J, r, bf, state_from_ring(J, u) ? S->ring : 0);
@@ -845,33 +889,33 @@ typedef void (*work_fn)(job_t *, scratch_t *, int);
 
 static void work_portable(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1, 0);
+        work(J, S, 1, 0, 0);
     else
-        work(J, S, 0, 0);
+        work(J, S, 0, 0, 0);
 }
 
 #ifdef PLE_X86
 __attribute__((target("avx2,fma,bmi2,f16c"))) static void work_avx2(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1, 0);
+        work(J, S, 1, 0, 1);
     else
-        work(J, S, 0, 0);
+        work(J, S, 0, 0, 1);
 }
 
 __attribute__((target(AVX512_TARGET))) static void work_avx512(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1, 0);
+        work(J, S, 1, 0, 1);
     else
-        work(J, S, 0, 0);
+        work(J, S, 0, 0, 1);
 }
 
 #ifdef PLE_X512
 /* AVX-512 with its BF16 instructions: the compiler's AVX-512 vectors, the rows of x512_* by hand */
 __attribute__((target(BF16_TARGET))) static void work_avx512bf16(job_t *J, scratch_t *S, int bf) {
     if (bf)
-        work(J, S, 1, 1);
+        work(J, S, 1, 1, 1);
     else
-        work(J, S, 0, 1);
+        work(J, S, 0, 1, 1);
 }
 #endif
 #endif
