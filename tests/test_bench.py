@@ -75,6 +75,9 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     assert v["cpu_kernels"] == (
         f"C (ple._native), {_native.current_isa()}, {_native.team()} threads, prefetch {plan_text}"
     )
+    from ple import cpu_gemm
+
+    assert v["cpu_gemm"] == cpu_gemm.describe() and v["cpu_gemm"].startswith(("packed oneDNN", "F.linear"))
     s = rep["settings"]
     assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size

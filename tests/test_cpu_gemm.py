@@ -128,6 +128,7 @@ def _config() -> PLEConfig:
         heads_per_ngram=2,
         vocab_size=300,
         eos_token_id=5,
+        ngram_vocab_size_base=300,
         split_ngram_parts=1,
     )
 
@@ -193,3 +194,37 @@ def test_use_packed_never_for_traced_tensors():
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.zeros(4, 4, dtype=torch.bfloat16))
         assert not cpu_gemm.use_packed(x, packed)
+
+
+@needs_onednn
+def test_session_steps_on_the_packed_weight_match_f_linear_steps(monkeypatch):
+    """A bf16 Session (prefill chunks, then decode steps) on the packed weight gives the outputs and states
+    of the same steps on F.linear: bit for bit on CPUs with AMX, within one rounding elsewhere."""
+    from ple import Session
+    from ple.table import MemoryTable
+
+    def run(packed: bool):
+        monkeypatch.setenv("PLE_PACKED_GEMM", "on" if packed else "off")
+        layer = _layer(seed=5)
+        assert (layer._kv_packed is not None) == packed
+        g = torch.Generator().manual_seed(6)
+        rows = layer.layout.padded_rows
+        layer.set_table(MemoryTable((torch.randn(rows, layer.layout.head_dim, generator=g) / 3).bfloat16()))
+        session = Session(layer, 3)
+        for r in range(3):
+            session.add(r)
+        outs = []
+        c = layer.config.hc_hidden_size
+        for lens in ([5, 2, 7], [1, 1, 1], [1, 1, 1], [3, 1, 1]):
+            inputs = {
+                r: (torch.randn(n, c, generator=g).bfloat16(), torch.randint(0, 300, (n,), generator=g))
+                for r, n in enumerate(lens)
+            }
+            outs.append(session.step(inputs))
+        return outs, session.conv_state.clone()
+
+    (outs_p, state_p), (outs_f, state_f) = run(True), run(False)
+    for a, b in zip(outs_p, outs_f):
+        for r in a:
+            _same_or_one_rounding(a[r], b[r])
+    _same_or_one_rounding(state_p, state_f)
