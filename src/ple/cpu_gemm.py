@@ -1,15 +1,16 @@
 """The projections' GEMM on the CPU with the weights packed once: oneDNN's blocked layout for bf16.
 
-``F.linear`` on a bf16 CPU tensor hands the weight to oneDNN in PyTorch's row-major layout, and oneDNN
-reorders it into the blocked layout its matrix kernels read on every call: for the published
-projections (``[12800, 2560]`` bf16, 65.5 MB) a decode step of 64 rows then reads and writes the
-weight twice before multiplying. :class:`PackedWeight` keeps one reordered copy (as large as the
-weight) and :func:`linear` multiplies with it (``torch.ops.mkldnn._linear_pointwise``, the call
-PyTorch's own compiler emits for frozen CPU linears). Measured on an Intel Xeon with AMX, two
-threads: 64 rows 4.3 -> 2.4 ms, one row 2.3 -> 1.4 ms, 192 rows 7.6 -> 5.2 ms; from 256 rows on the
-two are as fast (2,048 rows: the packed one 5-10 % slower), so steps of fewer than
-:data:`MAX_ROWS` + 1 rows take it. The results have the bits of ``F.linear``'s there (the same oneDNN
-kernels; tested for every row count where the packed GEMM is on).
+``F.linear`` on a bf16 CPU tensor hands oneDNN the weight in PyTorch's row-major layout, and oneDNN
+reorders it into the blocked layout its matrix kernels read, on every call: for the published
+projections (``[12800, 2560]`` bf16, 65.5 MB) a decode step copies the weight once more before it
+multiplies. :class:`PackedWeight` keeps one reordered copy (as large as the weight) and :func:`linear`
+multiplies with it (``torch.ops.mkldnn._linear_pointwise``, the call PyTorch's own compiler emits for
+frozen CPU linears). Measured on an Intel Xeon with AMX, two threads, ``[rows, 2560]`` by the
+published weight: 64 rows 4.3 -> 2.4 ms back to back, 4.8 -> 3.2 ms in rotation with other work; one
+row 3.1 -> 2.5 ms; 192 rows 8.7 -> 5.8 ms. From 256 rows on the two are as fast (2,048 rows: the
+packed one up to 5 % slower), so steps of at most :data:`MAX_ROWS` rows take it. Its results have
+``F.linear``'s bits there (the same oneDNN kernels; measured from 1 to 2,048 rows, tested up to
+:data:`MAX_ROWS`).
 
 When it is on (``PLE_PACKED_GEMM``, read at each packing):
 
