@@ -78,6 +78,7 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
     from ple import cpu_gemm
 
     assert v["cpu_gemm"] == cpu_gemm.describe() and v["cpu_gemm"].startswith(("packed oneDNN", "F.linear"))
+    assert f"\nfloor: the projections' GEMM as the layer runs it here: {v['cpu_gemm']}\ngeometry: quick" in table
     s = rep["settings"]
     assert s["repeat"] == 2 and s["max_repeat"] == 2 and s["quick"] is True
     assert s["geometry"]["hidden_size"] == bench_cases.QUICK.hidden_size

@@ -428,10 +428,11 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def markdown_table(records: list[dict[str, Any]], geometry: Geometry | None = None) -> str:
+def markdown_table(records: list[dict[str, Any]], geometry: Geometry | None = None, gemm: str | None = None) -> str:
     """One row per case: medians (ms), ratios, target, whether it is met (refused cases say why),
     and the noise: the largest max / min among the case's timing series (1.00 = steady); then a line
-    naming the geometry when given."""
+    naming the floor's GEMM (``gemm``: :func:`ple.cpu_gemm.describe`) and one naming the geometry, when
+    given."""
     head = (
         "| case | shape | tokens | ple ms | transformers ms | floor ms | speedup vs tf | ple / floor | target | met "
         "| noise |\n"
@@ -457,7 +458,8 @@ def markdown_table(records: list[dict[str, Any]], geometry: Geometry | None = No
             f"| {r['name']} | {r['shape']} | {r['tokens']} | {_fmt(m['ple'])} | {_fmt(m['transformers'])} | "
             f"{_fmt(m['floor'])} | {sp} | {fl} | {t.describe()} | {met} | {noise} |"
         )
-    tail = f"\n{geometry.describe()}\n" if geometry is not None else ""
+    tail = f"\nfloor: the projections' GEMM as the layer runs it here: {gemm}" if gemm is not None else ""
+    tail += f"\n{geometry.describe()}\n" if geometry is not None else ("\n" if tail else "")
     return head + "\n".join(rows) + "\n" + tail
 
 
@@ -580,7 +582,8 @@ def run(args: argparse.Namespace) -> int:
     report = _report(args, geometry, records, repeat, device, load_start)
     report["settings"]["max_repeat"] = max_repeat
     report["elapsed_s"] = time.perf_counter() - t0
-    table = markdown_table(records, geometry)
+    # on the CPU the table says what the floor is here (the GEMM the layer runs)
+    table = markdown_table(records, geometry, report["versions"]["cpu_gemm"] if device.type == "cpu" else None)
     served = fixture.table_report()
     if served is not None:
         report["settings"]["table"] = served
