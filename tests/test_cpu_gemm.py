@@ -228,3 +228,34 @@ def test_session_steps_on_the_packed_weight_match_f_linear_steps(monkeypatch):
         for r in a:
             _same_or_one_rounding(a[r], b[r])
     _same_or_one_rounding(state_p, state_f)
+
+
+@needs_onednn
+def test_derivatives_and_a_disabled_onednn_take_f_linear(monkeypatch):
+    """Forward-mode derivatives (torch.func.jvp, dual tensors) and reverse ones get F.linear's, and so
+    does every call while torch.backends.mkldnn is turned off."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, jvp
+
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    layer = _layer(seed=2)
+    g = torch.Generator().manual_seed(8)
+    emb = torch.randn(3, 24, generator=g).bfloat16()
+    tangent = torch.ones_like(emb)
+    _, got = jvp(layer.projections, (emb,), (tangent,))
+    _, want = jvp(lambda e: F.linear(e, layer.kv_weight), (emb,), (tangent,))
+    assert torch.equal(got, want) and torch.count_nonzero(got) > 0
+    with fwAD.dual_level():
+        out = layer.projections(fwAD.make_dual(emb, tangent))
+        assert torch.equal(fwAD.unpack_dual(out).tangent, want)
+    g_got = grad(lambda e: layer.projections(e).float().sum())(emb)
+    g_want = grad(lambda e: F.linear(e, layer.kv_weight).float().sum())(emb)
+    assert torch.equal(g_got, g_want)
+    packed = layer._kv_packed
+    assert cpu_gemm.use_packed(emb, packed)
+    torch._C._set_mkldnn_enabled(False)  # what torch.backends.mkldnn.flags(enabled=False) sets
+    try:
+        assert not cpu_gemm.use_packed(emb, packed)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+    assert cpu_gemm.use_packed(emb, packed)

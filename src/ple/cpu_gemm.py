@@ -28,6 +28,7 @@ import functools
 import os
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .errors import InvalidArgumentError
 
@@ -131,9 +132,10 @@ class PackedWeight:
 
     def pack(self, weight: torch.Tensor) -> None:
         """Pack ``weight`` (a 2-D bf16 CPU tensor) now."""
+        key = self._key_of(weight)  # before: a write during the packing leaves the copy stale, not unseen
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _HINT)
-        self._key = self._key_of(weight)
+        self._key = key
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight``, packed now if it is not current."""
@@ -151,20 +153,36 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``F.linear(x, weight)`` ``[T, N]`` for ``x [T, K]`` with the packed copy of ``weight [N, K]``
-    (the caller chose it: bf16 CPU tensors, at most :data:`MAX_ROWS` rows, no gradients)."""
+    (the caller chose it: :func:`use_packed`). A column-strided ``x`` is copied to rows first: its
+    results are those of ``F.linear`` of that copy (oneDNN reads the strided one otherwise)."""
     if not x.is_contiguous():
-        x = x.contiguous()  # a column-strided x gives other bits than F.linear's
+        x = x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), None, "none", [], "")
 
 
 def use_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
-    """Whether :func:`linear` takes ``x`` (rows on the CPU, few enough, no gradient, eager: traced code,
-    compiled or exported, takes ``F.linear`` whatever the row count, without a guard on it)."""
+    """Whether :func:`linear` takes ``x``: few enough rows, eager, no derivative asked for, oneDNN on.
+
+    Traced code (compiled or exported) takes ``F.linear`` whatever the row count, without a guard on
+    it; so do inputs that need a gradient, forward-mode derivatives (``torch.func.jvp``, dual tensors:
+    the packed operator has no derivative formula) and functorch transforms, and every call while
+    ``torch.backends.mkldnn`` is turned off (``F.linear`` then runs another library)."""
     return (
         packed is not None
         and type(x) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
         and x.shape[0] <= MAX_ROWS
+        and not torch.compiler.is_compiling()
+        and not _is_exporting()
         and not (x.requires_grad and torch.is_grad_enabled())
+        and _forward_ad._current_level < 0
+        and not _is_functorch_wrapped(x)
+        and torch._C._get_mkldnn_enabled()  # torch.backends.mkldnn.enabled, read without its property
     )
+
+
+def _no(_x=None) -> bool:
+    return False
+
+
+_is_exporting = getattr(torch.compiler, "is_exporting", _no)  # PyTorch < 2.7 has none (FakeTensors are refused)
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", _no)
