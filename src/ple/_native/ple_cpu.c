@@ -124,10 +124,11 @@ ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
 
 #ifdef PLE_X86
 /* Columns cols[0 .. nc-1] of a slot of the [S, C, L] layout (channel i's L values are one run from
- * `slot`), widened to fp32: hist[cols[k] * C + i] = slot[i * L + cols[k]], 8 channels a gather (AVX2;
- * x512_gather_columns below takes 16). A bf16 lane gathers the 32-bit word that starts at its element
- * (the element is its low half), so the last channel, whose word may end past the slot, is read alone.
- * The values are those of the scalar loop in run_unit exactly. */
+ * `slot`), widened to fp32: hist[cols[k] * C + i] = slot[i * L + cols[k]], 8 channels a gather, for every
+ * vector variant (16-channel AVX-512 gathers were measured no faster). The scalar loop it replaces in
+ * run_unit cost about 40 us per decode request of 10,240 channels. A bf16 lane gathers the 32-bit word
+ * that starts at its element (the element is its low half), so the last channel, whose word may end past
+ * the slot, is read alone. The values are the scalar loop's exactly. */
 __attribute__((noinline, target("avx2,fma"))) static void x256_gather_columns(int bf, const char *slot, int64_t L,
                                                                                 int64_t C, const int64_t *cols,
                                                                                 int64_t nc, float *hist) {
@@ -318,34 +319,6 @@ __attribute__((noinline, target(BF16_TARGET))) static void x512_gate_out(int bf,
         x512_gate_out_body(0, 1, 0, v, wc, q, cs, g, cr, rr, H);
     else
         x512_gate_out_body(0, 0, 0, v, wc, q, cs, g, cr, rr, H);
-}
-
-/* Columns cols[0 .. nc-1] of a slot of the [S, C, L] layout (channel i's L values are one run from
- * `slot`), widened to fp32: hist[cols[k] * C + i] = slot[i * L + cols[k]]. One AVX-512 gather reads a
- * column of 16 channels (the scalar loop it replaces cost about 40 us per decode request of 10,240
- * channels). A bf16 lane gathers the 32-bit word that starts at its element (the element is its low
- * half), so the last channel, whose word may end past the slot, is read alone. The values are the
- * scalar loop's exactly. */
-__attribute__((noinline, target(BF16_TARGET))) static void x512_gather_columns(int bf, const char *slot, int64_t L,
-                                                                                  int64_t C, const int64_t *cols,
-                                                                                  int64_t nc, float *hist) {
-    const int64_t esz = bf ? 2 : 4, vector_end = bf ? C - 1 : C;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i row = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int32_t)(L * esz)));
-    for (int64_t k = 0; k < nc; k++) {
-        const int64_t col = cols[k];
-        float *dst = hist + col * C;
-        const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32((int32_t)(col * esz)));
-        int64_t i = 0;
-        for (; i + 16 <= vector_end; i += 16) {
-            const char *base = slot + i * L * esz;
-            if (bf)
-                _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(at, base, 1), 16)));
-            else
-                _mm512_storeu_ps(dst + i, _mm512_i32gather_ps(at, base, 1));
-        }
-        for (; i < C; i++) dst[i] = ld(slot, i * L + col, bf);
-    }
 }
 #endif
 
@@ -682,17 +655,11 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
                         more = 1;
                 }
             const int64_t at = state_at(J, slot, 0, first);
-#ifdef PLE_X512
-            /* 16 channels a gather where the offsets fit in 32 bits (16 L values from the column) */
-            if (hand && !more && 16 * L * (bf ? 2 : 4) < INT32_MAX) {
-                x512_gather_columns(bf, (const char *)J->state + at * (bf ? 2 : 4), L, C, cols, nc, S->hist);
-                more = -1; /* done */
-            }
-#endif
 #ifdef PLE_X86
+            /* vector gathers where their offsets fit in 32 bits (8 runs of L values from the column) */
             if (gathers && !more && 8 * L * (bf ? 2 : 4) < INT32_MAX) {
                 x256_gather_columns(bf, (const char *)J->state + at * (bf ? 2 : 4), L, C, cols, nc, S->hist);
-                more = -1;
+                more = -1; /* done */
             }
 #else
             (void)gathers;
