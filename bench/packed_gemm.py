@@ -38,8 +38,9 @@ def main(argv=None) -> int:
         p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
     if not rows or min(rows) < 1 or args.out < 1 or args.inner < 1 or args.repeat < 1:
         p.error("--rows, --out, --in and --repeat must be positive")
-    if cpu_gemm._missing() is not None:
-        print(f"no packed GEMM here: {cpu_gemm._missing()}")
+    lacking = cpu_gemm.missing()
+    if lacking is not None:
+        print(f"no packed GEMM here: {lacking}", file=sys.stderr)
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)

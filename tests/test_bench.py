@@ -604,7 +604,7 @@ def test_session_floor_without_gemm_caches_both_gemms(monkeypatch):
     module = _session_floor_script()
     monkeypatch.setattr(F, "linear", F.linear)  # restored after the test: without_gemm() replaces both
     monkeypatch.setattr(cpu_gemm, "linear", cpu_gemm.linear)
-    monkeypatch.setenv("PLE_PACKED_GEMM", "on" if cpu_gemm._missing() is None else "off")
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on" if cpu_gemm.missing() is None else "off")
     cfg = PLEConfig(
         hidden_size=16, hc_count=2, ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, vocab_size=500,
         eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),

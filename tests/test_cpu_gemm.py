@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ple import PLEConfig, PLELayer, cpu_gemm
 from ple.errors import InvalidArgumentError
 
-HAS_ONEDNN = cpu_gemm._missing() is None
+HAS_ONEDNN = cpu_gemm.missing() is None
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch has no oneDNN")
 
 

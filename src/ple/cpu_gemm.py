@@ -32,7 +32,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from .errors import InvalidArgumentError
 
-__all__ = ["MAX_ROWS", "PackedWeight", "describe", "linear", "mode", "packing", "use_packed"]
+__all__ = ["MAX_ROWS", "PackedWeight", "describe", "linear", "missing", "mode", "packing", "use_packed"]
 
 MAX_ROWS = 255
 """The most rows a GEMM takes the packed weight for (beyond, ``F.linear``: as fast or faster)."""
@@ -66,7 +66,7 @@ def _cpu_has_amx() -> bool:
     return False
 
 
-def _missing() -> str | None:
+def missing() -> str | None:
     """What this PyTorch lacks for packed weights (None: nothing)."""
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch is built without oneDNN (torch.backends.mkldnn.is_available() is False)"
@@ -87,11 +87,11 @@ def packing(dtype: torch.dtype) -> bool:
         return False
     if m == "auto" and not _cpu_has_amx():
         return False
-    missing = _missing()
-    if missing is None:
+    lacking = missing()
+    if lacking is None:
         return True
     if m == "on":
-        raise InvalidArgumentError(f"PLE_PACKED_GEMM=on: {missing}")
+        raise InvalidArgumentError(f"PLE_PACKED_GEMM=on: {lacking}")
     return False
 
 
