@@ -259,3 +259,17 @@ def test_derivatives_and_a_disabled_onednn_take_f_linear(monkeypatch):
     finally:
         torch._C._set_mkldnn_enabled(True)
     assert cpu_gemm.use_packed(emb, packed)
+
+
+def test_linear_refuses_operands_that_disagree():
+    packed = cpu_gemm.PackedWeight()
+    w = torch.zeros(8, 4, dtype=torch.bfloat16)
+    for x, weight in (
+        (torch.zeros(3, 5, dtype=torch.bfloat16), w),  # K differs
+        (torch.zeros(3, 4), w),  # fp32 rows
+        (torch.zeros(3, 4, dtype=torch.bfloat16), w.float()),  # fp32 weight
+        (torch.zeros(4, dtype=torch.bfloat16), w),  # 1-D
+    ):
+        with pytest.raises(InvalidArgumentError, match="cpu_gemm.linear takes x"):
+            cpu_gemm.linear(x, weight, packed)
+    assert packed._packed is None  # refused before anything was packed

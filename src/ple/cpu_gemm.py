@@ -155,6 +155,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch
     """``F.linear(x, weight)`` ``[T, N]`` for ``x [T, K]`` with the packed copy of ``weight [N, K]``
     (the caller chose it: :func:`use_packed`). A column-strided ``x`` is copied to rows first: its
     results are those of ``F.linear`` of that copy (oneDNN reads the strided one otherwise)."""
+    if not (
+        x.dim() == 2
+        and weight.dim() == 2
+        and x.shape[1] == weight.shape[1]
+        and x.dtype == weight.dtype == torch.bfloat16
+        and x.device.type == weight.device.type == "cpu"
+    ):
+        raise InvalidArgumentError(
+            f"cpu_gemm.linear takes x [T, K] and weight [N, K], both bf16 on the CPU; got x {tuple(x.shape)} "
+            f"{x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
     if not x.is_contiguous():
         x = x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed.get(weight), None, "none", [], "")
