@@ -94,12 +94,15 @@ class PLELayer(nn.Module):
         self.layout = config.layout(ple_layer_index)
         c, h, e, k = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
         self._kv_widths = (c, h)  # the key and value columns of the projections' result
-        self.key_proj = nn.Parameter(torch.zeros(c, e, dtype=dtype, device=device))
-        self.value_proj = nn.Parameter(torch.zeros(h, e, dtype=dtype, device=device))
-        self.norm_key = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
-        self.norm_query = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
-        self.norm_conv = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
-        self.conv_weight = nn.Parameter(torch.zeros(c, k, dtype=dtype, device=device))
+        # plain tensors even inside torch.inference_mode(): the derived buffers follow the parameters'
+        # version counters, which inference tensors do not have
+        with torch.inference_mode(False):
+            self.key_proj = nn.Parameter(torch.zeros(c, e, dtype=dtype, device=device))
+            self.value_proj = nn.Parameter(torch.zeros(h, e, dtype=dtype, device=device))
+            self.norm_key = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+            self.norm_query = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+            self.norm_conv = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
+            self.conv_weight = nn.Parameter(torch.zeros(c, k, dtype=dtype, device=device))
         self._table_ref = TableRef()
         self._seen: tuple = ()
         self.refresh_weights()
@@ -260,12 +263,26 @@ class PLELayer(nn.Module):
     def _param_stamp(self) -> tuple:
         # read directly: nn.Module.__getattr__ per name cost a few microseconds a call
         ps: dict[str, torch.Tensor] = self._parameters  # type: ignore[assignment]
-        return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in [ps[n] for n in _PARAMS])
+        try:
+            return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in [ps[n] for n in _PARAMS])
+        except RuntimeError:  # an inference tensor has no version counter
+            bad = [n for n in _PARAMS if ps[n].is_inference()]
+            if not bad:
+                raise
+            raise UsageError(
+                f"parameters {bad} are inference tensors (assigned inside torch.inference_mode()): the layer "
+                "cannot tell when they change in place; copy values into its parameters "
+                "(layer.key_proj.copy_(w)) or assign plain tensors"
+            ) from None
 
     def refresh_weights(self) -> None:
         """Recompute the derived buffers (``kv_weight``, the gate's and conv's fp32 factors, the
         layout tensors) from the parameters, in place when their shapes and dtypes allow (so compiled
         programs that read them see the new values)."""
+        with torch.inference_mode(False):  # plain buffers even inside inference mode (later copies into them)
+            self._refresh_weights()
+
+    def _refresh_weights(self) -> None:
         with torch.no_grad():
             kv = torch.cat([self.key_proj.detach(), self.value_proj.detach()], dim=0)
             kq, cs = derive_gate_factors(self.norm_key, self.norm_query, self.norm_conv)
@@ -282,7 +299,13 @@ class PLELayer(nn.Module):
             ("ngram_head_offsets", lay[2]),
         ):
             old = self._buffers.get(name)
-            if old is not None and old.shape == value.shape and old.dtype == value.dtype and old.device == value.device:
+            if (
+                old is not None
+                and old.shape == value.shape
+                and old.dtype == value.dtype
+                and old.device == value.device
+                and not old.is_inference()
+            ):
                 with torch.no_grad():
                     old.copy_(value)
             else:
@@ -313,9 +336,25 @@ class PLELayer(nn.Module):
         self._seen = self._param_stamp()
 
     def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
+        with torch.inference_mode(False):  # .to() inside inference mode: plain tensors still (see __init__)
+            out = super()._apply(fn, recurse)
         self.refresh_weights()  # .to(dtype) converts buffers too; the factors stay fp32
         return out
+
+    def __getstate__(self) -> dict:
+        # pickling (torch.save(layer), multiprocessing) leaves out the native step: it holds a weak
+        # reference to this layer and pointers into its buffers; unpickling builds a new one
+        state = self.__dict__.copy()
+        state["_native_step"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        with torch.inference_mode(False):  # a copy made inside inference mode: plain parameters (see __init__)
+            for name, p in self._parameters.items():
+                if p is not None and p.is_inference():
+                    self._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        self.refresh_weights()
 
     @property
     def gate_weights(self) -> GateWeights:

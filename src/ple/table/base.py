@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..operators import Kernel, register
 from .formats import check_activation_dtype, check_ids, format_info
 from .lookup import dequantize_rows_into, gather_dequant, gather_dequant_reference
@@ -87,6 +87,28 @@ class Table(abc.ABC):
             f"{type(self).__name__}(format={self.format!r}, rows={self.rows}, head_dim={self.head_dim}, "
             f"device={self.device})"
         )
+
+    # ------------------------------------------------------------------ pickling
+    _unpicklable: str | None = None
+    """Why a table of this kind cannot be pickled (it holds reader threads, a process group...), or None."""
+
+    def __getstate__(self) -> dict:
+        # pickled (torch.save of a layer, multiprocessing) without its prefetch worker: a copy starts its own
+        if self._unpicklable is not None:
+            raise UsageError(
+                f"{self!r} cannot be pickled: it {self._unpicklable}. Detach it first (layer.table = None), "
+                "pickle the layer, and attach the table again after loading"
+            )
+        state = self.__dict__.copy()
+        for name in ("_engine", "_engine_lock", "_prefetch_seq"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._engine = None
+        self._engine_lock = threading.Lock()
+        self._prefetch_seq = itertools.count()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> torch.Tensor:

@@ -134,6 +134,8 @@ class CachedTable(StoredTable):
     :meth:`reset_stats` zeroes them (not the access counts).
     """
 
+    _unpicklable = "holds a cache of rows, its statistics and locks in front of another table"
+
     def __init__(
         self,
         backing: StoredTable,

@@ -280,6 +280,8 @@ class DirectTable(Table):
             says which one runs.
     """
 
+    _unpicklable = "reads its file through reader threads"
+
     def __init__(
         self,
         path: str | os.PathLike,

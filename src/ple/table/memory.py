@@ -152,6 +152,14 @@ class PinnedHostTable(_TensorTable):
         scale = _normalize_scale(data, scale, fmt)
         super().__init__(data, scale if scale is None or scale.is_pinned() else scale.pin_memory(), fmt)
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # unpickled rows are pageable: pinned again (needs CUDA, as building)
+        _require_cuda()
+        if not self._data.is_pinned():
+            self._data = self._data.pin_memory()
+        if self._scale is not None and not self._scale.is_pinned():
+            self._scale = self._scale.pin_memory()
+
     @classmethod
     def empty(cls, rows: int, head_dim: int, format: str) -> PinnedHostTable:
         """An uninitialized pinned table for a loader to fill (scales NaN-filled)."""

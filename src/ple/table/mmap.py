@@ -80,6 +80,7 @@ class MmapTable(StoredTable):
             super().__init__(header["format"], header["rows"], header["head_dim"])
             self.path = path
             self.header = header
+            self._open_args = (str(path), expected_layout_hash, random_access, scale_rows)
             self._fd = fd
             self._stat = (st.st_size, st.st_mtime_ns)
             buf = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
@@ -101,6 +102,11 @@ class MmapTable(StoredTable):
             self._scale = _view(buf, np.float32, header["scale"]["offset"], (self.rows, 1))
         else:
             self._scale = None
+
+    def __reduce__(self):
+        # pickled as its file (torch.save of a layer, multiprocessing): the copy maps it again, with the
+        # same checks; the rows themselves are never copied into the pickle
+        return (_reopen, self._open_args)
 
     @classmethod
     def open(
@@ -239,3 +245,10 @@ class MmapTable(StoredTable):
     def shard_range(self, k: int) -> tuple[int, int]:
         """Rows ``[start, stop)`` of shard ``k`` of the file's shard geometry."""
         return shard_bounds(k, self.header["shard_rows"], self.rows)
+
+
+def _reopen(
+    path: str, expected_layout_hash: str | dict | None, random_access: bool, scale_rows: tuple[int, int] | None
+) -> MmapTable:
+    """An unpickled :class:`MmapTable`: its file mapped again (see :meth:`MmapTable.__reduce__`)."""
+    return MmapTable(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)

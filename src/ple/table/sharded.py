@@ -431,6 +431,8 @@ class ShardedTable(Table):
     :class:`~ple.table.StoredTable`; this rank's rows are ``local_table``'s.
     """
 
+    _unpicklable = "serves its rows through a process group"
+
     def __init__(
         self,
         local_table: Table,
@@ -790,6 +792,8 @@ class _MappedRows(StoredTable):
     that failed on one rank alone, after the header, would leave the others waiting in the next
     collective (a change during a lookup goes undetected, as for :class:`MmapTable`). Closing it
     closes the file."""
+
+    _unpicklable = "maps one rank's rows of a table file"
 
     def __init__(self, full: MmapTable, a: int, b: int) -> None:
         super().__init__(full.format, b - a, full.head_dim)
