@@ -175,6 +175,29 @@ def test_layer_projections_take_the_packed_weight_and_follow_changes(monkeypatch
 
 
 @needs_onednn
+def test_a_change_of_the_norms_does_not_pack_again(monkeypatch):
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    layer = _layer()
+    packs = []
+    real = cpu_gemm.PackedWeight.pack
+    monkeypatch.setattr(cpu_gemm.PackedWeight, "pack", lambda self, w: packs.append(w.shape) or real(self, w))
+    emb = torch.randn(3, 24).bfloat16()
+    want = layer.projections(emb)
+    with torch.no_grad():
+        layer.norm_key.add_(1.0)
+    layer._follow_params(layer._param_stamp())  # what the eager call runs when a parameter changed
+    assert packs == []
+    assert torch.equal(layer.projections(emb), want)
+    with torch.no_grad():
+        layer.key_proj.mul_(-1.0)
+    layer._follow_params(layer._param_stamp())
+    assert packs == [layer.kv_weight.shape]
+    _same_or_one_rounding(layer.projections(emb), F.linear(emb, layer.kv_weight))
+    layer.refresh_weights()  # an explicit refresh recomputes kv_weight: packed again
+    assert len(packs) == 2
+
+
+@needs_onednn
 def test_layer_packs_only_bf16_on_the_cpu(monkeypatch):
     monkeypatch.setenv("PLE_PACKED_GEMM", "on")
     layer = _layer()

@@ -108,3 +108,36 @@ def test_an_inference_tensor_parameter_is_refused_by_name():
         layer.norm_key = torch.nn.Parameter(layer.norm_key.detach().clone())
     with pytest.raises(UsageError, match=r"\['norm_key'\] are inference tensors"):
         _steps(layer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_changed_norms_or_conv_keep_the_projections_weight(dtype):
+    """The eager call follows in-place changes; a change of the norms or the conv alone leaves
+    ``kv_weight`` (and a packed copy of it) as it is."""
+    mod = _module(dtype)
+    layer, plain = PLELayer.from_transformers(mod), PLELayer.from_transformers(mod)
+    kv, version = layer.kv_weight, layer.kv_weight._version
+    with torch.no_grad():
+        for m in (layer, plain):
+            m.norm_conv.add_(0.5)
+            m.conv_weight.mul_(-1.0)
+    plain.refresh_weights()
+    assert torch.equal(_steps(layer), _steps(plain))
+    assert layer.kv_weight is kv and kv._version == version
+    with torch.no_grad():
+        for m in (layer, plain):
+            m.value_proj.mul_(2.0)
+    plain.refresh_weights()
+    assert torch.equal(_steps(layer), _steps(plain))
+    assert kv._version > version
+
+
+def test_refresh_weights_recomputes_everything():
+    """Changes the version counters do not see (through ``.data``) are taken by an explicit refresh."""
+    mod = _module(torch.float32)
+    layer, plain = PLELayer.from_transformers(mod), PLELayer.from_transformers(mod)
+    layer.key_proj.data.mul_(-1.0)
+    with torch.no_grad():
+        plain.key_proj.mul_(-1.0)
+    layer.refresh_weights()
+    assert torch.equal(_steps(layer), _steps(plain))

@@ -67,9 +67,13 @@ class PLELayer(nn.Module):
     [HC*H]``, ``conv_weight [HC*H, K]``. Derived buffers (not saved): ``kv_weight [HC*H + H, E]``,
     ``gate_key_query``, ``gate_conv_scale`` ``[HC*H]`` fp32, ``conv_taps [K, HC*H]`` fp32, and the
     layout's ``ngram_multipliers [N]``, ``ngram_head_sizes``, ``ngram_head_offsets`` ``[G]`` int64.
-    They follow in-place changes of the parameters on the next eager call (and at once through
-    :meth:`refresh_weights`); code compiled with ``torch.compile`` reads them as they are, so call
-    :meth:`refresh_weights` after changing weights under a compiled program.
+    They follow in-place changes of the parameters on the next eager call (``kv_weight`` and its packed
+    copy only when a projection changed) and at once through :meth:`refresh_weights` (everything; also
+    after changes through ``.data``, which no version counter sees); code compiled with
+    ``torch.compile`` reads them as they are, so call :meth:`refresh_weights` after changing weights
+    under a compiled program. A layer pickles (``torch.save``, ``multiprocessing``) with its table when
+    the table does (see :class:`ple.table.Table`), and may be built and run inside
+    ``torch.inference_mode()``: its parameters and buffers are plain tensors there too.
     """
 
     kv_weight: torch.Tensor
@@ -280,17 +284,25 @@ class PLELayer(nn.Module):
         layout tensors) from the parameters, in place when their shapes and dtypes allow (so compiled
         programs that read them see the new values)."""
         with torch.inference_mode(False):  # plain buffers even inside inference mode (later copies into them)
-            self._refresh_weights()
+            self._refresh_weights(keep_kv=False)
 
-    def _refresh_weights(self) -> None:
+    def _follow_params(self, stamp: tuple) -> None:
+        """What the eager call runs when the parameters' stamp changed: :meth:`refresh_weights`, except that
+        ``kv_weight`` (and its packed copy) stays when neither projection changed (a norm or the conv did)."""
+        kv = self._buffers.get("kv_weight")
+        keep_kv = kv is not None and not kv.is_inference() and stamp[:2] == self._seen[:2]
+        with torch.inference_mode(False):
+            self._refresh_weights(keep_kv=keep_kv)
+
+    def _refresh_weights(self, keep_kv: bool) -> None:
         with torch.no_grad():
-            kv = torch.cat([self.key_proj.detach(), self.value_proj.detach()], dim=0)
+            kv = self.kv_weight if keep_kv else torch.cat([self.key_proj.detach(), self.value_proj.detach()], dim=0)
             kq, cs = derive_gate_factors(self.norm_key, self.norm_query, self.norm_conv)
             taps = derive_conv_taps(self.conv_weight)
             dev = self.key_proj.device
             lay = layout_tensors(self.layout, dev)
         for name, value in (
-            ("kv_weight", kv),
+            *((("kv_weight", kv),) if not keep_kv else ()),
             ("gate_key_query", kq),
             ("gate_conv_scale", cs),
             ("conv_taps", taps),
@@ -330,7 +342,7 @@ class PLELayer(nn.Module):
         kv_packed: cpu_gemm.PackedWeight | None = None
         if self.kv_weight.device.type == "cpu" and cpu_gemm.packing(self.kv_weight.dtype):
             kv_packed = getattr(self, "_kv_packed", None) or cpu_gemm.PackedWeight()
-            kv_packed.pack(self.kv_weight)
+            kv_packed.get(self.kv_weight)  # packs unless this very weight is packed already
         self._kv_packed = kv_packed
         self._native_step: NativeStep | None = NativeStep.build(self) if self._on_cpu else None
         self._seen = self._param_stamp()
@@ -480,8 +492,9 @@ class PLELayer(nn.Module):
                 self._check_call(hidden, input_ids, batch, rows, token_mask)
         if prefetched is not None and rows is not None:
             raise InvalidArgumentError("give prefetched= or rows=, not both")
-        if self._seen != self._param_stamp():
-            self.refresh_weights()
+        stamp = self._param_stamp()
+        if self._seen != stamp:
+            self._follow_params(stamp)
         if prefetched is not None:
             prefetched.check_bound(self, input_ids, batch.query_start_loc, batch.ngram_context)
             rows = prefetched.wait()

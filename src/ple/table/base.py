@@ -46,6 +46,12 @@ class Table(abc.ABC):
     and ``nbytes``; :meth:`lookup` and :meth:`start_prefetch` are built on them. Lookups return rows
     on the ids' device.
 
+    Pickling (``torch.save`` of a layer, ``multiprocessing``): tables in memory pickle their tensors (a
+    copy starts its own prefetch worker), a memory-mapped table its file's path (the copy maps the file
+    again, with the same checks); tiers that hold reader threads, a row cache or a process group
+    (:class:`~ple.table.DirectTable`, :class:`~ple.table.CachedTable`, sharded tables) refuse with
+    :class:`~ple.errors.UsageError`.
+
     Attributes:
         format: format name ("bf16", "fp16", "fp32", "fp8", "fp8_row", "int8_row").
         rows: number of rows (``R_pad``).
