@@ -342,6 +342,9 @@ _SYMBOLS = (
     "ple_current_isa",
     "ple_set_prefetch_lines",
     "ple_prefetch_lines",
+    "ple_set_decode_tiles",
+    "ple_decode_tiles",
+    "ple_tile_rows",
     "ple_team_kind",
     "ple_team_after_fork",
     "ple_slots_read",
@@ -409,6 +412,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ple_set_prefetch_lines.argtypes = [i64]
     lib.ple_prefetch_lines.restype = i64
     lib.ple_prefetch_lines.argtypes = []
+    lib.ple_set_decode_tiles.restype = i32
+    lib.ple_set_decode_tiles.argtypes = [i32]
+    lib.ple_decode_tiles.restype = i32
+    lib.ple_decode_tiles.argtypes = []
+    lib.ple_tile_rows.restype = i64
+    lib.ple_tile_rows.argtypes = []
     lib.ple_team_kind.restype = i32
     lib.ple_team_kind.argtypes = []
     lib.ple_team_after_fork.restype = None

@@ -286,9 +286,14 @@ X512 void x512_gate_out_at(int bf, int add_hidden, int masked, const float *v, c
     else
         _mm512_mask_storeu_ps(cr + i, k, c);
     if (!rr) return;
-    __m512 r = x512_rnd(_mm512_mul_ps(x, g), bf);
-    if (masked) r = _mm512_mul_ps(r, zero);
-    if (add_hidden) r = x512_rnd(_mm512_add_ps(r, x512_load(q, i, bf, k)), bf);
+    __m512 r;
+    if (!bf && !masked && add_hidden) {
+        r = _mm512_fmadd_ps(x, g, x512_load(q, i, 0, k)); /* fp32: one rounding (the decode tiles do the same) */
+    } else {
+        r = x512_rnd(_mm512_mul_ps(x, g), bf);
+        if (masked) r = _mm512_mul_ps(r, zero);
+        if (add_hidden) r = x512_rnd(_mm512_add_ps(r, x512_load(q, i, bf, k)), bf);
+    }
     if (k == 0xFFFF)
         _mm512_storeu_ps(rr + i, r);
     else
@@ -443,6 +448,21 @@ ALWAYS_INLINE void prefetch_some(scratch_t *S, int64_t lines) {
     S->pf_lines -= start - lines;
 }
 
+/* A head's gate from its sums: g (the gate) and cs (the conv input's scale), as the reference computes
+ * them in fp32 (shared by gate_row and the decode tiles, so both give the same bits). */
+ALWAYS_INLINE void gate_scalars(const job_t *J, float ss_k, float ss_q, float dot, float ms_v, float *g_out,
+                                float *cs_out) {
+    const int64_t H = J->hidden_size;
+    const float inv_sqrt_h = 1.0f / sqrtf((float)H);
+    float rk = 1.0f / sqrtf(ss_k / (float)H + J->eps);
+    float rq = 1.0f / sqrtf(ss_q / (float)H + J->eps);
+    float d = dot * rk * rq * inv_sqrt_h;
+    float s = d > 0.0f ? sqrtf(fmaxf(d, 1e-6f)) : (d < 0.0f ? -sqrtf(fmaxf(-d, 1e-6f)) : d);
+    float g = 1.0f / (1.0f + expf(-s));
+    *g_out = g;
+    *cs_out = g * (1.0f / sqrtf(g * g * ms_v + J->eps));
+}
+
 /* Whether request r continues the history held in its slot, and where that history ends (column). */
 ALWAYS_INLINE int resumes_of(const job_t *J, int64_t r) { return J->slots[r] >= 0 && J->has_init[r] != 0; }
 
@@ -481,7 +501,6 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
     }
     const float ss_v = lane_sum(pv);
     const float ms_v = ss_v / (float)H;
-    const float inv_sqrt_h = 1.0f / sqrtf((float)H);
     const int masked = J->mask != 0 && J->mask[t] == 0;
     /* the plan's lines spread over the heads: a few per block of 256 channels */
     const int64_t blocks = HC * ((H + 255) / 256);
@@ -507,12 +526,8 @@ ALWAYS_INLINE void gate_row(const job_t *J, int64_t t, float *c_row, float *res,
             pd[i - i1] += k * wkq[i] * q;
         }
         const float ss_k = lane_sum(pk), ss_q = lane_sum(pq), dot = lane_sum(pd);
-        float rk = 1.0f / sqrtf(ss_k / (float)H + J->eps);
-        float rq = 1.0f / sqrtf(ss_q / (float)H + J->eps);
-        float d = dot * rk * rq * inv_sqrt_h;
-        float s = d > 0.0f ? sqrtf(fmaxf(d, 1e-6f)) : (d < 0.0f ? -sqrtf(fmaxf(-d, 1e-6f)) : d);
-        float g = 1.0f / (1.0f + expf(-s));
-        float cs = g * (1.0f / sqrtf(g * g * ms_v + J->eps));
+        float g, cs;
+        gate_scalars(J, ss_k, ss_q, dot, ms_v, &g, &cs);
         const float *wc = J->wc + o;
         float *cr = c_row + o;
         /* a masked token's v and c are multiplied by 0, as the PyTorch path does (NaN stays NaN) */
@@ -840,6 +855,199 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand, int gathers) {
 }
 
 /* ---------------------------------------------------------------------------------------------------
+ * Decode tiles (the AVX-512 BF16 variant). A decode row (one token of a request that resumes from its
+ * slot, nothing rejected) of the ring layout with K = 4 needs no scratch rows: its history taps are
+ * columns of the slot, its conv input is both the fourth tap and its new state column. Up to TILE such
+ * rows (consecutive units) run together, head by head and TILE_CHUNK channels at a time: the gate's sums,
+ * then its outputs, the conv, SiLU, the residual and both stores in one pass, reading each weight once
+ * per tile instead of once per row (the weights are about 1.5 times the bytes of a row's own operands)
+ * and writing no fp32 row. Every value is the one the row-by-row path computes (the same operations in
+ * the same order: sums in 16 lanes, then the same tree; products and roundings as x512_gate_out and
+ * x512_conv4), so the two give the same bits (tested, with ple_set_decode_tiles).
+ */
+#define TILE 4
+#define TILE_CHUNK 512
+
+static int g_decode_tiles = 1;
+
+/* Turn the decode tiles on (1, the default) or off (0: every row runs alone). Returns 0. */
+int ple_set_decode_tiles(int on) {
+    __atomic_store_n(&g_decode_tiles, on ? 1 : 0, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int ple_decode_tiles(void) { return __atomic_load_n(&g_decode_tiles, __ATOMIC_RELAXED); }
+
+static int64_t g_tile_rows; /* decode rows run in tiles since the library was loaded */
+
+/* How many decode rows ran in tiles since the library was loaded (what tests read). */
+int64_t ple_tile_rows(void) { return __atomic_load_n(&g_tile_rows, __ATOMIC_RELAXED); }
+
+/* Whether the step's geometry lets its decode rows run as tiles. */
+ALWAYS_INLINE int tiles_fit(const job_t *J) {
+    return J->ring_base && J->taps == 4 && !J->c_in && !J->mask && J->hidden_size % LANES == 0 && J->state_len > 0;
+}
+
+/* Whether unit u is a decode row a tile takes (with tiles_fit). */
+ALWAYS_INLINE int tile_row(const job_t *J, int64_t u) {
+    const int64_t r = J->unit_request[u];
+    return J->starts[r + 1] - J->starts[r] == 1 && resumes_of(J, r) && (!J->rejected || J->rejected[r] == 0);
+}
+
+#ifdef PLE_X512
+/* 16 values of `c` (already rounded to the activation dtype) stored exactly: bf16 is the high half */
+X512 void x512_store_exact(void *p, int64_t i, __m512 c, int bf) {
+    if (bf)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
+    else
+        _mm512_storeu_ps((float *)p + i, c);
+}
+
+X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
+    const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, L = J->state_len, d = J->dilation;
+    const int64_t esz = bf ? 2 : 4;
+    const char *vp[TILE], *kp[TILE], *qp[TILE], *h0[TILE], *h1[TILE], *h2[TILE];
+    char *op[TILE], *sp[TILE], *cp[TILE];
+    float ms_v[TILE];
+    for (int j = 0; j < n; j++) {
+        const int64_t r = J->unit_request[units[j]], t = J->starts[r], slot = J->slots[r];
+        vp[j] = (const char *)J->value + t * J->value_stride * esz;
+        kp[j] = (const char *)J->key + t * J->key_stride * esz;
+        qp[j] = (const char *)J->hidden + t * J->hidden_stride * esz;
+        op[j] = (char *)J->out + t * C * esz;
+        cp[j] = J->c_out && J->c_all ? (char *)J->c_out + t * C * esz : 0;
+        /* the history ends at column L (nothing rejected); its taps are columns L - 3d, L - 2d, L - d, and
+         * the new column takes the oldest one's place (the slot's base moves on by one) */
+        const char *slot_at = (const char *)J->state + slot * L * C * esz;
+        const int64_t base = J->ring_base[slot];
+        h0[j] = slot_at + ((base + L - 3 * d) % L) * C * esz;
+        h1[j] = slot_at + ((base + L - 2 * d) % L) * C * esz;
+        h2[j] = slot_at + ((base + L - d) % L) * C * esz;
+        sp[j] = (char *)slot_at + base * C * esz;
+        __m512 pv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += LANES) {
+            const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
+            pv = _mm512_fmadd_ps(x, x, pv);
+        }
+        float lanes[LANES];
+        _mm512_storeu_ps(lanes, pv);
+        ms_v[j] = lane_sum(lanes) / (float)H;
+    }
+    const float *w = J->conv_w;
+    for (int64_t h = 0; h < HC; h++) {
+        const int64_t o = h * H;
+        __m512 pk[TILE], pq[TILE], pd[TILE];
+        for (int j = 0; j < n; j++) pk[j] = pq[j] = pd[j] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+            for (int j = 0; j < n; j++) {
+                __m512 ak = pk[j], aq = pq[j], ad = pd[j];
+                for (int64_t i = o + c0; i < o + c1; i += LANES) {
+                    /* a line of each stream 1 KiB ahead (its next chunk): every row starts cold after the
+                     * GEMM, and the tile's streams outnumber what the core's own prefetcher follows */
+                    if (((i * esz) & 63) == 0) {
+                        __builtin_prefetch(kp[j] + i * esz + 1024, 0, 3);
+                        __builtin_prefetch(qp[j] + i * esz + 1024, 0, 3);
+                    }
+                    const __m512 k = x512_load(kp[j], i, bf, 0xFFFF), q = x512_load(qp[j], i, bf, 0xFFFF);
+                    ak = _mm512_fmadd_ps(k, k, ak);
+                    aq = _mm512_fmadd_ps(q, q, aq);
+                    ad = _mm512_fmadd_ps(_mm512_mul_ps(k, _mm512_loadu_ps(J->wkq + i)), q, ad);
+                }
+                pk[j] = ak;
+                pq[j] = aq;
+                pd[j] = ad;
+            }
+        }
+        float g[TILE], cs[TILE];
+        for (int j = 0; j < n; j++) {
+            float lk[LANES], lq[LANES], ld_[LANES];
+            _mm512_storeu_ps(lk, pk[j]);
+            _mm512_storeu_ps(lq, pq[j]);
+            _mm512_storeu_ps(ld_, pd[j]);
+            gate_scalars(J, lane_sum(lk), lane_sum(lq), lane_sum(ld_), ms_v[j], &g[j], &cs[j]);
+        }
+        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+            for (int j = 0; j < n; j++) {
+                const __m512 vcs = _mm512_set1_ps(cs[j]), vg = _mm512_set1_ps(g[j]);
+                for (int64_t i = c0; i < c1; i += LANES) {
+                    const int64_t ch = o + i;
+                    if (((ch * esz) & 63) == 0) {
+                        __builtin_prefetch(h0[j] + ch * esz + 1024, 0, 3);
+                        __builtin_prefetch(h1[j] + ch * esz + 1024, 0, 3);
+                        __builtin_prefetch(h2[j] + ch * esz + 1024, 0, 3);
+                    }
+                    const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
+                    const __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, vcs), _mm512_loadu_ps(J->wc + ch)), bf);
+                    __m512 res;
+                    if (!bf && J->add_hidden) {
+                        res = _mm512_fmadd_ps(x, vg, x512_load(qp[j], ch, 0, 0xFFFF)); /* as x512_gate_out_at */
+                    } else {
+                        res = x512_rnd(_mm512_mul_ps(x, vg), bf);
+                        if (J->add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(qp[j], ch, bf, 0xFFFF)), bf);
+                    }
+                    __m512 a = _mm512_mul_ps(x512_load(h0[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + ch));
+                    a = _mm512_fmadd_ps(x512_load(h1[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + C + ch), a);
+                    a = _mm512_fmadd_ps(x512_load(h2[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + 2 * C + ch), a);
+                    a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
+                    /* the new column after the taps are read: it may be h0's place (L = 3d) */
+                    x512_store_exact(sp[j], ch, c, bf);
+                    if (cp[j]) x512_store_exact(cp[j], ch, c, bf);
+                    x512_store(op[j], ch, x512_silu_add(a, res), bf, 0xFFFF);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        const int64_t slot = J->slots[J->unit_request[units[j]]];
+        J->ring_base[slot] = (J->ring_base[slot] + 1) % L;
+    }
+    __atomic_add_fetch(&g_tile_rows, n, __ATOMIC_RELAXED);
+}
+
+__attribute__((noinline, target(BF16_TARGET))) static void x512_tile(job_t *J, const int64_t *units, int n, int bf) {
+    if (bf)
+        x512_tile_body(J, units, n, 1);
+    else
+        x512_tile_body(J, units, n, 0);
+}
+#endif
+
+/* work() with decode rows taken TILE consecutive units at a time where they follow each other; every
+ * other unit runs alone, as in work(). */
+ALWAYS_INLINE void work_tiles(job_t *J, scratch_t *S, int bf) {
+#ifdef PLE_X512
+    for (;;) {
+        int64_t u = __atomic_fetch_add(&J->next_unit, 1, __ATOMIC_RELAXED);
+        if (u >= J->num_units) break;
+        if (!tile_row(J, u)) {
+            run_unit(J, u, S, bf, 1, 1);
+            int64_t r = J->unit_request[u];
+            if (__atomic_sub_fetch(&J->remaining[r], 1, __ATOMIC_ACQ_REL) == 0)
+                write_state(J, r, bf, state_from_ring(J, u) ? S->ring : 0);
+            continue;
+        }
+        int64_t tile[TILE];
+        int n = 0;
+        tile[n++] = u;
+        /* the next units too, while they are decode rows no other thread took */
+        int64_t next = u + 1;
+        while (n < TILE && next < J->num_units && tile_row(J, next)) {
+            int64_t want = next;
+            if (__atomic_compare_exchange_n(&J->next_unit, &want, next + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                tile[n++] = next++;
+            else
+                break; /* another thread moved on: this tile is what it is */
+        }
+        x512_tile(J, tile, n, bf);
+    }
+#else
+    work(J, S, bf, 0, 1);
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------
  * Instruction sets. The library is built for the baseline of its architecture; the step's code is
  * compiled once more per x86 vector extension (function target attributes: the compiler vectorizes the
  * same source for AVX2 + FMA, and for AVX-512 with 512-bit vectors), and the variant run is chosen per
@@ -879,8 +1087,13 @@ __attribute__((target(AVX512_TARGET))) static void work_avx512(job_t *J, scratch
 #ifdef PLE_X512
 /* AVX-512 with its BF16 instructions: the compiler's AVX-512 vectors, the rows of x512_* by hand */
 __attribute__((target(BF16_TARGET))) static void work_avx512bf16(job_t *J, scratch_t *S, int bf) {
-    if (bf)
+    const int tiles = tiles_fit(J) && ple_decode_tiles();
+    if (bf && tiles)
+        work_tiles(J, S, 1);
+    else if (bf)
         work(J, S, 1, 1, 1);
+    else if (tiles)
+        work_tiles(J, S, 0);
     else
         work(J, S, 0, 1, 1);
 }
