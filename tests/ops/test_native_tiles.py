@@ -1,7 +1,8 @@
-"""The fused kernel's decode tiles (AVX-512 BF16 variant): decode rows of the ring layout run up to four
-at a time, head by head, without scratch rows. They must give exactly the bits of the row-by-row path
-(outputs, conv inputs, new state and ring offsets), in pure decode steps and in steps that mix them with
-prefill chunks, speculative rows, rejections, fresh requests and null slots, on one to three threads."""
+"""The fused kernel's decode tiles (AVX-512 BF16 variant): decode rows run up to four at a time, head by
+head, without scratch rows, on ring pools and on the engine layout. They must give exactly the bits of the
+row-by-row path (outputs, conv inputs, new state and ring offsets), in pure decode steps and in steps that
+mix them with prefill chunks, speculative rows, rejections, fresh requests and null slots, on one to
+three threads."""
 
 from __future__ import annotations
 
@@ -71,8 +72,15 @@ def _step(seed: int, dtype: torch.dtype, mixed: bool):
     return kwargs, rows
 
 
-def _run(kwargs, threads):
+def _run(kwargs, threads, ring=True):
     m = kwargs["step"]
+    if not ring:  # the engine layout [S, C, L] of the same state
+        engine = ring_to_engine(m.conv_state, m.state_offsets)
+        got = native.gate_conv(
+            **dict(kwargs, step=dataclasses.replace(m, conv_state=engine, state_offsets=None)), threads=threads
+        )
+        out, c = got if kwargs["return_conv_input"] else (got, None)
+        return out, c, engine, None
     pool, offsets = m.conv_state.clone(), m.state_offsets.clone()
     got = native.gate_conv(
         **dict(kwargs, step=dataclasses.replace(m, conv_state=pool, state_offsets=offsets)), threads=threads
@@ -81,19 +89,20 @@ def _run(kwargs, threads):
     return out, c, pool, offsets
 
 
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "engine"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_tiles_give_the_row_paths_bits(lib, dtype, mixed):
+def test_tiles_give_the_row_paths_bits(lib, dtype, mixed, ring):
     tiled_rows = 0
     for seed in range(24):
         kwargs, rows = _step(seed, dtype, mixed)
         for threads in (1, 2, 3):
             lib.ple_set_decode_tiles(0)
             before = lib.ple_tile_rows()
-            want = _run(kwargs, threads)
+            want = _run(kwargs, threads, ring)
             assert lib.ple_tile_rows() == before
             lib.ple_set_decode_tiles(1)
-            got = _run(kwargs, threads)
+            got = _run(kwargs, threads, ring)
             ran = lib.ple_tile_rows() - before
             assert ran == rows, (seed, threads, ran, rows)  # every decode row that resumes, nothing rejected
             tiled_rows += ran
@@ -102,13 +111,11 @@ def test_tiles_give_the_row_paths_bits(lib, dtype, mixed):
     assert tiled_rows > 100
 
 
-def test_tiles_are_off_for_masked_steps_and_the_engine_layout(lib):
+def test_tiles_are_off_for_masked_steps(lib):
     kwargs, rows = _step(3, torch.bfloat16, False)
     assert rows > 0
     before = lib.ple_tile_rows()
     masked = dict(kwargs, token_mask=torch.ones(kwargs["hidden"].shape[0], dtype=torch.bool))
     _run(masked, 2)
-    m = kwargs["step"]
-    engine = ring_to_engine(m.conv_state, m.state_offsets)
-    native.gate_conv(**dict(kwargs, step=dataclasses.replace(m, conv_state=engine, state_offsets=None)), threads=2)
+    _run(masked, 2, ring=False)
     assert lib.ple_tile_rows() == before

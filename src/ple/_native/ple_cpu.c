@@ -856,8 +856,9 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand, int gathers) {
 
 /* ---------------------------------------------------------------------------------------------------
  * Decode tiles (the AVX-512 BF16 variant). A decode row (one token of a request that resumes from its
- * slot, nothing rejected) of the ring layout with K = 4 needs no scratch rows: its history taps are
- * columns of the slot, its conv input is both the fourth tap and its new state column. Up to TILE such
+ * slot, nothing rejected) with K = 4 needs no scratch rows: its history taps are columns of the slot (a
+ * run of values in the ring layout, read with vector gathers in the engine layout), its conv input is both
+ * the fourth tap and its new state column (the engine layout's runs move on by one in the same pass). Up to TILE such
  * rows (consecutive units) run together, head by head and TILE_CHUNK channels at a time: the gate's sums,
  * then its outputs, the conv, SiLU, the residual and both stores in one pass, reading each weight once
  * per tile instead of once per row (the weights are about 1.5 times the bytes of a row's own operands)
@@ -885,7 +886,9 @@ int64_t ple_tile_rows(void) { return __atomic_load_n(&g_tile_rows, __ATOMIC_RELA
 
 /* Whether the step's geometry lets its decode rows run as tiles. */
 ALWAYS_INLINE int tiles_fit(const job_t *J) {
-    return J->ring_base && J->taps == 4 && !J->c_in && !J->mask && J->hidden_size % LANES == 0 && J->state_len > 0;
+    /* [S, C, L]: a tap's offsets (16 runs) in 32 bits */
+    return J->taps == 4 && !J->c_in && !J->mask && J->hidden_size % LANES == 0 && J->state_len > 0 &&
+           (J->ring_base || LANES * J->state_len * 4 < INT32_MAX);
 }
 
 /* Whether unit u is a decode row a tile takes (with tiles_fit). */
@@ -903,9 +906,46 @@ X512 void x512_store_exact(void *p, int64_t i, __m512 c, int bf) {
         _mm512_storeu_ps((float *)p + i, c);
 }
 
-X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
+/* Taps of 16 channels of the [S, C, L] layout: the elements `run` bytes apart from `at` (channel i's column
+ * j is element i * L + j of the slot), widened. A bf16 lane reads a 32-bit word: the one its element ends
+ * (`high`: the element is its high half) for a column j >= 1, else the one it starts; either way the
+ * word lies inside the slot. */
+X512 __m512 x512_tap(const char *at, __m512i run, int bf, int high) {
+    if (!bf) return _mm512_castsi512_ps(_mm512_i32gather_epi32(run, at, 1));
+    if (high)
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_i32gather_epi32(run, at - 2, 1), _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(run, at, 1), 16));
+}
+
+/* The new state of 16 channels of an [S, C, L] slot (their runs of L elements from `blk`): every run moves
+ * one element towards its start and ends with the channel's conv input (`c`, already rounded). One pass
+ * over 16 L elements in 64-byte pieces, each loaded one element on (the piece's last element is the next
+ * run's first, or for the last run the place of its conv input: not read there, so nothing past the
+ * slot is touched), then the conv inputs, one per run. */
+X512 void x512_shift_runs(char *blk, int64_t L, __m512 c, int bf) {
+    const int64_t esz = bf ? 2 : 4, bytes = LANES * L * esz, moved = bytes - esz;
+    for (int64_t off = 0; off < moved; off += 64) {
+        const int64_t left = moved - off;
+        const __mmask64 k = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        _mm512_mask_storeu_epi8(blk + off, k, _mm512_maskz_loadu_epi8(k, blk + off + esz));
+    }
+    if (bf) {
+        uint16_t w[LANES];
+        _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
+        for (int i = 0; i < LANES; i++) ((uint16_t *)blk)[i * L + L - 1] = w[i];
+    } else {
+        float w[LANES];
+        _mm512_storeu_ps(w, c);
+        for (int i = 0; i < LANES; i++) ((float *)blk)[i * L + L - 1] = w[i];
+    }
+}
+
+X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring) {
     const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, L = J->state_len, d = J->dilation;
     const int64_t esz = bf ? 2 : 4;
+    /* [S, C, L]: lane i's element is i runs on */
+    const __m512i run = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int32_t)(L * esz)));
     const char *vp[TILE], *kp[TILE], *qp[TILE], *h0[TILE], *h1[TILE], *h2[TILE];
     char *op[TILE], *sp[TILE], *cp[TILE];
     float ms_v[TILE];
@@ -916,14 +956,22 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
         qp[j] = (const char *)J->hidden + t * J->hidden_stride * esz;
         op[j] = (char *)J->out + t * C * esz;
         cp[j] = J->c_out && J->c_all ? (char *)J->c_out + t * C * esz : 0;
-        /* the history ends at column L (nothing rejected); its taps are columns L - 3d, L - 2d, L - d, and
-         * the new column takes the oldest one's place (the slot's base moves on by one) */
+        /* the history ends at column L (nothing rejected); its taps are columns L - 3d, L - 2d, L - d. Ring:
+         * the new column takes the oldest one's place (the slot's base moves on by one). [S, C, L]: h0..h2
+         * point at channel 0's tap and sp at the slot; every run moves on by one (x512_shift_runs). */
         const char *slot_at = (const char *)J->state + slot * L * C * esz;
-        const int64_t base = J->ring_base[slot];
-        h0[j] = slot_at + ((base + L - 3 * d) % L) * C * esz;
-        h1[j] = slot_at + ((base + L - 2 * d) % L) * C * esz;
-        h2[j] = slot_at + ((base + L - d) % L) * C * esz;
-        sp[j] = (char *)slot_at + base * C * esz;
+        if (ring) {
+            const int64_t base = J->ring_base[slot];
+            h0[j] = slot_at + ((base + L - 3 * d) % L) * C * esz;
+            h1[j] = slot_at + ((base + L - 2 * d) % L) * C * esz;
+            h2[j] = slot_at + ((base + L - d) % L) * C * esz;
+            sp[j] = (char *)slot_at + base * C * esz;
+        } else {
+            h0[j] = slot_at + (L - 3 * d) * esz;
+            h1[j] = slot_at + (L - 2 * d) * esz;
+            h2[j] = slot_at + (L - d) * esz;
+            sp[j] = (char *)slot_at;
+        }
         __m512 pv = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += LANES) {
             const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
@@ -973,7 +1021,7 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
                 const __m512 vcs = _mm512_set1_ps(cs[j]), vg = _mm512_set1_ps(g[j]);
                 for (int64_t i = c0; i < c1; i += LANES) {
                     const int64_t ch = o + i;
-                    if (((ch * esz) & 63) == 0) {
+                    if (ring && ((ch * esz) & 63) == 0) {
                         __builtin_prefetch(h0[j] + ch * esz + 1024, 0, 3);
                         __builtin_prefetch(h1[j] + ch * esz + 1024, 0, 3);
                         __builtin_prefetch(h2[j] + ch * esz + 1024, 0, 3);
@@ -987,19 +1035,32 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
                         res = x512_rnd(_mm512_mul_ps(x, vg), bf);
                         if (J->add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(qp[j], ch, bf, 0xFFFF)), bf);
                     }
-                    __m512 a = _mm512_mul_ps(x512_load(h0[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + ch));
-                    a = _mm512_fmadd_ps(x512_load(h1[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + C + ch), a);
-                    a = _mm512_fmadd_ps(x512_load(h2[j], ch, bf, 0xFFFF), _mm512_loadu_ps(w + 2 * C + ch), a);
+                    __m512 t0, t1, t2;
+                    if (ring) {
+                        t0 = x512_load(h0[j], ch, bf, 0xFFFF);
+                        t1 = x512_load(h1[j], ch, bf, 0xFFFF);
+                        t2 = x512_load(h2[j], ch, bf, 0xFFFF);
+                    } else {
+                        t0 = x512_tap(h0[j] + ch * L * esz, run, bf, L - 3 * d >= 1);
+                        t1 = x512_tap(h1[j] + ch * L * esz, run, bf, 1);
+                        t2 = x512_tap(h2[j] + ch * L * esz, run, bf, 1);
+                    }
+                    __m512 a = _mm512_mul_ps(t0, _mm512_loadu_ps(w + ch));
+                    a = _mm512_fmadd_ps(t1, _mm512_loadu_ps(w + C + ch), a);
+                    a = _mm512_fmadd_ps(t2, _mm512_loadu_ps(w + 2 * C + ch), a);
                     a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
-                    /* the new column after the taps are read: it may be h0's place (L = 3d) */
-                    x512_store_exact(sp[j], ch, c, bf);
+                    /* the new state after the taps are read: the ring's new column may be h0's place (L = 3d) */
+                    if (ring)
+                        x512_store_exact(sp[j], ch, c, bf);
+                    else
+                        x512_shift_runs(sp[j] + ch * L * esz, L, c, bf);
                     if (cp[j]) x512_store_exact(cp[j], ch, c, bf);
                     x512_store(op[j], ch, x512_silu_add(a, res), bf, 0xFFFF);
                 }
             }
         }
     }
-    for (int j = 0; j < n; j++) {
+    for (int j = 0; ring && j < n; j++) {
         const int64_t slot = J->slots[J->unit_request[units[j]]];
         J->ring_base[slot] = (J->ring_base[slot] + 1) % L;
     }
@@ -1007,10 +1068,10 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf) {
 }
 
 __attribute__((noinline, target(BF16_TARGET))) static void x512_tile(job_t *J, const int64_t *units, int n, int bf) {
-    if (bf)
-        x512_tile_body(J, units, n, 1);
+    if (J->ring_base)
+        bf ? x512_tile_body(J, units, n, 1, 1) : x512_tile_body(J, units, n, 0, 1);
     else
-        x512_tile_body(J, units, n, 0);
+        bf ? x512_tile_body(J, units, n, 1, 0) : x512_tile_body(J, units, n, 0, 0);
 }
 #endif
 
