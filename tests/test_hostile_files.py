@@ -171,6 +171,9 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     # the fused kernel's prefetch plan (the loader sets "auto": -1)
     "int ple_set_prefetch_lines(long long lines) { (void)lines; return 0; }\n"
     "long long ple_prefetch_lines(void) { return 0; }\n"
+    "int ple_set_decode_tiles(int on) { (void)on; return 0; }\n"
+    "int ple_decode_tiles(void) { return 1; }\n"
+    "long long ple_tile_rows(void) { return 0; }\n"
     "int ple_team_kind(void) { return 0; }\n"
     "void ple_team_after_fork(void) {}\n"
     # the session's per-slot arrays
