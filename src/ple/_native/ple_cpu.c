@@ -632,6 +632,11 @@ ALWAYS_INLINE int state_from_ring(const job_t *J, int64_t u) {
     return !J->c_in && J->unit_begin[u] == 0 && J->unit_end[u] == n && (n < J->state_len ? n : J->state_len) <= J->window + 1;
 }
 
+#ifdef PLE_X512
+static int64_t x512_rows(const job_t *J, scratch_t *S, int64_t r, int64_t p, int64_t p1, int64_t c_from, int bf);
+#endif
+int ple_decode_tiles(void);
+
 /* `gathers`: the [S, C, L] layout's history columns read with vector gathers (AVX2 and up). */
 ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int hand, int gathers) {
     const int64_t C = J->channels, K = J->taps, W = J->window, L = J->state_len, ring_rows = W + 1;
@@ -690,7 +695,19 @@ ALWAYS_INLINE void run_unit(const job_t *J, int64_t u, scratch_t *S, int bf, int
         }
     }
     plan_prefetch(J, u + J->ahead, S, bf);
+#ifdef PLE_X512
+    /* rows whose taps are all rows of this chunk run in tiles (x512_rows) */
+    const int row_tiles = hand && active && !J->c_in && !J->mask && K == 4 && J->hidden_size % LANES == 0 &&
+                          ple_decode_tiles();
+    const int64_t c_from = J->c_out && J->c_all ? 0 : (J->c_out && c_rows_for_state ? n - L : INT64_MAX);
+#endif
     for (int64_t p = warm; p < p1; p++) {
+#ifdef PLE_X512
+        if (row_tiles && p >= p0 && p >= W) {
+            p += x512_rows(J, S, r, p, p1, c_from, bf) - 1;
+            continue;
+        }
+#endif
         const int64_t t = start + p;
         float *c_row = S->ring + (p % ring_rows) * C;
         if (J->c_in)
@@ -862,16 +879,19 @@ ALWAYS_INLINE void work(job_t *J, scratch_t *S, int bf, int hand, int gathers) {
  * rows (consecutive units) run together, head by head and TILE_CHUNK channels at a time: the gate's sums,
  * then its outputs, the conv, SiLU, the residual and both stores in one pass, reading each weight once
  * per tile instead of once per row (the weights are about 1.5 times the bytes of a row's own operands)
- * and writing no fp32 row. Every value is the one the row-by-row path computes (the same operations in
- * the same order: sums in 16 lanes, then the same tree; products and roundings as x512_gate_out and
- * x512_conv4), so the two give the same bits (tested, with ple_set_decode_tiles).
+ * and writing no fp32 row. Rows of a chunk whose taps are all earlier rows of it (row W on) run the same
+ * pass a few at a time (x512_rows: fewer than the dilation, so none reads another's conv input), their
+ * taps from the unit's fp32 ring. Every value is the one the row-by-row path computes (the same
+ * operations in the same order: sums in 16 lanes, then the same tree; products and roundings as
+ * x512_gate_out and x512_conv4), so the two give the same bits (tested, with ple_set_decode_tiles,
+ * which turns both off).
  */
 #define TILE 4
 #define TILE_CHUNK 512
 
 static int g_decode_tiles = 1;
 
-/* Turn the decode tiles on (1, the default) or off (0: every row runs alone). Returns 0. */
+/* Turn the tiles on (1, the default) or off (0: every row runs alone). Returns 0. */
 int ple_set_decode_tiles(int on) {
     __atomic_store_n(&g_decode_tiles, on ? 1 : 0, __ATOMIC_RELAXED);
     return 0;
@@ -879,9 +899,9 @@ int ple_set_decode_tiles(int on) {
 
 int ple_decode_tiles(void) { return __atomic_load_n(&g_decode_tiles, __ATOMIC_RELAXED); }
 
-static int64_t g_tile_rows; /* decode rows run in tiles since the library was loaded */
+static int64_t g_tile_rows; /* rows run in tiles since the library was loaded */
 
-/* How many decode rows ran in tiles since the library was loaded (what tests read). */
+/* How many rows ran in tiles since the library was loaded (what tests read). */
 int64_t ple_tile_rows(void) { return __atomic_load_n(&g_tile_rows, __ATOMIC_RELAXED); }
 
 /* Whether the step's geometry lets its decode rows run as tiles. */
@@ -1072,6 +1092,109 @@ __attribute__((noinline, target(BF16_TARGET))) static void x512_tile(job_t *J, c
         bf ? x512_tile_body(J, units, n, 1, 1) : x512_tile_body(J, units, n, 0, 1);
     else
         bf ? x512_tile_body(J, units, n, 1, 0) : x512_tile_body(J, units, n, 0, 0);
+}
+#endif
+
+#ifdef PLE_X512
+/* Rows p .. of request r (at most TILE, fewer than the dilation, before p1), each at or after row W of its
+ * chunk: their taps are conv inputs of earlier rows of the chunk, in the unit's fp32 ring. The decode
+ * tile's pass (sums, then the gate's outputs, the conv, SiLU and the residual in one pass) with the taps
+ * from the ring, each row's conv input stored there (and in c_out from row c_from on) as the row path
+ * stores it. Within a chunk of channels row j reads its oldest tap before row j + 1 overwrites that ring
+ * row. Returns how many rows ran. */
+X512 int64_t x512_rows_body(const job_t *J, scratch_t *S, int64_t r, int64_t p, int64_t p1, int64_t c_from, int bf) {
+    const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, d = J->dilation, ring_rows = J->window + 1;
+    const int64_t esz = bf ? 2 : 4, start = J->starts[r];
+    int64_t n = p1 - p;
+    if (n > d) n = d;
+    if (n > TILE) n = TILE;
+    const char *vp[TILE], *kp[TILE], *qp[TILE];
+    const float *x0[TILE], *x1[TILE], *x2[TILE];
+    float *cr[TILE];
+    char *op[TILE], *cp[TILE];
+    float ms_v[TILE];
+    for (int j = 0; j < n; j++) {
+        const int64_t row = p + j, t = start + row;
+        vp[j] = (const char *)J->value + t * J->value_stride * esz;
+        kp[j] = (const char *)J->key + t * J->key_stride * esz;
+        qp[j] = (const char *)J->hidden + t * J->hidden_stride * esz;
+        op[j] = (char *)J->out + t * C * esz;
+        cp[j] = row >= c_from ? (char *)J->c_out + t * C * esz : 0;
+        cr[j] = S->ring + (row % ring_rows) * C;
+        x0[j] = S->ring + ((row - 3 * d) % ring_rows) * C;
+        x1[j] = S->ring + ((row - 2 * d) % ring_rows) * C;
+        x2[j] = S->ring + ((row - d) % ring_rows) * C;
+        __m512 pv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += LANES) {
+            const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
+            pv = _mm512_fmadd_ps(x, x, pv);
+        }
+        float lanes[LANES];
+        _mm512_storeu_ps(lanes, pv);
+        ms_v[j] = lane_sum(lanes) / (float)H;
+    }
+    const float *w = J->conv_w;
+    for (int64_t h = 0; h < HC; h++) {
+        const int64_t o = h * H;
+        __m512 pk[TILE], pq[TILE], pd[TILE];
+        for (int j = 0; j < n; j++) pk[j] = pq[j] = pd[j] = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+            for (int j = 0; j < n; j++) {
+                __m512 ak = pk[j], aq = pq[j], ad = pd[j];
+                for (int64_t i = o + c0; i < o + c1; i += LANES) {
+                    const __m512 k = x512_load(kp[j], i, bf, 0xFFFF), q = x512_load(qp[j], i, bf, 0xFFFF);
+                    ak = _mm512_fmadd_ps(k, k, ak);
+                    aq = _mm512_fmadd_ps(q, q, aq);
+                    ad = _mm512_fmadd_ps(_mm512_mul_ps(k, _mm512_loadu_ps(J->wkq + i)), q, ad);
+                }
+                pk[j] = ak;
+                pq[j] = aq;
+                pd[j] = ad;
+            }
+        }
+        float g[TILE], cs[TILE];
+        for (int j = 0; j < n; j++) {
+            float lk[LANES], lq[LANES], ld_[LANES];
+            _mm512_storeu_ps(lk, pk[j]);
+            _mm512_storeu_ps(lq, pq[j]);
+            _mm512_storeu_ps(ld_, pd[j]);
+            gate_scalars(J, lane_sum(lk), lane_sum(lq), lane_sum(ld_), ms_v[j], &g[j], &cs[j]);
+        }
+        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+            for (int j = 0; j < n; j++) {
+                const __m512 vcs = _mm512_set1_ps(cs[j]), vg = _mm512_set1_ps(g[j]);
+                for (int64_t i = c0; i < c1; i += LANES) {
+                    const int64_t ch = o + i;
+                    const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
+                    const __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, vcs), _mm512_loadu_ps(J->wc + ch)), bf);
+                    __m512 res;
+                    if (!bf && J->add_hidden) {
+                        res = _mm512_fmadd_ps(x, vg, x512_load(qp[j], ch, 0, 0xFFFF)); /* as x512_gate_out_at */
+                    } else {
+                        res = x512_rnd(_mm512_mul_ps(x, vg), bf);
+                        if (J->add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(qp[j], ch, bf, 0xFFFF)), bf);
+                    }
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x0[j] + ch), _mm512_loadu_ps(w + ch));
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(x1[j] + ch), _mm512_loadu_ps(w + C + ch), a);
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(x2[j] + ch), _mm512_loadu_ps(w + 2 * C + ch), a);
+                    a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
+                    _mm512_storeu_ps(cr[j] + ch, c);
+                    if (cp[j]) x512_store_exact(cp[j], ch, c, bf);
+                    x512_store(op[j], ch, x512_silu_add(a, res), bf, 0xFFFF);
+                }
+            }
+        }
+    }
+    __atomic_add_fetch(&g_tile_rows, n, __ATOMIC_RELAXED);
+    return n;
+}
+
+__attribute__((noinline, target(BF16_TARGET))) static int64_t x512_rows(const job_t *J, scratch_t *S, int64_t r,
+                                                                          int64_t p, int64_t p1, int64_t c_from,
+                                                                          int bf) {
+    return bf ? x512_rows_body(J, S, r, p, p1, c_from, 1) : x512_rows_body(J, S, r, p, p1, c_from, 0);
 }
 #endif
 
