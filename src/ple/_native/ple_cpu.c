@@ -960,6 +960,80 @@ X512 void x512_shift_runs(char *blk, int64_t L, __m512 c, int bf) {
     }
 }
 
+/* The tiles' second pass over channels o + c0 .. o + c1 of one row: the gate's outputs (v: the value row, q:
+ * the hidden row), the conv, SiLU, the residual and the stores. `taps`: where the history taps are and where
+ * the conv input goes: 0 state columns in the activation dtype (t0..t2) and the new column (sp); 1 runs of
+ * the [S, C, L] layout (gathers from t0..t2, channel 0's tap; the runs moved on from sp); 2 fp32 rows of the
+ * unit's ring (t0..t2) and the row's ring row (sp). Everything per row is in locals here, so the loop reads
+ * no pointer from memory; cp (c_out) may be null. */
+X512 void x512_pass(int bf, int taps, int add_hidden, int with_c, const char *restrict v, const char *restrict q,
+                     const char *t0, const char *t1, const char *t2, char *sp, char *restrict cp, char *restrict op,
+                     const float *restrict wc, const float *restrict w, int64_t C, int64_t L, int high0,
+                     __m512i run, __m512 vcs, __m512 vg, int64_t o, int64_t c0, int64_t c1) {
+    const int64_t esz = bf ? 2 : 4;
+    for (int64_t i = c0; i < c1; i += LANES) {
+        const int64_t ch = o + i;
+        if (taps == 0 && ((ch * esz) & 63) == 0) {
+            /* a line of each column 1 KiB ahead (its next chunk): every column starts cold after the GEMM,
+             * and the tile's streams outnumber what the core's own prefetcher follows */
+            __builtin_prefetch(t0 + ch * esz + 1024, 0, 3);
+            __builtin_prefetch(t1 + ch * esz + 1024, 0, 3);
+            __builtin_prefetch(t2 + ch * esz + 1024, 0, 3);
+        }
+        const __m512 x = x512_load(v, i, bf, 0xFFFF);
+        const __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, vcs), _mm512_loadu_ps(wc + ch)), bf);
+        __m512 res;
+        if (!bf && add_hidden) {
+            res = _mm512_fmadd_ps(x, vg, x512_load(q, ch, 0, 0xFFFF)); /* as x512_gate_out_at */
+        } else {
+            res = x512_rnd(_mm512_mul_ps(x, vg), bf);
+            if (add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(q, ch, bf, 0xFFFF)), bf);
+        }
+        __m512 h0, h1, h2;
+        if (taps == 0) {
+            h0 = x512_load(t0, ch, bf, 0xFFFF);
+            h1 = x512_load(t1, ch, bf, 0xFFFF);
+            h2 = x512_load(t2, ch, bf, 0xFFFF);
+        } else if (taps == 1) {
+            h0 = x512_tap(t0 + ch * L * esz, run, bf, high0);
+            h1 = x512_tap(t1 + ch * L * esz, run, bf, 1);
+            h2 = x512_tap(t2 + ch * L * esz, run, bf, 1);
+        } else {
+            h0 = _mm512_loadu_ps((const float *)t0 + ch);
+            h1 = _mm512_loadu_ps((const float *)t1 + ch);
+            h2 = _mm512_loadu_ps((const float *)t2 + ch);
+        }
+        __m512 a = _mm512_mul_ps(h0, _mm512_loadu_ps(w + ch));
+        a = _mm512_fmadd_ps(h1, _mm512_loadu_ps(w + C + ch), a);
+        a = _mm512_fmadd_ps(h2, _mm512_loadu_ps(w + 2 * C + ch), a);
+        a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
+        /* the new state after the taps are read: the ring's new column may be h0's place (L = 3d) */
+        if (taps == 0)
+            x512_store_exact(sp, ch, c, bf);
+        else if (taps == 1)
+            x512_shift_runs(sp + ch * L * esz, L, c, bf);
+        else
+            _mm512_storeu_ps((float *)sp + ch, c);
+        if (with_c) x512_store_exact(cp, ch, c, bf);
+        x512_store(op, ch, x512_silu_add(a, res), bf, 0xFFFF);
+    }
+}
+
+/* x512_pass with add_hidden and with_c (cp non-null) made constants of their own loops */
+X512 void x512_pass_any(int bf, int taps, int add_hidden, const char *v, const char *q, const char *t0,
+                         const char *t1, const char *t2, char *sp, char *cp, char *op, const float *wc,
+                         const float *w, int64_t C, int64_t L, int high0, __m512i run, __m512 vcs, __m512 vg,
+                         int64_t o, int64_t c0, int64_t c1) {
+    if (add_hidden && cp)
+        x512_pass(bf, taps, 1, 1, v, q, t0, t1, t2, sp, cp, op, wc, w, C, L, high0, run, vcs, vg, o, c0, c1);
+    else if (add_hidden)
+        x512_pass(bf, taps, 1, 0, v, q, t0, t1, t2, sp, cp, op, wc, w, C, L, high0, run, vcs, vg, o, c0, c1);
+    else if (cp)
+        x512_pass(bf, taps, 0, 1, v, q, t0, t1, t2, sp, cp, op, wc, w, C, L, high0, run, vcs, vg, o, c0, c1);
+    else
+        x512_pass(bf, taps, 0, 0, v, q, t0, t1, t2, sp, cp, op, wc, w, C, L, high0, run, vcs, vg, o, c0, c1);
+}
+
 X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring) {
     const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, L = J->state_len, d = J->dilation;
     const int64_t esz = bf ? 2 : 4;
@@ -1037,47 +1111,10 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring
         }
         for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
             const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++) {
-                const __m512 vcs = _mm512_set1_ps(cs[j]), vg = _mm512_set1_ps(g[j]);
-                for (int64_t i = c0; i < c1; i += LANES) {
-                    const int64_t ch = o + i;
-                    if (ring && ((ch * esz) & 63) == 0) {
-                        __builtin_prefetch(h0[j] + ch * esz + 1024, 0, 3);
-                        __builtin_prefetch(h1[j] + ch * esz + 1024, 0, 3);
-                        __builtin_prefetch(h2[j] + ch * esz + 1024, 0, 3);
-                    }
-                    const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
-                    const __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, vcs), _mm512_loadu_ps(J->wc + ch)), bf);
-                    __m512 res;
-                    if (!bf && J->add_hidden) {
-                        res = _mm512_fmadd_ps(x, vg, x512_load(qp[j], ch, 0, 0xFFFF)); /* as x512_gate_out_at */
-                    } else {
-                        res = x512_rnd(_mm512_mul_ps(x, vg), bf);
-                        if (J->add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(qp[j], ch, bf, 0xFFFF)), bf);
-                    }
-                    __m512 t0, t1, t2;
-                    if (ring) {
-                        t0 = x512_load(h0[j], ch, bf, 0xFFFF);
-                        t1 = x512_load(h1[j], ch, bf, 0xFFFF);
-                        t2 = x512_load(h2[j], ch, bf, 0xFFFF);
-                    } else {
-                        t0 = x512_tap(h0[j] + ch * L * esz, run, bf, L - 3 * d >= 1);
-                        t1 = x512_tap(h1[j] + ch * L * esz, run, bf, 1);
-                        t2 = x512_tap(h2[j] + ch * L * esz, run, bf, 1);
-                    }
-                    __m512 a = _mm512_mul_ps(t0, _mm512_loadu_ps(w + ch));
-                    a = _mm512_fmadd_ps(t1, _mm512_loadu_ps(w + C + ch), a);
-                    a = _mm512_fmadd_ps(t2, _mm512_loadu_ps(w + 2 * C + ch), a);
-                    a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
-                    /* the new state after the taps are read: the ring's new column may be h0's place (L = 3d) */
-                    if (ring)
-                        x512_store_exact(sp[j], ch, c, bf);
-                    else
-                        x512_shift_runs(sp[j] + ch * L * esz, L, c, bf);
-                    if (cp[j]) x512_store_exact(cp[j], ch, c, bf);
-                    x512_store(op[j], ch, x512_silu_add(a, res), bf, 0xFFFF);
-                }
-            }
+            for (int j = 0; j < n; j++)
+                x512_pass_any(bf, ring ? 0 : 1, J->add_hidden, vp[j], qp[j], h0[j], h1[j], h2[j], sp[j], cp[j], op[j],
+                              J->wc, w, C, L, L - 3 * d >= 1, run, _mm512_set1_ps(cs[j]), _mm512_set1_ps(g[j]), o, c0,
+                              c1);
         }
     }
     for (int j = 0; ring && j < n; j++) {
@@ -1163,28 +1200,10 @@ X512 int64_t x512_rows_body(const job_t *J, scratch_t *S, int64_t r, int64_t p, 
         }
         for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
             const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++) {
-                const __m512 vcs = _mm512_set1_ps(cs[j]), vg = _mm512_set1_ps(g[j]);
-                for (int64_t i = c0; i < c1; i += LANES) {
-                    const int64_t ch = o + i;
-                    const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
-                    const __m512 c = x512_rnd(_mm512_mul_ps(_mm512_mul_ps(x, vcs), _mm512_loadu_ps(J->wc + ch)), bf);
-                    __m512 res;
-                    if (!bf && J->add_hidden) {
-                        res = _mm512_fmadd_ps(x, vg, x512_load(qp[j], ch, 0, 0xFFFF)); /* as x512_gate_out_at */
-                    } else {
-                        res = x512_rnd(_mm512_mul_ps(x, vg), bf);
-                        if (J->add_hidden) res = x512_rnd(_mm512_add_ps(res, x512_load(qp[j], ch, bf, 0xFFFF)), bf);
-                    }
-                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x0[j] + ch), _mm512_loadu_ps(w + ch));
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(x1[j] + ch), _mm512_loadu_ps(w + C + ch), a);
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(x2[j] + ch), _mm512_loadu_ps(w + 2 * C + ch), a);
-                    a = _mm512_fmadd_ps(c, _mm512_loadu_ps(w + 3 * C + ch), a);
-                    _mm512_storeu_ps(cr[j] + ch, c);
-                    if (cp[j]) x512_store_exact(cp[j], ch, c, bf);
-                    x512_store(op[j], ch, x512_silu_add(a, res), bf, 0xFFFF);
-                }
-            }
+            for (int j = 0; j < n; j++)
+                x512_pass_any(bf, 2, J->add_hidden, vp[j], qp[j], (const char *)x0[j], (const char *)x1[j],
+                              (const char *)x2[j], (char *)cr[j], cp[j], op[j], J->wc, w, C, 0, 0, _mm512_setzero_si512(),
+                              _mm512_set1_ps(cs[j]), _mm512_set1_ps(g[j]), o, c0, c1);
         }
     }
     __atomic_add_fetch(&g_tile_rows, n, __ATOMIC_RELAXED);
