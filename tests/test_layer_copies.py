@@ -141,3 +141,38 @@ def test_refresh_weights_recomputes_everything():
         plain.key_proj.mul_(-1.0)
     layer.refresh_weights()
     assert torch.equal(_steps(layer), _steps(plain))
+
+
+def test_pickles_leave_out_what_is_derived_and_a_compiled_call():
+    layer = PLELayer.from_transformers(_module(torch.float32))
+    want = _steps(layer)
+    state = layer.__getstate__()
+    assert "kv_weight" not in state["_buffers"] and "conv_taps" not in state["_buffers"]
+    assert state["_native_step"] is None
+    layer.compile()  # lazy: nothing compiles until a call
+    assert layer._compiled_call_impl is not None
+    for dup in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert getattr(dup, "_compiled_call_impl", None) is None  # it would run the original's call
+        assert torch.equal(dup.kv_weight, layer.kv_weight)
+        with torch.no_grad():
+            dup.value_proj.zero_()
+        assert not torch.equal(_steps(dup), want)  # its own weights, not the original's
+
+
+def test_a_layer_over_a_table_file_pickles_the_file_not_its_rows(tmp_path):
+    from ple.table import MmapTable
+    from ple.table.table_file import TableFileWriter
+
+    layer = PLELayer.from_transformers(_module(torch.bfloat16))
+    rows = layer.table.data
+    path = tmp_path / "layer.pletable"
+    fields = layer.config.layout_fields(layer.ple_layer_index)
+    with TableFileWriter(path, rows.shape[0], rows.shape[1], "bf16", rows.shape[0], fields) as w:
+        w.write_shard(0, rows)
+    layer.table = MmapTable.open(path)
+    want = _steps(layer)
+    blob = pickle.dumps(layer)
+    assert len(blob) < rows.numel() * rows.element_size()  # smaller than the rows alone
+    copy_ = pickle.loads(blob)
+    assert isinstance(copy_.table, MmapTable) and copy_.table is not layer.table
+    assert torch.equal(_steps(copy_), want)

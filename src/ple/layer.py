@@ -41,6 +41,16 @@ from .table.table_file import hash_layout
 __all__ = ["PLELayer"]
 
 _PARAMS = ("key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv_weight")
+_DERIVED = (
+    "kv_weight",
+    "gate_key_query",
+    "gate_conv_scale",
+    "conv_taps",
+    "ngram_multipliers",
+    "ngram_head_sizes",
+    "ngram_head_offsets",
+)
+"""The buffers :meth:`PLELayer.refresh_weights` derives from the parameters and the layout (not saved)."""
 
 # Rows of a CPU GEMM in fp32 are identical whatever the other rows only when the row count is a
 # multiple of this (measured on AVX-512 + AMX with 1-16 threads: other small counts take tail
@@ -354,10 +364,12 @@ class PLELayer(nn.Module):
         return out
 
     def __getstate__(self) -> dict:
-        # pickling (torch.save(layer), multiprocessing) leaves out the native step: it holds a weak
-        # reference to this layer and pointers into its buffers; unpickling builds a new one
-        state = self.__dict__.copy()
-        state["_native_step"] = None
+        # pickling (torch.save(layer), multiprocessing, deepcopy) leaves out what unpickling derives again
+        # (refresh_weights): the native step (a weak reference to this layer, pointers into its buffers)
+        # and the derived buffers (kv_weight alone is as large as the projections)
+        state = super().__getstate__()  # nn.Module's: without a compiled call of this very module
+        state["_native_step"] = state["_fused_args"] = None
+        state["_buffers"] = {k: v for k, v in state["_buffers"].items() if k not in _DERIVED}
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -33,13 +33,19 @@ def lib():
 
 
 def _step(seed: int, dtype: torch.dtype, mixed: bool):
-    """A step of 1..20 requests on a rotated ring pool: mostly decode rows (some rejected, fresh or without a
-    slot), with prefill and verify chunks when ``mixed``; returns (kwargs of gate_conv, the rows tiles take:
-    decode rows that resume with nothing rejected, and every row at or after the window of a chunk
-    with a slot)."""
+    """A step of 1..20 requests on a rotated ring pool (heads of 16, 48 or 1,040 channels: the last takes
+    three chunks of the tiles' pass, one of them partial): mostly decode rows (some rejected, fresh or
+    without a slot), with prefill and verify chunks when ``mixed``; returns (kwargs of gate_conv, the rows
+    tiles take: decode rows that resume with nothing rejected, and every row at or after the window of
+    a chunk with a slot)."""
     rnd = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    h, hc, dilation, num_spec = rnd.choice([16, 48]), rnd.choice([3, 4]), rnd.choice([1, 2, 3]), rnd.choice([0, 2])
+    h, hc, dilation, num_spec = (
+        rnd.choice([16, 48, 1040]),
+        rnd.choice([3, 4]),
+        rnd.choice([1, 2, 3]),
+        rnd.choice([0, 2]),
+    )
     c, taps = h * hc, 4
     window = (taps - 1) * dilation
     requests = rnd.randint(1, 20)

@@ -34,17 +34,34 @@ def test_memory_table_round_trips_with_a_fresh_prefetch_worker(fmt):
     copy.close()
 
 
-def test_mmap_table_pickles_as_its_file(tmp_path):
+def test_mmap_table_pickles_as_its_file(tmp_path, monkeypatch):
     data, scale = make_table("int8_row", ROWS, HD)
     path = write_file(tmp_path / "t.pletable", "int8_row", data, scale, shard_rows=1024)
-    t = MmapTable.open(path)
+    monkeypatch.chdir(tmp_path)
+    t = MmapTable.open("t.pletable")  # a relative path: pickled as the absolute one
+    t.prefetch_depth = 5
     ids = random_ids(ROWS, 9, 3)
     want = t.lookup(ids, torch.bfloat16)
     blob = pickle.dumps(t)
-    assert len(blob) < 1024 < data.numel()  # the path, not the rows
+    assert len(blob) < 4096 < data.numel()  # the path and the header, not the rows
+    monkeypatch.chdir(os.path.dirname(tmp_path))
     copy = pickle.loads(blob)
-    assert isinstance(copy, MmapTable) and copy.path == t.path and copy.header == t.header
+    assert isinstance(copy, MmapTable) and copy.header == t.header and copy.prefetch_depth == 5
+    assert os.path.samefile(copy.path, path)
     assert_same(copy.lookup(ids, torch.bfloat16), want)
+    copy.close()
+    # another valid table file under that name (other rows: other checksums) is not the pickled one
+    other, other_scale = make_table("int8_row", ROWS, HD, seed=9)
+    write_file(tmp_path / "new.pletable", "int8_row", other, other_scale, shard_rows=1024)
+    os.replace(tmp_path / "new.pletable", path)
+    with pytest.raises(TableFileError, match="is not the table file that was pickled"):
+        pickle.loads(blob)
+    t.close()
+    with pytest.raises(UsageError, match="was closed"):
+        pickle.dumps(t)
+    write_file(tmp_path / "t2.pletable", "int8_row", data, scale, shard_rows=1024)
+    blob = pickle.dumps(MmapTable.open(tmp_path / "t2.pletable"))
+    path = tmp_path / "t2.pletable"
     # reopened with the original's checks: a file cut short since is refused
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 1)

@@ -80,7 +80,7 @@ class MmapTable(StoredTable):
             super().__init__(header["format"], header["rows"], header["head_dim"])
             self.path = path
             self.header = header
-            self._open_args = (str(path), expected_layout_hash, random_access, scale_rows)
+            self._open_args = (os.path.abspath(path), expected_layout_hash, random_access, scale_rows)
             self._fd = fd
             self._stat = (st.st_size, st.st_mtime_ns)
             buf = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
@@ -104,9 +104,11 @@ class MmapTable(StoredTable):
             self._scale = None
 
     def __reduce__(self):
-        # pickled as its file (torch.save of a layer, multiprocessing): the copy maps it again, with the
-        # same checks; the rows themselves are never copied into the pickle
-        return (_reopen, self._open_args)
+        # pickled as its file (torch.save of a layer, multiprocessing): the copy maps it again by its
+        # absolute path, with the same checks, and refuses a file whose header (its geometry, layout and
+        # per-shard checksums) differs; the rows themselves are never copied into the pickle
+        self.check_file()  # a closed table, or a file changed in place, is refused here
+        return (_reopen, (*self._open_args, self.header, self.prefetch_depth))
 
     @classmethod
     def open(
@@ -248,7 +250,21 @@ class MmapTable(StoredTable):
 
 
 def _reopen(
-    path: str, expected_layout_hash: str | dict | None, random_access: bool, scale_rows: tuple[int, int] | None
+    path: str,
+    expected_layout_hash: str | dict | None,
+    random_access: bool,
+    scale_rows: tuple[int, int] | None,
+    header: dict | None = None,
+    prefetch_depth: int | None = None,
 ) -> MmapTable:
     """An unpickled :class:`MmapTable`: its file mapped again (see :meth:`MmapTable.__reduce__`)."""
-    return MmapTable(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
+    table = MmapTable(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
+    if header is not None and table.header != header:
+        table.close()
+        raise TableFileError(
+            f"{path} is not the table file that was pickled: its header (geometry, layout or checksums) differs; "
+            "attach the table you mean after loading (layer.table = MmapTable.open(path))"
+        )
+    if prefetch_depth is not None:
+        table.prefetch_depth = prefetch_depth
+    return table
