@@ -960,6 +960,55 @@ X512 void x512_shift_runs(char *blk, int64_t L, __m512 c, int bf) {
     }
 }
 
+/* The mean square of a value row [H], summed as gate_row sums it (16 lanes, then lane_sum). */
+X512 float x512_mean_square(const char *v, int64_t H, int bf) {
+    __m512 pv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += LANES) {
+        const __m512 x = x512_load(v, i, bf, 0xFFFF);
+        pv = _mm512_fmadd_ps(x, x, pv);
+    }
+    float lanes[LANES];
+    _mm512_storeu_ps(lanes, pv);
+    return lane_sum(lanes) / (float)H;
+}
+
+/* The gates of head o / H of n rows (key rows kp, hidden rows qp): their three sums, TILE_CHUNK channels
+ * at a time for all rows (each wkq chunk read once), in gate_row's lane order, then gate_scalars. With
+ * `prefetch`, a line of each stream 1 KiB ahead (its next chunk): decode rows start cold after the GEMM,
+ * and a tile's streams outnumber what the core's own prefetcher follows. */
+X512 void x512_head_gates(const job_t *J, const char *const *kp, const char *const *qp, const float *ms_v, int64_t n,
+                           int64_t o, int bf, int prefetch, float *g, float *cs) {
+    const int64_t H = J->hidden_size, esz = bf ? 2 : 4;
+    __m512 pk[TILE], pq[TILE], pd[TILE];
+    for (int j = 0; j < n; j++) pk[j] = pq[j] = pd[j] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+        const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+        for (int j = 0; j < n; j++) {
+            __m512 ak = pk[j], aq = pq[j], ad = pd[j];
+            for (int64_t i = o + c0; i < o + c1; i += LANES) {
+                if (prefetch && ((i * esz) & 63) == 0) {
+                    __builtin_prefetch(kp[j] + i * esz + 1024, 0, 3);
+                    __builtin_prefetch(qp[j] + i * esz + 1024, 0, 3);
+                }
+                const __m512 k = x512_load(kp[j], i, bf, 0xFFFF), q = x512_load(qp[j], i, bf, 0xFFFF);
+                ak = _mm512_fmadd_ps(k, k, ak);
+                aq = _mm512_fmadd_ps(q, q, aq);
+                ad = _mm512_fmadd_ps(_mm512_mul_ps(k, _mm512_loadu_ps(J->wkq + i)), q, ad);
+            }
+            pk[j] = ak;
+            pq[j] = aq;
+            pd[j] = ad;
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        float lk[LANES], lq[LANES], ld_[LANES];
+        _mm512_storeu_ps(lk, pk[j]);
+        _mm512_storeu_ps(lq, pq[j]);
+        _mm512_storeu_ps(ld_, pd[j]);
+        gate_scalars(J, lane_sum(lk), lane_sum(lq), lane_sum(ld_), ms_v[j], &g[j], &cs[j]);
+    }
+}
+
 /* The tiles' second pass over channels o + c0 .. o + c1 of one row: the gate's outputs (v: the value row, q:
  * the hidden row), the conv, SiLU, the residual and the stores. `taps`: where the history taps are and where
  * the conv input goes: 0 state columns in the activation dtype (t0..t2) and the new column (sp); 1 runs of
@@ -1066,49 +1115,13 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring
             h2[j] = slot_at + (L - d) * esz;
             sp[j] = (char *)slot_at;
         }
-        __m512 pv = _mm512_setzero_ps();
-        for (int64_t i = 0; i < H; i += LANES) {
-            const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
-            pv = _mm512_fmadd_ps(x, x, pv);
-        }
-        float lanes[LANES];
-        _mm512_storeu_ps(lanes, pv);
-        ms_v[j] = lane_sum(lanes) / (float)H;
+        ms_v[j] = x512_mean_square(vp[j], H, bf);
     }
     const float *w = J->conv_w;
     for (int64_t h = 0; h < HC; h++) {
         const int64_t o = h * H;
-        __m512 pk[TILE], pq[TILE], pd[TILE];
-        for (int j = 0; j < n; j++) pk[j] = pq[j] = pd[j] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
-            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++) {
-                __m512 ak = pk[j], aq = pq[j], ad = pd[j];
-                for (int64_t i = o + c0; i < o + c1; i += LANES) {
-                    /* a line of each stream 1 KiB ahead (its next chunk): every row starts cold after the
-                     * GEMM, and the tile's streams outnumber what the core's own prefetcher follows */
-                    if (((i * esz) & 63) == 0) {
-                        __builtin_prefetch(kp[j] + i * esz + 1024, 0, 3);
-                        __builtin_prefetch(qp[j] + i * esz + 1024, 0, 3);
-                    }
-                    const __m512 k = x512_load(kp[j], i, bf, 0xFFFF), q = x512_load(qp[j], i, bf, 0xFFFF);
-                    ak = _mm512_fmadd_ps(k, k, ak);
-                    aq = _mm512_fmadd_ps(q, q, aq);
-                    ad = _mm512_fmadd_ps(_mm512_mul_ps(k, _mm512_loadu_ps(J->wkq + i)), q, ad);
-                }
-                pk[j] = ak;
-                pq[j] = aq;
-                pd[j] = ad;
-            }
-        }
         float g[TILE], cs[TILE];
-        for (int j = 0; j < n; j++) {
-            float lk[LANES], lq[LANES], ld_[LANES];
-            _mm512_storeu_ps(lk, pk[j]);
-            _mm512_storeu_ps(lq, pq[j]);
-            _mm512_storeu_ps(ld_, pd[j]);
-            gate_scalars(J, lane_sum(lk), lane_sum(lq), lane_sum(ld_), ms_v[j], &g[j], &cs[j]);
-        }
+        x512_head_gates(J, kp, qp, ms_v, n, o, bf, 1, g, cs);
         for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
             const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
             for (int j = 0; j < n; j++)
@@ -1161,43 +1174,13 @@ X512 int64_t x512_rows_body(const job_t *J, scratch_t *S, int64_t r, int64_t p, 
         x0[j] = S->ring + ((row - 3 * d) % ring_rows) * C;
         x1[j] = S->ring + ((row - 2 * d) % ring_rows) * C;
         x2[j] = S->ring + ((row - d) % ring_rows) * C;
-        __m512 pv = _mm512_setzero_ps();
-        for (int64_t i = 0; i < H; i += LANES) {
-            const __m512 x = x512_load(vp[j], i, bf, 0xFFFF);
-            pv = _mm512_fmadd_ps(x, x, pv);
-        }
-        float lanes[LANES];
-        _mm512_storeu_ps(lanes, pv);
-        ms_v[j] = lane_sum(lanes) / (float)H;
+        ms_v[j] = x512_mean_square(vp[j], H, bf);
     }
     const float *w = J->conv_w;
     for (int64_t h = 0; h < HC; h++) {
         const int64_t o = h * H;
-        __m512 pk[TILE], pq[TILE], pd[TILE];
-        for (int j = 0; j < n; j++) pk[j] = pq[j] = pd[j] = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
-            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++) {
-                __m512 ak = pk[j], aq = pq[j], ad = pd[j];
-                for (int64_t i = o + c0; i < o + c1; i += LANES) {
-                    const __m512 k = x512_load(kp[j], i, bf, 0xFFFF), q = x512_load(qp[j], i, bf, 0xFFFF);
-                    ak = _mm512_fmadd_ps(k, k, ak);
-                    aq = _mm512_fmadd_ps(q, q, aq);
-                    ad = _mm512_fmadd_ps(_mm512_mul_ps(k, _mm512_loadu_ps(J->wkq + i)), q, ad);
-                }
-                pk[j] = ak;
-                pq[j] = aq;
-                pd[j] = ad;
-            }
-        }
         float g[TILE], cs[TILE];
-        for (int j = 0; j < n; j++) {
-            float lk[LANES], lq[LANES], ld_[LANES];
-            _mm512_storeu_ps(lk, pk[j]);
-            _mm512_storeu_ps(lq, pq[j]);
-            _mm512_storeu_ps(ld_, pd[j]);
-            gate_scalars(J, lane_sum(lk), lane_sum(lq), lane_sum(ld_), ms_v[j], &g[j], &cs[j]);
-        }
+        x512_head_gates(J, kp, qp, ms_v, n, o, bf, 0, g, cs);
         for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
             const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
             for (int j = 0; j < n; j++)
