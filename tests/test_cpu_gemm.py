@@ -1,5 +1,5 @@
 """The projections' GEMM with bf16 weights packed once for oneDNN (ple.cpu_gemm): when it is on, that it
-gives F.linear's results (its bits on CPUs with AMX, where it is on by default), and that the packed copy
+gives F.linear's results (its bits on CPUs with AMX or AVX-512 BF16, where it is on by default), and that the packed copy
 follows its weight through in-place changes, copies, pickles and device moves."""
 
 import copy
@@ -16,19 +16,21 @@ HAS_ONEDNN = cpu_gemm.missing() is None
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch has no oneDNN")
 
 
-def _amx_flag() -> bool:
+def _bf16_flag() -> bool:
+    """Whether /proc/cpuinfo names AMX or AVX-512 BF16 (read here, not through the module under test)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+            return any(line.startswith("flags") and {"amx_bf16", "avx512_bf16"} & set(line.split()) for line in f)
     except OSError:
         return False
 
 
 def _same_or_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit-equal where the packed GEMM is on by default (AMX: the same oneDNN kernels as F.linear's);
+    """Bit-equal where the packed GEMM is on by default (AMX or AVX-512 BF16: the same oneDNN kernels as
+    F.linear's);
     elsewhere (forced on) within one bf16 rounding of the fp32 sums."""
     assert got.shape == want.shape and got.dtype == want.dtype
-    if _amx_flag():
+    if _bf16_flag():
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
@@ -55,13 +57,31 @@ def test_a_bad_switch_is_refused_by_name(monkeypatch, raw):
         PLELayer(_config(), dtype=torch.bfloat16)
 
 
-def test_auto_packs_bf16_on_cpus_with_amx_only(monkeypatch):
+def test_auto_packs_bf16_on_cpus_with_bf16_instructions_only(monkeypatch):
     monkeypatch.delenv("PLE_PACKED_GEMM", raising=False)
-    assert cpu_gemm.packing(torch.bfloat16) == (_amx_flag() and HAS_ONEDNN)
+    assert cpu_gemm.packing(torch.bfloat16) == (_bf16_flag() and HAS_ONEDNN)
     assert cpu_gemm.packing(torch.float32) is False
     monkeypatch.setenv("PLE_PACKED_GEMM", "off")
     assert cpu_gemm.packing(torch.bfloat16) is False
     assert cpu_gemm.describe() == "F.linear (PLE_PACKED_GEMM=off)"
+
+
+@pytest.mark.parametrize(
+    "flags, packs",
+    [
+        ("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True),  # AVX-512 BF16 without AMX
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
+        ("fpu avx2 amx_bf16", True),
+        ("fpu sse2 avx2 avx512f avx512_vnni avx512_fp16", False),  # AVX-512 without bf16
+        ("fpu sse2 avx2 fma", False),
+        ("fpu avx512_bf16x", False),  # a flag is a whole word
+    ],
+)
+def test_auto_reads_the_flags_line(tmp_path, flags, packs):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert cpu_gemm._cpu_has_bf16_matmul(str(info)) is packs
+    assert cpu_gemm._cpu_has_bf16_matmul(str(tmp_path / "absent")) is False
 
 
 def test_on_without_onednn_names_what_is_missing(monkeypatch):

@@ -5,16 +5,18 @@ reorders it into the blocked layout its matrix kernels read, on every call: for 
 projections (``[12800, 2560]`` bf16, 65.5 MB) a decode step copies the weight once more before it
 multiplies. :class:`PackedWeight` keeps one reordered copy (as large as the weight) and :func:`linear`
 multiplies with it (``torch.ops.mkldnn._linear_pointwise``, the call PyTorch's own compiler emits for
-frozen CPU linears). Measured on an Intel Xeon with AMX, two threads, ``[rows, 2560]`` by the
-published weight: 64 rows 4.3 -> 2.4 ms back to back, 4.8 -> 3.2 ms in rotation with other work; one
-row 3.1 -> 2.5 ms; 192 rows 8.7 -> 5.8 ms. From 256 rows on the two are as fast (2,048 rows: the
-packed one up to 5 % slower), so steps of at most :data:`MAX_ROWS` rows take it. Its results have
-``F.linear``'s bits there (the same oneDNN kernels; measured from 1 to 2,048 rows, tested up to
-:data:`MAX_ROWS`).
+frozen CPU linears). Measured with two threads, ``[rows, 2560]`` by the published weight, in rotation
+with other work: on an Intel Xeon with AMX, 64 rows 4.8 -> 3.2 ms (4.3 -> 2.4 back to back), one row
+3.1 -> 2.5 ms, 192 rows 8.7 -> 5.8 ms; on an AMD EPYC with AVX-512 BF16 and no AMX, one row 2.6 -> 2.0
+ms, 64 rows 6.6 -> 6.0, 128 rows 12.0 -> 10.9. From 256 rows on the two are as fast on both (2,048
+rows: the packed one up to 5 % slower on the Xeon), so steps of at most :data:`MAX_ROWS` rows take it.
+Its results have ``F.linear``'s bits on both (the same oneDNN kernels; measured from 1 to 2,048 rows,
+tested up to :data:`MAX_ROWS`).
 
 When it is on (``PLE_PACKED_GEMM``, read at each packing):
 
-- ``auto`` (the default): on CPUs with AMX (the ``amx_bf16`` flag), where it was measured;
+- ``auto`` (the default): on CPUs with bf16 matrix instructions (the ``amx_bf16`` or ``avx512_bf16``
+  flag), where it was measured; not elsewhere (unmeasured there);
 - ``1``/``on``: wherever PyTorch has oneDNN (an error names what is missing where it has not);
 - ``0``/``off``: never (``F.linear`` for every step).
 
@@ -32,7 +34,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from .errors import InvalidArgumentError
 
-__all__ = ["MAX_ROWS", "PackedWeight", "describe", "linear", "missing", "mode", "packing", "use_packed"]
+__all__ = ["AUTO_FLAGS", "MAX_ROWS", "PackedWeight", "describe", "linear", "missing", "mode", "packing", "use_packed"]
 
 MAX_ROWS = 255
 """The most rows a GEMM takes the packed weight for (beyond, ``F.linear``: as fast or faster)."""
@@ -53,14 +55,19 @@ def mode() -> str:
     return got
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_has_amx() -> bool:
-    """Whether the CPU reports AMX for bf16 (Linux: the ``amx_bf16`` flag of ``/proc/cpuinfo``)."""
+AUTO_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU flags (Linux ``/proc/cpuinfo``) under which ``auto`` packs: either is enough."""
+
+
+@functools.lru_cache(maxsize=4)
+def _cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU reports bf16 matrix instructions: one of :data:`AUTO_FLAGS` on the first
+    ``flags`` line of ``cpuinfo`` (False where that file cannot be read)."""
     try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
+                    return not set(AUTO_FLAGS).isdisjoint(line.split())
     except OSError:
         pass
     return False
@@ -85,7 +92,7 @@ def packing(dtype: torch.dtype) -> bool:
     m = mode()
     if m == "off" or dtype != torch.bfloat16:
         return False
-    if m == "auto" and not _cpu_has_amx():
+    if m == "auto" and not _cpu_has_bf16_matmul():
         return False
     lacking = missing()
     if lacking is None:
