@@ -6,7 +6,7 @@
 For each row count: the median ms of ``F.linear(x, w)`` and of ``ple.cpu_gemm.linear(x, w, packed)``
 in rotating order (``x [rows, in]``, ``w [out, in]``, the published projections by default), their ratio,
 whether the two give the same bits, and whether the layer takes the packed GEMM for that many rows on
-this CPU (``PLE_PACKED_GEMM``, ``ple.cpu_gemm.MAX_ROWS``). The packing itself is timed once.
+this CPU (``PLE_PACKED_GEMM``, ``ple.cpu_gemm.max_rows()``). The packing itself is timed once.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                 fns[k]()
                 samples[k].append(time.perf_counter() - t)
         a, b = (statistics.median(samples[k]) * 1e3 for k in ("linear", "packed"))
-        takes = "yes" if layer_packs and n <= cpu_gemm.MAX_ROWS else "no"
+        takes = "yes" if layer_packs and n <= cpu_gemm.max_rows() else "no"
         print(f"| {n} | {a:.3f} | {b:.3f} | {a / b:.2f} | {'yes' if same else 'no'} | {takes} |")
     return 0
 

@@ -82,6 +82,24 @@ def test_auto_reads_the_flags_line(tmp_path, flags, packs):
     info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert cpu_gemm._cpu_has_bf16_matmul(str(info)) is packs
     assert cpu_gemm._cpu_has_bf16_matmul(str(tmp_path / "absent")) is False
+    # every row count where AVX-512 BF16 comes without AMX; MAX_ROWS with AMX and where it was forced on
+    split = flags.split()
+    unbounded = "avx512_bf16" in split and "amx_bf16" not in split
+    assert cpu_gemm.max_rows(str(info)) == (cpu_gemm.ALL_ROWS if unbounded else cpu_gemm.MAX_ROWS)
+    assert cpu_gemm.max_rows(str(tmp_path / "absent")) == cpu_gemm.MAX_ROWS
+
+
+def test_describe_names_the_row_limit(monkeypatch):
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on" if HAS_ONEDNN else "off")
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: 255)
+    assert cpu_gemm.describe() == (
+        "packed oneDNN weights up to 255 rows, F.linear beyond (PLE_PACKED_GEMM=on)"
+        if HAS_ONEDNN
+        else "F.linear (PLE_PACKED_GEMM=off)"
+    )
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: cpu_gemm.ALL_ROWS)
+    if HAS_ONEDNN:
+        assert cpu_gemm.describe() == "packed oneDNN weights at every row count (PLE_PACKED_GEMM=on)"
 
 
 def test_on_without_onednn_names_what_is_missing(monkeypatch):
@@ -95,7 +113,7 @@ def test_on_without_onednn_names_what_is_missing(monkeypatch):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 100, cpu_gemm.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 100, cpu_gemm.MAX_ROWS, 300])
 def test_packed_linear_gives_f_linear_results(rows):
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(320, 96, generator=g) / 10).bfloat16()
@@ -126,12 +144,15 @@ def test_packed_weight_follows_its_weight():
         _same_or_one_rounding(cpu_gemm.linear(x, other, clone), F.linear(x, other))
 
 
-def test_use_packed_only_for_small_gradient_free_steps():
+@pytest.mark.parametrize("limit", [cpu_gemm.MAX_ROWS, cpu_gemm.ALL_ROWS])
+def test_use_packed_only_for_gradient_free_steps_within_the_limit(monkeypatch, limit):
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: limit)
     packed = cpu_gemm.PackedWeight()
     x = torch.zeros(cpu_gemm.MAX_ROWS, 4, dtype=torch.bfloat16)
     assert cpu_gemm.use_packed(x, packed)
     assert not cpu_gemm.use_packed(x, None)
-    assert not cpu_gemm.use_packed(torch.zeros(cpu_gemm.MAX_ROWS + 1, 4, dtype=torch.bfloat16), packed)
+    beyond = torch.zeros(cpu_gemm.MAX_ROWS + 1, 4, dtype=torch.bfloat16)
+    assert cpu_gemm.use_packed(beyond, packed) is (limit == cpu_gemm.ALL_ROWS)
     xg = x.clone().requires_grad_()
     assert not cpu_gemm.use_packed(xg, packed)
     with torch.no_grad():
@@ -166,6 +187,7 @@ def _layer(seed: int = 0) -> PLELayer:
 @needs_onednn
 def test_layer_projections_take_the_packed_weight_and_follow_changes(monkeypatch):
     monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: cpu_gemm.MAX_ROWS)  # as on a CPU with AMX
     layer = _layer()
     assert layer._kv_packed is not None
     g = torch.Generator().manual_seed(9)
@@ -179,6 +201,9 @@ def test_layer_projections_take_the_packed_weight_and_follow_changes(monkeypatch
     layer.projections(emb[:3])
     layer.projections(emb)
     assert calls == [3]  # the packed GEMM for the small step only
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: cpu_gemm.ALL_ROWS)  # as with AVX-512 BF16 alone
+    _same_or_one_rounding(layer.projections(emb), F.linear(emb, layer.kv_weight))
+    assert calls == [3, cpu_gemm.MAX_ROWS + 1]
     # the parameters change in place: the derived weight and its packed copy follow
     with torch.no_grad():
         layer.key_proj.mul_(-1)

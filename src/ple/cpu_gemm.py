@@ -6,12 +6,17 @@ projections (``[12800, 2560]`` bf16, 65.5 MB) a decode step copies the weight on
 multiplies. :class:`PackedWeight` keeps one reordered copy (as large as the weight) and :func:`linear`
 multiplies with it (``torch.ops.mkldnn._linear_pointwise``, the call PyTorch's own compiler emits for
 frozen CPU linears). Measured with two threads, ``[rows, 2560]`` by the published weight, in rotation
-with other work: on an Intel Xeon with AMX, 64 rows 4.8 -> 3.2 ms (4.3 -> 2.4 back to back), one row
-3.1 -> 2.5 ms, 192 rows 8.7 -> 5.8 ms; on an AMD EPYC with AVX-512 BF16 and no AMX, one row 2.6 -> 2.0
-ms, 64 rows 6.6 -> 6.0, 128 rows 12.0 -> 10.9. From 256 rows on the two are as fast on both (2,048
-rows: the packed one up to 5 % slower on the Xeon), so steps of at most :data:`MAX_ROWS` rows take it.
-Its results have ``F.linear``'s bits on both (the same oneDNN kernels; measured from 1 to 2,048 rows,
-tested up to :data:`MAX_ROWS`).
+with other work, ``F.linear`` -> packed:
+
+- an Intel Xeon with AMX: one row 3.1 -> 2.5 ms, 64 rows 4.8 -> 3.2 (4.3 -> 2.4 back to back), 192
+  rows 8.7 -> 5.8; from 256 rows on as fast (2,048 rows: the packed one up to 5 % slower), so steps
+  of at most :data:`MAX_ROWS` rows take it there;
+- an AMD EPYC with AVX-512 BF16 and no AMX: one row 2.6 -> 2.0 ms, 64 rows 6.6 -> 6.0, 128 rows 12.0
+  -> 10.9, then 4-6 % faster up to 4,096 rows (2,048 rows: 180 -> 173 ms), so there every step takes
+  it (:func:`max_rows`).
+
+Its results have ``F.linear``'s bits on both (the same oneDNN kernels; measured from 1 to 4,096 rows,
+tested up to 300).
 
 When it is on (``PLE_PACKED_GEMM``, read at each packing):
 
@@ -28,16 +33,30 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from .errors import InvalidArgumentError
 
-__all__ = ["AUTO_FLAGS", "MAX_ROWS", "PackedWeight", "describe", "linear", "missing", "mode", "packing", "use_packed"]
+__all__ = [
+    "ALL_ROWS",
+    "AUTO_FLAGS",
+    "MAX_ROWS",
+    "PackedWeight",
+    "describe",
+    "linear",
+    "max_rows",
+    "missing",
+    "mode",
+    "packing",
+    "use_packed",
+]
 
 MAX_ROWS = 255
-"""The most rows a GEMM takes the packed weight for (beyond, ``F.linear``: as fast or faster)."""
+"""The most rows a GEMM takes the packed weight for on CPUs with AMX (beyond, ``F.linear``: as fast or
+faster); :func:`max_rows` gives this CPU's limit."""
 
 _HINT = 64
 """The row count the packed layout is chosen for (a decode step's; its results match ``F.linear``'s
@@ -58,19 +77,37 @@ def mode() -> str:
 AUTO_FLAGS = ("amx_bf16", "avx512_bf16")
 """CPU flags (Linux ``/proc/cpuinfo``) under which ``auto`` packs: either is enough."""
 
+ALL_ROWS = sys.maxsize
+""":func:`max_rows` where every row count takes the packed weight."""
+
 
 @functools.lru_cache(maxsize=4)
-def _cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU reports bf16 matrix instructions: one of :data:`AUTO_FLAGS` on the first
-    ``flags`` line of ``cpuinfo`` (False where that file cannot be read)."""
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The words of the first ``flags`` line of ``cpuinfo`` (none where it cannot be read)."""
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return not set(AUTO_FLAGS).isdisjoint(line.split())
+                    return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return False
+    return frozenset()
+
+
+def _cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU reports bf16 matrix instructions: one of :data:`AUTO_FLAGS` in ``cpuinfo``."""
+    return not _cpu_flags(cpuinfo).isdisjoint(AUTO_FLAGS)
+
+
+def max_rows(cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The most rows a GEMM takes the packed weight for on this CPU (when packing is on at all).
+
+    :data:`MAX_ROWS` on CPUs with AMX (beyond, ``F.linear`` is as fast or faster there) and on CPUs
+    without bf16 instructions (forced on; unmeasured); :data:`ALL_ROWS` on CPUs with AVX-512 BF16 and no
+    AMX, where the packed weight measured faster at every row count (1.1-1.3 x up to 128 rows, 4-6 %
+    from 200 to 4,096 rows, with ``F.linear``'s bits)."""
+    flags = _cpu_flags(cpuinfo)
+    return ALL_ROWS if "avx512_bf16" in flags and "amx_bf16" not in flags else MAX_ROWS
 
 
 def missing() -> str | None:
@@ -109,7 +146,10 @@ def describe() -> str:
     except InvalidArgumentError as e:
         return f"error: {e}"
     if on:
-        return f"packed oneDNN weights up to {MAX_ROWS} rows, F.linear beyond (PLE_PACKED_GEMM={mode()})"
+        limit = max_rows()
+        if limit == ALL_ROWS:
+            return f"packed oneDNN weights at every row count (PLE_PACKED_GEMM={mode()})"
+        return f"packed oneDNN weights up to {limit} rows, F.linear beyond (PLE_PACKED_GEMM={mode()})"
     return f"F.linear (PLE_PACKED_GEMM={mode()})"
 
 
@@ -179,7 +219,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch
 
 
 def use_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
-    """Whether :func:`linear` takes ``x``: few enough rows, eager, no derivative asked for, oneDNN on.
+    """Whether :func:`linear` takes ``x``: at most :func:`max_rows` rows, eager, no derivative asked for,
+    oneDNN on.
 
     Traced code (compiled or exported) takes ``F.linear`` whatever the row count, without a guard on
     it; so do inputs that need a gradient, forward-mode derivatives (``torch.func.jvp``, dual tensors:
@@ -188,7 +229,7 @@ def use_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
     return (
         packed is not None
         and type(x) is torch.Tensor
-        and x.shape[0] <= MAX_ROWS
+        and x.shape[0] <= max_rows()
         and not torch.compiler.is_compiling()
         and not _is_exporting()
         and not (x.requires_grad and torch.is_grad_enabled())

@@ -10,7 +10,7 @@ A case compares three things on the same rows:
   ``[B, S, HC*H]`` tensors, ``hidden + module(hidden, ids, cache)``, its ``DynamicCache`` for decode);
 - ``floor``: the two projections alone (``[T, E]`` with ``[HC*H + H, E]`` in the same dtype, the GEMM
   the layer runs: ``F.linear``, or on a CPU where :mod:`ple.cpu_gemm` packs bf16 weights, the packed
-  GEMM for steps of up to its ``MAX_ROWS`` rows), the arithmetic no implementation of the layer can avoid.
+  GEMM for steps of up to its ``max_rows()`` rows), the arithmetic no implementation of the layer can avoid.
 
 Before anything is timed the runner calls ``check(ple(), transformers())``: fp32 outputs must agree
 within ``1e-4 * (1 + max|out|)``; bf16 outputs are judged against transformers run in fp32 on the same
