@@ -463,6 +463,29 @@ def _worker_scenarios(rank: int, world: int, files: Path):
 
     yield "after_errors", after_errors
 
+    def pickled():
+        # a sharded table (of memory, of a file) and a rank's mapped rows refuse to pickle, on every
+        # rank alike and without a collective; the tables still serve lookups afterwards
+        import pickle
+
+        memory = ShardedTable.from_full(make_full("fp32", ROWS, 5))
+        mapped = load_sharded(files / "a.table")
+        refusals = {}
+        for name, obj in (("memory", memory), ("file", mapped), ("mapped rows", mapped.local_table)):
+            try:
+                pickle.dumps(obj)
+                refusals[name] = None
+            except Exception as e:
+                refusals[name] = (type(e).__name__, str(e))
+        ids = make_ids(ROWS, world, 9, seed=3)
+        return {
+            "refusals": refusals,
+            "memory": memory.lookup(ids, torch.float32),
+            "file": mapped.lookup(ids, torch.float32),
+        }
+
+    yield "pickled", pickled
+
 
 def _worker_main(rank: int, world: int, init_file: str, files: str, out: str) -> None:
     import torch.distributed as dist
@@ -873,6 +896,25 @@ def test_group_still_works_after_errors(world):
         assert res["method"] == DEFAULT_METHODS["replicated"] == "allreduce"
         assert res["per_rank_method"] == DEFAULT_METHODS["per_rank"] == "alltoall"
         assert_same_bits(res["rows"], want, f"rank {r}")
+
+
+def test_sharded_tables_refuse_to_pickle_and_serve_on(world, tmp_path):
+    w, results = world
+    ids = make_ids(ROWS, w, 9, seed=3)
+    want = make_full("fp32", ROWS, 5).lookup(ids, torch.float32)
+    want_file = MmapTable.open(write_table_file(tmp_path / "a.table", "A")).lookup(ids, torch.float32)
+    for r, res in enumerate(ok(results, "pickled")):
+        why = {
+            "memory": "serves its rows through a process group",
+            "file": "serves its rows through a process group",
+            "mapped rows": "maps one rank's rows of a table file",
+        }
+        for name, reason in why.items():
+            got = res["refusals"][name]
+            assert got is not None, f"rank {r}: the {name} table pickled"
+            assert got[0] == "UsageError" and reason in got[1] and "layer.table = None" in got[1], (r, got)
+        assert_same_bits(res["memory"], want, f"rank {r}")
+        assert_same_bits(res["file"], want_file, f"rank {r}")
 
 
 # ---------------------------------------------------------------------- single-process tests
