@@ -618,10 +618,14 @@ def test_session_floor_without_gemm_caches_both_gemms(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="no oneDNN")
-def test_packed_gemm_script_prints_a_row_per_count(capsys):
+@pytest.mark.parametrize("limit, takes", [(255, "no"), (None, "yes")])
+def test_packed_gemm_script_prints_a_row_per_count(capsys, monkeypatch, limit, takes):
     import importlib.util
 
     from ple import cpu_gemm
+
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    monkeypatch.setattr(cpu_gemm, "max_rows", lambda: cpu_gemm.ALL_ROWS if limit is None else limit)
 
     path = Path(__file__).resolve().parents[1] / "bench" / "packed_gemm.py"
     spec = importlib.util.spec_from_file_location("packed_gemm_under_test", path)
@@ -631,8 +635,7 @@ def test_packed_gemm_script_prints_a_row_per_count(capsys):
     assert module.main(["--rows", "1,300", "--out", "48", "--in", "32", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 300 |")]
-    takes = "yes" if cpu_gemm.packing(torch.bfloat16) and 300 <= cpu_gemm.max_rows() else "no"
-    assert len(lines) == 2 and lines[1].endswith(f"| {takes} |"), out  # 300 rows: beyond MAX_ROWS with AMX
+    assert len(lines) == 2 and lines[0].endswith("| yes |") and lines[1].endswith(f"| {takes} |"), out
     assert "the layer's GEMM here" in out
     with pytest.raises(SystemExit):
         module.main(["--rows", "0"])

@@ -27,8 +27,7 @@ def _bf16_flag() -> bool:
 
 def _same_or_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     """Bit-equal where the packed GEMM is on by default (AMX or AVX-512 BF16: the same oneDNN kernels as
-    F.linear's);
-    elsewhere (forced on) within one bf16 rounding of the fp32 sums."""
+    F.linear's); elsewhere (forced on) within one bf16 rounding of the fp32 sums."""
     assert got.shape == want.shape and got.dtype == want.dtype
     if _bf16_flag():
         assert torch.equal(got, want)
@@ -67,25 +66,23 @@ def test_auto_packs_bf16_on_cpus_with_bf16_instructions_only(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "flags, packs",
+    "flags, packs, every_row",
     [
-        ("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True),  # AVX-512 BF16 without AMX
-        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True),
-        ("fpu avx2 amx_bf16", True),
-        ("fpu sse2 avx2 avx512f avx512_vnni avx512_fp16", False),  # AVX-512 without bf16
-        ("fpu sse2 avx2 fma", False),
-        ("fpu avx512_bf16x", False),  # a flag is a whole word
+        ("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True, True),  # AVX-512 BF16 without AMX
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True, False),
+        ("fpu avx2 amx_bf16", True, False),
+        ("fpu sse2 avx2 avx512f avx512_vnni avx512_fp16", False, False),  # AVX-512 without bf16
+        ("fpu sse2 avx2 fma", False, False),
+        ("fpu avx512_bf16x", False, False),  # a flag is a whole word
     ],
 )
-def test_auto_reads_the_flags_line(tmp_path, flags, packs):
+def test_auto_reads_the_flags_line(tmp_path, flags, packs, every_row):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert cpu_gemm._cpu_has_bf16_matmul(str(info)) is packs
     assert cpu_gemm._cpu_has_bf16_matmul(str(tmp_path / "absent")) is False
     # every row count where AVX-512 BF16 comes without AMX; MAX_ROWS with AMX and where it was forced on
-    split = flags.split()
-    unbounded = "avx512_bf16" in split and "amx_bf16" not in split
-    assert cpu_gemm.max_rows(str(info)) == (cpu_gemm.ALL_ROWS if unbounded else cpu_gemm.MAX_ROWS)
+    assert cpu_gemm.max_rows(str(info)) == (cpu_gemm.ALL_ROWS if every_row else cpu_gemm.MAX_ROWS)
     assert cpu_gemm.max_rows(str(tmp_path / "absent")) == cpu_gemm.MAX_ROWS
 
 
@@ -220,6 +217,41 @@ def test_layer_projections_take_the_packed_weight_and_follow_changes(monkeypatch
 
 
 @needs_onednn
+def test_a_packing_layer_compiles_whole(monkeypatch):
+    """fullgraph=True over a layer whose eager steps take the packed weight: the traced call decides
+    for F.linear before it reads this CPU's row limit (:func:`max_rows` reads /proc/cpuinfo, which
+    would break the graph)."""
+    from torch._dynamo.utils import counters
+
+    from ple.runtime import Batch
+    from ple.table import MemoryTable
+
+    monkeypatch.setenv("PLE_PACKED_GEMM", "on")
+    layer = _layer(seed=5)
+    g = torch.Generator().manual_seed(6)
+    layer.set_table(MemoryTable(torch.randn(layer.layout.padded_rows, layer.layout.head_dim, generator=g).bfloat16()))
+    assert layer._kv_packed is not None
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def engine(layer, hidden, ids, batch):
+        return layer(hidden, ids, batch)
+
+    for tokens in (3, 300):
+        ctx = torch.randint(0, 300, (1, 2), generator=g)
+        pools = [layer.new_state_pool(2), layer.new_state_pool(2)]
+        batches = [Batch.build([tokens], [1], ctx, pool) for pool in pools]
+        hidden = torch.randn(tokens, 32, generator=g).bfloat16()
+        ids = torch.randint(0, 300, (tokens,), generator=g)
+        with torch.no_grad():
+            want = layer(hidden, ids, batches[0])
+            got = engine(layer, hidden, ids, batches[1])
+        _same_or_one_rounding(got, want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@needs_onednn
 def test_a_change_of_the_norms_does_not_pack_again(monkeypatch):
     monkeypatch.setenv("PLE_PACKED_GEMM", "on")
     layer = _layer()
@@ -267,7 +299,7 @@ def test_use_packed_never_for_traced_tensors():
 @needs_onednn
 def test_session_steps_on_the_packed_weight_match_f_linear_steps(monkeypatch):
     """A bf16 Session (prefill chunks, then decode steps) on the packed weight gives the outputs and states
-    of the same steps on F.linear: bit for bit on CPUs with AMX, within one rounding elsewhere."""
+    of the same steps on F.linear: bit for bit on CPUs with AMX or AVX-512 BF16, within one rounding elsewhere."""
     from ple import Session
     from ple.table import MemoryTable
 

@@ -15,13 +15,13 @@ with other work, ``F.linear`` -> packed:
   -> 10.9, then 4-6 % faster up to 4,096 rows (2,048 rows: 180 -> 173 ms), so there every step takes
   it (:func:`max_rows`).
 
-Its results have ``F.linear``'s bits on both (the same oneDNN kernels; measured from 1 to 4,096 rows,
-tested up to 300).
+Its results have ``F.linear``'s bits on both (the same oneDNN kernels; measured from 1 to 2,048 rows
+on the Xeon and to 4,096 on the EPYC, tested up to 300).
 
 When it is on (``PLE_PACKED_GEMM``, read at each packing):
 
-- ``auto`` (the default): on CPUs with bf16 matrix instructions (the ``amx_bf16`` or ``avx512_bf16``
-  flag), where it was measured; not elsewhere (unmeasured there);
+- ``auto`` (the default): on CPUs with bf16 instructions (AMX tiles or AVX-512 BF16 dot products: the
+  ``amx_bf16`` or ``avx512_bf16`` flag), where it was measured; not elsewhere (unmeasured there);
 - ``1``/``on``: wherever PyTorch has oneDNN (an error names what is missing where it has not);
 - ``0``/``off``: never (``F.linear`` for every step).
 
@@ -95,7 +95,7 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 
 def _cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU reports bf16 matrix instructions: one of :data:`AUTO_FLAGS` in ``cpuinfo``."""
+    """Whether the CPU reports bf16 instructions: one of :data:`AUTO_FLAGS` in ``cpuinfo``."""
     return not _cpu_flags(cpuinfo).isdisjoint(AUTO_FLAGS)
 
 
@@ -228,10 +228,10 @@ def use_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
     ``torch.backends.mkldnn`` is turned off (``F.linear`` then runs another library)."""
     return (
         packed is not None
+        and not torch.compiler.is_compiling()  # first: traced code reads nothing more here (no guard on T)
+        and not _is_exporting()
         and type(x) is torch.Tensor
         and x.shape[0] <= max_rows()
-        and not torch.compiler.is_compiling()
-        and not _is_exporting()
         and not (x.requires_grad and torch.is_grad_enabled())
         and _forward_ad._current_level < 0
         and not _is_functorch_wrapped(x)

@@ -437,8 +437,8 @@ class PLELayer(nn.Module):
         whole batch's GEMM; on an Intel Xeon with AMX, GEMMs of a few rows (fp32 on one thread, bf16 on
         one or four) are blocked otherwise and can differ from it in the last bit.
 
-        A bf16 GEMM on the CPU of at most :func:`ple.cpu_gemm.max_rows` rows (255 with AMX, any number
-        with AVX-512 BF16 alone) multiplies with a copy of the weight packed once for oneDNN where
+        A bf16 GEMM on the CPU of at most :func:`ple.cpu_gemm.max_rows` rows (any number with AVX-512
+        BF16 and no AMX, else 255) multiplies with a copy of the weight packed once for oneDNN where
         ``PLE_PACKED_GEMM`` has it on (by default on CPUs with AMX or AVX-512 BF16): 1.25-1.8 x faster
         with AMX, 1.04-1.3 x with AVX-512 BF16 alone, with ``F.linear``'s bits.
         """
