@@ -1083,8 +1083,30 @@ X512 void x512_pass_any(int bf, int taps, int add_hidden, const char *v, const c
         x512_pass(bf, taps, 0, 0, v, q, t0, t1, t2, sp, cp, op, wc, w, C, L, high0, run, vcs, vg, o, c0, c1);
 }
 
+/* The tiles' work once each row's pointers are set: head by head, the n rows' gates (x512_head_gates, with
+ * `prefetch`), then TILE_CHUNK channels at a time each row's second pass (x512_pass_any) with its taps
+ * t0..t2 and its new state's place sp, `taps` as x512_pass reads them (L, high0 and run: the [S, C, L]
+ * layout's). */
+X512 void x512_heads(const job_t *J, int n, int bf, int taps, int prefetch, const char *const *vp,
+                     const char *const *kp, const char *const *qp, const float *ms_v, const char *const *t0,
+                     const char *const *t1, const char *const *t2, char *const *sp, char *const *cp,
+                     char *const *op, int64_t L, int high0, __m512i run) {
+    const int64_t H = J->hidden_size, HC = J->hc, C = J->channels;
+    for (int64_t h = 0; h < HC; h++) {
+        const int64_t o = h * H;
+        float g[TILE], cs[TILE];
+        x512_head_gates(J, kp, qp, ms_v, n, o, bf, prefetch, g, cs);
+        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
+            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
+            for (int j = 0; j < n; j++)
+                x512_pass_any(bf, taps, J->add_hidden, vp[j], qp[j], t0[j], t1[j], t2[j], sp[j], cp[j], op[j], J->wc,
+                              J->conv_w, C, L, high0, run, _mm512_set1_ps(cs[j]), _mm512_set1_ps(g[j]), o, c0, c1);
+        }
+    }
+}
+
 X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring) {
-    const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, L = J->state_len, d = J->dilation;
+    const int64_t H = J->hidden_size, C = J->channels, L = J->state_len, d = J->dilation;
     const int64_t esz = bf ? 2 : 4;
     /* [S, C, L]: lane i's element is i runs on */
     const __m512i run = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -1117,19 +1139,7 @@ X512 void x512_tile_body(job_t *J, const int64_t *units, int n, int bf, int ring
         }
         ms_v[j] = x512_mean_square(vp[j], H, bf);
     }
-    const float *w = J->conv_w;
-    for (int64_t h = 0; h < HC; h++) {
-        const int64_t o = h * H;
-        float g[TILE], cs[TILE];
-        x512_head_gates(J, kp, qp, ms_v, n, o, bf, 1, g, cs);
-        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
-            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++)
-                x512_pass_any(bf, ring ? 0 : 1, J->add_hidden, vp[j], qp[j], h0[j], h1[j], h2[j], sp[j], cp[j], op[j],
-                              J->wc, w, C, L, L - 3 * d >= 1, run, _mm512_set1_ps(cs[j]), _mm512_set1_ps(g[j]), o, c0,
-                              c1);
-        }
-    }
+    x512_heads(J, n, bf, ring ? 0 : 1, 1, vp, kp, qp, ms_v, h0, h1, h2, sp, cp, op, L, L - 3 * d >= 1, run);
     for (int j = 0; ring && j < n; j++) {
         const int64_t slot = J->slots[J->unit_request[units[j]]];
         J->ring_base[slot] = (J->ring_base[slot] + 1) % L;
@@ -1153,15 +1163,13 @@ __attribute__((noinline, target(BF16_TARGET))) static void x512_tile(job_t *J, c
  * stores it. Within a chunk of channels row j reads its oldest tap before row j + 1 overwrites that ring
  * row. Returns how many rows ran. */
 X512 int64_t x512_rows_body(const job_t *J, scratch_t *S, int64_t r, int64_t p, int64_t p1, int64_t c_from, int bf) {
-    const int64_t H = J->hidden_size, HC = J->hc, C = J->channels, d = J->dilation, ring_rows = J->window + 1;
+    const int64_t H = J->hidden_size, C = J->channels, d = J->dilation, ring_rows = J->window + 1;
     const int64_t esz = bf ? 2 : 4, start = J->starts[r];
     int64_t n = p1 - p;
     if (n > d) n = d;
     if (n > TILE) n = TILE;
-    const char *vp[TILE], *kp[TILE], *qp[TILE];
-    const float *x0[TILE], *x1[TILE], *x2[TILE];
-    float *cr[TILE];
-    char *op[TILE], *cp[TILE];
+    const char *vp[TILE], *kp[TILE], *qp[TILE], *x0[TILE], *x1[TILE], *x2[TILE]; /* taps: fp32 ring rows */
+    char *op[TILE], *cp[TILE], *cr[TILE];
     float ms_v[TILE];
     for (int j = 0; j < n; j++) {
         const int64_t row = p + j, t = start + row;
@@ -1170,25 +1178,13 @@ X512 int64_t x512_rows_body(const job_t *J, scratch_t *S, int64_t r, int64_t p, 
         qp[j] = (const char *)J->hidden + t * J->hidden_stride * esz;
         op[j] = (char *)J->out + t * C * esz;
         cp[j] = row >= c_from ? (char *)J->c_out + t * C * esz : 0;
-        cr[j] = S->ring + (row % ring_rows) * C;
-        x0[j] = S->ring + ((row - 3 * d) % ring_rows) * C;
-        x1[j] = S->ring + ((row - 2 * d) % ring_rows) * C;
-        x2[j] = S->ring + ((row - d) % ring_rows) * C;
+        cr[j] = (char *)(S->ring + (row % ring_rows) * C);
+        x0[j] = (const char *)(S->ring + ((row - 3 * d) % ring_rows) * C);
+        x1[j] = (const char *)(S->ring + ((row - 2 * d) % ring_rows) * C);
+        x2[j] = (const char *)(S->ring + ((row - d) % ring_rows) * C);
         ms_v[j] = x512_mean_square(vp[j], H, bf);
     }
-    const float *w = J->conv_w;
-    for (int64_t h = 0; h < HC; h++) {
-        const int64_t o = h * H;
-        float g[TILE], cs[TILE];
-        x512_head_gates(J, kp, qp, ms_v, n, o, bf, 0, g, cs);
-        for (int64_t c0 = 0; c0 < H; c0 += TILE_CHUNK) {
-            const int64_t c1 = c0 + TILE_CHUNK < H ? c0 + TILE_CHUNK : H;
-            for (int j = 0; j < n; j++)
-                x512_pass_any(bf, 2, J->add_hidden, vp[j], qp[j], (const char *)x0[j], (const char *)x1[j],
-                              (const char *)x2[j], (char *)cr[j], cp[j], op[j], J->wc, w, C, 0, 0, _mm512_setzero_si512(),
-                              _mm512_set1_ps(cs[j]), _mm512_set1_ps(g[j]), o, c0, c1);
-        }
-    }
+    x512_heads(J, n, bf, 2, 0, vp, kp, qp, ms_v, x0, x1, x2, cr, cp, op, 0, 0, _mm512_setzero_si512());
     __atomic_add_fetch(&g_tile_rows, n, __ATOMIC_RELAXED);
     return n;
 }
