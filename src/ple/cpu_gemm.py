@@ -99,6 +99,7 @@ def _cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return not _cpu_flags(cpuinfo).isdisjoint(AUTO_FLAGS)
 
 
+@functools.lru_cache(maxsize=4)
 def max_rows(cpuinfo: str = "/proc/cpuinfo") -> int:
     """The most rows a GEMM takes the packed weight for on this CPU (when packing is on at all).
 
