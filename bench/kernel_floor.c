@@ -1,6 +1,6 @@
 /* The fused step's C kernel alone against a memcpy of the bytes it must move, one decode step.
  *
- *   cc -O3 -fopenmp-simd -fno-math-errno -fno-trapping-math -pthread -o /tmp/kernel_floor \
+ *   cc -O3 -fopenmp -fno-math-errno -fno-trapping-math -pthread -o /tmp/kernel_floor \
  *      bench/kernel_floor.c -lm
  *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD [PLAN]]]
  *
@@ -15,6 +15,11 @@
  * PLAN: the kernel's prefetch plan, lines per run (-1 this CPU's default, the library's; 0 none; a
  * large number: whole runs), as ple_set_prefetch_lines takes it.
  * Start with MALLOC_MMAP_THRESHOLD_=1073741824 to match a process that ran ple.tune_host_allocator().
+ * Built with -fopenmp, THREADS > 1 run as an OpenMP team, as the library does in a process whose PyTorch
+ * uses GNU OpenMP (set OMP_WAIT_POLICY=active: PyTorch's threads spin between steps); built with
+ * -fopenmp-simd instead, each call starts POSIX threads (tens of microseconds, as the library without
+ * OpenMP); the line printed says which. THREADS 1 times the same either way. The floor runs on the
+ * calling thread alone, whatever THREADS.
  */
 #include "../src/ple/_native/ple_cpu.c"
 
@@ -123,9 +128,10 @@ int main(int argc, char **argv) {
         snprintf(plan_text, sizeof plan_text, "whole runs");
     else
         snprintf(plan_text, sizeof plan_text, "%ld lines", (long)lines);
-    printf("%s, %ld tokens, %d threads, isa %d, prefetch %s, %s%s: kernel %.0f us, floor %.0f us (%.1f MB), kernel / floor "
-           "%.2f\n",
-           bf ? "bf16" : "fp32", (long)R, threads, isa, plan_text, threads == 1 ? "CPU time" : "wall", cold ? ", cold" : "",
-           k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
+    const char *team = threads == 1 ? "" : ple_team_kind() ? " (an OpenMP team)" : " (threads started per call)";
+    printf("%s, %ld tokens, %d threads%s, isa %d, prefetch %s, %s%s: kernel %.0f us, floor %.0f us (%.1f MB, one thread), "
+           "kernel / floor %.2f\n",
+           bf ? "bf16" : "fp32", (long)R, threads, team, isa, plan_text, threads == 1 ? "CPU time" : "wall",
+           cold ? ", cold" : "", k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
     return 0;
 }

@@ -28,7 +28,9 @@ that many bytes (a copy reads and writes as much), both buffers warm, as the ste
 spent descheduled on a machine shared with other work is not counted.
 
 ``--parts`` also times the parts of a ``begin``/``run``/``end`` decode step inside it (``begin``, the ids,
-gather and fused kernels, the GEMM, the rest of the engine call, ``end``).
+gather and fused kernels, the GEMM, the rest of the engine call, ``end``), and the traffic floor (warm
+copies, timed after the steps): the fused kernel and the work beside the GEMM are also given as
+multiples of it.
 
 ``--bookkeeping`` times ``Session.step`` around a layer that returns its input (no computation): the
 session's own per-step and per-request work (checks, packing the batch, splitting the outputs, the
@@ -328,7 +330,9 @@ def bookkeeping_case(layer: PLELayer, requests: int, repeat: int) -> dict:
 def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     """Where a ``begin``/``run``/``end`` decode step of ``requests`` goes, each part timed inside the
     step by wrapping it (the rest of the engine call: its Python, records and outputs around the three
-    C kernels and the GEMM). ``repeat`` x 4 steps after 8 untimed ones; seconds per part and step."""
+    C kernels and the GEMM), then as many warm copies of the bytes the step must move (the traffic
+    floor, as in the decode case), back to back after the steps so that no copy runs between two of
+    them. ``repeat`` x 4 steps after 8 untimed ones; seconds per part and step."""
     import ple.ngram.native as ids_native
     import ple.ops.fused.native as fused_native
     import ple.table.lookup.torch_impl as lookup_torch
@@ -340,6 +344,8 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     hidden = torch.randn(4, requests, c, generator=g).to(dtype)
     tokens = torch.randint(0, cfg.vocab_size, (4, requests), generator=g)
     chunks = [{r: tokens[s, r : r + 1] for r in range(requests)} for s in range(4)]
+    read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
+    copy = traffic_copy(read + written)
     spent: dict[str, list[float]] = {}
     wrapped = [
         (fused_native, "run", "fused gate + conv kernel"),
@@ -389,6 +395,11 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
                     session.run(st, 0, hidden[s])
                     session.end(st)
                     spent.setdefault("step", []).append(CLOCK() - t0)
+            for _ in range(4 * repeat + 1):  # the traffic floor: warm copies, back to back
+                t0 = CLOCK()
+                copy()
+                spent.setdefault("traffic", []).append(CLOCK() - t0)
+            del spent["traffic"][0]
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
@@ -491,6 +502,9 @@ def main(argv=None) -> int:
         order = ("begin", "n-gram ids kernel", "row gather kernel", "GEMM", "fused gate + conv kernel")
         order += ("rest of the engine call", "end", "beside the GEMM", "step")
         print("  " + ", ".join(f"{k} {parts['median_s'][k] * 1e3:.3f}" for k in order if k in parts["median_s"]))
+        m = parts["median_s"]
+        over = [f"{k} {m[k] / m['traffic']:.2f} x" for k in ("fused gate + conv kernel", "beside the GEMM") if k in m]
+        print(f"  against the traffic floor ({m['traffic'] * 1e3:.3f} ms, a warm copy): " + ", ".join(over))
         results.append(parts)
     if args.json:
         with open(args.json, "w") as f:

@@ -558,6 +558,7 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
     parts += ("n-gram ids kernel", "row gather kernel", "fused gate + conv kernel")  # the session's C calls
     for part in parts:
         assert got[part] >= 0, part
+    assert got["traffic"] > 0  # the copy of the step's bytes, timed beside the steps
     assert got["step"] >= got["GEMM"] and got["engine call"] >= got["GEMM"]
     assert got["engine call"] >= got["GEMM"] + got["fused gate + conv kernel"]
 
@@ -593,6 +594,21 @@ def test_kernel_floor_builds_and_runs_with_each_prefetch_plan(tmp_path):
         assert said in out.stdout and "kernel / floor" in out.stdout, out.stdout
     bad = subprocess.run([str(exe), "1", "4", "1", "0", "3", "0", "-5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "bad arguments" in bad.stderr
+    # two threads: started per call in this build; an OpenMP team in the documented -fopenmp build
+    out = subprocess.run([str(exe), "0", "4", "2", "0", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "4 tokens, 2 threads (threads started per call)" in out.stdout and "wall: kernel" in out.stdout, out.stdout
+    team = tmp_path / "kernel_floor_omp"
+    flags[flags.index("-fopenmp-simd")] = "-fopenmp"
+    built = subprocess.run(
+        [cc, *flags, "-o", str(team), str(source), "-lm"], capture_output=True, text=True, timeout=300
+    )
+    if built.returncode != 0 and "openmp" in built.stderr.lower():
+        pytest.skip(f"this compiler builds no OpenMP: {built.stderr.strip()[:200]}")
+    assert built.returncode == 0, built.stderr
+    out = subprocess.run([str(team), "0", "4", "2", "0", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "4 tokens, 2 threads (an OpenMP team)" in out.stdout and "wall: kernel" in out.stdout, out.stdout
 
 
 def test_session_floor_without_gemm_caches_both_gemms(monkeypatch):
