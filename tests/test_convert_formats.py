@@ -82,7 +82,11 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused(tmp_path, capsys):
     cfg = PLEConfig(**SMALL)  # head_dim 8
     ckpt = synthesize_checkpoint(cfg, tmp_path / "ckpt", seed=1, files=1)
     capsys.readouterr()
-    assert main(["convert", str(ckpt), str(tmp_path / "out"), "--to", "q4_0"]) == 1
-    assert "head_dim 8 is not a multiple of 32" in capsys.readouterr().err
-    assert not list((tmp_path / "out").glob("*.pletable"))
+    # a value the data shows to be out of range is a command-line error: exit 2 with the usage
+    assert main(["convert", str(ckpt), str(tmp_path / "out"), "--to", "q4_0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ple convert ")
+    assert "error: --to q4_0: the checkpoint's rows are 8 values (head_dim), not whole q4_0 blocks of 32" in err
+    assert "formats these rows fit: fp8, int8\n" in err
+    assert not (tmp_path / "out").exists()
     assert dataclasses.asdict(cfg)["ple_embed_dim"] == 32

@@ -110,7 +110,7 @@ def test_bad_files_are_clear_errors(tmp_path, capsys):
     cfg = _config(tmp_path)
     cases = {}
     _write(tmp_path / "shape.gguf", cfg, QT.Q8_0, head_dim=64)
-    cases["shape.gguf"] = "has rows of 64 values, the model's head_dim is 32"
+    cases["shape.gguf"] = "qwen4exp.embedding_length_per_layer_input is 32, the table's rows are 64 values"
     _write(tmp_path / "type.gguf", cfg, QT.Q4_K, raw=np.zeros((cfg.layout(0).padded_rows // 8, 144), np.uint8))
     cases["type.gguf"] = "of GGML type Q4_K, which ple has no table format for"
     _write(tmp_path / "cut.gguf", cfg, QT.Q5_0)

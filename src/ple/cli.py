@@ -17,7 +17,9 @@ Exit status, the same for every subcommand:
 - 141: stdout was closed early (``ple ... | head``), quietly;
 - 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup as 130.
 
-Any other exception is a bug in ple and shows its traceback.
+Any other exception is a bug in ple and shows its traceback. A ``ple convert`` that fails or is
+stopped leaves no folder it made: the output folder (and parents) it created are removed while they
+hold no file; a folder that existed before is never removed.
 
 ``--json`` always means: print one JSON document on stdout instead of the text report (progress
 and log lines go to stderr). Progress bars appear only when stderr is a terminal.
@@ -96,8 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     json_help = "print one JSON document on stdout instead of the text report"
 
-    p = add("inspect", "layout per PLE layer; for a checkpoint, a check of its headers and small tensors")
-    p.add_argument("path", help="config.json, model directory or model.safetensors.index.json")
+    p = add(
+        "inspect",
+        "layout per PLE layer; for a checkpoint, a check of its headers and small tensors; for a GGUF model, "
+        "its PLE metadata and table tensor; for a table file, its header",
+    )
+    p.add_argument(
+        "path",
+        help="config.json, model directory, model.safetensors.index.json, a GGUF file (model.gguf, or any part "
+        "of a -0000k-of-0000N.gguf split set) or a .pletable table file",
+    )
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.inspect)
 
@@ -110,8 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.ids)
 
-    p = add("convert", "write each PLE layer's table as one memory-mappable table file")
-    p.add_argument("checkpoint", help="model directory (config.json + safetensors) or index file")
+    p = add(
+        "convert",
+        "write each PLE layer's table as one memory-mappable table file (from a checkpoint, or from a GGUF "
+        "model's PLE table, its blocks copied)",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="model directory (config.json + safetensors), index file, or a qwen4exp GGUF file (model.gguf, or "
+        "any part of a -0000k-of-0000N.gguf split set)",
+    )
     p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
     p.add_argument(
         "--to",
@@ -121,13 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", help="PLE layer indexes (positions in ple_layer_ids), e.g. 0,1 (default: all)")
     p.add_argument("--force", action="store_true", help="replace existing table files")
-    p.add_argument("--config", help="config.json (default: the checkpoint's)")
+    p.add_argument(
+        "--config",
+        help="config.json (default: the checkpoint's; for a GGUF, the config whose layout the table file "
+        "carries, every PLE key of the GGUF checked against it; without it the GGUF's PLE keys are the layout)",
+    )
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.convert)
 
-    p = add("verify", "recompute a table file's checksums (and compare it with its checkpoint)")
-    p.add_argument("file", help="a .pletable file")
-    p.add_argument("--checkpoint", help="the model directory it was converted from")
+    p = add(
+        "verify",
+        "recompute table files' checksums (and compare each with its checkpoint); exit 1 if any has a problem",
+    )
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="file",
+        help="one or more .pletable files (with --json: one file's {file, ok, problems}; for several, "
+        "{ok, files: [...]})",
+    )
+    p.add_argument(
+        "--checkpoint", help="the model directory they were converted from (each file matched to its PLE layer)"
+    )
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.verify)
 

@@ -13,7 +13,10 @@ import errno
 import json
 import os
 import re
+import struct
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,21 @@ from .checkpoint import (
 )
 from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
+from .files import PARTIAL_SUFFIX, open_regular, pread_exact
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import compare_with_source, table_amax, target_format
-from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
-from .table.table_file import TABLE_SUFFIX, TableFileWriter, hash_layout
+from .table.convert import TARGET_NAMES, compare_with_source, table_amax, target_format
+from .table.gguf import (
+    PLE_KEYS,
+    GGUFError,
+    GGUFModel,
+    GGUFTensor,
+    iter_rows,
+    ple_metadata_problems,
+    ple_table,
+    read_gguf,
+)
+from .table.table_file import TABLE_SUFFIX, TableFileError, TableFileWriter, hash_layout
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
@@ -81,9 +94,12 @@ def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
 
 def inspect(args: argparse.Namespace) -> int:
     """Layout of every PLE layer; for a checkpoint, the scan (headers and small tensors, never the
-    table; exit 1 on problems); for a GGUF file, its PLE metadata and table tensor."""
+    table; exit 1 on problems); for a GGUF file, its PLE metadata and table tensor; for a table file,
+    its validated header."""
     if _is_gguf(args.path):
         return _inspect_gguf(args)
+    if _is_table_file(args.path):
+        return _inspect_table(args)
     cfg, ckpt = resolve_model(args.path)
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(
@@ -130,6 +146,92 @@ def inspect(args: argparse.Namespace) -> int:
     for q in scan.problems if scan else []:
         print(f"problem: {q}")
     return 1 if problems else 0
+
+
+def _is_table_file(path: str) -> bool:
+    name = Path(path).name
+    partial = name.endswith(PARTIAL_SUFFIX) and TABLE_SUFFIX in name
+    return (name.endswith(TABLE_SUFFIX) or partial) and not Path(path).is_dir()
+
+
+def _table_source(layout: Any) -> str:
+    if isinstance(layout, dict) and isinstance(layout.get("gguf"), dict):
+        return "the PLE metadata of a GGUF model (converted without a config)"
+    if isinstance(layout, dict) and isinstance(layout.get("ple_layer_index"), int):
+        return f"a checkpoint's config, PLE layer {layout['ple_layer_index']}"
+    return "not recorded (the header holds only the layout hash)"
+
+
+def _global_scale(path: str, header: dict[str, Any]) -> float | None:
+    if header["scale"]["kind"] != "global":
+        return None
+    fd = open_regular(path, "table file", TableFileError)
+    try:
+        blob = pread_exact(fd, 4, header["scale"]["offset"], lambda at: TableFileError(f"{path}: ends at byte {at}"))
+    finally:
+        os.close(fd)
+    return float(struct.unpack("<f", blob)[0])
+
+
+def _inspect_table(args: argparse.Namespace) -> int:
+    """``ple inspect FILE.pletable``: what the file's (validated) header says; its rows are not read
+    (``ple verify`` recomputes their checksums)."""
+    h = read_table_header(args.path)
+    info = format_info(h["format"])
+    layout = h.get("layout")
+    doc: dict[str, Any] = {
+        "path": str(args.path),
+        "format": h["format"],
+        "storage_dtype": h["storage_dtype"],
+        "block": info.block,
+        "rows": h["rows"],
+        "head_dim": h["head_dim"],
+        "row_nbytes": h["row_nbytes"],
+        "file_nbytes": h["file_nbytes"],
+        "complete": h["complete"],
+        "sparse": h["sparse"],
+        "scale": {"kind": h["scale"]["kind"], "value": _global_scale(args.path, h)},
+        "source": _table_source(layout),
+        "layout_hash": h["layout_hash"],
+        "layout": layout,
+        "shard_rows": h["shard_rows"],
+        "num_shards": h["num_shards"],
+        "checksums": {k: h["checksum"][k] for k in ("algorithm", "shards", "scale")},
+    }
+    if args.json:
+        _emit_json(doc)
+        return 0
+    blocks = f"blocks of {info.block} values, {info.block_nbytes} B each, " if info.blocked else ""
+    scale = {
+        "none": "no scale",
+        "global": f"one global scale {doc['scale']['value']!r}",
+        "row": "a float32 scale per row",
+    }[h["scale"]["kind"]]
+    state = "complete" if h["complete"] else "INCOMPLETE: its writer never finished"
+    print(f"table file {args.path}: {state}" + ("; sparse (no checksums)" if h["sparse"] else ""))
+    print(f"  format    {h['format']} ({blocks}stored as {h['storage_dtype']}); {scale}")
+    print(
+        f"  rows      {h['rows']:,} x {h['head_dim']} values, {h['row_nbytes']} B a row; "
+        f"file {_human(h['file_nbytes'])}"
+    )
+    print(f"  source    {doc['source']}")
+    print(f"  layout    hash {h['layout_hash']}")
+    fields = layout.get("gguf", layout) if isinstance(layout, dict) else {}
+    for k, v in fields.items():
+        print(f"            {k:34s} {_short(v)}")
+    sums = h["checksum"]["shards"]
+    print(
+        f"  shards    {h['num_shards']} of {h['shard_rows']:,} rows"
+        + ("" if sums is None else f"; {h['checksum']['algorithm']}:")
+    )
+    shown_sums = sums if sums is None or len(sums) <= 16 else sums[:16]
+    for k, c in enumerate(shown_sums or []):
+        print(f"            {k:5d} {c}")
+    if sums is not None and len(sums) > len(shown_sums or []):
+        print(f"            ... {len(sums) - 16} more (--json lists them all)")
+    if h["checksum"]["scale"] is not None:
+        print(f"            scale {h['checksum']['scale']}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- ids
@@ -259,13 +361,9 @@ def _gguf_config_problems(model: GGUFModel, table: GGUFTensor, cfg: PLEConfig) -
     return problems
 
 
-def _open_gguf(path: str) -> tuple[GGUFModel, GGUFTensor]:
+def _open_gguf(path: str, metadata: bool = True) -> tuple[GGUFModel, GGUFTensor]:
     model = read_gguf(path)
-    layers = model.ple_metadata().get("ple.layers")
-    if isinstance(layers, list) and len(layers) != 1:
-        raise GGUFError(f"{path}: {model.arch}.ple.layers is {layers}: ple reads GGUF models with one PLE layer")
-    head_dim = model.ple_metadata().get("embedding_length_per_layer_input")
-    return model, table_tensor(model, head_dim=head_dim if isinstance(head_dim, int) else None)
+    return model, ple_table(model, metadata=metadata)
 
 
 def _inspect_gguf(args: argparse.Namespace) -> int:
@@ -303,15 +401,16 @@ def _inspect_gguf(args: argparse.Namespace) -> int:
 
 def _convert_gguf(args: argparse.Namespace) -> int:
     """``ple convert model.gguf OUT``: the GGUF's table, its bytes copied, as one table file."""
-    model, t = _open_gguf(args.checkpoint)
+    # with a config, the PLE keys present must equal what it gives (which makes them consistent)
+    model, t = _open_gguf(args.checkpoint, metadata=not args.config)
     assert t.format is not None
     if args.to is not None and target_format(args.to, t.format) is not None:
-        raise InvalidArgumentError(
-            f"{args.checkpoint}: a GGUF table is written in its own type ({t.type_name}, ple format {t.format}), "
+        raise CommandLineError(
+            f"--to {args.to}: a GGUF table is written in its own type ({t.type_name}, ple format {t.format}), "
             f"never requantized: drop --to {args.to}"
         )
     if args.layers not in (None, "0"):
-        raise InvalidArgumentError(f"a GGUF model has one PLE table (layer 0), got --layers {args.layers}")
+        raise CommandLineError(f"--layers {args.layers}: a GGUF model has one PLE table (layer 0)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
@@ -337,14 +436,16 @@ def _convert_gguf(args: argparse.Namespace) -> int:
         path = out / ("per_layer_token_embd" + TABLE_SUFFIX)
     if path.exists() and not args.force:
         raise FileExistsError(f"table file {path} exists: pass --force to replace it")
-    out.mkdir(parents=True, exist_ok=True)
     bar = None
     if show_progress():
         from tqdm.auto import tqdm
 
         bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"convert {path.name}")
     try:
-        with TableFileWriter(path, rows, head_dim, t.format, shard_rows, layout, force=args.force) as w:
+        with (
+            _output_folder(out),
+            TableFileWriter(path, rows, head_dim, t.format, shard_rows, layout, force=args.force) as w,
+        ):
             for k, part in iter_rows(t, shard_rows):
                 w.write_shard(k, part)
                 if bar is not None:
@@ -375,6 +476,7 @@ def convert(args: argparse.Namespace) -> int:
     if ckpt is None:
         raise CheckpointError(f"{args.checkpoint}: no safetensors weights found")
     wanted = _parse_layers(args.layers, cfg)
+    _check_target_fits(args.to, cfg.head_dim)
     scan = check_checkpoint(ckpt, cfg, layers=wanted, dense_values=True)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -384,8 +486,55 @@ def convert(args: argparse.Namespace) -> int:
         taken = [out / table_file_name(e.prefix) for e in entries if (out / table_file_name(e.prefix)).exists()]
         if taken:
             raise FileExistsError(f"table file {taken[0]} exists: pass --force to replace it")
+    results: list[dict[str, Any]] = []
+    with _output_folder(out):
+        _convert_layers(args, cfg, entries, out, results)
+    if args.json:
+        _emit_json({"checkpoint": str(args.checkpoint), "out": str(out), "layers": results})
+    return 0
+
+
+def _check_target_fits(to: str | None, head_dim: int) -> None:
+    """``--to`` names a format whose blocks divide rows of ``head_dim`` values: one that does not is a
+    command-line value out of range for this checkpoint (exit status 2). (A source already in that
+    format is copied, and its rows fit by construction.)"""
+    target = target_format(to, "")
+    if target is None:
+        return
+    block = format_info(target).block
+    if head_dim % block:
+        fits = [f for f in TARGET_NAMES if head_dim % format_info(target_format(f, "") or f).block == 0]
+        raise CommandLineError(
+            f"--to {to}: the checkpoint's rows are {head_dim} values (head_dim), not whole {target} blocks of "
+            f"{block} values; formats these rows fit: {', '.join(fits)}"
+        )
+
+
+@contextmanager
+def _output_folder(out: Path) -> Iterator[None]:
+    """Make the output folder ``out`` (and its missing parents) for the block's writing; when the block
+    fails, remove those of them that are still empty (a folder that existed before is never removed;
+    table files already published stay, each complete)."""
+    made: list[Path] = []
+    p = out
+    while not os.path.lexists(p) and p != p.parent:
+        made.append(p)  # deepest first
+        p = p.parent
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    try:
+        yield
+    except BaseException:
+        for q in made:
+            try:
+                q.rmdir()
+            except OSError:  # not empty (or gone): leave it, and its parents
+                break
+        raise
+
+
+def _convert_layers(
+    args: argparse.Namespace, cfg: PLEConfig, entries: list, out: Path, results: list[dict[str, Any]]
+) -> None:
     for e in entries:
         path = out / table_file_name(e.prefix)
         to = target_format(args.to, e.table_format or "")
@@ -411,33 +560,62 @@ def convert(args: argparse.Namespace) -> int:
             print(f"  quantization error (relative to the source): max {tot['max_rel']:.3e}, rms {tot['rms_rel']:.3e}")
             for h, row in enumerate(stats["per_head"]):
                 print(f"  head {h:2d}: max {row['max_rel']:.3e}  rms {row['rms_rel']:.3e}")
-    if args.json:
-        _emit_json({"checkpoint": str(args.checkpoint), "out": str(out), "layers": results})
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- verify
 
 
 def verify(args: argparse.Namespace) -> int:
-    """Recompute a table file's checksums; with ``--checkpoint``, compare it with its source.
+    """Recompute the checksums of one or more table files; with ``--checkpoint``, compare each with its
+    source (each file is matched to the PLE layer its header names). Exit 1 when any file has a problem.
 
-    A file that cannot be read at all (missing, no permission) is one line on stderr, as for every
-    command; what is wrong inside a file it can read is listed on stdout."""
-    os.stat(args.file)  # FileNotFoundError, NotADirectoryError, PermissionError: ple.cli's one line
-    if not os.access(args.file, os.R_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(args.file))
-    problems = verify_table_file(args.file)
-    if args.checkpoint and not problems:
-        problems += _compare_with_checkpoint(args.file, args.checkpoint)
+    A file that cannot be read at all (missing, no permission) is one line on stderr before anything is
+    verified, as for every command; what is wrong inside a file it can read is listed on stdout."""
+    files = list(args.files)
+    for f in files:
+        os.stat(f)  # FileNotFoundError, NotADirectoryError, PermissionError: ple.cli's one line
+        if not os.access(f, os.R_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(f))
+    results: list[dict[str, Any]] = []
+    for f in files:
+        problems = verify_table_file(f)
+        if not problems:
+            problems += _recorded_gguf_problems(f)
+        if args.checkpoint and not problems:
+            problems += _compare_with_checkpoint(f, args.checkpoint)
+        results.append({"file": str(f), "ok": not problems, "problems": problems})
+    ok = all(r["ok"] for r in results)
     if args.json:
-        _emit_json({"file": str(args.file), "ok": not problems, "problems": problems})
-    elif problems:
-        for q in problems:
+        if len(results) == 1:
+            _emit_json(results[0])
+        else:
+            _emit_json({"ok": ok, "files": results})
+    elif len(results) == 1:
+        for q in results[0]["problems"]:
             print(f"problem: {q}")
+        if results[0]["ok"]:
+            print(f"{results[0]['file']}: OK")
     else:
-        print(f"{args.file}: OK")
-    return 1 if problems else 0
+        for r in results:
+            n = len(r["problems"])
+            print(f"{r['file']}: " + ("OK" if r["ok"] else f"{n} problem{'s' * (n != 1)}"))
+            for q in r["problems"]:
+                print(f"  problem: {q}")
+        bad = sum(not r["ok"] for r in results)
+        print(f"{len(results)} files: " + ("all OK" if ok else f"{bad} with problems"))
+    return 0 if ok else 1
+
+
+def _recorded_gguf_problems(file: str) -> list[str]:
+    """For a table file converted from a GGUF without a config: whether the PLE metadata its header
+    records addresses rows the file has (see :func:`ple.table.gguf.ple_metadata_problems`)."""
+    header = read_table_header(file)
+    layout = header.get("layout")
+    recorded = layout.get("gguf") if isinstance(layout, dict) else None
+    if not isinstance(recorded, dict):
+        return []
+    found = ple_metadata_problems(recorded, header["rows"], header["head_dim"])
+    return [f"{file}: the GGUF metadata its header records: {q}" for q in found]
 
 
 def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:

@@ -10,9 +10,14 @@ GGUF stores a 2-D tensor with its dimensions innermost first: ``[ne0, ne1]`` is 
 ``ne0`` values, each row ``ne0 / block`` whole blocks; the GGML types ple serves map to table
 formats (:data:`GGML_FORMATS`), every other type is refused by name (:class:`GGUFError`).
 
-The PLE table of a ``qwen4exp`` GGUF is the tensor ``per_layer_token_embd.weight`` ([head_dim, rows]);
-the PLE metadata keys are ``<arch>.ple.*`` and ``<arch>.embedding_length_per_layer_input`` (see
-:data:`PLE_KEYS` and docs/FORMATS.md).
+Where the tensors lie is checked as llama.cpp checks it: the data section holds them in the order
+they are described, each at the previous one's end rounded up to ``general.alignment`` (default 32),
+all within the file; every tensor's GGML type must be one whose block size ple knows.
+
+The PLE table of a ``qwen4exp`` GGUF (the only architecture read, :data:`ARCHITECTURES`) is the tensor
+``per_layer_token_embd.weight`` ([head_dim, rows]); the PLE metadata keys are ``<arch>.ple.*`` and
+``<arch>.embedding_length_per_layer_input`` (see :data:`PLE_KEYS` and docs/FORMATS.md), checked
+against one another and the tensor by :func:`ple_table`.
 """
 
 from __future__ import annotations
@@ -28,20 +33,29 @@ from typing import Any
 
 import torch
 
+from ..config import LIMITS, MAX_HEADS
 from ..errors import PLEError
-from ..files import pread_exact
+from ..files import open_regular, pread_exact
 from .formats import format_info
 
 __all__ = [
+    "ARCHITECTURES",
     "GGUFError",
     "GGUFModel",
     "GGUFTensor",
     "GGML_FORMATS",
     "PLE_KEYS",
     "TABLE_TENSOR",
+    "ple_metadata_problems",
+    "ple_table",
     "read_gguf",
     "split_parts",
+    "table_tensor",
 ]
+
+ARCHITECTURES = ("qwen4exp",)
+"""The GGUF architectures (``general.architecture``) whose PLE table ple reads; any other is refused
+by name (the table tensor's name and shape alone do not say how its rows are addressed)."""
 
 TABLE_TENSOR = "per_layer_token_embd.weight"
 """The tensor llama.cpp's converter writes a qwen4exp model's PLE table as."""
@@ -73,12 +87,20 @@ GGML_FORMATS = {
 }
 """GGML type number -> the table format that stores it byte for byte."""
 
-_GGML_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
-    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
+_GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
 }  # fmt: skip
+"""GGML type number -> (name, values a block, bytes a block) of every type GGUF files hold: what the
+data section's layout is computed from (a tensor of any other type number is refused)."""
+
+_GGML_NAMES = {k: v[0] for k, v in _GGML_TYPES.items()}
 
 MAX_KEPT_ARRAY = 1 << 16
 """Arrays longer than this (a tokenizer's vocabulary) are skipped, their length kept."""
@@ -118,7 +140,7 @@ class GGUFTensor:
     type: int
     path: Path
     offset: int
-    nbytes: int | None
+    nbytes: int
 
     @property
     def type_name(self) -> str:
@@ -226,10 +248,7 @@ def split_parts(path: str | os.PathLike) -> list[Path]:
 
 
 def _read_one(path: Path) -> tuple[int, dict[str, Any], list[GGUFTensor]]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except IsADirectoryError:
-        raise GGUFError(f"{path} is a folder, not a GGUF file") from None
+    fd = open_regular(path, "GGUF file", GGUFError)  # a FIFO or a device is refused, never waited on
     try:
         size = os.fstat(fd).st_size
         if size < 24:
@@ -250,6 +269,8 @@ def _read_one(path: Path) -> tuple[int, dict[str, Any], list[GGUFTensor]]:
         meta: dict[str, Any] = {}
         for i in range(n_kv):
             key = c.string(f"metadata key {i}")
+            if key in meta:
+                raise GGUFError(f"{path}: metadata key {key!r} appears twice")
             meta[key] = c.value(c.u32(key), key)
         infos = []
         for i in range(n_tensors):
@@ -260,36 +281,68 @@ def _read_one(path: Path) -> tuple[int, dict[str, Any], list[GGUFTensor]]:
             dims = tuple(c.u64(name) for _ in range(nd))
             infos.append((name, dims, c.u32(name), c.u64(name)))
         align = meta.get("general.alignment", 32)
-        if not isinstance(align, int) or align < 1 or align & (align - 1):
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
             raise GGUFError(f"{path}: general.alignment {align!r} is not a power of two")
         data_start = -(-c.pos // align) * align
-        tensors = []
-        for name, dims, typ, off in infos:
-            nbytes = _nbytes(dims, typ)
-            start = data_start + off
-            if nbytes is not None and start + nbytes > size:
-                raise GGUFError(
-                    f"{path}: tensor {name} ({nbytes} bytes at byte {start}) runs past the end of the file "
-                    f"({size} bytes): the data section is truncated"
-                )
-            tensors.append(GGUFTensor(name, dims, typ, path, start, nbytes))
-        return version, meta, tensors
+        return version, meta, _place_tensors(path, infos, align, data_start, size)
     finally:
         c.buf.release()
         buf.close()
 
 
-def _nbytes(dims: tuple[int, ...], typ: int) -> int | None:
-    fmt = GGML_FORMATS.get(typ)
-    if fmt is None:
-        return None
-    info = format_info(fmt)
-    n = 1
+def _place_tensors(
+    path: Path, infos: list[tuple[str, tuple[int, ...], int, int]], align: int, data_start: int, size: int
+) -> list[GGUFTensor]:
+    """The tensors of one file, each checked where its bytes lie: the data section holds the tensors
+    in the order of their descriptions, each starting where the previous one's bytes end, rounded up
+    to ``general.alignment`` (what llama.cpp requires); a misaligned offset, one inside the previous
+    tensor's bytes or past a gap, and bytes beyond the end of the file are refused."""
+    tensors = []
+    expected = 0  # the offset (from the data section's start) the next tensor must have
+    for name, dims, typ, off in infos:
+        nbytes = _nbytes(path, name, dims, typ)
+        if off % align:
+            raise GGUFError(
+                f"{path}: tensor {name} has offset {off}, not a multiple of general.alignment {align} "
+                f"(expected {expected})"
+            )
+        if off != expected:
+            where = (
+                "inside the bytes of the tensor before it"
+                if off < expected
+                else "past a gap after the tensor before it"
+            )
+            raise GGUFError(
+                f"{path}: tensor {name} has offset {off}, expected {expected} ({where}: a GGUF's tensors lie "
+                f"one after another in the order they are described, each aligned to {align} bytes)"
+            )
+        start = data_start + off
+        if start + nbytes > size:
+            raise GGUFError(
+                f"{path}: tensor {name} ({nbytes} bytes at byte {start}) runs past the end of the file "
+                f"({size} bytes): the data section is truncated"
+            )
+        tensors.append(GGUFTensor(name, dims, typ, path, start, nbytes))
+        expected = off + -(-nbytes // align) * align
+    return tensors
+
+
+def _nbytes(path: Path, name: str, dims: tuple[int, ...], typ: int) -> int:
+    """Bytes of a tensor of shape ``dims`` (innermost first) and GGML type ``typ``; an unknown type, or
+    rows that are not whole blocks of the type, are refused."""
+    kind = _GGML_TYPES.get(typ)
+    if kind is None:
+        raise GGUFError(
+            f"{path}: tensor {name} has GGML type {typ}, which ple does not know "
+            "(so where the tensors after it lie cannot be checked)"
+        )
+    type_name, block, block_nbytes = kind
+    if dims[0] % block:
+        raise GGUFError(f"{path}: tensor {name} has rows of {dims[0]} values, not whole {type_name} blocks of {block}")
+    n = dims[0] // block * block_nbytes
     for d in dims[1:]:
         n *= d
-    if dims[0] % info.block:
-        return None
-    return n * info.row_nbytes(dims[0])
+    return n
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
@@ -316,26 +369,141 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
 
 
 def table_tensor(model: GGUFModel, name: str = TABLE_TENSOR, head_dim: int | None = None) -> GGUFTensor:
-    """The table tensor, checked: present, 2-D ``[head_dim, rows]``, of a type ple serves, its row a
-    whole number of blocks (and ``head_dim`` wide when given)."""
+    """The table tensor, checked: present, 2-D ``[head_dim, rows]`` with at least one row, of a type ple
+    serves (and ``head_dim`` wide when given)."""
     t = model.tensors.get(name)
     where = model.paths[0]
     if t is None:
         raise GGUFError(f"{where}: no tensor {name!r} (the PLE table a qwen4exp GGUF holds)")
-    if len(t.dims) != 2:
-        raise GGUFError(f"{t.path}: tensor {name} has shape {list(t.dims)}, expected [head_dim, rows]")
+    if len(t.dims) != 2 or 0 in t.dims:
+        raise GGUFError(f"{t.path}: tensor {name} has shape {list(t.dims)}, expected [head_dim, rows] (both >= 1)")
     if t.format is None:
         raise GGUFError(
             f"{t.path}: tensor {name} is of GGML type {t.type_name}, which ple has no table format for "
             f"(it reads {', '.join(_GGML_NAMES[k] for k in GGML_FORMATS)})"
         )
-    if t.nbytes is None:
-        raise GGUFError(
-            f"{t.path}: tensor {name} rows of {t.dims[0]} values are not whole {t.type_name} blocks "
-            f"of {format_info(t.format).block}"
-        )
     if head_dim is not None and t.dims[0] != head_dim:
         raise GGUFError(f"{t.path}: tensor {name} has rows of {t.dims[0]} values, the model's head_dim is {head_dim}")
+    return t
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def ple_metadata_problems(ple: dict[str, Any], rows: int, head_dim: int, prefix: str = "") -> list[str]:
+    """What in the PLE metadata ``ple`` (:data:`PLE_KEYS` without the architecture prefix; the keys
+    absent are not judged) is malformed or disagrees with itself or with a table of ``rows`` rows of
+    ``head_dim`` values; empty when all is consistent. Checked: each value's type and range (those of
+    :class:`~ple.config.PLEConfig`'s fields), ``layer_multipliers`` (``ngram_size`` odd integers below
+    2^64), ``head_vocab_sizes`` and ``head_offsets`` (``(ngram_size - 1) * heads_per_ngram`` heads, each
+    head's rows following the previous head's from row 0, as the qwen4_exp layout places them), that
+    the table holds every row the heads address, and ``embedding_length_per_layer_input == head_dim``.
+    Keys are named with ``prefix`` (``"qwen4exp."``)."""
+    problems: list[str] = []
+
+    def integer(key: str, lo: int, hi: int) -> int | None:
+        if key not in ple:
+            return None
+        v = ple[key]
+        if not _is_int(v) or not lo <= v <= hi:
+            problems.append(f"{prefix}{key} is {_shown(v)}, expected an integer in [{lo}, {hi}]")
+            return None
+        return v
+
+    def integers(key: str, n: int | None, lo: int, hi: int) -> list[int] | None:
+        if key not in ple:
+            return None
+        v = ple[key]
+        if isinstance(v, _Skipped) or not isinstance(v, list) or not all(_is_int(x) for x in v):
+            problems.append(f"{prefix}{key} is {_shown(v)}, expected a list of integers")
+            return None
+        if n is not None and len(v) != n:
+            problems.append(f"{prefix}{key} has {len(v)} entries, expected {n}")
+            return None
+        bad = [(i, x) for i, x in enumerate(v) if not lo <= x <= hi]
+        if bad:
+            i, x = bad[0]
+            problems.append(f"{prefix}{key}[{i}] is {x}, expected an integer in [{lo}, {hi}]")
+            return None
+        return v
+
+    lim = LIMITS
+    n = integer("ple.ngram_size", *lim["ngram_size"][:2])
+    hpn = integer("ple.heads_per_ngram", *lim["heads_per_ngram"][:2])
+    integer("ple.conv_kernel", *lim["ple_conv_kernel_size"][:2])
+    integer("ple.eos_token_id", 0, lim["vocab_size"][1] - 1)
+    width = integer("embedding_length_per_layer_input", 1, lim["ple_embed_dim"][1])
+    if width is not None and width != head_dim:
+        problems.append(f"{prefix}embedding_length_per_layer_input is {width}, the table's rows are {head_dim} values")
+    heads = None
+    if n is not None and hpn is not None:
+        heads = (n - 1) * hpn
+        if heads > MAX_HEADS:
+            problems.append(
+                f"{prefix}ple.ngram_size {n} and {prefix}ple.heads_per_ngram {hpn} make {heads} heads, "
+                f"at most {MAX_HEADS}"
+            )
+            heads = None
+    mults = integers("ple.layer_multipliers", n, 1, (1 << 64) - 1)
+    if mults is not None:
+        even = [i for i, m in enumerate(mults) if m % 2 == 0]
+        if even:
+            problems.append(f"{prefix}ple.layer_multipliers[{even[0]}] is {mults[even[0]]}, expected an odd integer")
+    sizes = integers("ple.head_vocab_sizes", heads, 1, (1 << 64) - 1)
+    offsets = integers("ple.head_offsets", heads if sizes is None else len(sizes), 0, (1 << 64) - 1)
+    if sizes is not None and not sizes:
+        problems.append(f"{prefix}ple.head_vocab_sizes is empty: a PLE layer has at least one head")
+    if sizes and offsets is not None:
+        at = 0
+        for h, (o, z) in enumerate(zip(offsets, sizes)):
+            if o != at:
+                problems.append(
+                    f"{prefix}ple.head_offsets[{h}] is {o}, expected {at} (head {h}'s rows follow those of the "
+                    f"heads before it: the sum of {prefix}ple.head_vocab_sizes[:{h}])"
+                )
+                break
+            at += z
+        else:
+            if at > rows:
+                problems.append(
+                    f"the heads address rows [0, {at}) ({prefix}ple.head_offsets[-1] {offsets[-1]} + "
+                    f"{prefix}ple.head_vocab_sizes[-1] {sizes[-1]}), the table has {rows} rows"
+                )
+    elif sizes and sum(sizes) > rows:
+        problems.append(
+            f"the heads address {sum(sizes)} rows (the sum of {prefix}ple.head_vocab_sizes), the table has {rows}"
+        )
+    return problems
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, _Skipped):
+        return f"an array of {v.length} values"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def ple_table(model: GGUFModel, metadata: bool = True) -> GGUFTensor:
+    """The PLE table of a GGUF model, checked: an architecture ple reads (:data:`ARCHITECTURES`), one
+    PLE layer, the table tensor (:func:`table_tensor`) and (``metadata``) the PLE metadata present,
+    consistent with itself and with the tensor (:func:`ple_metadata_problems`). Raises
+    :class:`GGUFError` naming every problem."""
+    where = model.paths[0]
+    arch = model.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{where}: general.architecture is {_shown(arch) if arch is not None else 'missing'}; ple reads the PLE "
+            f"table of GGUF models of architecture {', '.join(repr(a) for a in ARCHITECTURES)}"
+        )
+    meta = model.ple_metadata()
+    layers = meta.get("ple.layers")
+    if layers is not None and (not isinstance(layers, list) or len(layers) != 1 or not _is_int(layers[0])):
+        raise GGUFError(f"{where}: {arch}.ple.layers is {_shown(layers)}: ple reads GGUF models with one PLE layer")
+    t = table_tensor(model)
+    problems = ple_metadata_problems(meta, t.dims[1], t.dims[0], prefix=f"{arch}.") if metadata else []
+    if problems:
+        raise GGUFError(f"{where}: the PLE metadata does not fit the table tensor {t.name}: " + "; ".join(problems))
     return t
 
 
