@@ -42,9 +42,12 @@ def ple_keys(cfg: PLEConfig) -> dict:
     }
 
 
-def write_gguf(path, cfg, qtype=QT.Q8_0, *, arch="qwen4exp", keys=None, rows=None, before=(), after=(), alignment=None):
+def write_gguf(
+    path, cfg, qtype=QT.Q8_0, *, arch="qwen4exp", keys=None, rows=None, before=(), after=(), alignment=None, extra=None
+):
     """A GGUF holding a random table of ``cfg``'s layer 0 between the tensors ``before`` and ``after``
-    (``(name, array, raw type or None)``); returns the table's stored bytes."""
+    (``(name, array, raw type or None)``), with the PLE ``keys`` (default :func:`ple_keys`) and the
+    ``extra`` metadata ``{full key: (value, type)}``; returns the table's stored bytes."""
     lay = cfg.layout(0)
     rows = lay.padded_rows if rows is None else rows
     x = np.random.default_rng(1).standard_normal((rows, lay.head_dim)).astype(np.float32)
@@ -57,6 +60,11 @@ def write_gguf(path, cfg, qtype=QT.Q8_0, *, arch="qwen4exp", keys=None, rows=Non
             w.add_key_value(f"{arch}.{k}", v, VT.ARRAY, t)
         else:
             w.add_key_value(f"{arch}.{k}", v, t)
+    for k, (v, t) in (extra or {}).items():
+        if isinstance(v, list):
+            w.add_key_value(k, v, VT.ARRAY, t)
+        else:
+            w.add_key_value(k, v, t)
     for name, arr, qt in before:
         w.add_tensor(name, arr, raw_dtype=qt)
     w.add_tensor(TABLE_TENSOR, raw, raw_dtype=qtype)
@@ -306,6 +314,38 @@ def test_metadata_that_disagrees_with_itself_is_refused(tmp_path, capsys, cfg, m
     assert convert(tmp_path, src, "--config", tmp_path / "cfg") == 1
     assert "qwen4exp.ple." in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_models_vocabulary_bounds_eos_and_the_multipliers(tmp_path, capsys, cfg):
+    """``tokenizer.ggml.tokens`` (or ``qwen4exp.vocab_size``) gives the vocabulary the layout was made for."""
+    tokens = {"tokenizer.ggml.tokens": ([f"t{i}" for i in range(cfg.vocab_size)], VT.STRING)}
+    src = tmp_path / "m.gguf"
+    write_gguf(src, cfg, extra=tokens)
+    assert main(["convert", str(src), str(tmp_path / "ok")]) == 0  # the layout's own values fit
+    keys = ple_keys(cfg)
+    keys["ple.eos_token_id"] = (cfg.vocab_size, VT.UINT32)
+    write_gguf(src, cfg, keys=keys, extra=tokens)
+    refused(
+        tmp_path,
+        capsys,
+        src,
+        f"qwen4exp.ple.eos_token_id is {cfg.vocab_size}, expected an integer in [0, {cfg.vocab_size - 1}]",
+    )
+    write_gguf(src, cfg, extra={"qwen4exp.vocab_size": (10**6, VT.UINT32)})  # multipliers made for 500 tokens
+    refused(tmp_path, capsys, src, "a vocabulary of 1000000 tokens gives")
+
+
+def test_a_gguf_without_heads_per_ngram_needs_its_config(tmp_path, capsys, cfg):
+    keys = ple_keys(cfg)
+    del keys["ple.heads_per_ngram"]
+    src = tmp_path / "m.gguf"
+    write_gguf(src, cfg, keys=keys)
+    capsys.readouterr()
+    assert convert(tmp_path, src) == 1
+    assert (
+        "lacks the PLE metadata qwen4exp.ple.heads_per_ngram: name the model's config.json" in capsys.readouterr().err
+    )
+    assert convert(tmp_path, src, "--config", tmp_path / "cfg") == 0
 
 
 def test_verify_judges_the_metadata_a_file_records(tmp_path, capsys, cfg):

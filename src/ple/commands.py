@@ -425,7 +425,13 @@ def _convert_gguf(args: argparse.Namespace) -> int:
         path = out / table_file_name(cfg.layer_prefix(0))
     else:
         meta = model.ple_metadata()
-        needed = ("ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes", "ple.ngram_size")
+        needed = (
+            "ple.layer_multipliers",
+            "ple.head_offsets",
+            "ple.head_vocab_sizes",
+            "ple.ngram_size",
+            "ple.heads_per_ngram",
+        )
         missing = [f"{model.arch}.{k}" for k in needed if k not in meta]
         if missing:
             raise GGUFError(

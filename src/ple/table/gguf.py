@@ -165,6 +165,17 @@ class GGUFModel:
         a = self.metadata.get("general.architecture")
         return a if isinstance(a, str) else None
 
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary: ``<arch>.vocab_size``, else the length of ``tokenizer.ggml.tokens``
+        (None when neither is there)."""
+        v = self.metadata.get(f"{self.arch}.vocab_size")
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, _Skipped):
+            return tokens.length
+        return len(tokens) if isinstance(tokens, list) else None
+
     def ple_metadata(self) -> dict[str, Any]:
         """The PLE keys present (:data:`PLE_KEYS`, without the architecture prefix)."""
         arch = self.arch
@@ -391,15 +402,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def ple_metadata_problems(ple: dict[str, Any], rows: int, head_dim: int, prefix: str = "") -> list[str]:
+def ple_metadata_problems(
+    ple: dict[str, Any], rows: int, head_dim: int, prefix: str = "", vocab_size: int | None = None
+) -> list[str]:
     """What in the PLE metadata ``ple`` (:data:`PLE_KEYS` without the architecture prefix; the keys
     absent are not judged) is malformed or disagrees with itself or with a table of ``rows`` rows of
     ``head_dim`` values; empty when all is consistent. Checked: each value's type and range (those of
     :class:`~ple.config.PLEConfig`'s fields), ``layer_multipliers`` (``ngram_size`` odd integers below
     2^64), ``head_vocab_sizes`` and ``head_offsets`` (``(ngram_size - 1) * heads_per_ngram`` heads, each
     head's rows following the previous head's from row 0, as the qwen4_exp layout places them), that
-    the table holds every row the heads address, and ``embedding_length_per_layer_input == head_dim``.
-    Keys are named with ``prefix`` (``"qwen4exp."``)."""
+    the table holds every row the heads address, and ``embedding_length_per_layer_input == head_dim``;
+    given the model's ``vocab_size``, ``eos_token_id`` is a token of it and each multiplier is one the
+    layout derives for it (at most ``2 * (((2^63 - 1) // vocab_size) // 2) - 1``). Keys are named with
+    ``prefix`` (``"qwen4exp."``)."""
     problems: list[str] = []
 
     def integer(key: str, lo: int, hi: int) -> int | None:
@@ -432,7 +447,8 @@ def ple_metadata_problems(ple: dict[str, Any], rows: int, head_dim: int, prefix:
     n = integer("ple.ngram_size", *lim["ngram_size"][:2])
     hpn = integer("ple.heads_per_ngram", *lim["heads_per_ngram"][:2])
     integer("ple.conv_kernel", *lim["ple_conv_kernel_size"][:2])
-    integer("ple.eos_token_id", 0, lim["vocab_size"][1] - 1)
+    vocab = vocab_size if vocab_size is not None and vocab_size >= 1 else lim["vocab_size"][1]
+    integer("ple.eos_token_id", 0, vocab - 1)
     width = integer("embedding_length_per_layer_input", 1, lim["ple_embed_dim"][1])
     if width is not None and width != head_dim:
         problems.append(f"{prefix}embedding_length_per_layer_input is {width}, the table's rows are {head_dim} values")
@@ -450,6 +466,13 @@ def ple_metadata_problems(ple: dict[str, Any], rows: int, head_dim: int, prefix:
         even = [i for i, m in enumerate(mults) if m % 2 == 0]
         if even:
             problems.append(f"{prefix}ple.layer_multipliers[{even[0]}] is {mults[even[0]]}, expected an odd integer")
+        top = 2 * max(1, ((1 << 63) - 1) // vocab // 2) - 1
+        big = [i for i, m in enumerate(mults) if m > top]
+        if vocab_size is not None and big:
+            problems.append(
+                f"{prefix}ple.layer_multipliers[{big[0]}] is {mults[big[0]]}, more than the {top} a vocabulary of "
+                f"{vocab_size} tokens gives"
+            )
     sizes = integers("ple.head_vocab_sizes", heads, 1, (1 << 64) - 1)
     offsets = integers("ple.head_offsets", heads if sizes is None else len(sizes), 0, (1 << 64) - 1)
     if sizes is not None and not sizes:
@@ -501,7 +524,8 @@ def ple_table(model: GGUFModel, metadata: bool = True) -> GGUFTensor:
     if layers is not None and (not isinstance(layers, list) or len(layers) != 1 or not _is_int(layers[0])):
         raise GGUFError(f"{where}: {arch}.ple.layers is {_shown(layers)}: ple reads GGUF models with one PLE layer")
     t = table_tensor(model)
-    problems = ple_metadata_problems(meta, t.dims[1], t.dims[0], prefix=f"{arch}.") if metadata else []
+    vocab = model.vocab_size()
+    problems = ple_metadata_problems(meta, t.dims[1], t.dims[0], f"{arch}.", vocab) if metadata else []
     if problems:
         raise GGUFError(f"{where}: the PLE metadata does not fit the table tensor {t.name}: " + "; ".join(problems))
     return t
