@@ -165,11 +165,11 @@ def test_offsets_are_checked_as_llama_cpp_does_on_the_writers_own_files(tmp_path
         # misaligned: one byte on
         (lambda p: poke(p, tensor_info(p, TABLE_TENSOR)[1], "<Q", 513, grow=64), "has offset 513, not a multiple of general.alignment 32 (expected 512)"),
         # aligned, but inside the previous tensor's 512 bytes
-        (lambda p: poke(p, tensor_info(p, TABLE_TENSOR)[1], "<Q", 256), "has offset 256, expected 512 (inside the bytes of the tensor before it"),
+        (lambda p: poke(p, tensor_info(p, TABLE_TENSOR)[1], "<Q", 256), "has offset 256, expected 512 (inside the bytes of a tensor before it"),
         # aligned, after a gap
         (lambda p: poke(p, tensor_info(p, TABLE_TENSOR)[1], "<Q", 544, grow=64), "has offset 544, expected 512 (past a gap"),
         # the first tensor does not start the data section
-        (lambda p: poke(p, tensor_info(p, OTHER)[1], "<Q", 32), f"tensor {OTHER} has offset 32, expected 0"),
+        (lambda p: poke(p, tensor_info(p, OTHER)[1], "<Q", 32), f"tensor {OTHER} has offset 32, expected 0 (past a gap at the data's start"),
     ],
     ids=["misaligned", "overlap", "gap", "first"],
 )  # fmt: skip

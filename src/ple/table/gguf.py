@@ -318,11 +318,10 @@ def _place_tensors(
                 f"(expected {expected})"
             )
         if off != expected:
-            where = (
-                "inside the bytes of the tensor before it"
-                if off < expected
-                else "past a gap after the tensor before it"
-            )
+            if off < expected:
+                where = "inside the bytes of a tensor before it"
+            else:
+                where = "past a gap after the tensor before it" if expected else "past a gap at the data's start"
             raise GGUFError(
                 f"{path}: tensor {name} has offset {off}, expected {expected} ({where}: a GGUF's tensors lie "
                 f"one after another in the order they are described, each aligned to {align} bytes)"
