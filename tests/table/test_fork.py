@@ -24,8 +24,7 @@ import torch
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, PrefetchError
 from ple.table.lookup import gather_dequant_reference
 
-from ._helpers import make_table, random_ids, write_file
-from .test_threads import _check_direct_cache
+from ._helpers import check_direct_cache, make_table, random_ids, write_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
 
@@ -120,7 +119,7 @@ def test_every_tier_serves_lookups_and_prefetches_in_a_forked_child(table_file, 
         _assert_reference(_lookups(tables, seed=20), data, scale)  # the parent's own threads still serve it
         for t in tables.values():
             if isinstance(t, DirectTable):
-                _check_direct_cache(t)
+                check_direct_cache(t)
     finally:
         for t in tables.values():
             t.close()
@@ -254,7 +253,7 @@ def test_forks_while_other_threads_look_up(table_file, tmp_path):
 
     def child():
         direct = tables["direct"]
-        _check_direct_cache(direct)
+        check_direct_cache(direct)
         return _lookups(tables, seed=50)
 
     workers = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]

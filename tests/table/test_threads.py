@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from ple.table import FORMATS, CachedTable, DirectTable, MemoryTable, MmapTable,
 from ple.table.direct import SLOT_OVERHEAD
 from ple.table.lookup import gather_dequant_reference
 
-from ._helpers import make_table, write_file
+from ._helpers import check_direct_cache, make_table, write_file
 
 ROWS, HD = 2048, 64  # 64 values: whole blocks of every block format
 HOT = 48  # rows most lookups read
@@ -146,18 +145,6 @@ def _check_rows(got, fmt: str, data, scale, what: str) -> None:
         assert _same_bytes(rows, want), f"{what} {fmt} {dtype}: rows differ from the reference"
 
 
-def _check_direct_cache(t: DirectTable) -> None:
-    """The row cache's bookkeeping: one slot per row, each slot either free or held by the row it
-    names, pinned slots counted."""
-    used = t._cache_used
-    held = np.nonzero(used >= 0)[0]
-    assert len(t._slot_of) == held.size, "a row was admitted twice (two slots, one index entry)"
-    assert sorted(t._slot_of.values()) == held.tolist()
-    assert all(int(t._row_of_slot[s]) == r for r, s in t._slot_of.items())
-    assert len(t._free) + held.size == t.cache_slots and not set(t._free) & set(held.tolist())
-    assert int((used == np.iinfo(np.int64).max).sum()) == t.pinned_rows
-
-
 def _run(tier: str, fmt: str, files, threads: int, lookups: int) -> None:
     _, data, scale = files[fmt]
     table = _open(tier, fmt, files)
@@ -167,7 +154,7 @@ def _run(tier: str, fmt: str, files, threads: int, lookups: int) -> None:
         assert len(got) == threads * lookups
         _check_rows(got, fmt, data, scale, tier)
         if isinstance(table, DirectTable):
-            _check_direct_cache(table)
+            check_direct_cache(table)
             if not pin:
                 distinct = sum(int(torch.unique(ids).numel()) for ids, _, _ in got)
                 assert table.hits + table.misses == distinct, "hits and misses lost updates"
@@ -224,6 +211,6 @@ def test_sharded_lookups_of_one_process_from_eight_threads(files, one_rank_group
     table = ShardedTable(local, 0, ROWS, ROWS, method=method)
     try:
         _check_rows(_hammer(table, 8, 4), fmt, data, scale, f"sharded {method}")
-        _check_direct_cache(local)
+        check_direct_cache(local)
     finally:
         table.close()
