@@ -122,10 +122,41 @@ def register(
     _LIB.define(schema)
     for device, impl in impls.items():
         _LIB.impl(name, impl, device.upper())
-    torch.library.register_fake(f"ple::{name}", fake, lib=_LIB)
+    torch.library.register_fake(f"ple::{name}", _one_device_fake(name, schema, fake), lib=_LIB)
     op = Operator(name, schema, reference, tuple(kernels), fake, check, impls, kernel_impls)
     OPERATORS[name] = op
     return op
+
+
+def _parameter_names(schema: str) -> list[str]:
+    """The names of a schema's parameters, in order (``"f(Tensor x, int n=1) -> Tensor"``: x, n)."""
+    inside = schema[schema.index("(") + 1 : schema.rindex(") ->")]
+    return [p.split("=", 1)[0].split()[-1] for p in inside.split(", ")]
+
+
+def _one_device_fake(name: str, schema: str, fake: Callable[..., Any]) -> Callable[..., Any]:
+    """``fake`` behind a check of the tensors' devices.
+
+    The dispatcher runs the fake (the ``Meta`` kernel) whenever one tensor argument is on the meta
+    device, even when the others are on the CPU: it would return tensors of no meaning on the CPU, or
+    leave an output it should write untouched. Meta tensors beside tensors on a real device are
+    refused, naming each tensor's device. While tracing (fake tensors report their real devices)
+    and for tensors all on meta (shapes only) the fake runs."""
+    names = _parameter_names(schema)
+
+    def checked_fake(*args, **kwargs):
+        named = [(n, a) for n, a in zip(names, args)] + list(kwargs.items())
+        tensors = [(n, a) for n, a in named if isinstance(a, torch.Tensor)]
+        devices = {a.device.type for _, a in tensors}
+        if "meta" in devices and len(devices) > 1:
+            where = ", ".join(f"{n} on {a.device}" for n, a in tensors)
+            raise InvalidArgumentError(
+                f"{name}: operands on different devices ({where}): every tensor must be on one device "
+                "(tensors on the meta device hold no data to compute with)"
+            )
+        return fake(*args, **kwargs)
+
+    return checked_fake
 
 
 def _device_function(kernels: tuple[Kernel, ...], check, devices: bool) -> Callable[..., Any]:

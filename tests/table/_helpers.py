@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError
@@ -106,3 +107,15 @@ def write_sparse_table_file(
         else:
             w.write_rows(row_ids, row_data, scale)
     return Path(path)
+
+
+def check_direct_cache(t) -> None:
+    """A :class:`~ple.table.DirectTable`'s row cache is whole: one slot per row, each slot either free
+    or held by the row it names, pinned slots counted."""
+    used = t._cache_used
+    held = np.nonzero(used >= 0)[0]
+    assert len(t._slot_of) == held.size, "a row was admitted twice (two slots, one index entry)"
+    assert sorted(t._slot_of.values()) == held.tolist()
+    assert all(int(t._row_of_slot[s]) == r for r, s in t._slot_of.items())
+    assert len(t._free) + held.size == t.cache_slots and not set(t._free) & set(held.tolist())
+    assert int((used == np.iinfo(np.int64).max).sum()) == t.pinned_rows

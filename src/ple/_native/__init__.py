@@ -351,7 +351,6 @@ _SYMBOLS = (
     "ple_slots_advance",
     "ple_reader_new",
     "ple_reader_read",
-    "ple_reader_reads",
     "ple_reader_free",
 )
 """The functions the library must export (what :func:`_declare` declares)."""
@@ -434,8 +433,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     # handle, pieces, offsets, lengths, destinations, max span, error out
     lib.ple_reader_read.restype = i64
     lib.ple_reader_read.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]
-    lib.ple_reader_reads.restype = i64
-    lib.ple_reader_reads.argtypes = [ptr]
     lib.ple_reader_free.restype = None
     lib.ple_reader_free.argtypes = [ptr]
 

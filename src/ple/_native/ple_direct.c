@@ -3,14 +3,21 @@
  * A reader owns `depth` threads and one descriptor. A call hands it pieces sorted by file offset,
  * each (offset, length, destination); the reader covers them with spans aligned to `align` bytes
  * (pieces that start inside the current span join it, so neighbouring rows share one read), and
- * the threads take spans one at a time from a shared counter: up to `depth` reads are in flight.
- * Each thread reads into its own aligned buffer (what O_DIRECT needs), then copies the span's
- * pieces to their destinations. With `drop` set (a descriptor without O_DIRECT), each read is
- * followed by posix_fadvise(DONTNEED) on its range, so no cached pages stay behind.
+ * the threads take spans one at a time from the call's shared counter: up to `depth` reads are in
+ * flight. Each thread reads into its own aligned buffer (what O_DIRECT needs), then copies the
+ * span's pieces to their destinations. With `drop` set (a descriptor without O_DIRECT), each read
+ * is followed by posix_fadvise(DONTNEED) on its range, so no cached pages stay behind.
+ *
+ * Calls from several threads run together: each call joins a queue, the threads serve the oldest
+ * call that still has spans to hand out, then the next, so a call never waits for another to finish
+ * while threads are idle, and each caller waits for its own spans only.
  *
  * Errors (a read that fails, or returns fewer bytes than the file holds there) stop the call: the
  * first is reported in `ple_read_error` (errno, 0 for a short read; the span's offset, length and
- * the bytes read) and the call returns -1. Calls on one reader run one at a time.
+ * the bytes read) and the call returns -1.
+ *
+ * The threads do not exist in a forked child: a child never calls into a reader its parent made
+ * (it makes its own; the parent's is left as it is, neither used nor freed).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -34,43 +41,46 @@ typedef struct {
     int64_t first, last;   /* its pieces [first, last) */
 } span_t;
 
+typedef struct read_call {
+    const int64_t *offsets, *lengths;
+    uint8_t *const *dests;
+    span_t *spans;
+    int64_t nspans, max_span;
+    atomic_llong next; /* the next span to hand out */
+    atomic_int failed;
+    ple_read_error error;
+    int active; /* threads working on it (under the reader's mu) */
+    int queued; /* still in the queue: spans left to hand out (under mu) */
+    struct read_call *later;
+} read_call;
+
 typedef struct ple_reader {
     int fd, depth, drop;
     int64_t align, file_size;
     pthread_t *threads;
     int started;
-    pthread_mutex_t call; /* one call at a time */
     pthread_mutex_t mu;
     pthread_cond_t work_cv, done_cv;
     int stop;
-    int tickets; /* workers the current call still wants woken */
-    int busy;    /* tickets taken or not, whose work is not finished */
-    /* the current call */
-    const int64_t *offsets, *lengths;
-    uint8_t *const *dests;
-    span_t *spans;
-    int64_t nspans, max_span;
-    atomic_llong next;
-    atomic_int failed;
-    ple_read_error error;
-    int64_t reads; /* spans read since open */
+    int calls;              /* calls in progress (queued or not) */
+    read_call *head, *tail; /* calls with spans left to hand out, oldest first */
 } ple_reader;
 
 static int64_t align_down(int64_t x, int64_t a) { return x - x % a; }
 static int64_t align_up(int64_t x, int64_t a) { return x + (a - x % a) % a; }
 
-static void fail(ple_reader *r, int err, int64_t off, int64_t len, int64_t got) {
+static void fail(read_call *c, int err, int64_t off, int64_t len, int64_t got) {
     int expected = 0;
-    if (atomic_compare_exchange_strong(&r->failed, &expected, 1)) {
-        r->error.err = err;
-        r->error.offset = off;
-        r->error.length = len;
-        r->error.got = got;
+    if (atomic_compare_exchange_strong(&c->failed, &expected, 1)) {
+        c->error.err = err;
+        c->error.offset = off;
+        c->error.length = len;
+        c->error.got = got;
     }
 }
 
 /* Read one span into buf and copy its pieces out; 0 or -1 (error recorded). */
-static int read_span(ple_reader *r, const span_t *s, uint8_t *buf) {
+static int read_span(const ple_reader *r, read_call *c, const span_t *s, uint8_t *buf) {
     int64_t want = s->length;
     if (s->start + want > r->file_size) want = r->file_size - s->start; /* the last block of the file */
     int64_t done = 0;
@@ -78,7 +88,7 @@ static int read_span(ple_reader *r, const span_t *s, uint8_t *buf) {
         ssize_t got = pread(r->fd, buf + done, (size_t)(s->length - done), s->start + done);
         if (got < 0) {
             if (errno == EINTR) continue;
-            fail(r, errno, s->start, s->length, -1);
+            fail(c, errno, s->start, s->length, -1);
             return -1;
         }
         if (got == 0) break;
@@ -86,13 +96,27 @@ static int read_span(ple_reader *r, const span_t *s, uint8_t *buf) {
         if (r->align > 1 && done % r->align) break; /* O_DIRECT: a partial block is the end of the file */
     }
     if (done < want) {
-        fail(r, 0, s->start, s->length, done);
+        fail(c, 0, s->start, s->length, done);
         return -1;
     }
     if (r->drop) posix_fadvise(r->fd, s->start, s->length, POSIX_FADV_DONTNEED);
     for (int64_t p = s->first; p < s->last; p++)
-        memcpy(r->dests[p], buf + (r->offsets[p] - s->start), (size_t)r->lengths[p]);
+        memcpy(c->dests[p], buf + (c->offsets[p] - s->start), (size_t)c->lengths[p]);
     return 0;
+}
+
+/* Take `c` out of the queue (under mu): it has no span left to hand out. */
+static void dequeue(ple_reader *r, read_call *c) {
+    if (!c->queued) return;
+    c->queued = 0;
+    read_call **p = &r->head, *prev = NULL;
+    while (*p != c) {
+        prev = *p;
+        p = &(*p)->later;
+    }
+    *p = c->later;
+    if (r->tail == c) r->tail = prev;
+    c->later = NULL;
 }
 
 static void *worker(void *arg) {
@@ -101,33 +125,34 @@ static void *worker(void *arg) {
     int64_t cap = 0;
     for (;;) {
         pthread_mutex_lock(&r->mu);
-        while (!r->stop && r->tickets == 0) pthread_cond_wait(&r->work_cv, &r->mu);
+        while (!r->stop && r->head == NULL) pthread_cond_wait(&r->work_cv, &r->mu);
         if (r->stop) {
             pthread_mutex_unlock(&r->mu);
             break;
         }
-        r->tickets--;
-        int64_t need = r->max_span;
+        read_call *c = r->head;
+        c->active++;
         pthread_mutex_unlock(&r->mu);
-        if (need > cap) {
+        if (c->max_span > cap) {
             free(buf);
             buf = NULL;
             cap = 0;
             void *p = NULL;
-            if (posix_memalign(&p, 4096, (size_t)need) == 0) {
+            if (posix_memalign(&p, 4096, (size_t)c->max_span) == 0) {
                 buf = p;
-                cap = need;
+                cap = c->max_span;
             } else {
-                fail(r, ENOMEM, 0, need, -1);
+                fail(c, ENOMEM, 0, c->max_span, -1);
             }
         }
-        while (buf != NULL && !atomic_load(&r->failed)) {
-            int64_t k = atomic_fetch_add(&r->next, 1);
-            if (k >= r->nspans) break;
-            if (read_span(r, &r->spans[k], buf) != 0) break;
+        while (buf != NULL && !atomic_load(&c->failed)) {
+            int64_t k = atomic_fetch_add(&c->next, 1);
+            if (k >= c->nspans) break;
+            if (read_span(r, c, &c->spans[k], buf) != 0) break;
         }
         pthread_mutex_lock(&r->mu);
-        if (--r->busy == 0) pthread_cond_signal(&r->done_cv);
+        dequeue(r, c); /* every span is handed out (or the call failed): newcomers serve the next call */
+        if (--c->active == 0) pthread_cond_broadcast(&r->done_cv);
         pthread_mutex_unlock(&r->mu);
     }
     free(buf);
@@ -148,12 +173,9 @@ int ple_reader_new(int fd, int depth, int64_t align, int drop, int64_t file_size
     r->align = align;
     r->drop = drop;
     r->file_size = file_size;
-    pthread_mutex_init(&r->call, NULL);
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->work_cv, NULL);
     pthread_cond_init(&r->done_cv, NULL);
-    atomic_init(&r->next, 0);
-    atomic_init(&r->failed, 0);
     r->threads = calloc((size_t)depth, sizeof *r->threads);
     if (r->threads == NULL) {
         ple_reader_free(r);
@@ -177,24 +199,22 @@ int ple_reader_new(int fd, int depth, int64_t align, int drop, int64_t file_size
 
 void ple_reader_free(ple_reader *r) {
     if (r == NULL) return;
-    pthread_mutex_lock(&r->call); /* a call in progress finishes first */
     pthread_mutex_lock(&r->mu);
+    while (r->calls > 0) pthread_cond_wait(&r->done_cv, &r->mu); /* calls in progress finish first */
     r->stop = 1;
     pthread_cond_broadcast(&r->work_cv);
     pthread_mutex_unlock(&r->mu);
     for (int i = 0; i < r->started; i++) pthread_join(r->threads[i], NULL);
-    pthread_mutex_unlock(&r->call);
     free(r->threads);
     pthread_cond_destroy(&r->work_cv);
     pthread_cond_destroy(&r->done_cv);
     pthread_mutex_destroy(&r->mu);
-    pthread_mutex_destroy(&r->call);
     free(r);
 }
 
 /* Read `n` pieces: piece i is `lengths[i]` bytes at file offset `offsets[i]` (sorted ascending),
  * copied to `dests[i]`. Spans are at most `max_span` bytes unless one piece needs more. Returns the
- * number of reads issued, or -1 with `*error` filled. */
+ * number of reads issued, or -1 with `*error` filled. Safe to call from several threads at once. */
 int64_t ple_reader_read(ple_reader *r, int64_t n, const int64_t *offsets, const int64_t *lengths,
                         uint8_t *const *dests, int64_t max_span, ple_read_error *error) {
     memset(error, 0, sizeof *error);
@@ -236,36 +256,34 @@ int64_t ple_reader_read(ple_reader *r, int64_t n, const int64_t *offsets, const 
         if (end - start > widest) widest = end - start;
         k++;
     }
-    pthread_mutex_lock(&r->call);
+    read_call c;
+    memset(&c, 0, sizeof c);
+    c.offsets = offsets;
+    c.lengths = lengths;
+    c.dests = dests;
+    c.spans = spans;
+    c.nspans = k;
+    c.max_span = widest;
+    atomic_init(&c.next, 0);
+    atomic_init(&c.failed, 0);
     pthread_mutex_lock(&r->mu);
-    r->offsets = offsets;
-    r->lengths = lengths;
-    r->dests = dests;
-    r->spans = spans;
-    r->nspans = k;
-    r->max_span = widest;
-    atomic_store(&r->next, 0);
-    atomic_store(&r->failed, 0);
-    /* wake as many workers as there are spans, up to all of them */
-    r->tickets = r->busy = k < r->depth ? (int)k : r->depth;
-    if (r->tickets == r->depth) pthread_cond_broadcast(&r->work_cv);
+    r->calls++;
+    c.queued = 1;
+    if (r->tail) r->tail->later = &c;
+    else r->head = &c;
+    r->tail = &c;
+    /* wake as many threads as there are spans, up to all of them */
+    if (k >= r->depth) pthread_cond_broadcast(&r->work_cv);
     else
-        for (int i = 0; i < r->tickets; i++) pthread_cond_signal(&r->work_cv);
-    while (r->busy > 0) pthread_cond_wait(&r->done_cv, &r->mu);
-    int failed = atomic_load(&r->failed);
-    if (failed) *error = r->error;
-    else r->reads += k;
-    r->spans = NULL;
+        for (int64_t i = 0; i < k; i++) pthread_cond_signal(&r->work_cv);
+    while (c.queued || c.active > 0) pthread_cond_wait(&r->done_cv, &r->mu);
+    r->calls--;
+    if (r->calls == 0) pthread_cond_broadcast(&r->done_cv); /* a free() waiting for the calls */
     pthread_mutex_unlock(&r->mu);
-    pthread_mutex_unlock(&r->call);
     free(spans);
-    return failed ? -1 : k;
-}
-
-/* Spans read since the reader was opened. */
-int64_t ple_reader_reads(ple_reader *r) {
-    pthread_mutex_lock(&r->mu);
-    int64_t n = r->reads;
-    pthread_mutex_unlock(&r->mu);
-    return n;
+    if (atomic_load(&c.failed)) {
+        *error = c.error;
+        return -1;
+    }
+    return k;
 }

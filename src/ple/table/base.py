@@ -31,6 +31,7 @@ import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..operators import Kernel, register
+from .forks import track
 from .formats import check_activation_dtype, check_ids, format_info
 from .lookup import dequantize_rows_into, gather_dequant, gather_dequant_reference
 from .lookup.torch_impl import gather_rows
@@ -72,6 +73,15 @@ class Table(abc.ABC):
         self._engine: PrefetchEngine | None = None
         self._engine_lock = threading.Lock()
         self._prefetch_seq = itertools.count()
+        track(self)
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        """The locks a fork waits for (see :mod:`ple.table.forks`); subclasses add theirs after these."""
+        return [self._engine_lock]
+
+    def _after_fork_in_child(self) -> None:  # noqa: B027 - most tiers hold nothing a fork breaks
+        """Make what this table holds usable in a forked child (see :mod:`ple.table.forks`); the
+        prefetch engine and the direct tier's readers see to their own threads."""
 
     @property
     @abc.abstractmethod
@@ -87,6 +97,12 @@ class Table(abc.ABC):
     def storage_dtype(self) -> torch.dtype:
         """The dtype rows are stored in (what the format says)."""
         return format_info(self.format).storage_dtype
+
+    @property
+    def global_scale(self) -> torch.Tensor | None:
+        """``[1]`` float32: the scale of every row of a format with one global scale ("fp8", "nvfp4");
+        None for the other formats."""
+        return None
 
     def __repr__(self) -> str:
         return (
@@ -115,6 +131,7 @@ class Table(abc.ABC):
         self._engine = None
         self._engine_lock = threading.Lock()
         self._prefetch_seq = itertools.count()
+        track(self)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> torch.Tensor:
@@ -194,6 +211,10 @@ class StoredTable(Table):
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def global_scale(self) -> torch.Tensor | None:
+        return self.scale if format_info(self.format).scale_kind == "global" else None
 
     @property
     def nbytes(self) -> int:

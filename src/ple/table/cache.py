@@ -29,7 +29,8 @@ itself would, instead of serving stale cached rows or touching pages cut off by 
 
 Concurrency: the cache is an immutable ``(ids, rows, scales)`` triple replaced whole by a refresh
 (copy-on-write), so a lookup or prefetch reading the old triple is never disturbed; counting and
-statistics are guarded by a lock, refreshes are serialized.
+statistics are guarded by a lock, refreshes are serialized. A fork waits for a refresh or a count in
+progress (see :mod:`.forks`), so a forked child finds both whole.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class CachedTable(StoredTable):
         self._cache_device = table_device(device) if device is not None else backing.device
         self._scale_kind = format_info(self.format).scale_kind
         self._lock = threading.Lock()  # counts, pending ids, statistics
-        self._refresh_lock = threading.Lock()
+        self._refresh_lock = threading.Lock()  # taken before _lock where both are
         self._state = self._empty_state()
         self._pending: list[torch.Tensor] = []
         self._pending_n = 0
@@ -183,6 +184,9 @@ class CachedTable(StoredTable):
         self._since_refresh = 0
         self.refreshes = 0
         self.reset_stats()
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [*super()._fork_locks(), self._refresh_lock, self._lock]
 
     # ------------------------------------------------------------------ Table interface
     @property

@@ -33,6 +33,13 @@ nor filled.
 
 Like a memory map, the file must not be changed in place: every lookup compares its size and
 modification time with those at open first.
+
+Threads and processes: lookups from several threads run together. The cache's index, slots and
+recency stamps are changed under one lock, held for the bookkeeping and the copy of the hits only,
+never across a read; a row two lookups missed at once is admitted once (the second finds it held).
+The reader serves the calls of several threads together (the native pool takes its next read from
+the oldest call that has reads left). In a child forked after the table was opened the parent's
+reader threads do not exist: the child starts its own on its first read (see :mod:`.forks`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import torch
 from .. import _native
 from ..errors import InvalidArgumentError, UsageError
 from .base import Table
+from .forks import track
 from .formats import format_info
 from .lookup import gather_dequant
 from .table_file import TableFileError, open_table
@@ -63,6 +71,9 @@ BLOCK = 4096
 SLOT_OVERHEAD = 96
 """Bytes counted per cache slot on top of the row and its scale: the slot's entry in the row index
 (a dict entry and an int object) and its recency stamp."""
+
+_PINNED = np.iinfo(np.int64).max
+"""The recency stamp of a pinned slot (never evicted)."""
 
 _BUFFER = 1 << 17  # bytes of each worker's aligned buffer: reads land there, then are copied out together
 
@@ -85,7 +96,8 @@ class _Job:
 
 class _Reader:
     """Issues sorted block reads from ``depth`` Python worker threads, each with its own aligned
-    buffer (the reader when the native one is not used)."""
+    buffer (the reader when the native one is not used). Calls from several threads share the
+    workers; a forked child starts workers of its own on its first read."""
 
     kind = "threads"
 
@@ -95,15 +107,33 @@ class _Reader:
         self.depth = depth
         self.drop_cache = drop_cache
         self.path = path
+        self._guard = threading.Lock()  # the pool (started again after a fork) and the count of reads
+        self._reads = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self._start()
+        track(self)
+
+    @property
+    def reads(self) -> int:
+        return self._reads
+
+    def _start(self) -> None:
         self._local = threading.local()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=depth, thread_name_prefix="ple-direct")
-        self.reads = 0
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="ple-direct")
         # start every worker now (the pool starts threads lazily, which would cost the first lookup)
-        gate = threading.Barrier(depth + 1)
-        started = [self._pool.submit(gate.wait) for _ in range(depth)]
+        gate = threading.Barrier(self.depth + 1)
+        started = [pool.submit(gate.wait) for _ in range(self.depth)]
         gate.wait()
         for f in started:
             f.result()
+        self._pool = pool
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [self._guard]
+
+    def _after_fork_in_child(self) -> None:
+        self._pool = None  # the parent's workers: none of them runs here
 
     def _buffer(self, need: int) -> mmap.mmap:
         buf = getattr(self._local, "buf", None)
@@ -139,12 +169,21 @@ class _Reader:
         """Read every ``(offsets, width, dest)`` on the workers: each takes the next group of spans
         as it finishes its last (a shared queue, so no worker waits on a slow share while others idle)."""
         groups = []
+        reads = 0
         for offsets, width, dest in pieces:
             job = _Job(offsets, width, dest)
             n = job.spans.shape[0]
-            self.reads += n
+            reads += n
             size = max(1, min(_BUFFER // job.slot, n // (4 * self.depth)))
             groups += [(job, lo, min(n, lo + size)) for lo in range(0, n, size)]
+        with self._guard:
+            if self._closed:
+                raise UsageError(f"table file {self.path} was closed")
+            if self._pool is None:  # a forked child: workers of its own
+                self._start()
+            pool = self._pool
+            assert pool is not None
+            self._reads += reads
         if not groups:
             return
         queue = iter(groups)  # next() on a list iterator is atomic: each group goes to one worker
@@ -153,12 +192,16 @@ class _Reader:
             for job, lo, hi in queue:
                 self._work(job, lo, hi)
 
-        futures = [self._pool.submit(drain) for _ in range(min(self.depth, len(groups)))]
+        futures = [pool.submit(drain) for _ in range(min(self.depth, len(groups)))]
         for f in futures:
             f.result()
 
     def close(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait)
+        with self._guard:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait)
 
 
 _warned_threads = False
@@ -194,29 +237,47 @@ class _ReadError(ctypes.Structure):
 
 class _NativeReader:
     """The C reader of ``_native/ple_direct.c``: ``depth`` POSIX threads issue the reads (one
-    ``pread`` each, in flight together) and copy the rows out, without the GIL; one call per lookup."""
+    ``pread`` each, in flight together) and copy the rows out, without the GIL; one call per lookup,
+    calls from several threads served together. A forked child starts threads of its own on its
+    first read (the parent's reader is left untouched there: its threads belong to the parent)."""
 
     kind = "native"
 
     def __init__(self, fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> None:
         self._lib = _native.library()  # NativeUnavailable with the reason
         self.path = path
+        self.depth = depth
+        self._args = (fd, depth, BLOCK, int(drop_cache), size)
+        self._guard = threading.Lock()  # the handle, its users and the count of reads
+        self._users = 0
+        self._closed = False
+        self._reads = 0
+        self._handle: ctypes.c_void_p | None = self._new_handle()
+        track(self)
+
+    def _new_handle(self) -> ctypes.c_void_p:
         handle = ctypes.c_void_p()
-        err = self._lib.ple_reader_new(fd, depth, BLOCK, int(drop_cache), size, ctypes.byref(handle))
+        err = self._lib.ple_reader_new(*self._args, ctypes.byref(handle))
         if err:
-            raise OSError(err, f"starting {depth} reader threads for {path}: {os.strerror(err)}")
-        self._handle: ctypes.c_void_p | None = handle
+            raise OSError(err, f"starting {self.depth} reader threads for {self.path}: {os.strerror(err)}")
+        return handle
 
     @property
     def reads(self) -> int:
-        return 0 if self._handle is None else int(self._lib.ple_reader_reads(self._handle))
+        return self._reads
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [self._guard]
+
+    def _after_fork_in_child(self) -> None:
+        # the parent's reader (its threads, its locks) is neither used nor freed here: a new one on first use
+        self._handle = None
+        self._users = 0
 
     def read(self, pieces: list[tuple[np.ndarray, int, np.ndarray]]) -> None:
         """Read every ``(offsets, width, dest)``: ``width`` bytes at each of the sorted ``offsets``
         (int64), into the rows of ``dest [n, width]`` (uint8, C-contiguous). The pieces' offsets
         taken together must be sorted (rows, then their scales, which follow the rows in the file)."""
-        if self._handle is None:
-            raise UsageError(f"table file {self.path} was closed")
         parts = [(o, w, d) for o, w, d in pieces if o.size]
         if not parts:
             return
@@ -224,15 +285,34 @@ class _NativeReader:
         lengths = np.concatenate([np.full(o.size, w, dtype=np.int64) for o, w, _ in parts])
         dests = np.concatenate([d.ctypes.data + w * np.arange(o.size, dtype=np.uint64) for o, w, d in parts])
         error = _ReadError()
-        got = self._lib.ple_reader_read(
-            self._handle,
-            offsets.size,
-            offsets.ctypes.data,
-            lengths.ctypes.data,
-            dests.ctypes.data,
-            _BUFFER,
-            ctypes.byref(error),
-        )
+        with self._guard:
+            if self._closed:
+                raise UsageError(f"table file {self.path} was closed")
+            if self._handle is None:  # a forked child: threads of its own
+                self._handle = self._new_handle()
+            handle = self._handle
+            self._users += 1
+        got = -1
+        try:
+            got = self._lib.ple_reader_read(
+                handle,
+                offsets.size,
+                offsets.ctypes.data,
+                lengths.ctypes.data,
+                dests.ctypes.data,
+                _BUFFER,
+                ctypes.byref(error),
+            )
+        finally:
+            with self._guard:
+                self._users -= 1
+                if got > 0:
+                    self._reads += got
+                last = self._closed and self._users == 0 and self._handle is handle
+                if last:
+                    self._handle = None
+            if last:
+                self._lib.ple_reader_free(handle)  # closed while this read ran
         if got < 0:
             where = f"{self.path}: reading {error.length} bytes at byte {error.offset}"
             if error.err:
@@ -240,7 +320,11 @@ class _NativeReader:
             raise TableFileError(f"{where}: short read, {error.got} bytes (was the file truncated?)")
 
     def close(self, wait: bool = True) -> None:
-        handle, self._handle = self._handle, None
+        with self._guard:
+            self._closed = True
+            handle = self._handle if self._users == 0 else None  # else the last read in flight frees it
+            if handle is not None:
+                self._handle = None
         if handle is not None:
             self._lib.ple_reader_free(handle)
 
@@ -339,15 +423,19 @@ class DirectTable(Table):
         slots = min(memory_budget // self._slot_bytes, self.rows)
         self._cache_rows = np.zeros((slots, self._row_nbytes), dtype=np.uint8)
         self._cache_scales = np.zeros(slots if kind == "row" else 0, dtype=np.float32)
-        self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, the max pinned
+        self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, _PINNED pinned
         self._row_of_slot = np.zeros(slots, dtype=np.int64)
         self._slot_of: dict[int, int] = {}
         self._free = list(range(slots - 1, -1, -1))
         self._pinned = 0
         self._clock = 0
-        self._lock = threading.Lock()
+        self._admissions = 0  # calls of _to_cache that admitted rows: a miss seen before none is still a miss
+        self._lock = threading.Lock()  # the cache: index, slots, recency, free list; hits and misses
         self.hits = 0
         self.misses = 0
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [*super()._fork_locks(), self._lock]
 
     @staticmethod
     def _open_reader(path: Path, fd: int, direct: bool | None) -> tuple[int, str]:
@@ -384,6 +472,10 @@ class DirectTable(Table):
         return self._cache_rows.shape[0] * self._slot_bytes + self.queue_depth * _BUFFER
 
     @property
+    def global_scale(self) -> torch.Tensor | None:
+        return self._global_scale
+
+    @property
     def cache_slots(self) -> int:
         return int(self._cache_rows.shape[0])
 
@@ -412,7 +504,7 @@ class DirectTable(Table):
         out = np.empty((n, self._row_nbytes), dtype=np.uint8)
         per_row = self._scale_kind == "row"
         scales = np.empty(n, dtype=np.float32) if per_row else None
-        miss = self._from_cache(rows, out, scales)
+        miss, seen = self._from_cache(rows, out, scales)
         if miss.size:
             every = miss.size == n  # nothing from the cache: the reads land in ``out`` itself
             mrows = rows if every else rows[miss]
@@ -429,18 +521,22 @@ class DirectTable(Table):
                 mscale = mscale_bytes.view("<f4").reshape(-1).astype(np.float32)
                 assert scales is not None
                 scales[miss] = mscale
-            self._to_cache(mrows, mout, mscale)
+            self._to_cache(mrows, mout, mscale, seen=seen)
         data = torch.from_numpy(out).view(self._storage)
         if per_row:
             assert scales is not None
             return data, torch.from_numpy(scales).view(-1, 1)
         return data, self._global_scale
 
-    def _from_cache(self, rows: np.ndarray, out: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
-        """Fill what the cache holds; return the indices (into ``rows``) it does not."""
+    def _from_cache(self, rows: np.ndarray, out: np.ndarray, scales: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """Fill what the cache holds; return the indices (into ``rows``) it does not, and the count of
+        admissions then (see :meth:`_to_cache`).
+
+        Under the cache's lock: the slots' rows are copied out before another lookup can evict them."""
         if not self._cache_rows.shape[0]:
-            self.misses += rows.size
-            return np.arange(rows.size)
+            with self._lock:
+                self.misses += rows.size
+            return np.arange(rows.size), 0
         with self._lock:
             self._clock += 1
             slot_of = self._slot_of
@@ -451,40 +547,61 @@ class DirectTable(Table):
             if scales is not None:
                 scales[hit] = self._cache_scales[hs]
             stamp = self._cache_used[hs]
-            self._cache_used[hs] = np.where(stamp == np.iinfo(np.int64).max, stamp, self._clock)
-            n_hit = int(hit.sum())
-        self.hits += n_hit
-        self.misses += rows.size - n_hit
-        return np.nonzero(~hit)[0]
+            self._cache_used[hs] = np.where(stamp == _PINNED, stamp, self._clock)
+            n_hit = int(hs.size)
+            self.hits += n_hit
+            self.misses += rows.size - n_hit
+            seen = self._admissions
+        return np.nonzero(~hit)[0], seen
 
-    def _to_cache(self, rows: np.ndarray, data: np.ndarray, scales: np.ndarray | None, pin: bool = False) -> None:
+    def _to_cache(
+        self, rows: np.ndarray, data: np.ndarray, scales: np.ndarray | None, pin: bool = False, seen: int = -1
+    ) -> None:
+        """Admit ``rows`` (distinct ids) with their stored bytes ``data [n, row_nbytes]`` and scales.
+
+        Rows the cache already holds are left where they are (another lookup read them meanwhile: the
+        same bytes); with ``pin`` they are pinned there. Each row has at most one slot. ``seen``: the
+        count of admissions when the rows were found missing (:meth:`_from_cache`); with no admission
+        since, they are still missing and are not looked up again."""
         cap = self._cache_rows.shape[0]
-        if not cap:
+        if not cap or not rows.size:
             return
         with self._lock:
-            n = rows.size
-            if not pin:
-                n = min(n, cap - self._pinned)
+            slot_of = self._slot_of
+            if pin or seen != self._admissions:
+                held = np.fromiter((slot_of.get(r, -1) for r in rows.tolist()), dtype=np.int64, count=rows.size)
+                if pin:
+                    hs = held[held >= 0]
+                    loose = hs[self._cache_used[hs] != _PINNED]
+                    self._cache_used[loose] = _PINNED
+                    self._pinned += int(loose.size)
+                new = np.nonzero(held < 0)[0]
+            else:
+                new = np.arange(rows.size)
+            n = new.size if pin else min(new.size, cap - self._pinned)
             if n <= 0:
                 return
             if len(self._free) < n:
                 self._evict(n - len(self._free))
             n = min(n, len(self._free))
+            new = new[:n]
             slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
-            self._cache_rows[slots] = data[:n]
+            self._cache_rows[slots] = data[new]
             if scales is not None:
-                self._cache_scales[slots] = scales[:n]
-            self._cache_used[slots] = np.iinfo(np.int64).max if pin else self._clock
-            self._row_of_slot[slots] = rows[:n]
-            for r, s in zip(rows[:n].tolist(), slots.tolist()):
-                self._slot_of[r] = s
+                self._cache_scales[slots] = scales[new]
+            self._cache_used[slots] = _PINNED if pin else self._clock
+            self._row_of_slot[slots] = rows[new]
+            for r, s in zip(rows[new].tolist(), slots.tolist()):
+                slot_of[r] = s
+            self._admissions += 1
             if pin:
                 self._pinned += n
 
     def _evict(self, need: int) -> None:
-        """Free the ``need`` least recently used unpinned slots, or 1/16 of the cache, whichever is more."""
+        """Free the ``need`` least recently used unpinned slots, or 1/16 of the cache, whichever is more
+        (the caller holds the lock)."""
         used = self._cache_used
-        held = np.nonzero((used >= 0) & (used != np.iinfo(np.int64).max))[0]
+        held = np.nonzero((used >= 0) & (used != _PINNED))[0]
         k = min(max(need, used.size // 16), held.size)
         if k <= 0:
             return
@@ -502,17 +619,14 @@ class DirectTable(Table):
         if r.size and (r.min() < 0 or r.max() >= self.rows):
             raise InvalidArgumentError(f"pinned rows must lie in [0, {self.rows})")
         _, first = np.unique(r, return_index=True)
-        r = r[np.sort(first)][: max(0, self.cache_slots - self._pinned)]
-        r = np.array([x for x in r.tolist() if x not in self._slot_of], dtype=np.int64)
+        r = r[np.sort(first)]
+        with self._lock:
+            slot_of, used = self._slot_of, self._cache_used
+            loose = [x for x in r.tolist() if x not in slot_of or used[slot_of[x]] != _PINNED]  # not pinned yet
+            r = np.array(loose[: max(0, self.cache_slots - self._pinned)], dtype=np.int64)
         if r.size:
             order = np.argsort(r)
-            data, scale = self.read_rows(r[order])  # fills the LRU part; repinned below
-            with self._lock:
-                for x in r.tolist():
-                    s = self._slot_of.pop(x, None)
-                    if s is not None:
-                        self._cache_used[s] = -1
-                        self._free.append(s)
+            data, scale = self.read_rows(r[order])  # may admit them unpinned; pinned where they are below
             raw = data.view(torch.uint8).numpy()
             sc = scale.reshape(-1).numpy() if scale is not None and self._scale_kind == "row" else None
             self._to_cache(r[order], raw, sc, pin=True)

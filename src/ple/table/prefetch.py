@@ -18,6 +18,10 @@ Prefetch (``start_prefetch``) starts a lookup early and returns a :class:`Prefet
   if it is needed longer. A handle dropped without ``release()`` keeps its buffer out of the pool
   (it is freed with the caller's last reference), so forgetting ``release()`` costs allocation,
   never correctness.
+
+In a forked child the parent's worker thread does not exist: the child's first prefetch starts one
+of its own, and a handle whose lookup was still running in the parent at the fork raises
+:class:`PrefetchError` when waited (its rows will never be written there); see :mod:`.forks`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from .. import _native
 from ..errors import PLEError
+from .forks import track
 
 __all__ = ["PrefetchError", "PrefetchHandle", "Prefetch"]
 
@@ -160,16 +165,28 @@ class Prefetch(PrefetchHandle):
         super().__init__(seq, ids, dtype)
         self._engine = engine
         self._buf = buf
+        self._forks = engine._forks  # the engine's forks so far: one more means this is a forked child
         self._future: concurrent.futures.Future | None = None
         self._event: torch.cuda.Event | None = None  # marks the side-stream gather done
 
+    def _orphaned(self) -> bool:
+        """Whether this is a forked child and the lookup was still running in the parent at the fork:
+        its worker does not exist here, so the rows will never be written."""
+        return self._forks != self._engine._forks and self._future is not None and not self._future.done()
+
     def done(self) -> bool:
         if self._future is not None:
-            return self._future.done()
+            return self._future.done() or self._orphaned()
         return self._event is None or self._event.query()
 
     def _collect(self) -> torch.Tensor:
         buf = self._buf
+        if self._orphaned():
+            self.release()
+            raise PrefetchError(
+                f"prefetch #{self.seq} was started before fork() and was still running in the parent: its rows "
+                "are not written in this child process; look the ids up again here"
+            )
         if self._future is not None:
             try:
                 self._future.result()
@@ -182,6 +199,8 @@ class Prefetch(PrefetchHandle):
 
     def _drop(self) -> None:
         buf = self._buf
+        if self._orphaned():
+            return  # nothing writes it here; kept out of the pool all the same
         if self._future is not None:
             concurrent.futures.wait([self._future])  # never pool a buffer still being written
         if buf.tensor.device.type == "cuda":
@@ -218,6 +237,18 @@ class PrefetchEngine:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._closed = False
+        self._forks = 0  # forks this engine went through (as the child)
+        track(self)
+
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [self._lock]
+
+    def _after_fork_in_child(self) -> None:
+        # the parent's worker does not run here: a new one on the next prefetch; lookups the parent's
+        # worker had not finished are refused by their handles
+        self._executor = None
+        self._streams = {}
+        self._forks += 1
 
     def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> _Buffer:
         key = (shape, dtype, device)

@@ -185,8 +185,8 @@ def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, lay
     else:
         try:
             head_dim, fmt, local_rows = local_table.head_dim, FORMATS.index(local_table.format), local_table.rows
-            scale = local_table.scale
-            if scale is not None and scale.dim() < 2:
+            scale = local_table.global_scale  # any tier, rows held here or not (a DirectTable's are not)
+            if scale is not None:
                 scale_bits = int(scale.detach().reshape(1).float().cpu().view(torch.int32)[0])
         except Exception as e:  # a table that cannot describe itself
             problems.append(f"local_table could not be inspected: {type(e).__name__}: {e}")
@@ -533,6 +533,10 @@ class ShardedTable(Table):
             f"ids={self.ids!r}, "
             f"local={type(self.local_table).__name__} on {self.device})"
         )
+
+    @property
+    def global_scale(self) -> torch.Tensor | None:
+        return self.local_table.global_scale
 
     def _gathers_on_device(self, device: torch.device) -> bool:
         return self.local_table._gathers_on_device(device)

@@ -53,13 +53,21 @@ def _result(data: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, format: s
 
 def _check(data, scale, ids, dtype, out, check, format, devices=True) -> None:
     """The table data where the ids' device reads it (the same device, or pinned host memory for an
-    accelerator), and a scale that fits the data's rows."""
-    if devices and data.device != ids.device and not (data.device.type == "cpu" and data.is_pinned()):
+    accelerator), its scale beside it, ``out`` on the ids' device, and a scale that fits the data's
+    rows. Devices are checked on every device (Python callers reach the CPU kernel with tensors
+    anywhere; the dispatcher's meta tensors are refused by the fake, see :mod:`ple.operators`)."""
+    dev = ids.device
+    if data.device != dev and not (dev.type != "cpu" and data.device.type == "cpu" and data.is_pinned()):
+        where = "that device or in pinned host memory" if dev.type != "cpu" else "the CPU"
+        raise InvalidArgumentError(f"lookup: ids on {dev} need the table data on {where}, got data on {data.device}")
+    if scale is not None and scale.device != data.device:
         raise InvalidArgumentError(
-            f"ids on {ids.device} need the table data on that device or in pinned host memory, got data on {data.device}"
+            f"lookup: the scale is on {scale.device}, the table data on {data.device}: expected both on one"
         )
-    if not devices and data.device.type != "cpu":
-        raise InvalidArgumentError(f"ids on {ids.device} need the table data on the CPU, got data on {data.device}")
+    if out.device != dev:
+        raise InvalidArgumentError(
+            f"lookup: out is on {out.device}, the ids on {dev}: rows are written on the ids' device"
+        )
     if scale is not None and scale.shape != (1,) and scale.shape != (data.shape[0], 1):
         raise InvalidArgumentError(
             f"lookup: scale.shape={tuple(scale.shape)} does not fit data of {data.shape[0]} rows: "
