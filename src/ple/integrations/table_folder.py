@@ -464,24 +464,33 @@ def _convert_output(
     path = folder / table_file_name(entry.prefix)
     if not os.path.lexists(path):
         return None
-    with _lock(path):
-        try:
-            header = read_table_header(path)
-        except (TableFileError, OSError):
-            return None  # not a table file in this format: the checkpoint-format start judges it
-        if header["format"] != want:
-            return None  # the checkpoint-format copy, or another format's: not this one
-        index = entry.ple_layer_index
-        record = _read_record(path)
-        other = _foreign_owner(path, record, source, home)
-        if other is not None:
-            reason = f"it is PLE layer {index}'s table of checkpoint {other}"
-        else:
-            prepared, reason = _try_existing(path, entry, config, want, None, record, source, home, t0)
-            if prepared is not None:
-                return prepared
-        warnings.warn(f"PLE table file {path} ({want}) is not used: {reason}; converting {own.name}", stacklevel=5)
+    reason = None
+    try:
+        with _lock(path):  # a lock file made here goes again when the file is not served (_NotServed)
+            try:
+                header = read_table_header(path)
+            except (TableFileError, OSError):
+                raise _NotServed from None  # not a table file in this format: the checkpoint-format start judges it
+            if header["format"] != want:
+                raise _NotServed  # the checkpoint-format copy, or another format's: not this one
+            index = entry.ple_layer_index
+            record = _read_record(path)
+            other = _foreign_owner(path, record, source, home)
+            if other is not None:
+                reason = f"it is PLE layer {index}'s table of checkpoint {other}"
+            else:
+                prepared, reason = _try_existing(path, entry, config, want, None, record, source, home, t0)
+                if prepared is not None:
+                    return prepared
+            raise _NotServed
+    except _NotServed:
+        if reason is not None:
+            warnings.warn(f"PLE table file {path} ({want}) is not used: {reason}; converting {own.name}", stacklevel=5)
         return None
+
+
+class _NotServed(Exception):
+    """A table file looked at is not served: its lock, when made for the look, is removed."""
 
 
 def _refused_format(
