@@ -149,8 +149,11 @@ def _print_model(res: dict[str, Any], number: str = "") -> None:
         where = f"{_mb(ck['published_table_bytes'])} of fp8 rows read into memory"
     else:
         where = f"{_mb(ple['table_file_bytes'])} on disk, {_mb(ple['table_resident_bytes'])} resident after generate"
-        if ple["tier"] == "direct":
-            where += " (its row cache and read buffers: nothing mapped)"
+        if ple["tier"] == "direct":  # what the tier may hold, not a count of touched pages
+            where = (
+                f"{_mb(ple['table_file_bytes'])} on disk, at most {_mb(ple['table_resident_bytes'])} in memory "
+                "(the row cache and read buffers; nothing mapped)"
+            )
         elif ple["tier"] == "cached":
             where += f" (of which {_mb(ple['table_tier_bytes'])} cached rows)"
     print(f"tables             : {_mb(ck['table_bytes_in_memory'])} in transformers' memory (fp32); ple: {where}")

@@ -6,8 +6,8 @@
 resident memory (``VmHWM``: anonymous and file-backed pages, the number a process monitor shows)
 with sampled peaks of each kind, the tables at the end (the bytes of the table files served, on disk;
 resident: the resident pages of their mappings plus what the tier holds in memory itself, the
-cached tier's rows or the direct tier's row cache and read buffers), how the table files were
-obtained, and the generated tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
+cached tier's rows or the direct tier's row cache and read buffers, the latter at their size), how
+the table files were obtained, and the generated tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
 checkpoint's and the table files' pages from the page cache first, so that a load reads from disk.
 ``--starts 2`` loads (and generates) twice in the process: the second start reuses the table files.
 ``--threads`` sets torch's threads (default 1: for a tiny model more threads only add synchronization,
