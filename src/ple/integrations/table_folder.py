@@ -24,13 +24,14 @@ nothing when the rows are equal.
 That costs a ``stat`` and a header read per checkpoint file, and opening the table file reads its
 per-row scales when it has them (4 bytes per row, checked at every open); never the rows. ``ple
 convert`` writes the record too (:func:`record_table`). A table file without a record (from a GGUF
-file, or replaced since) is compared with the checkpoint row by row once and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
-again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
-shard by shard with ``pread`` (:class:`ple.checkpoint.PreadReader`: nothing mapped, a table stored
-as one tensor included) into a ``.partial`` file renamed when complete; concurrent starts take a
-lock per table (``<file>.lock``, kept beside it; a start that fails removes the lock file it
-made), and the table is opened (:class:`~ple.table.MmapTable`) while
-the lock is held, so the file checked is the file served.
+file, or replaced since) is compared with the checkpoint row by row once and recorded when it
+matches; a stale file (the checkpoint in the same folder changed) is converted again, with a warning
+that says why. Nothing is used silently. Conversion streams the checkpoint shard by shard with
+``pread`` (:class:`ple.checkpoint.PreadReader`: nothing mapped, a table stored as one tensor
+included) into a ``.partial`` file renamed when complete; concurrent starts take a lock per table
+(``<file>.lock``, kept beside it; a start that fails removes the lock file it made), and the table
+is opened (:class:`~ple.table.MmapTable`) while the lock is held, so the file checked is the file
+served.
 
 One folder serves one checkpoint. The record also names the checkpoint folder the table was made
 from; a table of another checkpoint folder that still exists is never replaced:
