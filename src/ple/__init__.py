@@ -24,7 +24,16 @@ if TYPE_CHECKING:
     from .layout import Layout
     from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
     from .runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
-    from .table import CachedTable, MemoryTable, MmapTable, PinnedHostTable, ShardedTable, StoredTable, Table
+    from .table import (
+        CachedTable,
+        DirectTable,
+        MemoryTable,
+        MmapTable,
+        PinnedHostTable,
+        ShardedTable,
+        StoredTable,
+        Table,
+    )
 
 __version__ = "0.2.0"
 """The package version (the only place it is written; ``pyproject.toml`` reads it from here)."""
@@ -55,6 +64,7 @@ __all__ = [
     "MmapTable",
     "PinnedHostTable",
     "CachedTable",
+    "DirectTable",
     "ShardedTable",
 ]
 
@@ -79,6 +89,7 @@ _WHERE = {
     "SessionError": ".runtime",
     "tune_host_allocator": ".runtime",
     "CachedTable": ".table",
+    "DirectTable": ".table",
     "MemoryTable": ".table",
     "MmapTable": ".table",
     "PinnedHostTable": ".table",

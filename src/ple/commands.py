@@ -34,6 +34,7 @@ from .checkpoint import (
 from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
 from .files import PARTIAL_SUFFIX, open_regular, pread_exact
+from .integrations.table_folder import record_table, source_identity
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
 from .table.convert import TARGET_NAMES, compare_with_source, table_amax, target_format
@@ -544,6 +545,7 @@ def _convert_layers(
     for e in entries:
         path = out / table_file_name(e.prefix)
         to = target_format(args.to, e.table_format or "")
+        source = source_identity(e)  # before the rows are read: a checkpoint changed meanwhile does not match
         g = None
         if to == "nvfp4":
             g = nvfp4_global_scale(table_amax(table_shards(e)))
@@ -557,6 +559,7 @@ def _convert_layers(
             progress=show_progress(),
             global_scale=g,
         )
+        record_table(path, e, source)  # from_pretrained(table_dir=out) reuses the file without a comparison
         results.append({"ple_layer_index": e.ple_layer_index, **stats})
         if args.json:
             continue

@@ -226,8 +226,10 @@ def test_a_changed_checkpoint_is_converted_again(checkpoint, tmp_path):
 
 
 def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
-    """Table files made by ``ple convert`` have no record: one of this checkpoint is compared row by
-    row and adopted; one of another checkpoint with the same geometry is refused and replaced."""
+    """``ple convert`` writes each file's record: one of this checkpoint is reused as it is; one of
+    another checkpoint folder that still exists is refused, like a folder's own (one folder serves
+    one checkpoint). Files without a record (copied in) are compared row by row: one of this
+    checkpoint is adopted, one of another checkpoint with the same geometry is not used and replaced."""
     from ple.cli import main
 
     path, _, reference = checkpoint
@@ -235,7 +237,13 @@ def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
     tables = tmp_path / "tables"
     assert main(["convert", str(path), str(tables), "--layers", "0"]) == 0
     assert main(["convert", str(other), str(tables), "--layers", "1"]) == 0
-    assert not list(tables.glob("*" + RECORD_SUFFIX))
+    assert sorted(p.name for p in tables.glob("*" + RECORD_SUFFIX)) == [t + RECORD_SUFFIX for t in TABLES]
+    with pytest.raises(
+        InvalidArgumentError, match=r"holds model.layers.1.ple.pletable, PLE layer 1's table of checkpoint"
+    ):
+        from_pretrained(path, table_dir=tables)
+    for t in TABLES:
+        (tables / (t + RECORD_SUFFIX)).unlink()
     with pytest.warns(UserWarning, match="layers.1.ple.pletable is not used: its rows differ from the checkpoint's"):
         model = from_pretrained(path, table_dir=tables)
     assert [w.prepared.action for w in patched_layers(model)] == ["verified", "converted"]
@@ -245,11 +253,15 @@ def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
         again = from_pretrained(path, table_dir=tables)
     assert [w.prepared.action for w in patched_layers(again)] == ["reused", "reused"]
     # a record does not vouch for another file put in place of the one it describes
-    shutil.copy(tables / TABLES[0], tmp_path / "saved.pletable")
-    assert main(["convert", str(other), str(tables), "--layers", "0", "--force"]) == 0
+    assert main(["convert", str(other), str(tmp_path / "elsewhere"), "--layers", "0"]) == 0
+    shutil.copy(tmp_path / "elsewhere" / TABLES[0], tables / TABLES[0])
     with pytest.warns(UserWarning, match="layers.0.ple.pletable is not used: its rows differ"):
         model = from_pretrained(path, table_dir=tables)
     assert_same_logits(model, reference)
+    # a file ple convert made of this checkpoint is reused without a comparison
+    fresh = tmp_path / "fresh"
+    assert main(["convert", str(path), str(fresh)]) == 0
+    assert [w.prepared.action for w in patched_layers(from_pretrained(path, table_dir=fresh))] == ["reused"] * 2
 
 
 def test_a_table_file_changed_in_place_is_compared_again(checkpoint, tmp_path):
@@ -295,6 +307,10 @@ def test_a_table_file_of_another_layout_is_refused(checkpoint, tmp_path):
     other = _save(tiny_model(tiny_config(split_ngram_parts=4, seed=99), seed=21), tmp_path / "other")  # other hash seed
     tables = tmp_path / "tables"
     assert main(["convert", str(other), str(tables)]) == 0
+    with pytest.raises(InvalidArgumentError, match="PLE layer 0's table of checkpoint"):  # its record names it
+        from_pretrained(path, table_dir=tables)
+    for t in TABLES:
+        (tables / (t + RECORD_SUFFIX)).unlink()
     with pytest.warns(UserWarning, match="layout hash .* does not match"):
         model = from_pretrained(path, table_dir=tables)
     assert_same_logits(model, reference)

@@ -29,8 +29,8 @@ from ..argtypes import int_between, non_negative_int
 from ..errors import CommandLineError, InvalidArgumentError
 from ..table.convert import TARGET_NAMES
 from . import parallel
-from .model import MODEL_SIZES
-from .serving import DEMO_CONFIG, print_serving, run_serving, serve, synthesize_checkpoint
+from .model import MODEL_DIRECT_BUDGET, MODEL_SIZES
+from .serving import DEMO_CONFIG, check_real_text, print_serving, run_serving, serve, synthesize_checkpoint
 
 __all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
 
@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=None,
         metavar="MB",
-        help="--tier direct: MB of hot rows kept in memory (the rest read from disk; default 64)",
+        help="--tier direct: MB of hot rows each table keeps in memory (the rest read from disk; default 64 for "
+        "the serving layer, 1 for each of the model's two small tables)",
     )
     p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
@@ -147,10 +148,21 @@ def _print_model(res: dict[str, Any], number: str = "") -> None:
     if ple["tier"] == "memory":
         where = f"{_mb(ck['published_table_bytes'])} of fp8 rows read into memory"
     else:
-        where = f"{_mb(ple['table_mapped_bytes'])} on disk, {_mb(ple['table_resident_bytes'])} resident after generate"
+        where = f"{_mb(ple['table_file_bytes'])} on disk, {_mb(ple['table_resident_bytes'])} resident after generate"
+        if ple["tier"] == "direct":  # what the tier may hold, not a count of touched pages
+            where = (
+                f"{_mb(ple['table_file_bytes'])} on disk, at most {_mb(ple['table_resident_bytes'])} in memory "
+                "(the row cache and read buffers; nothing mapped)"
+            )
+        elif ple["tier"] == "cached":
+            where += f" (of which {_mb(ple['table_tier_bytes'])} cached rows)"
     print(f"tables             : {_mb(ck['table_bytes_in_memory'])} in transformers' memory (fp32); ple: {where}")
     kept = res["table_bytes_kept_in_memory"]
-    what = "the tables' in-memory size" if not kept else "what the tables take beyond ple's fp8 copy in memory"
+    what = {
+        "memory": "what the tables take beyond ple's fp8 copy in memory",
+        "direct": "what the tables take beyond the direct tier's row cache and buffers",
+        "cached": "what the tables take beyond the cached rows",
+    }.get(ple["tier"] if kept else "", "the tables' in-memory size")
     print(
         f"memory saved       : {_mb(res['memory_saved_bytes'])} of peak resident memory (ple's higher start) = "
         f"{res['memory_saved_share_of_tables']:.0%} of {what} (check: >= {MEMORY_CHECK:.0%})"
@@ -200,7 +212,9 @@ def run(args) -> int:
         args.requests = 6 if args.quick else 16
     only = args.only or ("serving" if args.checkpoint or args.config or table_format else None)
     if only in (None, "model"):
-        require_transformers()  # before anything runs: the model part needs transformers (ple[hf])
+        require_transformers()  # before anything runs: the model part needs transformers (ple[demo])
+    if only in (None, "serving") and not getattr(args, "synthetic_tokens", False):
+        check_real_text()  # and the serving part real text (ple[demo]), unless told otherwise
     t_start = time.perf_counter()
     tmp = None
     if args.workdir:
@@ -228,6 +242,7 @@ def run(args) -> int:
         if "model" in parts:
             say(f"{_part(parts, 'model')}the user's path: plain transformers vs ple, each in a fresh process ...")
             base = MODEL_SIZES["quick" if args.quick else "default"]
+            budget = MODEL_DIRECT_BUDGET if args.memory_budget is None else args.memory_budget << 20
             doc["model"] = compare(
                 work / "model",
                 base,
@@ -236,6 +251,7 @@ def run(args) -> int:
                 tier=args.tier,
                 progress=progress,
                 say=lambda msg: say(f"  {msg}"),
+                memory_budget=budget,
             )
             checks.update(_model_checks(doc["model"]))
         doc["checks"] = checks
@@ -255,6 +271,11 @@ def run(args) -> int:
         if "model" in doc:
             _print_model(doc["model"], _part(parts, "model"))
             print()
+            if args.workdir:
+                ck = doc["model"]["checkpoint"]
+                print(f"kept   : {ck['published']} (a qwen4_exp checkpoint, fp8 tables: try the library on it)")
+                print(f"         {ck['plain']} (its fp32 copy for plain transformers)")
+                print()
         failed = [k for k, v in checks.items() if not v]
         n = len(checks)
         print(

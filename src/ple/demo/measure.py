@@ -1,11 +1,13 @@
 """One fresh process: load a qwen4_exp model (plain transformers, or ple's loader) and generate.
 
 ``python -m ple.demo.measure --loader plain|ple --checkpoint DIR --prompts JSON --new-tokens N
---logits FILE [--table-dir DIR] [--tier mmap|cached|memory] [--starts K] [--evict]`` prints one JSON
-line: load and generate seconds (per start for ple), peak resident memory (``VmHWM``: anonymous and
-file-backed pages, the number a process monitor shows) with sampled peaks of each kind, the resident
-bytes of the table files' mappings at the end, how the table files were obtained, and the generated
-tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
+--logits FILE [--table-dir DIR] [--tier mmap|cached|memory|direct] [--memory-budget BYTES]
+[--starts K] [--evict]`` prints one JSON line: load and generate seconds (per start for ple), peak
+resident memory (``VmHWM``: anonymous and file-backed pages, the number a process monitor shows)
+with sampled peaks of each kind, the tables at the end (the bytes of the table files served, on disk;
+resident: the resident pages of their mappings plus what the tier holds in memory itself, the
+cached tier's rows or the direct tier's row cache and read buffers, the latter at their size), how
+the table files were obtained, and the generated tokens; the step logits ``[steps, B, vocab]`` go to ``--logits`` (torch.save). ``--evict`` drops the
 checkpoint's and the table files' pages from the page cache first, so that a load reads from disk.
 ``--starts 2`` loads (and generates) twice in the process: the second start reuses the table files.
 ``--threads`` sets torch's threads (default 1: for a tiny model more threads only add synchronization,
@@ -22,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["main", "status_bytes", "mapped_bytes", "evict"]
+__all__ = ["main", "status_bytes", "mapped_bytes", "table_bytes", "evict"]
 
 
 def status_bytes() -> dict[str, int]:
@@ -58,6 +60,25 @@ def mapped_bytes(suffix: str) -> tuple[int, int]:
     except OSError:
         pass
     return resident, size
+
+
+def table_bytes(model) -> tuple[int, int]:
+    """``(on disk, held)`` of a model from ple's loader: the bytes of the table files its PLE layers
+    serve, and what their tiers hold in memory besides a mapping (a cached tier's rows, a direct
+    tier's row cache and read buffers: :attr:`ple.table.DirectTable.nbytes`)."""
+    from ..integrations.transformers import patched_layers
+    from ..table import CachedTable, DirectTable
+
+    files = held = 0
+    for w in patched_layers(model):
+        if w.table_path is not None:
+            files += os.stat(w.table_path).st_size
+        table = w.layer.table
+        if isinstance(table, CachedTable):
+            held += table.cache_nbytes
+        elif isinstance(table, DirectTable):
+            held += table.nbytes
+    return files, held
 
 
 def evict(paths) -> None:
@@ -115,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logits", required=True, help="where to torch.save the step logits")
     ap.add_argument("--table-dir")
     ap.add_argument("--tier", default="mmap")
+    ap.add_argument("--memory-budget", type=int, default=None, help="--tier direct: bytes of rows each table keeps")
     ap.add_argument("--starts", type=int, default=1)
     ap.add_argument("--evict", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's model is tiny)")
@@ -149,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.loader == "plain":
                 model = model_class.from_pretrained(ckpt)
             else:
-                model = from_pretrained(ckpt, table_dir=args.table_dir, table_tier=args.tier, progress=False)
+                budget = {"memory_budget": args.memory_budget} if args.memory_budget is not None else {}
+                model = from_pretrained(ckpt, table_dir=args.table_dir, table_tier=args.tier, progress=False, **budget)
                 prepared.append([None if w.prepared is None else w.prepared.action for w in patched_layers(model)])
             loads.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -163,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             gens.append(time.perf_counter() - t0)
             resident, mapped = mapped_bytes(TABLE_SUFFIX)
+            files, held = table_bytes(model) if args.loader == "ple" else (0, 0)
             tokens = out.sequences.tolist()
             logits = torch.stack(list(out.logits))
             if start < args.starts - 1:
@@ -179,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         "peak_anon_bytes": peaks.anon,
         "peak_file_bytes": peaks.file,
         "baseline_rss_bytes": baseline,
-        "table_resident_bytes": resident,
+        "table_file_bytes": files,
+        "table_resident_bytes": resident + held,
+        "table_tier_bytes": held,
         "table_mapped_bytes": mapped,
         "tokens": tokens,
         "pid": os.getpid(),

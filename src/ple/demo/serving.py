@@ -199,10 +199,25 @@ def serve(layer, args, progress: bool = True) -> dict:
     return {"phases": phases, "lookups": lookups, "checked_tokens": checked, "worst_error_vs_tolerance": worst}
 
 
+def check_real_text() -> None:
+    """Raise :class:`~ple.realtext.RealTextError` saying what to install (``ple[demo]``) when the
+    real-text tokenizer is missing (the demo serves real text unless ``--synthetic-tokens``)."""
+    from ..realtext import RealTextError, tokenizer
+
+    try:
+        tokenizer()
+    except RealTextError as e:
+        raise RealTextError(
+            f"{e}. ple demo serves real text: pip install 'ple[demo]' (transformers, tiktoken, dashscope), "
+            "or pass --synthetic-tokens"
+        ) from e
+
+
 def _real_text(cfg):
     """200k tokens of real text (:mod:`ple.realtext`), folded into the model's vocabulary if smaller."""
     from ..realtext import token_stream
 
+    check_real_text()
     stream = token_stream(200_000, cfg.eos_token_id)
     return stream % cfg.vocab_size if stream.max() >= cfg.vocab_size else stream
 

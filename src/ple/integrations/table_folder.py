@@ -1,11 +1,14 @@
 """Table files for a checkpoint's PLE layers: made once, reused on every later start.
 
 For each PLE layer the folder holds ``<prefix>.pletable`` (the file ``ple convert`` writes) and a
-small record ``<prefix>.pletable.source.json`` naming what the table was made from. A start reuses
-a table file only when
+small record ``<prefix>.pletable.source.json`` naming what the table was made from; a copy in
+another format (``table_format=``) is ``<prefix>.<format>.pletable``, or the file ``ple convert
+--to <format>`` wrote under the first name. A start reuses a table file only when
 
-- it opens as a complete table file of the layer's geometry and layout hash (its header, and for
-  per-row formats its scales, are read: :meth:`~ple.table.MmapTable.open`), and
+- its header says it holds the format served (the checkpoint's own, or the one asked for): a file
+  of another format under the name is refused, naming both, and left as it is; and
+- it opens as a complete table file of the layer's layout hash, rows and row width (its header, and
+  for per-row formats its scales, are read: :meth:`~ple.table.MmapTable.open`), and
 - the record's source identity equals the checkpoint's now: for every safetensors file holding the
   layer's table or scales, its name, size, modification time, change time and the sha256 of its
   header (which lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
@@ -19,14 +22,16 @@ is served, as when only the change time moved (a ``chmod``, a new hard link), wh
 nothing when the rows are equal.
 
 That costs a ``stat`` and a header read per checkpoint file, and opening the table file reads its
-per-row scales when it has them (4 bytes per row, checked at every open); never the rows. A table file without
-a record (made by ``ple convert``, or replaced since) is compared with the checkpoint row by row once
-and recorded when it matches; a stale file (the checkpoint in the same folder changed) is converted
-again, with a warning that says why. Nothing is used silently. Conversion streams the checkpoint
-shard by shard with ``pread`` (:class:`ple.checkpoint.PreadReader`: nothing mapped, a table stored
-as one tensor included) into a ``.partial`` file renamed when complete; concurrent starts take a
-lock per table, and the table is opened (:class:`~ple.table.MmapTable`) while the lock is held, so
-the file checked is the file served.
+per-row scales when it has them (4 bytes per row, checked at every open); never the rows. ``ple
+convert`` writes the record too (:func:`record_table`). A table file without a record (from a GGUF
+file, or replaced since) is compared with the checkpoint row by row once and recorded when it
+matches; a stale file (the checkpoint in the same folder changed) is converted again, with a warning
+that says why. Nothing is used silently. Conversion streams the checkpoint shard by shard with
+``pread`` (:class:`ple.checkpoint.PreadReader`: nothing mapped, a table stored as one tensor
+included) into a ``.partial`` file renamed when complete; concurrent starts take a lock per table
+(``<file>.lock``, kept beside it; a start that fails removes the lock file it made), and the table
+is opened (:class:`~ple.table.MmapTable`) while the lock is held, so the file checked is the file
+served.
 
 One folder serves one checkpoint. The record also names the checkpoint folder the table was made
 from; a table of another checkpoint folder that still exists is never replaced:
@@ -70,11 +75,13 @@ from ..errors import InvalidArgumentError, PLEError
 from ..files import read_json, write_atomically
 from ..table import MmapTable, TableFileError, format_info, read_table_header
 from ..table.blocks import nvfp4_global_scale
-from ..table.convert import compare_with_source, table_amax, target_format
+from ..table.convert import TARGET_NAMES, compare_with_source, table_amax, target_format
 
 __all__ = [
     "default_table_dir",
     "prepare_table",
+    "served_format",
+    "record_table",
     "source_identity",
     "PreparedTable",
     "RECORD_SUFFIX",
@@ -230,16 +237,48 @@ class PreparedTable:
 
 @contextlib.contextmanager
 def _lock(path: Path):
+    """Hold the lock of table file ``path`` (``<file>.lock``, made if missing). A lock file may be
+    removed by its maker (a start that failed before a table file lay there): every start checks,
+    once it holds the lock, that the name still leads to the file it locked, and takes it again if
+    not, so two starts never both hold "the" lock."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: no inter-process lock
         yield
         return
+    lock = path.with_name(path.name + ".lock")
     # never through a symbolic link planted at the lock's name
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        created = False
+        try:
+            fd = os.open(lock, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
+        except FileExistsError:
+            try:
+                fd = os.open(lock, flags)
+            except FileNotFoundError:  # removed in between: make it again
+                continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                now = os.stat(lock, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            held = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # its maker removed it while this start waited: lock the file now there
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    except BaseException:
+        if created:  # a failed start leaves no file it made behind (removed while held: safe, see above)
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
+        raise
     finally:
         os.close(fd)
 
@@ -261,6 +300,28 @@ def _table_nbytes(config: PLEConfig, index: int, fmt: str) -> int:
     return lay.padded_rows * info.row_nbytes(lay.head_dim) + scales
 
 
+def served_format(entry: LayerEntry, config: PLEConfig, table_format: str | None = None) -> str:
+    """The format :func:`prepare_table` serves PLE layer ``entry``'s table in: the checkpoint's own
+    (``table_format`` None, or a name that covers it: "fp8" for an fp8 table) or the one
+    ``table_format`` names, as ``ple convert --to`` reads it ("fp8" -> "fp8_row", "q4_0" -> "q4_0").
+
+    Raises:
+        InvalidArgumentError: ``table_format`` is not a name ``ple convert --to`` takes, or is a
+            block format whose blocks do not divide the layer's rows (``head_dim``).
+    """
+    assert entry.table_format is not None  # a scan without problems found it
+    want = target_format(table_format, entry.table_format) or entry.table_format
+    info = format_info(want)
+    head_dim = config.layout(entry.ple_layer_index).head_dim
+    if info.blocked and head_dim % info.block:
+        raise InvalidArgumentError(
+            f"table_format={table_format!r}: {want} stores rows as blocks of {info.block} values, and PLE layer "
+            f"{entry.ple_layer_index}'s rows have {head_dim} (head_dim {head_dim} is not a multiple of {info.block}): "
+            "serve this checkpoint in its own format (table_format=None) or as 'fp8' or 'int8' (a scale per row)"
+        )
+    return want
+
+
 def prepare_table(
     entry: LayerEntry,
     config: PLEConfig,
@@ -273,26 +334,70 @@ def prepare_table(
     the module docstring), returned open (``PreparedTable.table``). The file keeps the checkpoint's
     format, so lookups are exact; ``table_format`` (a name ``ple convert --to`` takes: "q4_0",
     "nvfp4", ...) makes it a copy in that format instead (its own file name, made once and reused
-    the same way; the checkpoint's own format is a plain copy).
+    the same way; the checkpoint's own format is a plain copy). A copy in that format that
+    ``ple convert --to`` wrote into the folder (under the checkpoint-format name) is found and
+    served, after the same checks.
+
+    The format a file holds is read from its header: a file that holds another format than the one
+    served (:func:`served_format`) is never served, and never replaced either (it was not made by
+    the folder under that name: ``ple convert --to`` output, a copy); only a copy the folder made of
+    a checkpoint whose format changed since is converted again. A failed call leaves nothing it
+    made behind (the folder, a lock file).
 
     Raises:
         InvalidArgumentError: ``table_dir`` is not a folder and cannot be made one; the folder holds
-            this layer's table for another checkpoint folder that still exists, or lacks the disk
-            space a conversion needs.
+            this layer's table for another checkpoint folder that still exists, or a table file of
+            another format under the name of the one served, or lacks the disk space a conversion
+            needs; ``table_format`` does not fit the layer's rows.
     """
     t0 = time.perf_counter()
+    want = served_format(entry, config, table_format)  # before anything is made
     folder = Path(table_dir)
+    made = _make_folder(folder)
+    try:
+        return _prepare(entry, config, folder, want, table_format, progress, t0)
+    except BaseException:
+        for d in reversed(made):  # innermost first; a folder something else wrote into stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _make_folder(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; returns the folders made, outermost first."""
+    missing = []
+    p = folder.absolute()
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InvalidArgumentError(f"table_dir {folder} cannot be a folder of table files: {e.strerror or e}") from e
-    assert entry.table_format is not None  # a scan without problems found it
-    target = target_format(table_format, entry.table_format)
+    return missing[::-1]
+
+
+def _prepare(
+    entry: LayerEntry,
+    config: PLEConfig,
+    folder: Path,
+    want: str,
+    table_format: str | None,
+    progress: bool,
+    t0: float,
+) -> PreparedTable:
+    target = None if want == entry.table_format else want
     path = folder / table_file_name(entry.prefix, target)
     index = entry.ple_layer_index
     with _lock(path):
         source = source_identity(entry)
         home = _checkpoint_folder(entry)
+        if target is not None and not os.path.lexists(path):
+            made = _convert_output(entry, config, folder, want, source, home, path, t0)
+            if made is not None:
+                return made
         record = _read_record(path)
         other = _foreign_owner(path, record, source, home)
         if other is not None:
@@ -304,23 +409,13 @@ def prepare_table(
             )
         reason = "missing"
         if os.path.lexists(path):
-            try:
-                table = open_layer_table(path, config, index)
-            except (TableFileError, OSError, ValueError) as e:
-                reason = f"it cannot be used ({e})"
-            else:
-                try:
-                    action, reason = _check_existing(table, path, entry, record, source, home)
-                except BaseException:
-                    table.close()
-                    raise
-                if action is not None:
-                    return PreparedTable(path, action, time.perf_counter() - t0, table=table)
-                table.close()
+            prepared, reason = _try_existing(path, entry, config, want, table_format, record, source, home, t0)
+            if prepared is not None:
+                return prepared
         if reason != "missing":
-            warnings.warn(f"PLE table file {path} is not used: {reason}; converting it again", stacklevel=3)
+            warnings.warn(f"PLE table file {path} is not used: {reason}; converting it again", stacklevel=4)
         _record_path(path).unlink(missing_ok=True)
-        need = _table_nbytes(config, index, target or entry.table_format)
+        need = _table_nbytes(config, index, want)
         # the new file is written beside the old one (a .partial renamed at the end): the old one's
         # space is not free until then
         free = shutil.disk_usage(folder).free
@@ -351,6 +446,144 @@ def prepare_table(
             table.close()
             raise
         return PreparedTable(path, "converted", time.perf_counter() - t0, reason, table)
+
+
+def _convert_output(
+    entry: LayerEntry,
+    config: PLEConfig,
+    folder: Path,
+    want: str,
+    source: dict[str, Any],
+    home: str,
+    own: Path,
+    t0: float,
+) -> PreparedTable | None:
+    """The copy in format ``want`` that ``ple convert --to`` wrote into ``folder`` (under the name
+    of the checkpoint-format file, :func:`~ple.checkpoint.table_file_name` without a format),
+    opened, when it may serve ``entry`` after the checks a folder's own file passes; else None
+    (with a warning saying why, when the file holds ``want`` rows but cannot serve)."""
+    path = folder / table_file_name(entry.prefix)
+    if not os.path.lexists(path):
+        return None
+    reason = None
+    try:
+        with _lock(path):  # a lock file made here goes again when the file is not served (_NotServed)
+            try:
+                header = read_table_header(path)
+            except (TableFileError, OSError):
+                raise _NotServed from None  # not a table file in this format: the checkpoint-format start judges it
+            if header["format"] != want:
+                raise _NotServed  # the checkpoint-format copy, or another format's: not this one
+            index = entry.ple_layer_index
+            record = _read_record(path)
+            other = _foreign_owner(path, record, source, home)
+            if other is not None:
+                reason = f"it is PLE layer {index}'s table of checkpoint {other}"
+            else:
+                prepared, reason = _try_existing(path, entry, config, want, None, record, source, home, t0)
+                if prepared is not None:
+                    return prepared
+            raise _NotServed
+    except _NotServed:
+        if reason is not None:
+            warnings.warn(f"PLE table file {path} ({want}) is not used: {reason}; converting {own.name}", stacklevel=5)
+        return None
+
+
+class _NotServed(Exception):
+    """A table file looked at is not served: its lock, when made for the look, is removed."""
+
+
+def _refused_format(
+    path: Path,
+    header: dict[str, Any],
+    want: str,
+    table_format: str | None,
+    record: dict[str, Any] | None,
+    entry: LayerEntry,
+) -> str | None:
+    """None when table file ``path`` holds ``want`` rows. A copy made of the checkpoint in its own
+    format before that format changed is stale: the reason, to convert it again. Any other file of
+    another format is refused (it was not made under this name by the folder; it is not replaced)."""
+    have = header["format"]
+    if have == want:
+        return None
+    if (
+        want == entry.table_format
+        and record is not None
+        and record.get("table") == _table_identity(header)
+        and record.get("file") == _file_identity(path)
+        and (record.get("source") or {}).get("format") == have
+    ):
+        return f"it holds a copy of the checkpoint's table in {have}, which is {want} now"
+    if table_format is None:
+        asked = f"the checkpoint's table is {want} (no table_format asked for another)"
+    else:
+        asked = f"table_format={table_format!r} asks for {want}"
+    name = {"fp8_row": "fp8", "int8_row": "int8"}.get(have, have)
+    hint = ""
+    if name in TARGET_NAMES and target_format(name, entry.table_format or "") == have:
+        hint = f"pass table_format={name!r} to serve it, or "
+    raise InvalidArgumentError(
+        f"PLE layer {entry.ple_layer_index}: table file {path} holds {have} rows, but {asked}; it is neither served "
+        f"nor replaced: {hint}move it out of {path.parent}, or pass another table_dir"
+    )
+
+
+def _try_existing(
+    path: Path,
+    entry: LayerEntry,
+    config: PLEConfig,
+    want: str,
+    table_format: str | None,
+    record: dict[str, Any] | None,
+    source: dict[str, Any],
+    home: str,
+    t0: float,
+) -> tuple[PreparedTable | None, str]:
+    """The existing table file ``path``, opened, when it may serve ``entry`` in format ``want``, else
+    ``(None, why not)``; raises :class:`InvalidArgumentError` for a file of another format (see
+    :func:`_refused_format`). Its header is checked first (format, then, once open, layout hash,
+    rows and row width), then its record (or its rows) against the checkpoint."""
+    index = entry.ple_layer_index
+    try:
+        stale = _refused_format(path, read_table_header(path), want, table_format, record, entry)
+    except (TableFileError, OSError) as e:
+        return None, f"it cannot be used ({e})"
+    if stale is not None:
+        return None, stale
+    try:
+        table = open_layer_table(path, config, index)
+    except (TableFileError, OSError, ValueError) as e:
+        return None, f"it cannot be used ({e})"
+    try:
+        stale = _refused_format(path, table.header, want, table_format, record, entry)  # the file opened
+        lay = config.layout(index)
+        if stale is None and (table.rows, table.head_dim) != (lay.padded_rows, lay.head_dim):
+            stale = (
+                f"it holds {table.rows:,} rows of {table.head_dim} values, PLE layer {index}'s layout "
+                f"{lay.padded_rows:,} of {lay.head_dim}"
+            )
+        if stale is not None:
+            table.close()
+            return None, stale
+        action, reason = _check_existing(table, path, entry, record, source, home)
+    except BaseException:
+        table.close()
+        raise
+    if action is None:
+        table.close()
+        return None, reason
+    return PreparedTable(path, action, time.perf_counter() - t0, table=table), ""
+
+
+def record_table(path: str | os.PathLike, entry: LayerEntry, source: dict[str, Any]) -> None:
+    """Write the record beside table file ``path``, just made from PLE layer ``entry`` of a
+    checkpoint (``ple convert``), so that a table folder holding it reuses it without comparing it
+    with the checkpoint. ``source``: :func:`source_identity` of ``entry`` taken before the
+    conversion began (a checkpoint changed meanwhile then does not match)."""
+    path = Path(path)
+    _write_record(path, read_table_header(path), source, _checkpoint_folder(entry))
 
 
 def _check_existing(

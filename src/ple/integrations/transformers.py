@@ -77,7 +77,7 @@ from ..table.blocks import dequantize_blocks
 from ..table.convert import TARGET_NAMES
 from .dequantized_copy import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
-from .table_folder import PreparedTable, default_table_dir, prepare_table
+from .table_folder import PreparedTable, default_table_dir, prepare_table, served_format
 
 __all__ = [
     "from_pretrained",
@@ -853,8 +853,11 @@ def from_pretrained(
         progress: progress bars while converting (default: when stderr is a terminal).
         table_format: serve a copy of each table in this format ("q4_0", "q5_1", "iq4_nl", "nvfp4",
             ... any name ``ple convert --to`` takes; docs/FORMATS.md weighs them), made once in
-            ``table_dir`` and reused like the checkpoint-format files; None (default) serves the
-            checkpoint's own format. Tiers "mmap", "cached" and "direct".
+            ``table_dir`` and reused like the checkpoint-format files (the file ``ple convert --to``
+            wrote there for this checkpoint is found and served); None (default) serves the
+            checkpoint's own format. A table file is served only in the format asked for (read from
+            its header): one of another format is refused, naming both. Tiers "mmap", "cached" and
+            "direct".
 
     Returns:
         The patched model (and transformers' loading info when ``output_loading_info=True``). Each
@@ -909,6 +912,9 @@ def from_pretrained(
         raise CheckpointError(scan.all_problems)
     show = sys.stderr.isatty() if progress is None else bool(progress)
     cls = _model_class(root, mq)
+    if table_tier != "memory":
+        for e in scan.layers:  # every layer's rows fit the format asked for, before any file is made
+            served_format(e, config, table_format)
     prepared: dict[int, PreparedTable] = {}
     try:
         if table_tier != "memory":

@@ -437,6 +437,28 @@ class DirectTable(Table):
     def _fork_locks(self) -> list[threading.Lock]:
         return [*super()._fork_locks(), self._lock]
 
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        expected_layout_hash: str | dict | None = None,
+        *,
+        memory_budget: int = 0,
+        queue_depth: int = 32,
+        direct: bool | None = None,
+        reader: str | None = None,
+    ) -> DirectTable:
+        """Open a complete table file for direct reads, as :meth:`MmapTable.open` maps one (the same
+        validation); the arguments are the constructor's (see the class docstring)."""
+        return cls(
+            path,
+            expected_layout_hash,
+            memory_budget=memory_budget,
+            queue_depth=queue_depth,
+            direct=direct,
+            reader=reader,
+        )
+
     @staticmethod
     def _open_reader(path: Path, fd: int, direct: bool | None) -> tuple[int, str]:
         if direct is not False and hasattr(os, "O_DIRECT"):
