@@ -41,6 +41,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.runtime", 6, "runtime"),
     ("ple.parallel", 6, "parallel"),
     ("ple.stats", 6, "stats"),
+    ("ple.train", 6, "train"),
     ("ple.integrations", 7, "integrations"),
     ("ple.bench", 9, "bench"),
     ("ple.demo", 9, "demo"),
