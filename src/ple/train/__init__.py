@@ -11,14 +11,30 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
   :class:`SparseAdam`, :class:`Adam`, :class:`AdamW`) update those rows in the overlay, with state
   for the rows ever touched only, in memory up to a budget and spilled to a file beyond it;
   optionally inside the backward (``fused=True``). The base table is never written.
+- Adapters (:mod:`.adapter`): the trained rows as a small file of their own (:func:`save_adapter`,
+  atomic; with the optimizer's state, a checkpoint to resume from), served on top of any base table
+  (:func:`load_adapter`, :func:`remove_adapter`: load, swap and remove on a running model), or
+  merged into a table file (:mod:`.merge`).
 """
 
 from __future__ import annotations
 
+from .adapter import (
+    AdapterFile,
+    AdapterFileError,
+    load_adapter,
+    load_optimizer_state,
+    read_adapter,
+    remove_adapter,
+    save_adapter,
+)
 from .attach import Part, TableTarget, freeze, ple_layers, table_parameters, trainable
+from .merge import merge_model, merge_table_file
 from .optim import SGD, Adagrad, Adam, AdamW, RowSparseOptimizer, RowWiseAdagrad, SparseAdam
 
 __all__ = [
+    "AdapterFile",
+    "AdapterFileError",
     "Adagrad",
     "Adam",
     "AdamW",
@@ -29,7 +45,14 @@ __all__ = [
     "SparseAdam",
     "TableTarget",
     "freeze",
+    "load_adapter",
+    "load_optimizer_state",
+    "merge_model",
+    "merge_table_file",
     "ple_layers",
+    "read_adapter",
+    "remove_adapter",
+    "save_adapter",
     "table_parameters",
     "trainable",
 ]

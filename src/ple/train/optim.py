@@ -217,6 +217,10 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ measures and state
+    def row_state(self, p: torch.Tensor) -> _RowStates | None:
+        """The per-row states of table ``p`` (None before its first step, or for an optimizer without any)."""
+        return self._states.get(p)
+
     def state_rows(self, p: torch.Tensor) -> int:
         """Rows of table ``p`` that have states."""
         rs = self._states.get(p)
