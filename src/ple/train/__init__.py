@@ -15,6 +15,7 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
   atomic; with the optimizer's state, a checkpoint to resume from), served on top of any base table
   (:func:`load_adapter`, :func:`remove_adapter`: load, swap and remove on a running model), or
   merged into a table file (:mod:`.merge`).
+- Tables sharded across ranks (:mod:`.sharded`): each rank trains the rows it owns.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .adapter import (
     read_adapter,
     remove_adapter,
     save_adapter,
+    save_sharded_adapter,
 )
 from .attach import Part, TableTarget, freeze, ple_layers, table_parameters, trainable
 from .merge import merge_model, merge_table_file
@@ -53,6 +55,7 @@ __all__ = [
     "read_adapter",
     "remove_adapter",
     "save_adapter",
+    "save_sharded_adapter",
     "table_parameters",
     "trainable",
 ]

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..errors import InvalidArgumentError, PLEError, UsageError
@@ -44,6 +45,7 @@ from ..table.adapted import AdaptedTable, RowOverlay
 from ..table.table_file import hash_layout
 from .attach import TableTarget, ple_layers
 from .optim import RowSparseOptimizer
+from .sharded import all_gather_rows
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -57,6 +59,8 @@ __all__ = [
     "read_adapter",
     "remove_adapter",
     "save_adapter",
+    "save_sharded_adapter",
+    "write_adapter_file",
 ]
 
 ADAPTER_FORMAT = "ple-table-adapter"
@@ -157,7 +161,7 @@ def save_adapter(
         table = layer.table
         assert isinstance(table, AdaptedTable)
         sources.append((layer, table.overlay, 0, table.base))
-    return _write(path, sources, dtype, states, optimizer, meta)
+    return write_adapter_file(path, sources, dtype, states, optimizer, meta)
 
 
 def _optimizer_states(optimizer: RowSparseOptimizer, layers: list[PLELayer]) -> dict[int, tuple[int, Any]]:
@@ -172,9 +176,10 @@ def _optimizer_states(optimizer: RowSparseOptimizer, layers: list[PLELayer]) -> 
     return out
 
 
-def _write(path: Path, sources, dtype, states, optimizer, meta) -> Path:
-    """``sources``: ``(layer, overlay, first row, base)`` per layer (the overlay's ids + first row are the
-    table's)."""
+def write_adapter_file(path: Path, sources, dtype, states, optimizer, meta) -> Path:
+    """Write an adapter file of ``sources``: ``(layer, overlay, first row, base)`` per layer (the overlay's
+    ids + first row are the table's), with ``states`` ``{ple_layer_index: (step, row states or None)}``
+    of ``optimizer`` (see :func:`save_adapter`)."""
     info = []
     entries: list[tuple[str, str, list[int], int]] = []
     locks = [overlay.lock for _, overlay, _, _ in sources]
@@ -488,3 +493,93 @@ def _local_states(optimizer, group, index: int, ids: torch.Tensor, values: torch
                 keep = (ids >= table.row_start) & (ids < table.row_stop)
                 return ids[keep] - table.row_start, values[keep]
     return ids, values
+
+
+# ---------------------------------------------------------------------------------------------- sharded
+class _GatheredStates:
+    """The optimizer states of every rank of one table, as :func:`ple.train.adapter` saves them."""
+
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self._ids, self._values = ids, values
+
+        class _Store:
+            width = values.shape[1]
+
+        self.store = _Store()
+
+    def __len__(self) -> int:
+        return self._ids.numel()
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ids, self._values
+
+
+def save_sharded_adapter(
+    path: str | os.PathLike,
+    model: nn.Module | PLELayer,
+    *,
+    dtype: torch.dtype = torch.float32,
+    optimizer=None,
+    meta: dict[str, Any] | None = None,
+) -> Path | None:
+    """Write one adapter file of every trained sharded table of ``model`` (the whole table's rows:
+    each rank's own, gathered to rank 0, which writes ``path`` atomically). A collective: every rank
+    calls it; returns ``path`` on rank 0, None elsewhere. Arguments as :func:`ple.train.save_adapter`."""
+    layers = [
+        layer
+        for layer in ple_layers(model)
+        if isinstance(layer.table, ShardedTable) and isinstance(layer.table.local_table, AdaptedTable)
+    ]
+    if not layers:
+        raise UsageError("no PLE layer of this model has a trained sharded table (ple.train.trainable(model))")
+    steps: dict[int, tuple[int, Any]] = {}
+    sources = []
+    for layer in layers:
+        table = layer.table
+        assert isinstance(table, ShardedTable) and isinstance(table.local_table, AdaptedTable)
+        local = table.local_table
+        with local.overlay.lock:
+            ids = local.overlay.ids()
+            _, rows = local.overlay.get(ids)
+        parts = all_gather_rows(table.group, ids + table.row_start, rows)
+        full = RowOverlay(table.rows, table.head_dim, torch.float32)
+        for got_ids, got_rows in parts:
+            if got_ids.numel():
+                full.put(got_ids, got_rows)
+        sources.append((layer, full, 0, local.base))
+        if optimizer is not None:
+            state = _table_state(optimizer, layer)
+            step, rs = state if state is not None else (0, None)
+            width = 0 if rs is None else rs.store.width
+            if rs is not None:
+                sid, sval = rs.export()
+            else:
+                sid, sval = torch.empty(0, dtype=torch.int64), torch.empty(0, max(width, 1))
+            widths = all_gather_rows(table.group, torch.tensor([width]), torch.zeros(1, 1))
+            w = max(int(x[0][0]) for x in widths)
+            if w:
+                gathered = all_gather_rows(table.group, sid + table.row_start, sval.reshape(-1, w))
+                gid = torch.cat([g[0] for g in gathered])
+                order = torch.argsort(gid)
+                steps[layer.ple_layer_index] = (
+                    step,
+                    _GatheredStates(gid[order], torch.cat([g[1] for g in gathered])[order]),
+                )
+            else:
+                steps[layer.ple_layer_index] = (step, None)
+    group = layers[0].table.group
+    out = None
+    if dist.get_rank(group) == 0:
+        out = write_adapter_file(Path(path), sources, dtype, steps, optimizer, meta)
+    dist.barrier(group=group)
+    for _, full, _, _ in sources:
+        full.close()
+    return out
+
+
+def _table_state(optimizer, layer: PLELayer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.ple_target.ple_layer_index == layer.ple_layer_index:
+                return int(optimizer.state[p].get("step", 0)), optimizer.row_state(p)
+    raise InvalidArgumentError(f"the optimizer does not train PLE layer {layer.ple_layer_index}'s table")

@@ -29,6 +29,7 @@ from ..layer import PLELayer
 from ..table import ShardedTable, Table
 from ..table.adapted import AdaptedTable, RowOverlay
 from ..table.sparse_grad import table_parameter
+from .sharded import owned_gradient
 
 __all__ = [
     "trainable",
@@ -83,6 +84,14 @@ class TableTarget:
             f"PLE layer {layer.ple_layer_index}'s table ({type(table).__name__}) has no overlay to train: "
             "call ple.train.trainable(layer) after setting its table"
         )
+
+    def gradient(self, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient this process applies, from its backward's ``(rows, values)``: the same, except
+        for a table sharded across ranks with per-rank ids (:func:`ple.train.sharded.owned_gradient`)."""
+        table = self.layer.table
+        if isinstance(table, ShardedTable):
+            return owned_gradient(table, rows, values)
+        return rows, values
 
     def overlays(self) -> list[RowOverlay]:
         return [p.overlay for p in self.parts()]

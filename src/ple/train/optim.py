@@ -183,7 +183,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         step = int(state.get("step", 0)) + 1
         state["step"] = step
-        for part in target_of(p).parts():
+        target = target_of(p)
+        rows, values = target.gradient(rows, values)
+        for part in target.parts():
             a = int(torch.searchsorted(rows, part.start))
             b = int(torch.searchsorted(rows, part.stop))
             if a == b:
