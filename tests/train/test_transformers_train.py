@@ -116,3 +116,69 @@ def test_an_adapter_is_served_by_from_pretrained_and_merged_into_the_published_l
     # the merge rounds the trained rows to q8_0 once: close to the adapter's model
     for a, b in zip(want.logits, after_merge.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0.1)
+
+
+def _combined(model):
+    from ple.train import CombinedOptimizer
+
+    return CombinedOptimizer(SparseAdam(trainable(model), lr=0.05), torch.optim.AdamW(model.parameters(), lr=3e-3))
+
+
+def test_one_optimizer_for_tables_and_weights_drives_a_scheduler_and_resumes(tmp_path):
+    ckpt = _checkpoint(tmp_path, seed=53)
+
+    def run(steps, state=None):
+        model = from_pretrained(ckpt, table_dir=tmp_path / "tables")
+        opt = _combined(model)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        if state is not None:  # resume: the weights, the trained rows, both optimizers, the schedule
+            from ple.train import load_adapter
+
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), state[3], strict=True):
+                    p.copy_(q)
+            load_adapter(model, state[2])
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+        model.train()
+        for i in range(steps):
+            ids = _text(seed=10 + i + (0 if state is None else 3))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return model, opt, sched
+
+    model, opt, sched = run(6)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.05 / 7, 3e-3 / 7])  # one schedule for both
+    model3, opt3, sched3 = run(3)
+    path = save_adapter(tmp_path / "a.safetensors", model3)
+    state = (opt3.state_dict(), sched3.state_dict(), path, [p.detach().clone() for p in model3.parameters()])
+    resumed, _, _ = run(3, state)
+    for a, b in zip(patched_layers(model), patched_layers(resumed), strict=True):
+        assert torch.equal(a.layer.table.overlay.ids(), b.layer.table.overlay.ids())
+    for (n, p), (_, q) in zip(model.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    for a, b in zip(patched_layers(model), patched_layers(resumed), strict=True):
+        ids = a.layer.table.overlay.ids()
+        assert torch.equal(a.layer.table.overlay.get(ids)[1], b.layer.table.overlay.get(ids)[1])
+
+
+def test_transformers_trainer_fine_tunes_the_tables_on_disk(tmp_path):
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    model = from_pretrained(_checkpoint(tmp_path, seed=54), table_dir=tmp_path / "tables")
+    opt = _combined(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = _text(seed=5, b=8)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=8, save_strategy="no",
+        report_to=[], use_cpu=True, logging_steps=1, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+    assert all(len(w.layer.table.overlay) > 20 for w in patched_layers(model))

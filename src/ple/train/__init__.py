@@ -32,7 +32,7 @@ from .adapter import (
 )
 from .attach import Part, TableTarget, freeze, ple_layers, table_parameters, trainable
 from .merge import merge_model, merge_table_file
-from .optim import SGD, Adagrad, Adam, AdamW, RowSparseOptimizer, RowWiseAdagrad, SparseAdam
+from .optim import SGD, Adagrad, Adam, AdamW, CombinedOptimizer, RowSparseOptimizer, RowWiseAdagrad, SparseAdam
 
 __all__ = [
     "AdapterFile",
@@ -40,6 +40,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
+    "CombinedOptimizer",
     "Part",
     "RowSparseOptimizer",
     "RowWiseAdagrad",

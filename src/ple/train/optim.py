@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from ..errors import InvalidArgumentError
 from ..table.rowstore import RowMap, SlotStore
 from .attach import default_spill_dir, target_of
 
-__all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW"]
+__all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW", "CombinedOptimizer"]
 
 
 class _RowStates:
@@ -436,3 +437,56 @@ class AdamW(Adam):
         self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, **kw
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one: ple's for the tables, a torch optimizer for the other
+    weights. ``param_groups`` are the optimizers' own group dicts, in order, so a learning-rate
+    scheduler (``torch.optim.lr_scheduler``) or a training loop that expects one optimizer
+    (transformers' ``Trainer(optimizers=(combined, scheduler))``) drives all of them; ``step`` and
+    ``zero_grad`` run each; the state dict holds each one's."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise InvalidArgumentError(
+                f"CombinedOptimizer takes torch optimizers, got {[type(o).__name__ for o in optimizers]}"
+            )
+        self.optimizers = list(optimizers)
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.state = defaultdict(dict)
+        for o in self.optimizers:
+            self.state.update(o.state)
+        for hooks in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, hooks, OrderedDict())
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("optimizers")
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise InvalidArgumentError(f"a CombinedOptimizer state of {len(self.optimizers)} optimizers was expected")
+        for o, sd in zip(self.optimizers, saved, strict=True):
+            o.load_state_dict(sd)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
