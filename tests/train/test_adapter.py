@@ -260,3 +260,21 @@ def test_a_training_run_killed_at_any_point_leaves_the_base_and_the_last_adapter
         assert torch.equal(ia, ib) and torch.equal(ra, rb)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     assert len(leftovers) <= 1  # at most the last killed save's; the next save sweeps it
+
+
+def test_a_session_serves_an_adapter_as_a_table_holding_the_merged_rows(tmp_path):
+    from ple.runtime import Session
+    from ple.table import MemoryTable
+
+    layer = new_layer(seed=8, table=make_tier("mmap", "fp32", tmp_path, seed=9))
+    _train(layer, steps=3)
+    merged = new_layer(seed=8, table=MemoryTable(dequantized(layer.table)))
+    outs = []
+    for served in (layer, merged):
+        session = Session(served, max_requests=2)
+        session.add("a")
+        hidden, ids, _ = batch(seed=12, b=1, s=20)
+        first = session.step({"a": (hidden[0, :12], ids[0, :12])})["a"]
+        second = session.step({"a": (hidden[0, 12:], ids[0, 12:])})["a"]
+        outs.append(torch.cat([first, second]))
+    assert torch.equal(outs[0], outs[1])
