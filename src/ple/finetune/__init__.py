@@ -109,6 +109,8 @@ def run(args) -> int:
         memory_budget=args.memory_budget,
         eval_every=max(1, args.steps // 8),
     )
+    import torch
+
     tmp = None
     if args.workdir:
         work = Path(args.workdir)
@@ -116,11 +118,11 @@ def run(args) -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="ple-train-")
         work = Path(tmp.name)
+    threads = torch.get_num_threads()
     try:
-        import torch
-
-        if args.ranks > 1:
-            torch.set_num_threads(1)  # the ranks run one thread each: the same GEMMs, the same bits
+        # the demo model is tiny (hidden 64): one thread (more only add synchronization), the ranks' too,
+        # so one process and the ranks run the same GEMMs and get the same bits
+        torch.set_num_threads(1)
         _say("building the demo model in the published layout ...")
         published = prepare_checkpoint(work, args.size, args.seed)
         _say(f"fine-tuning its tables from disk ({args.tier}) on real text, {args.steps} steps ...")
@@ -147,6 +149,7 @@ def run(args) -> int:
             _print(report, args)
         return 0 if report["ok"] else 1
     finally:
+        torch.set_num_threads(threads)
         if tmp is not None:
             tmp.cleanup()
 
@@ -204,7 +207,9 @@ def _print(r: dict[str, Any], args) -> None:
           f"held-out {r['held_out'][0][1]:.3f} -> {r['held_out'][-1][1]:.3f}")  # fmt: skip
     trained = ", ".join(f"{n:,} of {k:,}" for n, k in zip(r["trained_rows"], r["lookups"], strict=True))
     print(f"rows       : {trained} row reads trained (distinct rows, per table)")
-    print(f"adapter    : {r['adapter']}, {r['adapter_bytes'] / 1e6:.2f} MB")
+    print(
+        f"adapter    : {r['adapter']}, {r['adapter_bytes'] / 1e6:.2f} MB (the trained rows and the optimizer's state)"
+    )
     print(
         f"tables     : {'untouched' if r['tables_untouched'] else 'CHANGED'} ({len(r['table_files'])} files hashed before and after)"
     )
