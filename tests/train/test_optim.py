@@ -237,3 +237,23 @@ def test_optimizers_refuse_what_is_not_a_table_handle(tmp_path):
     handles[0].grad = torch.zeros(handles[0].shape)
     with pytest.raises(InvalidArgumentError, match="row-sparse"):
         opt.step()
+
+
+def test_rows_and_states_spill_beside_the_table_file_by_default(tmp_path, monkeypatch):
+    import tempfile
+
+    from ple.table import MmapTable
+
+    from ._helpers import write_table_file
+
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    path = write_table_file(folder / "t.pletable", "fp8", seed=3)
+    layer = new_layer(seed=2, table=MmapTable.open(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "nowhere"))  # a spill there would fail
+    opt = SparseAdam(trainable(layer, memory_budget=256), lr=0.05, memory_budget=256)
+    hidden, ids, _ = batch(seed=4)
+    _loss(layer.forward_padded(hidden, ids), seed=0).backward()
+    opt.step()
+    assert layer.table.overlay.spilled_rows > 0 and opt.state_nbytes()[1] > 0
+    assert [p.name for p in folder.iterdir()] == ["t.pletable"]  # unnamed files: nothing left beside it
