@@ -41,10 +41,12 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.runtime", 6, "runtime"),
     ("ple.parallel", 6, "parallel"),
     ("ple.stats", 6, "stats"),
+    ("ple.train", 6, "train"),
     ("ple.integrations", 7, "integrations"),
     ("ple.bench", 9, "bench"),
     ("ple.demo", 9, "demo"),
     ("ple.commands", 10, "commands"),
+    ("ple.finetune", 10, "finetune"),
     ("ple.cli", 11, "cli"),
     ("ple", 8, "facade"),  # the package's own __init__: the public API, above the library levels
 ]

@@ -9,7 +9,16 @@ import re
 
 import torch
 
-__all__ = ["positive_int", "non_negative_int", "int_between", "integer", "device", "parse_int", "shown"]
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "int_between",
+    "integer",
+    "positive_float",
+    "device",
+    "parse_int",
+    "shown",
+]
 
 MAX_INT_DIGITS = 1000
 """Most digits :func:`parse_int` reads (far beyond any id or count; Python's own limit is 4300)."""
@@ -66,6 +75,17 @@ def int_between(lo: int, hi: int):
 
     check.__name__ = f"integer in [{lo}, {hi}]"
     return check
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``0.05``, ``3e-3``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is out of range: expected a finite number > 0")
+    return v
 
 
 def device(text: str) -> torch.device:

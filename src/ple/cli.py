@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("demo", "end-to-end run: synthesize, load, serve, check against the reference")
     demo.add_arguments(p)
     p.set_defaults(fn=demo.run)
+
+    from . import finetune
+
+    p = add("train", "fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters")
+    finetune.add_arguments(p)
+    p.set_defaults(fn=finetune.run)
     return ap
 
 

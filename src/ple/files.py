@@ -9,7 +9,7 @@ JSON: :func:`parse_json` and :func:`read_json` turn every way ``json`` refuses h
 (malformed text, bytes that are no Unicode, nesting deeper than the recursion limit, an integer of
 more digits than Python converts) into the caller's error naming the file.
 
-Writing: :func:`write_atomically` replaces a file all or nothing through a temporary file of its
+Writing: :func:`write_atomically` (and :func:`write_atomically_from`, streamed) replaces a file all or nothing through a temporary file of its
 own (random name, created exclusively, never through a symbolic link); :func:`partial_dir`
 makes such a private folder for a writer that builds a whole folder, locked while it works, so
 folders of writers that died are swept away by the next one (:func:`sweep_partial_dirs`).
@@ -25,7 +25,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,9 @@ __all__ = [
     "read_regular",
     "require_regular",
     "sweep_partial_dirs",
+    "sweep_partial_files",
     "write_atomically",
+    "write_atomically_from",
 ]
 
 PARTIAL_SUFFIX = ".partial"
@@ -168,7 +170,13 @@ def _partial_name(path: Path) -> Path:
 
 
 def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
-    """Replace ``path`` with a file holding ``data``, all or nothing.
+    """Replace ``path`` with a file holding ``data``, all or nothing (see :func:`write_atomically_from`)."""
+    write_atomically_from(path, (data,), mode)
+
+
+def write_atomically_from(path: str | os.PathLike, chunks: Iterable, mode: int = 0o644) -> None:
+    """Replace ``path`` with a file holding the bytes of ``chunks`` (bytes-like objects, in order,
+    made as they are written: a large file streams through bounded memory), all or nothing.
 
     The bytes go to a temporary file of a random name in the same folder
     (``<name>.<pid>-<random>.partial``), created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing
@@ -192,9 +200,10 @@ def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) ->
         else:  # 16 random names taken
             raise FileExistsError(f"could not create a temporary file beside {path}: every name tried exists")
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                view = view[os.write(fd, view) :]
+            for data in chunks:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -206,6 +215,31 @@ def write_atomically(path: str | os.PathLike, data: bytes, mode: int = 0o644) ->
                 os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def sweep_partial_files(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that dead writers of ``path`` left (``<name>.<pid>-<random>.partial``,
+    see :func:`write_atomically_from`): those whose process no longer exists (a symbolic link of such a
+    name is removed, never followed). Returns the files removed."""
+    path = Path(path)
+    pattern = re.compile(re.escape(path.name) + r"\.(\d+)-[0-9a-f]{12}" + re.escape(PARTIAL_SUFFIX))
+    removed: list[Path] = []
+    for p, st in partial_entries(path.parent, pattern):
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        m = pattern.fullmatch(p.name)
+        assert m is not None
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # its writer lives (or the number is another process's now: left alone)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            removed.append(p)
+    return removed
 
 
 _STALE_PARTIAL_S = 60.0  # a writer locks its folder within microseconds of making it

@@ -36,6 +36,7 @@ from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate
 from .runtime.batch import Batch
 from .table import StoredTable
 from .table.base import TableRef, lookup_built, lookup_through
+from .table.sparse_grad import lookup_with_grad
 from .table.table_file import hash_layout
 
 __all__ = ["PLELayer"]
@@ -118,6 +119,7 @@ class PLELayer(nn.Module):
             self.norm_conv = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
             self.conv_weight = nn.Parameter(torch.zeros(c, k, dtype=dtype, device=device))
         self._table_ref = TableRef()
+        self._table_weight: tuple[nn.Parameter | None] = (None,)
         self._seen: tuple = ()
         self.refresh_weights()
         if table is not None:
@@ -164,6 +166,25 @@ class PLELayer(nn.Module):
                     "or model"
                 )
         self._table_ref.table = table
+
+    @property
+    def table_weight(self) -> nn.Parameter | None:
+        """The table's gradient handle (None: the table is frozen, the default).
+
+        An ``nn.Parameter`` of the table's shape ``[rows, head_dim]`` fp32 holding one stored zero
+        (:func:`ple.table.sparse_grad.table_parameter`), kept out of :meth:`parameters` and the state
+        dict. While it requires a gradient, :meth:`forward_padded` records the lookup for autograd and
+        ``backward()`` gives it the row-sparse gradient (a sparse COO tensor: the distinct rows read and
+        their summed gradients) on every tier and format; the engine call never reads it.
+        ``ple.train.trainable`` sets it (:meth:`set_table_weight`), with an overlay the optimizers write
+        trained rows to."""
+        return self._table_weight[0]
+
+    def set_table_weight(self, weight: nn.Parameter | None) -> None:
+        """Set :attr:`table_weight` (a ``[rows, head_dim]`` handle, or None to freeze the table)."""
+        if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 2):
+            raise InvalidArgumentError(f"table_weight must be a [rows, head_dim] parameter or None, got {weight!r}")
+        self._table_weight = (weight,)  # a tuple: not registered as a parameter
 
     @property
     def table_ref(self) -> TableRef:
@@ -369,10 +390,12 @@ class PLELayer(nn.Module):
         # and the derived buffers (kv_weight alone is as large as the projections)
         state = super().__getstate__()  # nn.Module's: without a compiled call of this very module
         state["_native_step"] = state["_fused_args"] = None
+        state["_table_weight"] = (None,)  # a copy's table is frozen until it is made trainable again
         state["_buffers"] = {k: v for k, v in state["_buffers"].items() if k not in _DERIVED}
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("_table_weight", (None,))
         super().__setstate__(state)
         with torch.inference_mode(False):  # a copy made inside inference mode: plain parameters (see __init__)
             for name, p in self._parameters.items():
@@ -629,7 +652,10 @@ class PLELayer(nn.Module):
         ctx = torch.full((b, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64, device=flat.device)
         ids = ngram_ids(flat, qsl, ctx, self.layout, cfg.eos_token_id)
         table = self._require_table()
-        if isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32"):
+        weight = self._table_weight[0]
+        if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+            emb = lookup_with_grad(table, ids, self.dtype, weight)  # the table's row-sparse gradient
+        elif isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32"):
             emb = F.embedding(ids, table.data).to(self.dtype).reshape(b * s, -1)  # differentiable w.r.t. the table
         else:
             emb = table.lookup(ids, self.dtype)

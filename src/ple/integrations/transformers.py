@@ -253,8 +253,9 @@ class PatchedPLELayer(nn.Module):
         # Read both states before anything is written (update_conv_state writes in place).
         cached_ctx = cache.get_conv_state(self.layer_idx, state_idx=2) if cache is not None else None
         cached_conv = cache.get_conv_state(self.layer_idx, state_idx=1) if cache is not None else None
+        trained_table = layer.table_weight is not None and layer.table_weight.requires_grad
         if torch.is_grad_enabled() and (
-            hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters())
+            hidden_states.requires_grad or trained_table or any(p.requires_grad for p in layer.parameters())
         ):
             if cached_ctx is not None or cached_conv is not None:
                 raise UsageError(
@@ -824,6 +825,7 @@ def from_pretrained(
     memory_budget: int | None = None,
     progress: bool | None = None,
     table_format: str | None = None,
+    table_adapter: str | os.PathLike | None = None,
     **kwargs,
 ) -> Any:
     """Load a transformers ``qwen4_exp`` model whose PLE tables stay on disk (never in memory).
@@ -858,6 +860,9 @@ def from_pretrained(
             checkpoint's own format. A table file is served only in the format asked for (read from
             its header): one of another format is refused, naming both. Tiers "mmap", "cached" and
             "direct".
+        table_adapter: an adapter file of trained rows (``ple.train.save_adapter``) served on top of
+            the tables (any tier and format; the table files stay untouched): see
+            ``ple.train.load_adapter``, which also swaps or removes it later.
 
     Returns:
         The patched model (and transformers' loading info when ``output_loading_info=True``). Each
@@ -911,6 +916,11 @@ def from_pretrained(
     if scan.all_problems:
         raise CheckpointError(scan.all_problems)
     show = sys.stderr.isatty() if progress is None else bool(progress)
+    adapter = None
+    if table_adapter is not None:
+        from ..train.adapter import read_adapter
+
+        adapter = read_adapter(table_adapter)  # checked before any table is made
     cls = _model_class(root, mq)
     if table_tier != "memory":
         for e in scan.layers:  # every layer's rows fit the format asked for, before any file is made
@@ -952,6 +962,10 @@ def from_pretrained(
             return mapped
 
         patch(model, factory)
+        if adapter is not None:
+            from ..train.adapter import load_adapter
+
+            load_adapter(model, adapter)
     except BaseException:
         for made in prepared.values():
             if made.table is not None:

@@ -1,0 +1,225 @@
+"""``ple train``: fine-tune a model's PLE tables where they live, end to end, with its loss curve.
+
+The demo's model (:mod:`ple.demo.model`: a random-weight ``qwen4_exp`` model whose fp8 tables
+dominate, saved in the published layout) is loaded with ``from_pretrained`` with its tables on disk
+and trained on real text (:mod:`.data`) with ple's row-sparse optimizer for the tables and AdamW for
+the other weights (:mod:`.loop`). The report gives the training and held-out losses, the rows
+trained, the adapter file written, whether the table files stayed untouched, peak memory and time;
+``--plot`` draws the loss curve. ``--ranks N`` also runs the fine-tune on N processes with the
+tables sharded across them and checks the trained rows are bit-identical to one process's.
+``ple train --merge TABLE ADAPTER OUT`` writes an adapter's rows into a table file instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..argtypes import int_between, non_negative_int, positive_float
+from ..errors import CommandLineError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..table.convert import TARGET_NAMES
+    from .loop import OPTIMIZERS
+
+    p.add_argument("--size", choices=["quick", "default"], default="quick", help="the demo model's table size")
+    p.add_argument("--steps", type=int_between(1, 100_000), default=40, help="training steps (40)")
+    p.add_argument("--batch", type=int_between(1, 4096), default=4, help="sequences a step (4)")
+    p.add_argument("--length", type=int_between(4, 1 << 16), default=32, help="tokens a sequence (32)")
+    p.add_argument(
+        "--tier", choices=["mmap", "cached", "direct"], default="mmap", help="where the tables are served from"
+    )
+    p.add_argument("--table-format", choices=TARGET_NAMES, help="train over a copy of the tables in this format")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sparse_adam", help="the tables' optimizer")
+    p.add_argument("--lr", type=positive_float, default=0.05, help="the tables' learning rate (0.05)")
+    p.add_argument("--rest-lr", type=positive_float, default=3e-3, help="AdamW's for the other weights (0.003)")
+    p.add_argument("--tables-only", action="store_true", help="train the tables alone (the rest frozen)")
+    p.add_argument("--fused", action="store_true", help="apply the tables' updates inside the backward")
+    p.add_argument("--memory-budget", type=non_negative_int, metavar="BYTES", help="trained rows kept in memory")
+    p.add_argument(
+        "--ranks", type=int_between(1, 64), default=1, help="also train with the tables sharded over N ranks"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--plot", metavar="PNG", help="draw the loss curve here (default: WORKDIR/loss.png with --workdir)")
+    p.add_argument("--workdir", help="keep the checkpoint, table files and adapter here")
+    p.add_argument("--merge", nargs=3, metavar=("TABLE", "ADAPTER", "OUT"), help="merge an adapter into a table file")
+    p.add_argument("--force", action="store_true", help="--merge: replace OUT")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the report")
+
+
+def _say(msg: str) -> None:
+    print(f"ple train: {msg}", file=sys.stderr, flush=True)
+
+
+def _merge(args) -> int:
+    from ..train import merge_table_file
+
+    table, adapter, out = args.merge
+    path = merge_table_file(table, adapter, out, force=args.force, progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps({"merged": str(path)}))
+    else:
+        print(f"merged {adapter} into {path}")
+    return 0
+
+
+def run(args) -> int:
+    """``ple train``; returns the exit status (1 when a check fails)."""
+    if args.merge:
+        return _merge(args)
+    from ..integrations.qwen4_exp import require_transformers
+    from .loop import Options, finetune, plot_losses, prepare_checkpoint
+
+    require_transformers()
+    if args.table_format is not None and args.table_format in (
+        "q8_0",
+        "q5_1",
+        "q5_0",
+        "q4_1",
+        "q4_0",
+        "iq4_nl",
+        "mxfp4",
+        "nvfp4",
+    ):
+        raise CommandLineError(
+            f"--table-format {args.table_format}: the demo model's rows are 4 values, no whole block"
+        )
+    opts = Options(
+        size=args.size,
+        steps=args.steps,
+        batch=args.batch,
+        length=args.length,
+        tier=args.tier,
+        table_format=args.table_format,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        rest_lr=args.rest_lr,
+        tables_only=args.tables_only,
+        fused=args.fused,
+        seed=args.seed,
+        memory_budget=args.memory_budget,
+        eval_every=max(1, args.steps // 8),
+    )
+    import torch
+
+    tmp = None
+    if args.workdir:
+        work = Path(args.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="ple-train-")
+        work = Path(tmp.name)
+    threads = torch.get_num_threads()
+    try:
+        # the demo model is tiny (hidden 64): one thread (more only add synchronization), the ranks' too,
+        # so one process and the ranks run the same GEMMs and get the same bits
+        torch.set_num_threads(1)
+        _say("building the demo model in the published layout ...")
+        published = prepare_checkpoint(work, args.size, args.seed)
+        _say(f"fine-tuning its tables from disk ({args.tier}) on real text, {args.steps} steps ...")
+        report = finetune(
+            published, work / "tables", work / "adapter.safetensors", opts, say=_say, progress=sys.stderr.isatty()
+        )
+        checks = {
+            "loss_fell": report["loss_last"] < report["loss_first"],
+            "held_out_loss_fell": report["held_out"][-1][1] < report["held_out"][0][1],
+            "tables_untouched": report["tables_untouched"],
+        }
+        if args.ranks > 1:
+            report["ranks"] = _ranked(args.ranks, published, work, opts)
+            checks["ranks_bit_identical"] = report["ranks"]["identical"]
+        plot = args.plot or (str(work / "loss.png") if args.workdir else None)
+        if plot:
+            title = f"ple train: demo model ({args.size}), tables {report['tables'][0][2]} on {args.tier}, real text"
+            report["plot"] = plot if plot_losses(report, Path(plot), title) else None
+        report["checks"] = checks
+        report["ok"] = all(checks.values())
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            _print(report, args)
+        return 0 if report["ok"] else 1
+    finally:
+        torch.set_num_threads(threads)
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _ranked(ranks: int, published: Path, work: Path, opts) -> dict[str, Any]:
+    """The same fine-tune on ``ranks`` processes, tables sharded; compared with the one-process run."""
+    import torch
+
+    from ..errors import PLEError
+    from ..parallel import spawn_local
+    from ..train import read_adapter
+
+    _say(f"the same fine-tune on {ranks} ranks, each table sharded across them ...")
+    folder = work / f"ranks{ranks}"
+    folder.mkdir(exist_ok=True)
+    report = folder / "report.json"
+    adapter = folder / "adapter.safetensors"
+    argv = [
+        sys.executable, "-m", "ple.finetune.worker", str(published), str(work / "tables"), str(adapter), str(report),
+        json.dumps(dataclasses.asdict(opts)),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    res = spawn_local(argv, ranks, deadline_s=3600, grace_s=30, capture=True)
+    if not res.ok:
+        tail = "\n".join(o[-2000:] for o in res.outputs)
+        raise PLEError(f"the {ranks} ranks failed (exit statuses {res.returncodes}):\n{tail}")
+    doc = json.loads(report.read_text())
+    one, many = read_adapter(work / "adapter.safetensors"), read_adapter(adapter)
+    identical = sorted(one.layers) == sorted(many.layers)
+    for i in one.layers if identical else ():
+        for (ia, ra), (ib, rb) in zip(one.chunks(i), many.chunks(i), strict=False):
+            identical = identical and torch.equal(ia, ib) and torch.equal(ra, rb)
+        identical = identical and one.layers[i].trained_rows == many.layers[i].trained_rows
+    return {
+        "ranks": ranks,
+        "losses": doc["losses"],
+        "held_out": doc["held_out"],
+        "identical": bool(identical),
+        "seconds": time.perf_counter() - t0,
+        "adapter": str(adapter),
+    }
+
+
+def _print(r: dict[str, Any], args) -> None:
+    o = r["options"]
+    rows, width, fmt = r["tables"][0]
+    print("== ple train: the demo model's PLE tables fine-tuned from disk ==")
+    print(
+        f"model      : qwen4_exp demo ({o['size']}), {len(r['tables'])} PLE tables of {rows:,} x {width} ({fmt}), tier {o['tier']}"
+    )
+    print(f"text       : real text, {o['steps']} steps x {o['batch']} x {o['length']} tokens ({r['tokens']:,})")
+    rest = "the rest frozen" if o["tables_only"] else f"AdamW lr {o['rest_lr']} for the other weights"
+    print(f"optimizers : {r['table_optimizer']} lr {o['lr']} for the tables{' (fused)' if o['fused'] else ''}; {rest}")
+    print(f"loss       : training {r['loss_first']:.3f} -> {r['loss_last']:.3f} (first / last 5 steps); "
+          f"held-out {r['held_out'][0][1]:.3f} -> {r['held_out'][-1][1]:.3f}")  # fmt: skip
+    trained = ", ".join(f"{n:,} of {k:,}" for n, k in zip(r["trained_rows"], r["lookups"], strict=True))
+    print(f"rows       : {trained} row reads trained (distinct rows, per table)")
+    print(
+        f"adapter    : {r['adapter']}, {r['adapter_bytes'] / 1e6:.2f} MB (the trained rows and the optimizer's state)"
+    )
+    print(
+        f"tables     : {'untouched' if r['tables_untouched'] else 'CHANGED'} ({len(r['table_files'])} files hashed before and after)"
+    )
+    print(f"memory     : peak RSS {r['peak_rss_bytes'] / 1e6:,.0f} MB")
+    print(f"time       : {r['seconds_per_step']:.2f} s a step, {r['wall_seconds']:.1f} s in all")
+    if "ranks" in r:
+        k = r["ranks"]
+        print(f"ranks      : {k['ranks']} processes, tables sharded: trained rows "
+              f"{'bit-identical to' if k['identical'] else 'DIFFERENT from'} one process's ({k['seconds']:.1f} s)")  # fmt: skip
+    if r.get("plot"):
+        print(f"plot       : {r['plot']}")
+    failed = [k for k, v in r["checks"].items() if not v]
+    print(f"checks     : {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} ({len(r['checks'])} checks)")

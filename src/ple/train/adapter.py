@@ -1,0 +1,585 @@
+"""Table adapters: the trained rows of a model's PLE tables as a small file of their own.
+
+An adapter file is a safetensors file (``.safetensors``; any name) holding, per PLE layer ``i``:
+
+- ``layer{i}.ids`` I64 ``[n]``: the row ids trained, sorted and distinct, in ``[0, rows)``;
+- ``layer{i}.rows`` F32 or BF16 ``[n, head_dim]``: their values;
+- in a training checkpoint also ``layer{i}.state.ids`` I64 ``[m]`` and ``layer{i}.state.values`` F32
+  ``[m, width]``: the optimizer's per-row states (see :mod:`ple.train.optim`);
+
+and in its ``__metadata__``: ``format`` = ``"ple-table-adapter"``, ``version`` = ``"1"``, ``layers``
+(JSON: per layer its ``ple_layer_index``, ``rows``, ``head_dim``, ``layout_hash`` (the layer's
+layout, :func:`ple.table.table_file.hash_layout`), the base table's ``format`` and the row count),
+``optimizer`` (JSON, checkpoints only: class, hyperparameters and step count per layer) and
+``user`` (JSON: what the caller passed as ``meta``).
+
+An adapter is served on top of any base table, tier and format (:func:`load_adapter`: each layer's
+table becomes an :class:`~ple.table.adapted.AdaptedTable`, the base untouched and shared); loading
+another adapter swaps it, on a running model (the layer's ``TableRef`` switches, compiled programs
+included), and :func:`remove_adapter` serves the bases again. Files are written atomically
+(:func:`ple.files.write_atomically_from`, streamed), so a process killed while saving leaves the last
+saved file whole; :func:`save_adapter` first removes temporary files that dead writers of the same
+path left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import InvalidArgumentError, PLEError, UsageError
+from ..files import sweep_partial_files, write_atomically_from
+from ..layer import PLELayer
+from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, read_header
+from ..table import ShardedTable, Table
+from ..table.adapted import AdaptedTable, RowOverlay
+from ..table.table_file import hash_layout
+from .attach import TableTarget, ple_layers
+from .optim import RowSparseOptimizer
+from .sharded import all_gather_rows
+
+__all__ = [
+    "ADAPTER_FORMAT",
+    "AdapterFile",
+    "AdapterFileError",
+    "AdapterLayer",
+    "adapter_overlays",
+    "as_adapter",
+    "load_adapter",
+    "load_optimizer_state",
+    "read_adapter",
+    "remove_adapter",
+    "save_adapter",
+    "save_sharded_adapter",
+    "write_adapter_file",
+]
+
+ADAPTER_FORMAT = "ple-table-adapter"
+_VERSION = "1"
+_CHUNK = 1 << 16  # rows read or written at a time
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+class AdapterFileError(PLEError, ValueError):
+    """An adapter file is not one, is damaged, or does not fit the model it is loaded into."""
+
+
+# ---------------------------------------------------------------------------------------------- sources
+def layout_hash_of(layer: PLELayer) -> str:
+    return hash_layout(layer.config.layout_fields(layer.ple_layer_index))
+
+
+def base_of(table: Table) -> Table:
+    """The table under an adapter (the table itself when it has none)."""
+    return table.base if isinstance(table, AdaptedTable) else table
+
+
+def _local(layer: PLELayer) -> tuple[Table, int, int, bool]:
+    """``(the table this process adapts, its first row, its last row + 1, sharded)``."""
+    table = layer.table
+    if table is None:
+        raise UsageError(f"PLE layer {layer.ple_layer_index} has no table")
+    if isinstance(table, ShardedTable):
+        return table.local_table, table.row_start, table.row_stop, True
+    return table, 0, table.rows, False
+
+
+def adapter_overlays(model: nn.Module | PLELayer) -> dict[int, tuple[RowOverlay, int, Table]]:
+    """``{ple_layer_index: (overlay, first row, base table)}`` for the adapted tables of ``model`` in
+    this process (a rank of a sharded table holds its own rows: ``id = first row + overlay id``)."""
+    out: dict[int, tuple[RowOverlay, int, Table]] = {}
+    for layer in ple_layers(model):
+        table, start, _, _ = _local(layer)
+        if isinstance(table, AdaptedTable):
+            out[layer.ple_layer_index] = (table.overlay, start, table)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def save_adapter(
+    path: str | os.PathLike,
+    model: nn.Module | PLELayer,
+    *,
+    dtype: torch.dtype = torch.float32,
+    optimizer: RowSparseOptimizer | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write the trained rows of every adapted table of ``model`` to ``path``, atomically.
+
+    Args:
+        dtype: the rows' dtype in the file, ``torch.float32`` or ``torch.bfloat16`` (half the size,
+            for serving).
+        optimizer: also write its per-row states and step counts (a training checkpoint, to
+            resume from with :func:`load_adapter` and :func:`load_optimizer_state`); needs fp32 rows.
+        meta: JSON-serializable facts kept with the file (``AdapterFile.meta``), e.g. the step.
+
+    The rows are streamed (bounded memory). A model whose layers hold no adapter is refused.
+    Returns ``path``."""
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(f"an adapter keeps rows in torch.float32 or torch.bfloat16, got {dtype}")
+    if optimizer is not None and dtype != torch.float32:
+        raise InvalidArgumentError("a training checkpoint (optimizer=...) keeps its rows in torch.float32")
+    path = Path(path)
+    if path.is_dir():
+        raise InvalidArgumentError(f"{path} is a folder, not an adapter file")
+    layers = [layer for layer in ple_layers(model) if isinstance(_local(layer)[0], AdaptedTable)]
+    if not layers:
+        raise UsageError("no PLE layer of this model holds an adapter: nothing to save (ple.train.trainable(model))")
+    for layer in layers:
+        if _local(layer)[3]:
+            raise UsageError(
+                "an adapter of a table sharded across ranks is saved with ple.train.save_sharded_adapter "
+                "(every rank calls it; rank 0 writes the file)"
+            )
+    states = _optimizer_states(optimizer, layers) if optimizer is not None else {}
+    sources = []
+    for layer in layers:
+        table = layer.table
+        assert isinstance(table, AdaptedTable)
+        sources.append((layer, table.overlay, 0, table.base))
+    return write_adapter_file(path, sources, dtype, states, optimizer, meta)
+
+
+def _optimizer_states(optimizer: RowSparseOptimizer, layers: list[PLELayer]) -> dict[int, tuple[int, Any]]:
+    """``{ple_layer_index: (step, row states or None)}`` of the optimizer's tables among ``layers``."""
+    wanted = {layer.ple_layer_index for layer in layers}
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            target: TableTarget = p.ple_target
+            if target.ple_layer_index in wanted:
+                out[target.ple_layer_index] = (int(optimizer.state[p].get("step", 0)), optimizer.row_state(p))
+    return out
+
+
+def write_adapter_file(path: Path, sources, dtype, states, optimizer, meta) -> Path:
+    """Write an adapter file of ``sources``: ``(layer, overlay, first row, base)`` per layer (the overlay's
+    ids + first row are the table's), with ``states`` ``{ple_layer_index: (step, row states or None)}``
+    of ``optimizer`` (see :func:`save_adapter`)."""
+    info = []
+    entries: list[tuple[str, str, list[int], int]] = []
+    locks = [overlay.lock for _, overlay, _, _ in sources]
+    for lock in locks:
+        lock.acquire()
+    try:
+        for layer, overlay, _, base in sources:
+            i, n, d = layer.ple_layer_index, len(overlay), overlay.head_dim
+            info.append(
+                {
+                    "ple_layer_index": i,
+                    "rows": overlay.rows if not isinstance(layer.table, ShardedTable) else layer.table.rows,
+                    "head_dim": d,
+                    "layout_hash": layout_hash_of(layer),
+                    "base_format": base.format,
+                    "trained_rows": n,
+                }
+            )
+            entries.append((f"layer{i}.ids", "I64", [n], 8 * n))
+            entries.append((f"layer{i}.rows", _DTYPES[dtype], [n, d], n * d * dtype.itemsize))
+            st = states.get(i)
+            if st is not None and st[1] is not None:
+                m, w = len(st[1]), st[1].store.width
+                entries.append((f"layer{i}.state.ids", "I64", [m], 8 * m))
+                entries.append((f"layer{i}.state.values", "F32", [m, w], 4 * m * w))
+        metadata = {"format": ADAPTER_FORMAT, "version": _VERSION, "layers": json.dumps(info)}
+        if optimizer is not None:
+            groups = []
+            for group in optimizer.param_groups:
+                hp = {k: v for k, v in group.items() if k != "params"}
+                hp["layers"] = [p.ple_target.ple_layer_index for p in group["params"]]
+                groups.append(hp)
+            metadata["optimizer"] = json.dumps(
+                {
+                    "class": type(optimizer).__name__,
+                    "param_groups": groups,
+                    "steps": {str(i): s for i, (s, _) in states.items()},
+                }
+            )
+        if meta is not None:
+            try:
+                metadata["user"] = json.dumps(meta)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"meta must be JSON-serializable: {e}") from None
+
+        def chunks() -> Iterator[memoryview | bytes]:
+            yield _header(entries, metadata)
+            for layer, overlay, start, _ in sources:
+                keys = overlay.ids()
+                for a in range(0, keys.numel(), _CHUNK):
+                    yield _raw(keys[a : a + _CHUNK] + start)
+                for _, rows in overlay.chunks(_CHUNK):
+                    yield _raw(rows.to(dtype))
+                st = states.get(layer.ple_layer_index)
+                if st is not None and st[1] is not None:
+                    ids, values = st[1].export()
+                    yield _raw(ids + start)
+                    yield _raw(values)
+
+        sweep_partial_files(path)
+        write_atomically_from(path, chunks())
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- reading
+@dataclasses.dataclass(frozen=True)
+class AdapterLayer:
+    """One layer's entry of an adapter file."""
+
+    ple_layer_index: int
+    rows: int
+    head_dim: int
+    layout_hash: str
+    base_format: str
+    trained_rows: int
+    ids: TensorInfo
+    values: TensorInfo
+    state_ids: TensorInfo | None
+    state_values: TensorInfo | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterFile:
+    """A checked adapter file's header (see the module docstring); rows are read on demand."""
+
+    path: Path
+    layers: dict[int, AdapterLayer]
+    dtype: torch.dtype
+    optimizer: dict[str, Any] | None
+    meta: Any
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.ids.nbytes + e.values.nbytes for e in self.layers.values())
+
+    def chunks(self, index: int, size: int = _CHUNK) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(ids [m], rows [m, head_dim])`` of layer ``index``, ``size`` rows at a time, each chunk
+        checked (ids sorted, distinct and in range; rows finite)."""
+        e = self.layers[index]
+        last = -1
+        with PreadReader() as reader:
+            for a in range(0, e.trained_rows, size):
+                b = min(e.trained_rows, a + size)
+                try:
+                    ids = reader.rows(e.ids, f"layer{index}.ids", a, b).clone()
+                    rows = reader.rows(e.values, f"layer{index}.rows", a, b).clone()
+                except CheckpointError as err:
+                    raise AdapterFileError(f"{self.path}: {err.problems[0]}") from None
+                if ids.numel() and (int(ids[0]) <= last or bool((ids[1:] <= ids[:-1]).any()) or int(ids[-1]) >= e.rows):
+                    raise AdapterFileError(
+                        f"{self.path}: layer{index}.ids must be sorted, distinct and in [0, {e.rows}) "
+                        f"(rows {a}..{b} are not)"
+                    )
+                if not bool(torch.isfinite(rows).all()):
+                    bad = int((~torch.isfinite(rows)).any(1).nonzero()[0])
+                    raise AdapterFileError(f"{self.path}: row {int(ids[bad])} of layer {index} is not finite")
+                last = int(ids[-1]) if ids.numel() else last
+                yield ids, rows
+
+    def optimizer_states(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(ids [m], values [m, width])`` of layer ``index``'s optimizer states, or None."""
+        e = self.layers[index]
+        if e.state_ids is None or e.state_values is None:
+            return None
+        with PreadReader() as reader:
+            try:
+                return (
+                    reader.get(e.state_ids, f"layer{index}.state.ids").clone(),
+                    reader.get(e.state_values, f"layer{index}.state.values").clone(),
+                )
+            except CheckpointError as err:
+                raise AdapterFileError(f"{self.path}: {err.problems[0]}") from None
+
+
+def read_adapter(path: str | os.PathLike) -> AdapterFile:
+    """Open and check an adapter file's header (:class:`AdapterFileError` names what is wrong)."""
+    path = Path(path)
+    try:
+        header = read_header(path)
+    except CheckpointError as e:
+        raise AdapterFileError(f"{path}: not a readable adapter file: {e.problems[0]}") from None
+    md = header.metadata
+    if md.get("format") != ADAPTER_FORMAT:
+        raise AdapterFileError(f"{path}: not a ple table adapter (metadata format {md.get('format')!r})")
+    if md.get("version") != _VERSION:
+        raise AdapterFileError(f"{path}: adapter version {md.get('version')!r}, this ple reads version {_VERSION}")
+    try:
+        info = json.loads(md["layers"])
+        optimizer = json.loads(md["optimizer"]) if "optimizer" in md else None
+        meta = json.loads(md["user"]) if "user" in md else None
+    except (KeyError, ValueError) as e:
+        raise AdapterFileError(f"{path}: damaged adapter metadata ({e})") from None
+    layers: dict[int, AdapterLayer] = {}
+    dtypes = set()
+    t = header.tensors
+    try:
+        for entry in info:
+            i = int(entry["ple_layer_index"])
+            rows, d, n = int(entry["rows"]), int(entry["head_dim"]), int(entry["trained_rows"])
+            ids, values = t[f"layer{i}.ids"], t[f"layer{i}.rows"]
+            if ids.dtype != "I64" or ids.shape != (n,) or values.shape != (n, d) or values.dtype not in ("F32", "BF16"):
+                raise AdapterFileError(
+                    f"{path}: layer {i}: ids {ids.dtype} {list(ids.shape)} and rows {values.dtype} "
+                    f"{list(values.shape)}, expected I64 [{n}] and F32/BF16 [{n}, {d}]"
+                )
+            dtypes.add(values.dtype)
+            sid, sval = t.get(f"layer{i}.state.ids"), t.get(f"layer{i}.state.values")
+            layers[i] = AdapterLayer(
+                i, rows, d, str(entry["layout_hash"]), str(entry["base_format"]), n, ids, values, sid, sval
+            )
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, AdapterFileError):
+            raise
+        raise AdapterFileError(f"{path}: damaged adapter file (missing or malformed {e})") from None
+    if len(dtypes) > 1:
+        raise AdapterFileError(f"{path}: layers keep rows in different dtypes {sorted(dtypes)}")
+    dtype = torch.bfloat16 if dtypes == {"BF16"} else torch.float32
+    return AdapterFile(path, layers, dtype, optimizer, meta)
+
+
+def as_adapter(adapter: str | os.PathLike | AdapterFile) -> AdapterFile:
+    """``adapter`` itself, or the file it names opened with :func:`read_adapter`."""
+    return adapter if isinstance(adapter, AdapterFile) else read_adapter(adapter)
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def load_adapter(
+    model: nn.Module | PLELayer,
+    adapter: str | os.PathLike | AdapterFile,
+    *,
+    dtype: torch.dtype | None = None,
+    memory_budget: int | None = None,
+    spill_dir: str | os.PathLike | None = None,
+) -> AdapterFile:
+    """Serve ``adapter``'s rows on top of each PLE layer's table (any tier and format).
+
+    Every layer of the file must be a layer of ``model`` with the same layout; a layer the file
+    does not name serves its base table (an adapter already there is removed: loading swaps
+    adapters). All rows are read and checked before any table changes, so a bad file leaves the
+    model as it was. ``dtype``: the rows' dtype in memory (default: the file's; ``torch.float32``
+    to keep training them). ``memory_budget``/``spill_dir``: as for :func:`ple.train.trainable`.
+    A table sharded across ranks gets, on each rank, the rows it owns. Returns the file's header."""
+    file = as_adapter(adapter)
+    dtype = file.dtype if dtype is None else dtype
+    layers = {layer.ple_layer_index: layer for layer in ple_layers(model)}
+    missing = sorted(set(file.layers) - set(layers))
+    if missing:
+        raise AdapterFileError(f"{file.path}: holds rows of PLE layers {missing}, which the model does not have")
+    overlays: dict[int, RowOverlay] = {}
+    try:
+        for i, e in file.layers.items():
+            layer = layers[i]
+            want = layout_hash_of(layer)
+            local, start, stop, _ = _local(layer)
+            full_rows = layer.table.rows if layer.table is not None else -1
+            if e.layout_hash != want or (e.rows, e.head_dim) != (full_rows, local.head_dim):
+                raise AdapterFileError(
+                    f"{file.path}: layer {i} was trained for another layout or table ([{e.rows}, {e.head_dim}], "
+                    f"layout hash {e.layout_hash[:16]}...) than this model's PLE layer {i} "
+                    f"([{full_rows}, {local.head_dim}], {want[:16]}...)"
+                )
+            overlay = RowOverlay(local.rows, local.head_dim, dtype, memory_budget=memory_budget, spill_dir=spill_dir)
+            overlays[i] = overlay
+            for ids, rows in file.chunks(i):
+                keep = (ids >= start) & (ids < stop)
+                if bool(keep.any()):
+                    overlay.put(ids[keep] - start, rows[keep].to(dtype))
+    except BaseException:
+        for overlay in overlays.values():
+            overlay.close()
+        raise
+    for i, layer in layers.items():
+        _install(layer, overlays.get(i))
+    return file
+
+
+def _install(layer: PLELayer, overlay: RowOverlay | None) -> None:
+    table = layer.table
+    if table is None:
+        raise UsageError(f"PLE layer {layer.ple_layer_index} has no table")
+    if isinstance(table, ShardedTable):
+        base = base_of(table.local_table)
+        table.local_table = base if overlay is None else AdaptedTable(base, overlay)
+        return
+    base = base_of(table)
+    layer.set_table(base if overlay is None else AdaptedTable(base, overlay))
+
+
+def remove_adapter(model: nn.Module | PLELayer) -> None:
+    """Serve every PLE layer's base table again (the adapters' rows are dropped; save them first)."""
+    for layer in ple_layers(model):
+        local = _local(layer)[0]
+        if isinstance(local, AdaptedTable):
+            overlay = local.overlay
+            _install(layer, None)
+            overlay.close()
+
+
+def load_optimizer_state(optimizer: RowSparseOptimizer, adapter: str | os.PathLike | AdapterFile) -> None:
+    """Resume ``optimizer`` from a training checkpoint written by :func:`save_adapter` with
+    ``optimizer=``: the same optimizer class, its hyperparameters, step counts and per-row states,
+    matched to the optimizer's tables by PLE layer. Load the checkpoint's rows first
+    (``load_adapter(model, path)``, then ``ple.train.trainable(model)``)."""
+    file = as_adapter(adapter)
+    saved = file.optimizer
+    if saved is None:
+        raise AdapterFileError(f"{file.path}: holds no optimizer state (saved without optimizer=)")
+    if saved.get("class") != type(optimizer).__name__:
+        raise AdapterFileError(
+            f"{file.path}: the state of a {saved.get('class')} optimizer cannot resume a {type(optimizer).__name__}"
+        )
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise AdapterFileError(
+            f"{file.path}: {len(groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
+        mine = [p.ple_target.ple_layer_index for p in group["params"]]
+        if mine != saved_group["layers"]:
+            raise AdapterFileError(
+                f"{file.path}: a group of PLE layers {saved_group['layers']}, the optimizer's {mine}"
+            )
+        hp = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items() if k != "layers"}
+        param_groups.append({**hp, "params": list(range(index, index + len(mine)))})
+        for i in mine:
+            st: dict[str, Any] = {}
+            step = saved["steps"].get(str(i))
+            if step is not None:
+                st["step"] = int(step)
+            if i in file.layers:
+                got = file.optimizer_states(i)
+                if got is not None:
+                    st["rows"], st["values"] = _local_states(optimizer, group, i, *got)
+            state[index] = st
+            index += 1
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _local_states(optimizer, group, index: int, ids: torch.Tensor, values: torch.Tensor):
+    """The states of the rows this process owns (a rank of a sharded table), with local ids."""
+    for p in group["params"]:
+        if p.ple_target.ple_layer_index == index:
+            table = p.ple_target.layer.table
+            if isinstance(table, ShardedTable):
+                keep = (ids >= table.row_start) & (ids < table.row_stop)
+                return ids[keep] - table.row_start, values[keep]
+    return ids, values
+
+
+# ---------------------------------------------------------------------------------------------- sharded
+class _GatheredStates:
+    """The optimizer states of every rank of one table, as :func:`ple.train.adapter` saves them."""
+
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self._ids, self._values = ids, values
+
+        class _Store:
+            width = values.shape[1]
+
+        self.store = _Store()
+
+    def __len__(self) -> int:
+        return self._ids.numel()
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ids, self._values
+
+
+def save_sharded_adapter(
+    path: str | os.PathLike,
+    model: nn.Module | PLELayer,
+    *,
+    dtype: torch.dtype = torch.float32,
+    optimizer=None,
+    meta: dict[str, Any] | None = None,
+) -> Path | None:
+    """Write one adapter file of every trained sharded table of ``model`` (the whole table's rows:
+    each rank's own, gathered to rank 0, which writes ``path`` atomically). A collective: every rank
+    calls it; returns ``path`` on rank 0, None elsewhere. Arguments as :func:`ple.train.save_adapter`."""
+    layers = [
+        layer
+        for layer in ple_layers(model)
+        if isinstance(layer.table, ShardedTable) and isinstance(layer.table.local_table, AdaptedTable)
+    ]
+    if not layers:
+        raise UsageError("no PLE layer of this model has a trained sharded table (ple.train.trainable(model))")
+    steps: dict[int, tuple[int, Any]] = {}
+    sources = []
+    for layer in layers:
+        table = layer.table
+        assert isinstance(table, ShardedTable) and isinstance(table.local_table, AdaptedTable)
+        local = table.local_table
+        with local.overlay.lock:
+            ids = local.overlay.ids()
+            _, rows = local.overlay.get(ids)
+        parts = all_gather_rows(table.group, ids + table.row_start, rows)
+        full = RowOverlay(table.rows, table.head_dim, torch.float32)
+        for got_ids, got_rows in parts:
+            if got_ids.numel():
+                full.put(got_ids, got_rows)
+        sources.append((layer, full, 0, local.base))
+        if optimizer is not None:
+            state = _table_state(optimizer, layer)
+            step, rs = state if state is not None else (0, None)
+            width = 0 if rs is None else rs.store.width
+            if rs is not None:
+                sid, sval = rs.export()
+            else:
+                sid, sval = torch.empty(0, dtype=torch.int64), torch.empty(0, max(width, 1))
+            widths = all_gather_rows(table.group, torch.tensor([width]), torch.zeros(1, 1))
+            w = max(int(x[0][0]) for x in widths)
+            if w:
+                gathered = all_gather_rows(table.group, sid + table.row_start, sval.reshape(-1, w))
+                gid = torch.cat([g[0] for g in gathered])
+                order = torch.argsort(gid)
+                steps[layer.ple_layer_index] = (
+                    step,
+                    _GatheredStates(gid[order], torch.cat([g[1] for g in gathered])[order]),
+                )
+            else:
+                steps[layer.ple_layer_index] = (step, None)
+    group = layers[0].table.group
+    out = None
+    if dist.get_rank(group) == 0:
+        out = write_adapter_file(Path(path), sources, dtype, steps, optimizer, meta)
+    dist.barrier(group=group)
+    for _, full, _, _ in sources:
+        full.close()
+    return out
+
+
+def _table_state(optimizer, layer: PLELayer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.ple_target.ple_layer_index == layer.ple_layer_index:
+                return int(optimizer.state[p].get("step", 0)), optimizer.row_state(p)
+    raise InvalidArgumentError(f"the optimizer does not train PLE layer {layer.ple_layer_index}'s table")

@@ -1,0 +1,218 @@
+"""Merging an adapter into a table: the trained rows written into a table file of the base's format.
+
+:func:`merge_table_file` streams a table file shard by shard into a new table file (written and
+published atomically by :class:`~ple.table.table_file.TableFileWriter`), each trained row requantized
+to the table's format (:func:`requantize`): plain formats are cast; "fp8" keeps the table's global
+scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row" get a new per-row
+scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
+scale). Every other row keeps its stored bytes exactly.
+
+:func:`merge_model` does it for every adapted layer of a model whose base tables are table files
+(a ``from_pretrained`` model) and serves the merged files instead: ``model.save_pretrained(dst)``
+then writes a checkpoint in the published layout with the trained rows in it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, UsageError
+from ..layer import PLELayer
+from ..table import MmapTable, format_info
+from ..table.adapted import AdaptedTable
+from ..table.blocks import quantize_blocks
+from ..table.table_file import TableFileWriter, read_table_header
+from .adapter import AdapterFile, as_adapter, layout_hash_of, read_adapter
+from .attach import ple_layers
+
+__all__ = ["requantize", "merge_table_file", "merge_model"]
+
+
+def requantize(values: torch.Tensor, format: str, global_scale: float | None = None):
+    """Rows ``values [n, head_dim]`` (fp32) as a table of ``format`` stores them: ``(stored [n, width],
+    per-row scale [n, 1] or None)``. ``global_scale``: the table's ("fp8", "nvfp4")."""
+    info = format_info(format)
+    values = values.to(torch.float32)
+    if not bool(torch.isfinite(values).all()):
+        raise InvalidArgumentError("a trained row is not finite: it cannot be merged")
+    if info.blocked:
+        return torch.from_numpy(quantize_blocks(values, format, global_scale)), None
+    if info.scale_kind == "none":
+        return values.to(info.storage_dtype), None
+    if info.scale_kind == "global":
+        if global_scale is None:
+            raise InvalidArgumentError(f"merging into an {format!r} table needs its global scale")
+        return (values / global_scale).clamp(-448.0, 448.0).to(info.storage_dtype), None
+    from ..table import quantize_rows
+
+    return quantize_rows(values, format)
+
+
+def _rows_in(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
+    """A reader of sorted ``(ids, rows)`` chunks: ``take(stop)`` returns those with ``id < stop``."""
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    it = iter(chunks)
+    done = False
+
+    def take(stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal done
+        ids_out, rows_out = [], []
+        while True:
+            if not pending:
+                if done:
+                    break
+                nxt = next(it, None)
+                if nxt is None:
+                    done = True
+                    break
+                pending.append(nxt)
+            ids, rows = pending[0]
+            cut = int(torch.searchsorted(ids, stop))
+            ids_out.append(ids[:cut])
+            rows_out.append(rows[:cut])
+            if cut < ids.numel():
+                pending[0] = (ids[cut:], rows[cut:])
+                break
+            pending.pop(0)
+        if not ids_out:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, 0)
+        return torch.cat(ids_out), torch.cat(rows_out)
+
+    return take
+
+
+def merge_table_file(
+    table: str | os.PathLike,
+    adapter: str | os.PathLike | AdapterFile,
+    out: str | os.PathLike,
+    *,
+    ple_layer_index: int | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Write ``out``: the table file ``table`` with ``adapter``'s rows for it merged in (see the module
+    docstring). The adapter's layer is the one whose layout hash is the table's (``ple_layer_index``
+    picks one when several share it). ``force`` replaces an existing ``out``. Returns ``out``."""
+    table, out = Path(table), Path(out)
+    file = as_adapter(adapter)
+    header = read_table_header(table)
+    matches = [e for e in file.layers.values() if e.layout_hash == header["layout_hash"]]
+    if ple_layer_index is not None:
+        matches = [e for e in matches if e.ple_layer_index == ple_layer_index]
+    if len(matches) != 1:
+        raise InvalidArgumentError(
+            f"{file.path}: {len(matches)} of its layers ({sorted(file.layers)}) fit the layout of {table} "
+            f"(layout hash {header['layout_hash'][:16]}...); "
+            + ("give ple_layer_index" if matches else "an adapter of another layer or model")
+        )
+    entry = matches[0]
+    if (entry.rows, entry.head_dim) != (header["rows"], header["head_dim"]):
+        raise InvalidArgumentError(
+            f"{file.path}: layer {entry.ple_layer_index} is for [{entry.rows}, {entry.head_dim}] rows, {table} holds "
+            f"[{header['rows']}, {header['head_dim']}]"
+        )
+    if out.resolve() == table.resolve():
+        raise InvalidArgumentError(f"merge into a new file: {out} is the base table (the base stays untouched)")
+    fmt, rows, shard_rows = header["format"], int(header["rows"]), int(header["shard_rows"])
+    base = MmapTable.open(table, header["layout_hash"], random_access=False)
+    try:
+        scale = base.scale
+        kind = format_info(fmt).scale_kind
+        global_scale = float(scale.reshape(-1)[0]) if kind == "global" and scale is not None else None
+        layout = header.get("layout") or header["layout_hash"]
+        take = _rows_in(file.chunks(entry.ple_layer_index))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"merge {out.name}")
+        with TableFileWriter(out, rows, base.head_dim, fmt, shard_rows, layout, force=force) as writer:
+            for k in range(writer.num_shards):
+                a, b = writer.shard_range(k)
+                data = base.data[a:b].clone()
+                srow = scale[a:b].clone() if kind == "row" and scale is not None else None
+                ids, values = take(b)
+                if ids.numel():
+                    stored, new_scale = requantize(values, fmt, global_scale)
+                    data[ids - a] = stored
+                    if srow is not None and new_scale is not None:
+                        srow[ids - a] = new_scale
+                writer.write_shard(k, data, srow if kind == "row" else (scale if kind == "global" else None))
+                if bar is not None:
+                    bar.update(b - a)
+        if bar is not None:
+            bar.close()
+    finally:
+        base.close()
+    return out
+
+
+def merge_model(
+    model: nn.Module | PLELayer,
+    folder: str | os.PathLike,
+    *,
+    adapter: str | os.PathLike | AdapterFile | None = None,
+    progress: bool = False,
+) -> list[Path]:
+    """Merge the adapter of every adapted PLE layer of ``model`` into a new table file in ``folder``
+    (``<base file name>``, replaced if there) and serve that file instead (memory-mapped; the adapter
+    is dropped). The bases must be table files (a ``from_pretrained`` model's tiers). With ``adapter``
+    (a file) its rows are merged instead of the layers' own. Returns the new files in layer order;
+    ``model.save_pretrained(dst)`` then writes the published layout with the merged rows."""
+    from .adapter import save_adapter
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adapted = [layer for layer in ple_layers(model) if isinstance(layer.table, AdaptedTable)]
+    if adapter is None and not adapted:
+        raise UsageError("no PLE layer of this model holds an adapter: nothing to merge")
+    file = as_adapter(adapter) if adapter is not None else None
+    if file is None:
+        tmp = folder / ".merge-adapter.safetensors"
+        save_adapter(tmp, model)
+        file = read_adapter(tmp)
+    try:
+        made = []
+        for layer in ple_layers(model):
+            if layer.ple_layer_index not in file.layers:
+                continue
+            table = layer.table
+            base = table.base if isinstance(table, AdaptedTable) else table
+            path = _file_of(base)
+            if path is None:
+                raise UsageError(
+                    f"PLE layer {layer.ple_layer_index}'s base table ({type(base).__name__}) is not a table file: "
+                    "merge_model needs file-backed tables (from_pretrained); use merge_table_file on a file"
+                )
+            if file.layers[layer.ple_layer_index].layout_hash != layout_hash_of(layer):
+                raise InvalidArgumentError(f"{file.path}: layer {layer.ple_layer_index} is for another layout")
+            target = folder / path.name
+            if target.resolve() == path.resolve():
+                raise InvalidArgumentError(f"{folder} holds the base table {path.name}: merge into another folder")
+            merge_table_file(path, file, target, ple_layer_index=layer.ple_layer_index, force=True, progress=progress)
+            made.append((layer, target))
+    finally:
+        if adapter is None:
+            (folder / ".merge-adapter.safetensors").unlink(missing_ok=True)
+    for layer, target in made:
+        old = layer.table
+        layer.set_table(MmapTable.open(target, layout_hash_of(layer)))
+        if isinstance(old, AdaptedTable):
+            old.overlay.close()
+    return [t for _, t in made]
+
+
+def _file_of(table) -> Path | None:
+    at, seen = table, 0
+    while at is not None and seen < 8:
+        p = getattr(at, "path", None)
+        if isinstance(p, (str, os.PathLike)):
+            return Path(p)
+        at = getattr(at, "backing", None)
+        seen += 1
+    return None

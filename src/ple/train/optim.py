@@ -1,0 +1,492 @@
+"""Row-sparse optimizers for PLE tables: state only for the rows ever touched.
+
+Each optimizer takes the gradient handles of :func:`ple.train.trainable` (any other tensor is
+refused: give the model's other weights to a torch optimizer) and, per step, for each table: the
+rows of its sparse gradient (coalesced: distinct rows, summed values), their trained values from the
+table's overlay (a row not there yet starts from the base's fp32 lookup of it), their states, the
+update, and both written back. Nothing table-sized is ever made.
+
+Lazy semantics (those ``torch.optim.SparseAdam`` documents): a step changes only the rows in its
+gradient, and only their states; a row's states are created (zeros; Adagrad's sum at
+``initial_accumulator_value``) the first time it is in a gradient. The step count (bias
+corrections, Adagrad's ``lr_decay``) is the table's: one per step that had a gradient for it, as
+torch counts per parameter. Weight decay, where an optimizer has it, acts on the rows of the step's
+gradient only: a row the step does not read is not decayed (dense ``torch.optim`` optimizers decay
+every row every step).
+
+Every update is written with the torch operations of the torch optimizer it follows, in the same
+order, on the rows of the step: :class:`SparseAdam` is ``torch.optim.SparseAdam``; :class:`SGD`
+(no momentum), :class:`Adagrad`, :class:`Adam` and :class:`AdamW` are ``torch.optim.SGD``,
+``Adagrad``, ``Adam`` and ``AdamW`` (single-tensor, no amsgrad) applied to the rows of the step;
+:class:`RowWiseAdagrad` keeps one fp32 state per row (the mean of the squared gradient, summed
+over steps), as FBGEMM's exact row-wise Adagrad does.
+
+State memory: ``memory_budget`` bytes of states per table in memory (None: all); beyond it states
+spill to an unnamed file in ``spill_dir`` (default: the folder of the table's file).
+
+Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
+computed (FBGEMM's fused backward): no gradient is stored on the handle and :meth:`step` has
+nothing left to do for it. Every backward through a table is then one step of it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ..table.rowstore import RowMap, SlotStore
+from .attach import default_spill_dir, target_of
+
+__all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW", "CombinedOptimizer"]
+
+
+class _RowStates:
+    """An optimizer's states of one table: ``width`` fp32 values per row ever touched."""
+
+    def __init__(self, width: int, initial: float, memory_budget: int | None, spill_dir) -> None:
+        self.initial = initial
+        self.map = RowMap()
+        self.store = SlotStore(width, torch.float32, memory_budget=memory_budget, spill_dir=spill_dir)
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def slots_for(self, ids: torch.Tensor) -> torch.Tensor:
+        slots = self.map.slots_of(ids)
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            new = self.store.append(torch.full((missing.numel(), self.store.width), self.initial))
+            self.map.add(ids[missing], new)
+            slots[missing] = new
+        return slots
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [n] sorted, values [n, width])``."""
+        return self.map.keys.clone(), self.store.read(self.map.slots)
+
+    def load(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        self.map = RowMap()
+        self.store.close()
+        order = torch.argsort(ids)
+        slots = self.store.append(values[order].to(torch.float32))
+        self.map.add(ids[order].to(torch.int64), slots)
+
+
+class _Fused:
+    """The ``ple_apply`` a fused optimizer puts on a handle: the update, run by the lookup's backward."""
+
+    def __init__(self, optimizer: RowSparseOptimizer, param: torch.Tensor) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._param = weakref.ref(param)
+
+    def __call__(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        opt, param = self._optimizer(), self._param()
+        if opt is None or param is None:
+            raise InvalidArgumentError("the fused optimizer of this table was deleted; call ple.train.unfuse(model)")
+        opt._apply(param, rows, values, opt._group_of(param))
+
+
+class RowSparseOptimizer(torch.optim.Optimizer):
+    """The common part of the row-sparse optimizers (see the module docstring).
+
+    Subclasses set ``value_states`` (states of ``head_dim`` values per row), ``row_states`` (single
+    values per row), ``initial_state`` and :meth:`_update`.
+    """
+
+    value_states = 0
+    row_states = 0
+    initial_state = 0.0
+
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        memory_budget: int | None = None,
+        spill_dir: str | os.PathLike | None = None,
+        fused: bool = False,
+    ) -> None:
+        if memory_budget is not None and (
+            isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0
+        ):
+            raise InvalidArgumentError(f"memory_budget must be an int >= 0 (bytes) or None, got {memory_budget!r}")
+        for name, value in defaults.items():
+            if isinstance(value, float) and (not math.isfinite(value) or value < 0):
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                target_of(p)
+        self.memory_budget = memory_budget
+        self.spill_dir = spill_dir
+        self.fused = bool(fused)
+        self._states: dict[torch.Tensor, _RowStates] = {}
+        if self.fused:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.ple_apply = _Fused(self, p)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply each table's gradient (and clear it: the gradient is used up). Fused tables were
+        updated in their backward already."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if not grad.is_sparse:
+                    raise InvalidArgumentError(
+                        f"a table handle's gradient must be row-sparse (from the layer's lookup), got a {grad.layout} one"
+                    )
+                grad = grad.coalesce()
+                p.grad = None
+                self._apply(p, grad.indices()[0], grad.values().to(torch.float32), group)
+        return loss
+
+    def unfuse(self) -> None:
+        """Stop applying updates in the backward (gradients are stored on the handles again)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if isinstance(getattr(p, "ple_apply", None), _Fused):
+                    del p.ple_apply
+        self.fused = False
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise InvalidArgumentError("this table handle is not one of the optimizer's")
+
+    def _row_states(self, p: torch.Tensor, base) -> _RowStates | None:
+        width = self.value_states * p.shape[1] + self.row_states
+        if width == 0:
+            return None
+        rs = self._states.get(p)
+        if rs is None:
+            spill = self.spill_dir if self.spill_dir is not None else default_spill_dir(base)
+            rs = self._states[p] = _RowStates(width, self.initial_state, self.memory_budget, spill)
+        return rs
+
+    def _apply(self, p: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, group: dict) -> None:
+        """One step of table ``p`` with the gradient ``values [U, head_dim]`` of its distinct ``rows [U]`` (sorted)."""
+        state = self.state[p]
+        step = int(state.get("step", 0)) + 1
+        state["step"] = step
+        target = target_of(p)
+        rows, values = target.gradient(rows, values)
+        for part in target.parts():
+            a = int(torch.searchsorted(rows, part.start))
+            b = int(torch.searchsorted(rows, part.stop))
+            if a == b:
+                continue
+            ids = rows[a:b] - part.start
+            g = values[a:b]
+            base = part.base
+
+            def first_values(new: torch.Tensor, base=base) -> torch.Tensor:
+                return base.lookup(new.view(-1, 1), torch.float32)
+
+            rs = self._row_states(p, base)
+            overlay = part.overlay
+            with overlay.lock:
+                slots = overlay.slots_for(ids, first_values)
+                w = overlay.read(slots)
+                if rs is None:
+                    w, _ = self._update(w, g, None, step, group)
+                else:
+                    s_slots = rs.slots_for(ids)
+                    w, s = self._update(w, g, rs.store.read(s_slots), step, group)
+                    assert s is not None
+                    rs.store.write(s_slots, s)
+                overlay.write(slots, w)
+                overlay.version += 1
+
+    def _update(
+        self, w: torch.Tensor, g: torch.Tensor, s: torch.Tensor | None, step: int, group: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new ``(rows [k, D], states [k, width])`` of rows ``w`` with gradient ``g`` (fp32)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ measures and state
+    def row_state(self, p: torch.Tensor) -> _RowStates | None:
+        """The per-row states of table ``p`` (None before its first step, or for an optimizer without any)."""
+        return self._states.get(p)
+
+    def state_rows(self, p: torch.Tensor) -> int:
+        """Rows of table ``p`` that have states."""
+        rs = self._states.get(p)
+        return 0 if rs is None else len(rs)
+
+    def state_nbytes(self) -> tuple[int, int]:
+        """Bytes of states ``(in memory, spilled)`` over every table."""
+        mem = sum(rs.store.memory_nbytes + 16 * len(rs) for rs in self._states.values())
+        spilled = sum(rs.store.spilled_slots * rs.store.record_nbytes for rs in self._states.values())
+        return mem, spilled
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state``, ``param_groups``); a table's state holds ``step``, and ``rows``
+        (``[n]`` ids of the table, or of the rank's rows) with their states ``values [n, width]``."""
+        sd = super().state_dict()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                rs = self._states.get(p)
+                if rs is not None:
+                    rows, values = rs.export()
+                    sd["state"].setdefault(index, {})
+                    sd["state"][index]["rows"] = rows
+                    sd["state"][index]["values"] = values
+                index += 1
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rows_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        plain = {"param_groups": state_dict["param_groups"], "state": {}}
+        for k, st in state_dict["state"].items():
+            st = dict(st)
+            if "rows" in st:
+                rows_of[int(k)] = (st.pop("rows"), st.pop("values"))
+            plain["state"][k] = st
+        super().load_state_dict(plain)
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "step" in st:
+                    st["step"] = int(st["step"])
+                if index in rows_of:
+                    ids, values = rows_of[index]
+                    width = self.value_states * p.shape[1] + self.row_states
+                    if values.dim() != 2 or values.shape[1] != width or values.shape[0] != ids.numel():
+                        raise InvalidArgumentError(
+                            f"optimizer state of table {index}: values {list(values.shape)} for {ids.numel()} rows, "
+                            f"expected [{ids.numel()}, {width}]"
+                        )
+                    part = target_of(p).parts()
+                    rs = self._row_states(p, part[0].base if part else None)
+                    assert rs is not None
+                    rs.load(ids, values)
+                index += 1
+
+    def close(self) -> None:
+        """Drop every state (and spill file)."""
+        for rs in self._states.values():
+            rs.store.close()
+        self._states.clear()
+
+
+def _check_betas(betas) -> tuple[float, float]:
+    b1, b2 = (float(b) for b in betas)
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise InvalidArgumentError(f"betas must lie in [0, 1), got {tuple(betas)}")
+    return b1, b2
+
+
+class SGD(RowSparseOptimizer):
+    """``w -= lr * (g + weight_decay * w)`` on the rows of the step (``torch.optim.SGD`` without
+    momentum, weight decay on those rows only). No state."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, **kw) -> None:
+        super().__init__(params, {"lr": float(lr), "weight_decay": float(weight_decay)}, **kw)
+
+    def _update(self, w, g, s, step, group):
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            g = g.add(w, alpha=wd)
+        w.add_(g, alpha=-lr)
+        return w, None
+
+
+class Adagrad(RowSparseOptimizer):
+    """``torch.optim.Adagrad`` on the rows of the step: one sum of squared gradients per value
+    (starting at ``initial_accumulator_value``), ``lr / (1 + (step - 1) * lr_decay)``, weight decay
+    (L2, added to the gradient) on those rows only."""
+
+    value_states = 1
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        **kw,
+    ) -> None:
+        defaults = {
+            "lr": float(lr),
+            "lr_decay": float(lr_decay),
+            "weight_decay": float(weight_decay),
+            "eps": float(eps),
+        }
+        super().__init__(params, defaults, **kw)
+        if initial_accumulator_value < 0:
+            raise InvalidArgumentError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
+        self.initial_state = float(initial_accumulator_value)
+
+    def _update(self, w, g, s, step, group):
+        if group["weight_decay"] != 0:
+            g = g.add(w, alpha=group["weight_decay"])
+        clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+        s.addcmul_(g, g, value=1)
+        std = s.sqrt().add_(group["eps"])
+        w.addcdiv_(g, std, value=-clr)
+        return w, s
+
+
+class RowWiseAdagrad(RowSparseOptimizer):
+    """Adagrad with one fp32 state per row (FBGEMM's exact row-wise Adagrad): ``s += mean(g**2)``
+    over the row, ``w -= lr * g / (sqrt(s) + eps)``; weight decay (L2) on the rows of the step.
+    A 160-wide row's state is 4 bytes instead of Adagrad's 640."""
+
+    row_states = 1
+
+    def __init__(self, params, lr: float = 1e-2, weight_decay: float = 0.0, eps: float = 1e-8, **kw) -> None:
+        super().__init__(params, {"lr": float(lr), "weight_decay": float(weight_decay), "eps": float(eps)}, **kw)
+
+    def _update(self, w, g, s, step, group):
+        if group["weight_decay"] != 0:
+            g = g.add(w, alpha=group["weight_decay"])
+        s.add_(g.square().mean(dim=1, keepdim=True))
+        w.addcdiv_(g, s.sqrt().add_(group["eps"]), value=-group["lr"])
+        return w, s
+
+
+class SparseAdam(RowSparseOptimizer):
+    """``torch.optim.SparseAdam``: lazy Adam, the moments and rows of the step's rows only, bias
+    corrections from the table's step count; no weight decay (see :class:`AdamW`)."""
+
+    value_states = 2
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, **kw) -> None:
+        b1, b2 = _check_betas(betas)
+        super().__init__(params, {"lr": float(lr), "betas": (b1, b2), "eps": float(eps)}, **kw)
+
+    def _update(self, w, g, s, step, group):
+        d = w.shape[1]
+        b1, b2 = group["betas"]
+        m_old, v_old = s[:, :d].clone(), s[:, d:].clone()
+        m_upd = g.sub(m_old).mul_(1 - b1)
+        s[:, :d] = m_old + m_upd
+        v_upd = g.pow(2).sub_(v_old).mul_(1 - b2)
+        s[:, d:] = v_old + v_upd
+        numer = m_upd.add_(m_old)
+        denom = v_upd.add_(v_old).sqrt_().add_(group["eps"])
+        bias_correction1 = 1 - b1**step
+        bias_correction2 = 1 - b2**step
+        step_size = group["lr"] * math.sqrt(bias_correction2) / bias_correction1
+        w.add_(-step_size * numer.div_(denom))
+        return w, s
+
+
+class Adam(RowSparseOptimizer):
+    """``torch.optim.Adam`` (``AdamW`` with ``decoupled=True``) on the rows of the step: moments of
+    those rows only, bias corrections from the table's step count; weight decay (Adam: L2 added to
+    the gradient; AdamW: ``w *= 1 - lr * weight_decay``) on those rows only."""
+
+    value_states = 2
+    decoupled = False
+
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, **kw
+    ) -> None:
+        b1, b2 = _check_betas(betas)
+        defaults = {"lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay)}
+        super().__init__(params, defaults, **kw)
+
+    def _update(self, w, g, s, step, group):
+        d = w.shape[1]
+        b1, b2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            if self.decoupled:
+                w.mul_(1 - lr * wd)
+            else:
+                g = g.add(w, alpha=wd)
+        m, v = s[:, :d], s[:, d:]
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bias_correction1 = 1 - b1**step
+        bias_correction2 = 1 - b2**step
+        step_size = lr / bias_correction1
+        denom = (v.sqrt() / bias_correction2**0.5).add_(group["eps"])
+        w.addcdiv_(m, denom, value=-step_size)
+        return w, s
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` on the rows of the step (see :class:`Adam`); ``weight_decay`` 1e-2 by
+    default, decoupled, on the rows of the step only."""
+
+    decoupled = True
+
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, **kw
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kw)
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one: ple's for the tables, a torch optimizer for the other
+    weights. ``param_groups`` are the optimizers' own group dicts, in order, so a learning-rate
+    scheduler (``torch.optim.lr_scheduler``) or a training loop that expects one optimizer
+    (transformers' ``Trainer(optimizers=(combined, scheduler))``) drives all of them; ``step`` and
+    ``zero_grad`` run each; the state dict holds each one's."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise InvalidArgumentError(
+                f"CombinedOptimizer takes torch optimizers, got {[type(o).__name__ for o in optimizers]}"
+            )
+        self.optimizers = list(optimizers)
+        self.defaults: dict[str, Any] = {}
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.state = defaultdict(dict)
+        for o in self.optimizers:
+            self.state.update(o.state)
+        for hooks in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, hooks, OrderedDict())
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("optimizers")
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise InvalidArgumentError(f"a CombinedOptimizer state of {len(self.optimizers)} optimizers was expected")
+        for o, sd in zip(self.optimizers, saved, strict=True):
+            o.load_state_dict(sd)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]

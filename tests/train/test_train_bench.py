@@ -1,0 +1,36 @@
+"""bench/train_bench.py runs end to end at a tiny size: every part reports, the table file is removed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_training_benchmark_reports_every_part(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_bench", ROOT / "bench" / "train_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    args = ["--tokens", "8", "--steps", "2", "--rounds", "1", "--repeats", "1", "--million", "0.04"]
+    assert bench.main([*args, "--dir", str(tmp_path), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["step"]["cases"]) == {
+        "projections",
+        "layer, table frozen",
+        "layer, table trained (SparseAdam)",
+        "layer, table trained (fused)",
+    }
+    rss = res["rss"]
+    assert rss["rows_trained"] > 0 and rss["adapter_bytes"] < 1 << 20
+    assert rss["dense_adam_states_bytes"] == 2 * rss["dense_fp32_gradient_bytes"] == 2 * 320_001_536 * 160 * 4
+    rows = res["rows"]
+    assert not rows["extrapolated"] and rows["distinct_rows"] == rows["measured"][-1]["distinct_rows"] > 1000
+    assert list(tmp_path.glob("*.pletable")) == []
+    assert "distinct rows" in capsys.readouterr().out
