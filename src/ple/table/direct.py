@@ -53,6 +53,7 @@ from ..errors import InvalidArgumentError, UsageError
 from .base import Table
 from .formats import format_info
 from .lookup import gather_dequant
+from .rowindex import RowIndex
 from .table_file import TableFileError, open_table
 
 __all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK"]
@@ -61,8 +62,9 @@ BLOCK = 4096
 """Alignment of direct reads (offsets, lengths and buffers)."""
 
 SLOT_OVERHEAD = 96
-"""Bytes counted per cache slot on top of the row and its scale: the slot's entry in the row index
-(a dict entry and an int object) and its recency stamp."""
+"""Bytes counted per cache slot on top of the row and its scale: its share of the row index (at most
+48, see :mod:`ple.table.rowindex`), its place in the free-slot stack (8), its row id and its recency
+stamp (16)."""
 
 _BUFFER = 1 << 17  # bytes of each worker's aligned buffer: reads land there, then are copied out together
 
@@ -341,8 +343,10 @@ class DirectTable(Table):
         self._cache_scales = np.zeros(slots if kind == "row" else 0, dtype=np.float32)
         self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, the max pinned
         self._row_of_slot = np.zeros(slots, dtype=np.int64)
-        self._slot_of: dict[int, int] = {}
-        self._free = list(range(slots - 1, -1, -1))
+        self._slot_of = RowIndex(slots)  # row id -> slot, numpy arrays (a dict costs 120 bytes a row)
+        self._free = np.empty(slots, dtype=np.int64)  # free slots: _free[:_nfree] recycled, then [_fresh, slots)
+        self._nfree = 0
+        self._fresh = 0
         self._pinned = 0
         self._clock = 0
         self._lock = threading.Lock()
@@ -443,8 +447,7 @@ class DirectTable(Table):
             return np.arange(rows.size)
         with self._lock:
             self._clock += 1
-            slot_of = self._slot_of
-            slots = np.fromiter((slot_of.get(r, -1) for r in rows.tolist()), dtype=np.int64, count=rows.size)
+            slots = self._slot_of.get(rows)
             hit = slots >= 0
             hs = slots[hit]
             out[hit] = self._cache_rows[hs]
@@ -467,17 +470,16 @@ class DirectTable(Table):
                 n = min(n, cap - self._pinned)
             if n <= 0:
                 return
-            if len(self._free) < n:
-                self._evict(n - len(self._free))
-            n = min(n, len(self._free))
-            slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+            if self._free_slots() < n:
+                self._evict(n - self._free_slots())
+            n = min(n, self._free_slots())
+            slots = self._take_slots(n)
             self._cache_rows[slots] = data[:n]
             if scales is not None:
                 self._cache_scales[slots] = scales[:n]
             self._cache_used[slots] = np.iinfo(np.int64).max if pin else self._clock
             self._row_of_slot[slots] = rows[:n]
-            for r, s in zip(rows[:n].tolist(), slots.tolist()):
-                self._slot_of[r] = s
+            self._slot_of.put(rows[:n], slots)
             if pin:
                 self._pinned += n
 
@@ -489,10 +491,25 @@ class DirectTable(Table):
         if k <= 0:
             return
         victims = held[np.argpartition(used[held], k - 1)[:k]]
-        for r in self._row_of_slot[victims].tolist():
-            del self._slot_of[r]
+        self._slot_of.delete(self._row_of_slot[victims])
         used[victims] = -1
-        self._free.extend(victims.tolist())
+        self._give_slots(victims)
+
+    def _free_slots(self) -> int:
+        return self._nfree + self._cache_rows.shape[0] - self._fresh
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        """``n`` free slots (recycled ones first, then never used ones; the caller holds the lock)."""
+        k = min(n, self._nfree)
+        took = self._free[self._nfree - k : self._nfree].copy()
+        self._nfree -= k
+        fresh = np.arange(self._fresh, self._fresh + n - k, dtype=np.int64)
+        self._fresh += n - k
+        return np.concatenate([took, fresh])
+
+    def _give_slots(self, slots: np.ndarray) -> None:
+        self._free[self._nfree : self._nfree + slots.size] = slots
+        self._nfree += slots.size
 
     def pin(self, rows: torch.Tensor | np.ndarray) -> int:
         """Keep ``rows`` (row ids, any shape; the hottest first) in memory for good, as many as the
@@ -503,16 +520,16 @@ class DirectTable(Table):
             raise InvalidArgumentError(f"pinned rows must lie in [0, {self.rows})")
         _, first = np.unique(r, return_index=True)
         r = r[np.sort(first)][: max(0, self.cache_slots - self._pinned)]
-        r = np.array([x for x in r.tolist() if x not in self._slot_of], dtype=np.int64)
+        r = r[self._slot_of.get(r) < 0]
         if r.size:
             order = np.argsort(r)
             data, scale = self.read_rows(r[order])  # fills the LRU part; repinned below
             with self._lock:
-                for x in r.tolist():
-                    s = self._slot_of.pop(x, None)
-                    if s is not None:
-                        self._cache_used[s] = -1
-                        self._free.append(s)
+                s = self._slot_of.get(r)
+                s = s[s >= 0]
+                self._slot_of.delete(self._row_of_slot[s])
+                self._cache_used[s] = -1
+                self._give_slots(s)
             raw = data.view(torch.uint8).numpy()
             sc = scale.reshape(-1).numpy() if scale is not None and self._scale_kind == "row" else None
             self._to_cache(r[order], raw, sc, pin=True)
