@@ -5,9 +5,10 @@ key and a value int object): more than the 90-byte q4_0 row it indexes, past wha
 counts for bookkeeping, and every lookup walks it in a Python loop. This index is an open-addressing
 hash table with linear probing: keys ``int64 [P]`` (row + 1; 0 empty, -1 deleted) and slots
 (``int32 [P]`` below 2^31 slots), ``P`` the power of two at least twice the capacity (so at most
-48 bytes a slot, and at most half full with live keys). The arrays are allocated zeroed and untouched,
-so an index costs memory as it fills, not at construction. Each call takes a batch of rows and runs
-numpy passes over it, one a probe step, over the rows still unresolved.
+48 bytes a slot, and at most half full with live keys). The arrays are allocated zeroed: construction
+writes nothing, and a page becomes resident when a key lands in it (hashed positions touch most pages
+once a few percent of the capacity is used). Each call takes a batch of rows and runs numpy passes
+over it, one a probe step, over the rows still unresolved.
 
 A deleted key leaves a mark that probes walk past and inserts reuse; when marks and live keys would
 fill three quarters of the table, it is rebuilt from the live keys (rare: the direct tier evicts a
