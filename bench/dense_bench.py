@@ -344,6 +344,27 @@ class _Timer:
             self.calls += 1
 
 
+def _reads_alone(table: DirectTable, rows: int, seed: int, n: int = 1000, repeat: int = 15) -> dict:
+    """Rows/s of reading ``n`` random rows (a decode step's worth) with ``read_rows``: back to back, and
+    each right after a bf16 GEMM of a decode step's projections (``[64, 2560] x [2560, 12800]``, on
+    torch's threads); medians of ``repeat``."""
+    g = np.random.default_rng(seed)
+    a = torch.randn(64, 2560).to(torch.bfloat16)
+    b = torch.randn(2560, 12800).to(torch.bfloat16)
+    out = {}
+    for name in ("back_to_back", "after_gemm"):
+        times = []
+        for _ in range(repeat):
+            ids = np.unique(g.integers(0, rows, n))
+            if name == "after_gemm":
+                a @ b
+            t0 = time.perf_counter()
+            table.read_rows(ids)
+            times.append(time.perf_counter() - t0)
+        out[name] = n / statistics.median(times)
+    return out
+
+
 def serve_one(args) -> dict:
     """One configuration, in this (fresh) process: see the module docstring, step 4."""
     from ple.ngram import fresh_context, ngram_ids
@@ -472,6 +493,9 @@ def serve_one(args) -> dict:
         res["pages_read"] = cached // os.sysconf("SC_PAGE_SIZE")
         res["pages_per_lookup_s"] = res["pages_read"] / lookup_timer.seconds
 
+    if isinstance(table, DirectTable) and not table.cache_slots:
+        res["reads_alone"] = _reads_alone(table, lay.padded_rows, args.seed)
+
     # exactness at this size: lookups of text of this configuration's own against recomputed rows
     chk = torch.from_numpy(text["check"].copy())
     ids = ngram_ids(chk.reshape(-1), torch.arange(0, chk.numel() + 1, 256), fresh_context(16, lay, eos), lay, eos)
@@ -566,6 +590,14 @@ def report(res: dict) -> str:
             f"| {name} | {start} | {c['prefill_tokens_per_s']:,.0f} | {c['decode_tokens_per_s']:,.0f} | {rows} | "
             f"{hit} | {rss} | {c['cached_after'] / 2**20:,.0f} MiB |"
         )
+    for c in res["configs"]:
+        if "reads_alone" in c:
+            r, dev = c["reads_alone"], c["device"]["depth32"]
+            lines.append(
+                f"\n1,000 random rows read alone (budget 0): back to back {r['back_to_back']:,.0f} rows/s "
+                f"({r['back_to_back'] / dev:.0%} of the device), right after a GEMM {r['after_gemm']:,.0f} "
+                f"({r['after_gemm'] / dev:.0%})"
+            )
     return "\n".join(lines)
 
 

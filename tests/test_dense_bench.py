@@ -101,6 +101,8 @@ def test_a_small_run_writes_verifies_serves_then_reuses_and_removes_its_table(be
             assert c["dropped"]["cached_after"] == 0 and c["cached_at_start"] == 0  # cold
     direct0, budget, mmap = res["configs"]
     assert direct0["hit_rate"] == 0 and direct0["rows_from_disk"] > 0 and direct0["rows_per_read_s"] > 0
+    assert direct0["reads_alone"]["back_to_back"] > 0 and direct0["reads_alone"]["after_gemm"] > 0
+    assert direct0["prefill_rows_per_read_s"] > 0 and direct0["decode_rows_per_read_s"] > 0
     assert 0 < budget["hit_rate"] < 1 and budget["pinned_rows"] == budget["cache_slots"] // 2
     assert budget["filled_slots"] == budget["cache_slots"]  # the budget at its worst: every slot held
     assert mmap["pages_read"] > 0
