@@ -7,13 +7,15 @@
    published layout's 128 shards of 2,500,012 rows), every block's bytes from a deterministic
    counter-based generator (Philox keyed by ``--seed``, counter = the row: any row can be recomputed
    alone): random 4-bit codes and a finite positive fp16 block scale in ``[2^-8, 2^-6)`` (fp8: random
-   bytes, a NaN byte made the largest finite one, global scale 0.01). No holes: every shard is written, checksummed by
-   the writer. A progress bar gives rows/s and the time left; the write's rows/s and MB/s are reported.
+   bytes, a NaN byte made the largest finite one, global scale 0.01). No holes: every shard is written,
+   checksummed by the writer. A progress bar gives rows/s and the time left; the write's rows/s and
+   MB/s are reported.
 2. **Verify.** ``ple verify FILE`` (a child process, timed; it must exit 0).
 3. **The device.** Sequential 1 MiB and random 4 KiB ``O_DIRECT`` reads of the table file itself, by
    ``fio`` (libaio at depth 32, and psync from 32 threads, the better of the two is "the device"; random
    reads at depth 1 too); without ``fio`` a probe of Python threads calling ``preadv`` (which
-   under-measures a fast device). Measured once at the start and again right before each configuration.
+   under-measures a fast device). Measured once at the start, and at depth 32 just before and just
+   after each configuration (the better of the two is that configuration's device).
 4. **Serve.** Each configuration in a child process of its own (its own peak RSS): the direct tier with
    ``memory_budget`` of each of ``--budgets-gib`` (0, 1 and 4 GiB by default; half the cache pinned with
    the rows a warm-up of real text read most, ``DirectTable.pin(hot_rows(...))``, the other half a
@@ -23,14 +25,17 @@
    160, K 4; bf16, random projection weights) over the file, through a ``Session``, on real text
    (:mod:`ple.realtext`): a prefill of ``--prefill-batches`` batches of R x S tokens (new requests each),
    then a decode of ``--requests`` requests (a 16-token prompt each, then ``--decode-steps`` steps of one
-   token each). Each configuration reads text of its own (no row read by an earlier configuration is
-   read again, so no cache of the disk or of the VM's host favours a later one).
+   token each). Each configuration reads text of its own (tokens no other configuration serves, so a
+   cache of the disk or of the VM's host favours none; common n-grams recur, and every budget pins the
+   same warm-up rows).
 
    Reported per configuration: cold start (the table opened, its cache pinned, the first prefill batch's
-   output: the open, the pin and the first output apart too), prefill and decode tokens/s, rows read from
-   the disk per second of read time against the device's random-read rate measured just before (direct
-   tier: the native pool's reads; memory map: pages it brought into the page cache over its lookups'
-   time), the cache's hit rate, peak RSS (``VmHWM``), and what the page cache holds of the file after.
+   output: the open, the pin and the first output apart too), prefill and decode tokens/s (medians over
+   batches and steps), rows read from the disk per second of read time, prefill and decode apart,
+   against the device's random-read rate around it (direct tier: the native pool's reads; memory map:
+   pages it brought into the page cache over its lookups' time), the cache's hit rate, peak RSS
+   (``VmHWM``), and what the page cache holds of the file after. Without a budget, 1,000 random rows
+   are also read alone, back to back and right after a bf16 GEMM of a decode step.
    Every configuration checks lookups of its own text against rows recomputed from the generator, bit
    for bit. With a budget, the cache is then filled to the last slot (rows in file order) and the
    resident memory measured again: the budget's claim at its worst.
