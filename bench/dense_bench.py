@@ -40,6 +40,20 @@
    for bit. With a budget, the cache is then filled to the last slot (rows in file order) and the
    resident memory measured again: the budget's claim at its worst.
 
+5. **Readers** (``--readers``, instead of 2-4). The direct tier's readers side by side with the device, on
+   the same file: each of ``--reader-rounds`` rounds drops the file from the page cache (checked with
+   ``mincore``), measures the device with ``fio`` at each of ``--reader-depths`` (random 4 KiB
+   ``O_DIRECT`` reads, libaio and psync, the better of the two), then, each reader and depth in a rotated
+   order (``uring``, ``native`` and, at the first depth, ``threads``; ``DirectTable(memory_budget=0)``),
+   times ``read_rows`` of fresh random distinct rows for each of ``--reader-rows`` (decode-sized: 1,000
+   rows, a decode step's distinct rows at 64 requests; prefill-sized: 12,500), back to back and each
+   right after a bf16 GEMM of a decode step's projections (as a decode step reads: torch's OpenMP
+   threads still spin then). Reported per reader, depth, size and order: rows/s and reads/s (medians),
+   their ratio to the device at that depth in the same round (median and range over rounds), and the
+   process's CPU seconds per read. One call per reader, depth and size each round is checked against
+   the generator's rows, bit for bit; the page cache holds nothing of the file afterwards (checked).
+   ``--rows 96000000`` gives an 8 GiB q4_0 file (a minute to write).
+
 The table file is removed at the end unless ``--keep`` (``--reuse`` serves a kept file again without
 rewriting it, after checking its geometry). ``--rows`` gives a smaller table of the same geometry (the
 layout of ``ngram_vocab_size_base`` scaled down with it): what the tests run.
@@ -53,6 +67,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -67,6 +82,7 @@ import torch
 
 from ple import PLEConfig, Session, realtext
 from ple.table import DirectTable, MmapTable
+from ple.table.direct import UringUnavailable
 from ple.table.formats import format_info
 from ple.table.lookup import gather_dequant_reference
 from ple.table.table_file import TableFileWriter, read_table_header
@@ -537,6 +553,118 @@ def serve_one(args) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------- readers
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def readers(args, path: Path, gen: RowGenerator, rows: int) -> dict:
+    """Step 5 of the module docstring: the direct tier's readers beside ``fio``, in rounds."""
+    depths, sizes = tuple(args.reader_depths), tuple(args.reader_rows)
+    tables: dict[tuple[str, int], DirectTable] = {}
+    out: dict[str, Any] = {"unavailable": {}, "depths": depths, "sizes": sizes}
+    for kind in ("uring", "native", "threads"):
+        for d in depths if kind != "threads" else depths[:1]:
+            try:
+                tables[(kind, d)] = DirectTable(path, memory_budget=0, queue_depth=d, reader=kind)
+            except UringUnavailable as e:  # named in the report, not measured
+                out["unavailable"][kind] = str(e)
+    g = np.random.default_rng(args.seed)
+    a = torch.randn(64, 2560).to(torch.bfloat16)
+    b = torch.randn(2560, 12800).to(torch.bfloat16)
+    samples: dict[str, list[dict]] = {}
+    out["rounds"] = []
+    cases = list(tables)
+    for rnd in range(args.reader_rounds):
+        dropped = drop_file_cache(path)
+        dev = device(path, args.fio_seconds, depths=depths)
+        rec: dict[str, Any] = {"device": dev, "cached_after_drop": dropped["cached_after"]}
+        k = rnd % len(cases)
+        for kind, d in cases[k:] + cases[:k]:
+            t = tables[(kind, d)]
+            for n in sizes:
+                for order in ("back_to_back", "after_gemm"):
+                    times, reads, cpu, got_rows = [], 0, 0.0, 0
+                    for i in range(max(3, 8000 // n)):
+                        ids = np.unique(g.integers(0, rows, n))
+                        got_rows += ids.size
+                        if order == "after_gemm":
+                            a @ b
+                        r0, c0 = t.reads, _cpu_s()
+                        t0 = time.perf_counter()
+                        data, _ = t.read_rows(ids)
+                        times.append(time.perf_counter() - t0)
+                        cpu += _cpu_s() - c0
+                        reads += t.reads - r0
+                        if i == 0 and order == "back_to_back":  # the rows are the generator's, bit for bit
+                            pick = ids if n <= 2000 else ids[:: n // 1000]
+                            got = data.view(torch.uint8).numpy()[np.searchsorted(ids, pick)]
+                            if not np.array_equal(got, gen.rows_of(pick)):
+                                raise SystemExit(f"{kind} depth {d}: rows differ from the generator's")
+                    med, per_call = statistics.median(times), got_rows / len(times)
+                    row = {
+                        "rows_per_s": per_call / med,
+                        "reads_per_s": reads / len(times) / med,
+                        "of_device": per_call / med / dev[f"depth{d}"],
+                        "cpu_us_per_read": 1e6 * cpu / max(1, reads),
+                    }
+                    samples.setdefault(f"{kind}/{d}/{n}/{order}", []).append(row)
+                    rec[f"{kind}/{d}/{n}/{order}"] = row
+        out["rounds"].append(rec)
+        print(
+            f"round {rnd + 1}: device "
+            + ", ".join(f"depth {d} {dev[f'depth{d}']:,.0f}/s" for d in depths)
+            + "; "
+            + ", ".join(
+                f"{key} {v['of_device']:.2f}" for key, v in rec.items() if isinstance(v, dict) and "of_device" in v
+            )
+        )
+    for t in tables.values():
+        t.close()
+    out["cached_after"] = cached_bytes(path)
+    summary = {}
+    for key, rows_ in samples.items():
+        ratios = [r["of_device"] for r in rows_]
+        summary[key] = {
+            "rows_per_s": statistics.median(r["rows_per_s"] for r in rows_),
+            "reads_per_s": statistics.median(r["reads_per_s"] for r in rows_),
+            "of_device": statistics.median(ratios),
+            "of_device_range": [min(ratios), max(ratios)],
+            "rounds_at_085": sum(x >= 0.85 for x in ratios),
+            "cpu_us_per_read": statistics.median(r["cpu_us_per_read"] for r in rows_),
+        }
+    out["summary"] = summary
+    out["device_median"] = {
+        f"depth{d}": statistics.median(r["device"][f"depth{d}"] for r in out["rounds"]) for d in depths
+    }
+    return out
+
+
+def readers_report(res: dict) -> str:
+    """The markdown table of a ``--readers`` run."""
+    r = res["readers"]
+    lines = [
+        "| reader | depth | rows a call | order | rows/s | of the device (range; rounds >= 0.85) | CPU us/read |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for key, v in r["summary"].items():
+        kind, d, n, order = key.split("/")
+        lo, hi = v["of_device_range"]
+        lines.append(
+            f"| {kind} | {d} | {int(n):,} | {order.replace('_', ' ')} | {v['rows_per_s']:,.0f} | "
+            f"{v['of_device']:.2f} ({lo:.2f}-{hi:.2f}; {v['rounds_at_085']}/{len(r['rounds'])}) | "
+            f"{v['cpu_us_per_read']:.1f} |"
+        )
+    dev = ", ".join(f"depth {k[5:]} {v:,.0f}/s" for k, v in r["device_median"].items())
+    lines.append(f"\ndevice (fio, random 4 KiB O_DIRECT, median of rounds): {dev}")
+    for kind, why in r["unavailable"].items():
+        lines.append(f"{kind}: not measured ({why})")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -625,6 +753,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true", help="serve an existing table file of this geometry")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--readers", action="store_true", help="time the direct tier's readers beside fio (step 5)")
+    ap.add_argument("--reader-depths", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--reader-rows", type=int, nargs="+", default=[1000, 12500], help="rows a call")
+    ap.add_argument("--reader-rounds", type=int, default=9)
     # one configuration in a child process (internal)
     ap.add_argument("--serve", choices=("direct", "mmap"), help=argparse.SUPPRESS)
     ap.add_argument("--budget-gib", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -665,6 +797,10 @@ def main(argv=None) -> int:
             res["write"] = write_table(args.path, cfg, gen, progress=not args.no_progress)
             w = res["write"]
             print(f"write: {w['seconds']:.0f} s, {w['rows_per_s']:,.0f} rows/s, {w['mb_per_s']:.0f} MB/s")
+        if args.readers:
+            res["readers"] = readers(args, args.path, gen, lay.padded_rows)
+            print(readers_report(res))
+            return 0
         disk_bench.drop_page_cache(args.path)
         res["verify"] = verify(args.path)
         v = res["verify"]

@@ -126,3 +126,24 @@ def test_a_small_run_writes_verifies_serves_then_reuses_and_removes_its_table(be
     res = json.loads(again.read_text())
     assert res["write"] is None and [c["exact"] for c in res["configs"]] == [True]
     assert not path.exists() and not list(tmp_path.glob("*.pletable*"))
+
+
+def test_a_small_readers_run_times_each_reader_beside_fio(bench, tmp_path, capsys):
+    out = tmp_path / "readers.json"
+    argv = ["--dir", str(tmp_path), "--rows", "200000", "--readers", "--reader-rounds", "2", "--fio-seconds", "1"]
+    argv += ["--reader-depths", "8", "--reader-rows", "300", "3000", "--no-progress", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())["readers"]
+    assert not list(tmp_path.glob("*.pletable*"))  # written, measured, removed
+    kinds = {key.split("/")[0] for key in res["summary"]} | set(res["unavailable"])
+    assert kinds == {"uring", "native", "threads"}
+    for key, v in res["summary"].items():
+        kind, depth, rows, order = key.split("/")
+        assert depth == "8" and rows in ("300", "3000") and order in ("back_to_back", "after_gemm")
+        assert v["rows_per_s"] > 0 and v["reads_per_s"] > 0 and v["of_device"] > 0 and v["cpu_us_per_read"] > 0
+        lo, hi = v["of_device_range"]
+        assert lo <= v["of_device"] <= hi and 0 <= v["rounds_at_085"] <= 2
+    assert len(res["rounds"]) == 2 and all(r["device"]["depth8"] > 0 for r in res["rounds"])
+    if not _on_tmpfs(tmp_path):
+        assert all(r["cached_after_drop"] == 0 for r in res["rounds"]) and res["cached_after"] == 0
+    assert "| reader | depth | rows a call |" in capsys.readouterr().out

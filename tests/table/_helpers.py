@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import pickle
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from ple.errors import InvalidArgumentError
@@ -123,3 +127,61 @@ def check_direct_cache(t) -> None:
     assert t._free_slots() == len(free) and len(free) + held.size == t.cache_slots
     assert not free & set(held.tolist())
     assert int((used == np.iinfo(np.int64).max).sum()) == t.pinned_rows
+
+
+FORK_DEADLINE_S = 60
+
+
+def run_forked(body, out_path, deadline: float = FORK_DEADLINE_S):
+    """Fork; the child runs ``body()`` and pickles its result (or its traceback) to ``out_path``;
+    the parent waits at most ``deadline`` seconds and returns the result (fails on a hang or an error)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            torch.set_num_threads(1)
+            result = ("ok", body())
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            result = ("err", traceback.format_exc())
+            code = 1
+        try:
+            with open(out_path, "wb") as f:
+                pickle.dump(result, f)
+        finally:
+            os._exit(code)
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail(f"the forked child did not finish within {deadline} s (hung)")
+    with open(out_path, "rb") as f:
+        status, value = pickle.load(f)
+    if status != "ok":
+        pytest.fail(f"the forked child failed:\n{value}")
+    return value
+
+
+def uring_unavailable() -> str | None:
+    """None where the direct tier's io_uring reader starts here, else the reason (for skips)."""
+    from ple import _native
+    from ple.table.direct import URING_SWITCH, UringUnavailable, _uring_off, _UringReader
+
+    if _uring_off():
+        return f"turned off: {URING_SWITCH}={os.environ[URING_SWITCH]}"
+    try:
+        _native.library()
+    except _native.NativeUnavailable as e:
+        return f"no C kernels: {e}"
+    fd = os.open(__file__, os.O_RDONLY)
+    try:
+        _UringReader(fd, 2, False, os.fstat(fd).st_size, Path(__file__)).close()
+    except UringUnavailable as e:
+        return str(e)
+    finally:
+        os.close(fd)
+    return None

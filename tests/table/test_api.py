@@ -19,6 +19,7 @@ def test_public_api_is_pinned():
             "TABLE_SUFFIX",
             "Table",
             "TableFileError",
+            "UringUnavailable",
             "dequantize",
             "format_info",
             "quantize_rows",

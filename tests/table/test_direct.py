@@ -249,8 +249,8 @@ def test_native_reader_errors_name_the_file_and_offset(tmp_path):
 
 def test_reader_choice_without_the_native_kernels(tmp_path, monkeypatch):
     path, mem = _table_file(tmp_path, "fp8")
-    with pytest.raises(InvalidArgumentError, match="reader must be"):
-        DirectTable(path, reader="uring")
+    with pytest.raises(InvalidArgumentError, match="reader must be 'uring', 'native', 'threads' or None, got 'aio'"):
+        DirectTable(path, reader="aio")
     monkeypatch.setenv("PLE_NATIVE", "0")
     with pytest.raises(NativeUnavailable, match="PLE_NATIVE=0"):
         DirectTable(path, reader="native")

@@ -24,46 +24,13 @@ import torch
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, PrefetchError
 from ple.table.lookup import gather_dequant_reference
 
-from ._helpers import check_direct_cache, make_table, random_ids, write_file
+from ._helpers import FORK_DEADLINE_S, check_direct_cache, make_table, random_ids, uring_unavailable, write_file
+from ._helpers import run_forked as _run_forked
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
 
 ROWS, HD = 2000, 64
-DEADLINE_S = 60
-
-
-def _run_forked(body, out_path, deadline: float = DEADLINE_S):
-    """Fork; the child runs ``body()`` and pickles its result (or its traceback) to ``out_path``;
-    the parent waits at most ``deadline`` seconds and returns the result (fails on a hang or an error)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            torch.set_num_threads(1)
-            result = ("ok", body())
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            result = ("err", traceback.format_exc())
-            code = 1
-        try:
-            with open(out_path, "wb") as f:
-                pickle.dump(result, f)
-        finally:
-            os._exit(code)
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.02)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail(f"the forked child did not finish within {deadline} s (hung)")
-    with open(out_path, "rb") as f:
-        status, value = pickle.load(f)
-    if status != "ok":
-        pytest.fail(f"the forked child failed:\n{value}")
-    return value
+DEADLINE_S = FORK_DEADLINE_S
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +49,14 @@ def _tiers(path, data, scale) -> dict:
         "direct-native": DirectTable(path, queue_depth=4, reader="native"),
         "direct-native-cache": DirectTable(path, memory_budget=150 * slot, queue_depth=4, reader="native"),
         "direct-threads": DirectTable(path, queue_depth=4, reader="threads"),
+        **(
+            {}
+            if uring_unavailable()
+            else {
+                "direct-uring": DirectTable(path, queue_depth=4, reader="uring"),
+                "direct-uring-cache": DirectTable(path, memory_budget=150 * slot, queue_depth=4, reader="uring"),
+            }
+        ),
         "direct-threads-cache": DirectTable(path, memory_budget=150 * slot, queue_depth=4, reader="threads"),
     }
 

@@ -20,7 +20,7 @@ from ple.table import FORMATS, CachedTable, DirectTable, MemoryTable, MmapTable,
 from ple.table.direct import SLOT_OVERHEAD
 from ple.table.lookup import gather_dequant_reference
 
-from ._helpers import check_direct_cache, make_table, write_file
+from ._helpers import check_direct_cache, make_table, uring_unavailable, write_file
 
 ROWS, HD = 2048, 64  # 64 values: whole blocks of every block format
 HOT = 48  # rows most lookups read
@@ -68,6 +68,7 @@ TIERS = (
     "direct-evicting",
     "direct-whole",
     "direct-threads-evicting",
+    "direct-uring-evicting",
 )
 
 
@@ -91,6 +92,11 @@ def _open(tier: str, fmt: str, files):
         return DirectTable(path, memory_budget=_direct_budget(fmt, 40), queue_depth=4, reader="native")
     if tier == "direct-whole":
         return DirectTable(path, memory_budget=_direct_budget(fmt, ROWS), queue_depth=4)
+    if tier == "direct-uring-evicting":
+        why = uring_unavailable()
+        if why:
+            pytest.skip(f"io_uring unavailable here: {why}")
+        return DirectTable(path, memory_budget=_direct_budget(fmt, 40), queue_depth=4, reader="uring")
     if tier == "direct-threads-evicting":
         return DirectTable(path, memory_budget=_direct_budget(fmt, 40), queue_depth=4, reader="threads")
     raise AssertionError(tier)

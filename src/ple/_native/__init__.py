@@ -350,6 +350,10 @@ _SYMBOLS = (
     "ple_slots_read",
     "ple_slots_advance",
     "ple_reader_new",
+    "ple_uring_new",
+    "ple_uring_read",
+    "ple_uring_free",
+    "ple_uring_compiled",
     "ple_reader_read",
     "ple_reader_free",
 )
@@ -430,6 +434,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
     lib.ple_reader_new.restype = i32
     lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]
+    # its io_uring reader: fd, depth, align, drop, file size, IORING_SETUP_* flags, out handle; read as above
+    lib.ple_uring_new.restype = i32
+    lib.ple_uring_new.argtypes = [i32, i32, i64, i32, i64, i32, ptr]
+    lib.ple_uring_read.restype = i64
+    lib.ple_uring_read.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]
+    lib.ple_uring_free.restype = None
+    lib.ple_uring_free.argtypes = [ptr]
+    lib.ple_uring_compiled.restype = i32
+    lib.ple_uring_compiled.argtypes = []
     # handle, pieces, offsets, lengths, destinations, max span, error out
     lib.ple_reader_read.restype = i64
     lib.ple_reader_read.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]

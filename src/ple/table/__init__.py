@@ -8,8 +8,8 @@ are :class:`StoredTable` (their whole ``data``/``scale`` are readable here):
 - :class:`PinnedHostTable` — page-locked host memory read by the accelerator (needs CUDA);
 - :class:`MmapTable` — a read-only memory map of a table file (see :mod:`ple.table.table_file`);
 - :class:`CachedTable` — the hottest rows of another table held in memory (see :mod:`ple.table.cache`);
-- :class:`DirectTable` — a table file read with ``pread`` from a worker pool, bypassing the page
-  cache, with a bounded row cache (see :mod:`ple.table.direct`);
+- :class:`DirectTable` — a table file read with direct reads (an io_uring, else a ``pread`` pool),
+  bypassing the page cache, with a bounded row cache (see :mod:`ple.table.direct`);
 - :class:`ShardedTable` — rows split across the ranks of a ``torch.distributed`` group (see
   :mod:`ple.table.sharded`).
 
@@ -19,7 +19,7 @@ the table file writer, quantizers) is imported from its module.
 
 from .base import StoredTable, Table
 from .cache import CachedTable
-from .direct import DirectTable
+from .direct import DirectTable, UringUnavailable
 from .formats import FORMATS, IdOutOfRangeError, format_info
 from .memory import MemoryTable, PinnedHostTable
 from .mmap import MmapTable
@@ -44,6 +44,7 @@ __all__ = [
     "TABLE_SUFFIX",
     "Table",
     "TableFileError",
+    "UringUnavailable",
     "dequantize",
     "format_info",
     "quantize_rows",

@@ -1,4 +1,4 @@
-"""``DirectTable``: a table file read row by row with ``pread``, bypassing the page cache.
+"""``DirectTable``: a table file read row by row with direct reads, bypassing the page cache.
 
 A memory map (:class:`~ple.table.MmapTable`) reads a row by faulting its page in: one read at a time
 per thread, at the page cache's mercy (a neighbour's memory pressure evicts the table and decode
@@ -7,11 +7,22 @@ slows down by the cold read time). This tier instead, for each lookup:
 1. deduplicates and sorts the step's row ids (``np.unique``);
 2. serves the rows its own cache holds (a bounded LRU of rows in memory within ``memory_budget``; rows
    given to :meth:`DirectTable.pin` stay there for good);
-3. reads the others with ``pread`` from a pool of ``queue_depth`` worker threads (32 by default),
-   each taking the next of the sorted reads as it finishes one, so up to ``queue_depth`` reads are
-   in flight. The pool is native (``_native/ple_direct.c``: POSIX threads, one call per lookup,
-   no GIL; the rows are copied out by the threads); without the C kernels, Python threads do the
-   same at a higher cost per read (``reader=``; ``reader_kind`` says which). Reads open the file
+3. reads the others with up to ``queue_depth`` reads in flight (32 by default), by one of three readers
+   (``reader=``; ``reader_kind`` says which runs), each a single call per lookup:
+
+   - ``"uring"`` (the default where it starts): the calling thread keeps the reads in flight through
+     an ``io_uring`` (``_native/ple_direct.c``, raw system calls, Linux 5.6+), a few submitted at a
+     time, refilled as they complete, the rows copied out without the GIL; no other thread wakes up.
+     Concurrent lookups each take a ring of their own from the reader's idle rings. About half the
+     CPU time per read of the pool, at the same rate (docs/PERFORMANCE.md);
+   - ``"native"``: a pool of ``queue_depth`` POSIX threads (the same C file), each taking the next of
+     the sorted reads as it finishes one (``pread``), woken per lookup;
+   - ``"threads"``: Python threads doing the same, at a higher cost per read (without the C kernels).
+
+   Where io_uring cannot start (a kernel before 5.6, a seccomp filter, ``kernel.io_uring_disabled``)
+   the default takes the native pool and warns once with the reason; ``PLE_URING=0`` turns io_uring
+   off on purpose (no warning). A reader asked for by name that cannot start raises the reason
+   (:class:`UringUnavailable`, :class:`~ple._native.NativeUnavailable`). Reads open the file
    with ``O_DIRECT`` where the file system allows it, into 4 KiB-aligned buffers, whole aligned
    blocks around each row (neighbouring rows in one block share a read);
    elsewhere (tmpfs, some network file systems) plain reads, each followed by
@@ -27,8 +38,10 @@ together with the row reads, in the same batch, and one 4 KiB block of scales se
 neighbouring rows. A global scale is read once at open.
 
 Resident memory: the cache (its slots plus a bookkeeping allowance of :data:`SLOT_OVERHEAD` bytes
-per slot, all within ``memory_budget``), one aligned buffer per worker (128 KiB; more for rows over
-64 KiB) and a lookup's own rows while it runs. Nothing is mapped and the page cache is neither used
+per slot, all within ``memory_budget``), one aligned buffer per read in flight (as wide as the
+widest read of a lookup: a block or two for scattered rows, at most 128 KiB; more for rows over 64
+KiB; the io_uring reader has such buffers per lookup in progress) and a lookup's own rows while it
+runs. Nothing is mapped and the page cache is neither used
 nor filled.
 
 Like a memory map, the file must not be changed in place: every lookup compares its size and
@@ -37,15 +50,17 @@ modification time with those at open first.
 Threads and processes: lookups from several threads run together. The cache's index, slots and
 recency stamps are changed under one lock, held for the bookkeeping and the copy of the hits only,
 never across a read; a row two lookups missed at once is admitted once (the second finds it held).
-The reader serves the calls of several threads together (the native pool takes its next read from
-the oldest call that has reads left). In a child forked after the table was opened the parent's
-reader threads do not exist: the child starts its own on its first read (see :mod:`.forks`).
+The reader serves the calls of several threads together (each io_uring call on a ring of its own;
+the native pool takes its next read from the oldest call that has reads left). In a child forked
+after the table was opened the parent's reader threads do not exist and its rings are neither
+inherited nor used: the child starts its own reader on its first read (see :mod:`.forks`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -64,7 +79,7 @@ from .lookup import gather_dequant
 from .rowindex import RowIndex
 from .table_file import TableFileError, open_table
 
-__all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK"]
+__all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK", "URING_SWITCH", "UringUnavailable"]
 
 BLOCK = 4096
 """Alignment of direct reads (offsets, lengths and buffers)."""
@@ -247,6 +262,7 @@ class _NativeReader:
 
     def __init__(self, fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> None:
         self._lib = _native.library()  # NativeUnavailable with the reason
+        self._read_fn, self._free_fn = self._functions()
         self.path = path
         self.depth = depth
         self._args = (fd, depth, BLOCK, int(drop_cache), size)
@@ -256,6 +272,9 @@ class _NativeReader:
         self._reads = 0
         self._handle: ctypes.c_void_p | None = self._new_handle()
         track(self)
+
+    def _functions(self) -> tuple:
+        return self._lib.ple_reader_read, self._lib.ple_reader_free
 
     def _new_handle(self) -> ctypes.c_void_p:
         handle = ctypes.c_void_p()
@@ -296,7 +315,7 @@ class _NativeReader:
             self._users += 1
         got = -1
         try:
-            got = self._lib.ple_reader_read(
+            got = self._read_fn(
                 handle,
                 offsets.size,
                 offsets.ctypes.data,
@@ -314,8 +333,12 @@ class _NativeReader:
                 if last:
                     self._handle = None
             if last:
-                self._lib.ple_reader_free(handle)  # closed while this read ran
+                self._free_fn(handle)  # closed while this read ran
         if got < 0:
+            if error.offset < 0:  # no read: the reader could not set up what the call needs
+                raise TableFileError(
+                    f"{self.path}: setting up an io_uring for a read failed: {os.strerror(error.err)} (errno {error.err})"
+                )
             where = f"{self.path}: reading {error.length} bytes at byte {error.offset}"
             if error.err:
                 raise TableFileError(f"{where} failed: {os.strerror(error.err)} (errno {error.err})")
@@ -328,7 +351,94 @@ class _NativeReader:
             if handle is not None:
                 self._handle = None
         if handle is not None:
-            self._lib.ple_reader_free(handle)
+            self._free_fn(handle)
+
+
+URING_SWITCH = "PLE_URING"
+"""The environment switch that turns the io_uring reader off (``PLE_URING=0``): ``reader=None`` then
+takes the thread pool without a warning, and ``reader="uring"`` raises :class:`UringUnavailable`
+(what a machine without io_uring does; the tests use it to check that path)."""
+
+URING_MAX_DEPTH = 4096
+"""The io_uring reader's largest ``queue_depth`` (``PLE_URING_MAX_DEPTH`` of ``ple_direct.c``)."""
+
+_URING_SETUP_FLAGS = 0
+"""``IORING_SETUP_*`` flags of the io_uring reader's rings."""
+
+_URING_HINTS = {
+    errno.EPERM: "io_uring is forbidden here: a seccomp filter (containers' default profiles) or the sysctl "
+    "kernel.io_uring_disabled",
+    errno.ENOSYS: "the kernel has no io_uring, or ple was built without <linux/io_uring.h>",
+    errno.EINVAL: "the kernel's io_uring has no IORING_OP_READ (Linux 5.6 or later)",
+    errno.ENOMEM: "the locked-memory limit (ulimit -l) of kernels before 5.12, or out of memory",
+}
+
+
+class UringUnavailable(_native.NativeUnavailable):
+    """The io_uring reader cannot start here (turned off, no io_uring, forbidden, or it cannot read the
+    file): the message says which."""
+
+
+def _uring_off() -> bool:
+    return os.environ.get(URING_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+class _UringReader(_NativeReader):
+    """The io_uring reader of ``_native/ple_direct.c``: the calling thread puts up to ``depth`` reads in
+    flight through a ring (one system call submits them and waits for the first completion, and each
+    later one reaps what completed and refills), copies the rows out without the GIL; no other thread
+    wakes up. Calls from several threads run together, each on a ring of its own (taken from the
+    reader's idle rings, a new one when all are in use). A forked child sets up rings of its own on its
+    first read (the parent's are neither inherited nor used there)."""
+
+    kind = "uring"
+
+    def __init__(self, fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> None:
+        if _uring_off():
+            raise UringUnavailable(f"the io_uring reader is turned off ({URING_SWITCH}=0)")
+        if depth > URING_MAX_DEPTH:
+            raise InvalidArgumentError(
+                f"queue_depth {depth} is more reads in flight than the io_uring reader keeps: at most {URING_MAX_DEPTH}"
+            )
+        super().__init__(fd, depth, drop_cache, size, path)
+
+    def _functions(self) -> tuple:
+        return self._lib.ple_uring_read, self._lib.ple_uring_free
+
+    def _new_handle(self) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p()
+        err = self._lib.ple_uring_new(*self._args, _URING_SETUP_FLAGS, ctypes.byref(handle))
+        if err:
+            hint = _URING_HINTS.get(err)
+            raise UringUnavailable(
+                f"io_uring cannot read {self.path} here: {os.strerror(err)} (errno {err})"
+                + (f"; {hint}" if hint else "")
+            )
+        return handle
+
+
+_warned_uring = False
+
+
+def _default_reader(fd: int, depth: int, drop_cache: bool, size: int, path: Path) -> _Reader | _NativeReader:
+    """The reader ``reader=None`` takes: io_uring, else the native thread pool, else Python threads. A
+    step down warns once with the reason, unless it was turned off on purpose (``PLE_URING=0``,
+    ``PLE_NATIVE=0``)."""
+    global _warned_uring
+    if not _native_reader_available():
+        return _Reader(fd, depth, drop_cache, size, path)
+    if not _uring_off():
+        try:
+            return _UringReader(fd, depth, drop_cache, size, path)
+        except UringUnavailable as e:
+            if not _warned_uring:
+                _warned_uring = True
+                warnings.warn(
+                    f"ple: DirectTable reads with its thread pool instead of io_uring: {e}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+    return _NativeReader(fd, depth, drop_cache, size, path)
 
 
 def _spans(offsets: np.ndarray, width: int, align: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -355,15 +465,18 @@ class DirectTable(Table):
         memory_budget: bytes of rows this table may keep in memory, its row cache (0: none); slots
             are ``row_nbytes + 4 + SLOT_OVERHEAD`` bytes each. The read buffers (``queue_depth`` x
             128 KiB) come on top.
-        queue_depth: worker threads, i.e. reads in flight (>= 1; 32 by default).
+        queue_depth: reads in flight (>= 1; 32 by default): the pools' worker threads, the io_uring
+            reader's reads per lookup (at most :data:`URING_MAX_DEPTH`).
         direct: ``None`` (O_DIRECT where possible), ``True`` (O_DIRECT or an error), ``False``
             (plain reads dropped from the page cache after each).
-        reader: who issues the reads: ``"native"`` (the C pool of ``_native/ple_direct.c``, or
+        reader: who issues the reads: ``"uring"`` (the io_uring reader of ``_native/ple_direct.c``,
+            or :class:`UringUnavailable` with the reason: turned off by ``PLE_URING=0``, refused by
+            the kernel, or no C kernels), ``"native"`` (the C thread pool, or
             :class:`~ple._native.NativeUnavailable` with the reason), ``"threads"`` (Python threads
             calling ``os.preadv``: about half the device's rate on a 2-core machine), or ``None``:
-            native when the C kernels build here, else threads with a warning that gives the
-            reason (once; ``PLE_NATIVE=0`` turns the kernels off on purpose, without one). ``reader_kind``
-            says which one runs.
+            io_uring where it starts, else the native pool, else threads, each step down with a
+            warning that gives the reason (once; ``PLE_URING=0`` and ``PLE_NATIVE=0`` turn them off
+            on purpose, without one). ``reader_kind`` says which one runs.
     """
 
     _unpicklable = "reads its file through reader threads"
@@ -381,10 +494,8 @@ class DirectTable(Table):
         for name, v, lo in (("memory_budget", memory_budget, 0), ("queue_depth", queue_depth, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
-        if reader not in (None, "native", "threads"):
-            raise InvalidArgumentError(f"reader must be 'native', 'threads' or None, got {reader!r}")
-        if reader is None:
-            reader = "native" if _native_reader_available() else "threads"
+        if reader not in (None, "uring", "native", "threads"):
+            raise InvalidArgumentError(f"reader must be 'uring', 'native', 'threads' or None, got {reader!r}")
         path = Path(path)
         fd, header, st = open_table(path, expected_layout_hash)
         super().__init__(header["format"], header["rows"], header["head_dim"])
@@ -407,7 +518,7 @@ class DirectTable(Table):
             self._global_scale = torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # what validation read leaves no trace
         self._rfd, self.direct = self._open_reader(path, fd, direct)
-        make = _NativeReader if reader == "native" else _Reader
+        make = {None: _default_reader, "uring": _UringReader, "native": _NativeReader, "threads": _Reader}[reader]
         try:
             self._reader: _Reader | _NativeReader = make(
                 self._rfd, queue_depth, self.direct == "dontneed", st.st_size, path
@@ -418,7 +529,7 @@ class DirectTable(Table):
             os.close(fd)
             self._fd = -1
             raise
-        self.reader_kind = make.kind
+        self.reader_kind = self._reader.kind
         self.queue_depth = queue_depth
         self.memory_budget = memory_budget
         self._slot_bytes = self._row_nbytes + (4 if kind == "row" else 0) + SLOT_OVERHEAD
