@@ -29,6 +29,9 @@
    cache of the disk or of the VM's host favours none; common n-grams recur, and every budget pins the
    same warm-up rows).
 
+   ``--serve-readers uring native`` serves each budget once per reader (``DirectTable(reader=...)``;
+   the default reader otherwise).
+
    Reported per configuration: cold start (the table opened, its cache pinned, the first prefill batch's
    output: the open, the pin and the first output apart too), prefill and decode tokens/s (medians over
    batches and steps), rows read from the disk per second of read time, prefill and decode apart,
@@ -43,12 +46,12 @@
 5. **Readers** (``--readers``, instead of 2-4). The direct tier's readers side by side with the device, on
    the same file: each of ``--reader-rounds`` rounds drops the file from the page cache (checked with
    ``mincore``), measures the device with ``fio`` at each of ``--reader-depths`` (random 4 KiB
-   ``O_DIRECT`` reads, libaio and psync, the better of the two), then, each reader and depth in a rotated
-   order (``uring``, ``native`` and, at the first depth, ``threads``; ``DirectTable(memory_budget=0)``),
-   times ``read_rows`` of fresh random distinct rows for each of ``--reader-rows`` (decode-sized: 1,000
-   rows, a decode step's distinct rows at 64 requests; prefill-sized: 12,500), back to back and each
+   ``O_DIRECT`` reads, libaio and psync, the better of the two), then times ``read_rows`` of fresh
+   random distinct rows for each of ``--reader-rows`` (decode-sized: 1,000 rows, a decode step's
+   distinct rows at 64 requests; prefill-sized: 12,500) by each reader and depth (``uring``,
+   ``native`` and, at the first depth, ``threads``; ``DirectTable(memory_budget=0)``), back to back and
    right after a bf16 GEMM of a decode step's projections (as a decode step reads: torch's OpenMP
-   threads still spin then). Reported per reader, depth, size and order: rows/s and reads/s (medians),
+   threads still spin then), one call of each in turn, in a rotated order (8,000 rows of calls each). Reported per reader, depth, size and order: rows/s and reads/s (medians),
    their ratio to the device at that depth in the same round (median and range over rounds), and the
    process's CPU seconds per read. One call per reader, depth and size each round is checked against
    the generator's rows, bit for bit; the page cache holds nothing of the file afterwards (checked).
@@ -407,6 +410,7 @@ def serve_one(args) -> dict:
     pr, ps = args.prefill
     hidden_pool = torch.randn(max(pr * ps, args.requests * 16), c, generator=g).to(torch.bfloat16)
     res: dict[str, Any] = {"kind": kind, "budget_gib": args.budget_gib, "cached_at_start": cached_bytes(path)}
+    reader = None if args.serve_reader == "default" else args.serve_reader
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here: the table, its cache and the serving, after the imports and the text
     res["rss_before_open_mib"] = _status_kb("VmRSS") / 1024
@@ -415,7 +419,8 @@ def serve_one(args) -> dict:
     fields = cfg.layout_fields(0)
     table: DirectTable | MmapTable
     if kind == "direct":
-        table = DirectTable(path, fields, memory_budget=budget)
+        table = DirectTable(path, fields, memory_budget=budget, reader=reader)
+        res["reader"] = table.reader_kind
     else:
         table = MmapTable.open(path, fields)
     res["open_s"] = time.perf_counter() - t0
@@ -582,37 +587,41 @@ def readers(args, path: Path, gen: RowGenerator, rows: int) -> dict:
         dropped = drop_file_cache(path)
         dev = device(path, args.fio_seconds, depths=depths)
         rec: dict[str, Any] = {"device": dev, "cached_after_drop": dropped["cached_after"]}
-        k = rnd % len(cases)
-        for kind, d in cases[k:] + cases[:k]:
-            t = tables[(kind, d)]
-            for n in sizes:
-                for order in ("back_to_back", "after_gemm"):
-                    times, reads, cpu, got_rows = [], 0, 0.0, 0
-                    for i in range(max(3, 8000 // n)):
-                        ids = np.unique(g.integers(0, rows, n))
-                        got_rows += ids.size
-                        if order == "after_gemm":
-                            a @ b
-                        r0, c0 = t.reads, _cpu_s()
-                        t0 = time.perf_counter()
-                        data, _ = t.read_rows(ids)
-                        times.append(time.perf_counter() - t0)
-                        cpu += _cpu_s() - c0
-                        reads += t.reads - r0
-                        if i == 0 and order == "back_to_back":  # the rows are the generator's, bit for bit
-                            pick = ids if n <= 2000 else ids[:: n // 1000]
-                            got = data.view(torch.uint8).numpy()[np.searchsorted(ids, pick)]
-                            if not np.array_equal(got, gen.rows_of(pick)):
-                                raise SystemExit(f"{kind} depth {d}: rows differ from the generator's")
-                    med, per_call = statistics.median(times), got_rows / len(times)
-                    row = {
-                        "rows_per_s": per_call / med,
-                        "reads_per_s": reads / len(times) / med,
-                        "of_device": per_call / med / dev[f"depth{d}"],
-                        "cpu_us_per_read": 1e6 * cpu / max(1, reads),
-                    }
-                    samples.setdefault(f"{kind}/{d}/{n}/{order}", []).append(row)
-                    rec[f"{kind}/{d}/{n}/{order}"] = row
+        for n in sizes:
+            calls = max(3, 8000 // n)
+            # every reader, depth and order one call at a time, in a rotated order: the device's moments
+            # (it moves from second to second on a shared machine) fall on all of them alike
+            runs = [(c, o) for c in cases for o in ("back_to_back", "after_gemm")]
+            acc = {run: {"times": [], "reads": 0, "cpu": 0.0, "rows": 0} for run in runs}
+            for i in range(calls):
+                k = (i + rnd) % len(runs)
+                for (kind, d), order in runs[k:] + runs[:k]:
+                    t, m = tables[(kind, d)], acc[((kind, d), order)]
+                    ids = np.unique(g.integers(0, rows, n))
+                    if order == "after_gemm":
+                        a @ b
+                    r0, c0 = t.reads, _cpu_s()
+                    t0 = time.perf_counter()
+                    data, _ = t.read_rows(ids)
+                    m["times"].append(time.perf_counter() - t0)
+                    m["cpu"] += _cpu_s() - c0
+                    m["reads"] += t.reads - r0
+                    m["rows"] += ids.size
+                    if i == 0:  # the rows are the generator's, bit for bit
+                        pick = ids if n <= 2000 else ids[:: n // 1000]
+                        got = data.view(torch.uint8).numpy()[np.searchsorted(ids, pick)]
+                        if not np.array_equal(got, gen.rows_of(pick)):
+                            raise SystemExit(f"{kind} depth {d}: rows differ from the generator's")
+            for ((kind, d), order), m in acc.items():
+                med, per_call = statistics.median(m["times"]), m["rows"] / calls
+                row = {
+                    "rows_per_s": per_call / med,
+                    "reads_per_s": m["reads"] / calls / med,
+                    "of_device": per_call / med / dev[f"depth{d}"],
+                    "cpu_us_per_read": 1e6 * m["cpu"] / max(1, m["reads"]),
+                }
+                samples.setdefault(f"{kind}/{d}/{n}/{order}", []).append(row)
+                rec[f"{kind}/{d}/{n}/{order}"] = row
         out["rounds"].append(rec)
         print(
             f"round {rnd + 1}: device "
@@ -668,9 +677,10 @@ def readers_report(res: dict) -> str:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def _child(args, kind: str, budget_gib: float, index: int) -> dict:
+def _child(args, kind: str, budget_gib: float, index: int, reader: str = "default") -> dict:
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--serve", kind, "--budget-gib", str(budget_gib),
+        "--serve-reader", reader,
         "--index", str(index), "--path", str(args.path), "--rows", str(args.rows), "--format", args.format,
         "--seed", str(args.seed), "--requests", str(args.requests), "--decode-steps", str(args.decode_steps),
         "--prefill", *map(str, args.prefill), "--prefill-batches", str(args.prefill_batches),
@@ -706,6 +716,8 @@ def report(res: dict) -> str:
     ]
     for c in res["configs"]:
         name = "memory map" if c["kind"] == "mmap" else f"direct, budget {c['budget_gib']:g} GiB"
+        if c["kind"] == "direct" and len({x.get("reader") for x in res["configs"]}) > 1:
+            name += f" ({c['reader']})"
         dev = c["device"]["depth32"]
         if c["kind"] == "direct":
             p, d = c["prefill_rows_per_read_s"], c["decode_rows_per_read_s"]
@@ -753,6 +765,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true", help="serve an existing table file of this geometry")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--serve-readers",
+        nargs="+",
+        default=["default"],
+        choices=("default", "uring", "native", "threads"),
+        help="the direct tier's reader of each budget's configuration (one configuration per reader)",
+    )
     ap.add_argument("--readers", action="store_true", help="time the direct tier's readers beside fio (step 5)")
     ap.add_argument("--reader-depths", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--reader-rows", type=int, nargs="+", default=[1000, 12500], help="rows a call")
@@ -762,6 +781,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-reader", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.serve:
@@ -810,13 +830,14 @@ def main(argv=None) -> int:
         res["device"] = device(args.path, args.fio_seconds, depths=(32, 1), sequential=True)
         print("device:", {k: round(v) if isinstance(v, float) else v for k, v in res["device"].items()})
 
-        plan = [("direct", b) for b in args.budgets_gib] + ([] if args.no_mmap else [("mmap", 0.0)])
+        plan = [("direct", b, r) for b in args.budgets_gib for r in args.serve_readers]
+        plan += [] if args.no_mmap else [("mmap", 0.0, "default")]
         res["configs"] = []
-        for i, (kind, budget) in enumerate(plan):
+        for i, (kind, budget, reader) in enumerate(plan):
             depths = (32,) if kind == "direct" else (32, 2)
             before = device(args.path, args.fio_seconds, depths=depths)
             dropped = drop_file_cache(args.path, system=args.drop_caches)
-            c = _child(args, kind, budget, i)
+            c = _child(args, kind, budget, i, reader)
             c["cached_after"] = cached_bytes(args.path)  # before fio, which drops the file's pages
             c["load_average"] = os.getloadavg()
             after = device(args.path, args.fio_seconds, depths=depths)
@@ -825,7 +846,8 @@ def main(argv=None) -> int:
             c["device_before_after"], c["dropped"] = [before, after], dropped
             res["configs"].append(c)
             print(
-                f"{kind} {budget:g} GiB: cold start {c['cold_start_s']:.2f} s, prefill "
+                f"{kind} {budget:g} GiB{' ' + c['reader'] if 'reader' in c else ''}: cold start "
+                f"{c['cold_start_s']:.2f} s, prefill "
                 f"{c['prefill_tokens_per_s']:,.0f} tok/s, decode {c['decode_tokens_per_s']:,.0f} tok/s, "
                 f"peak RSS {c['peak_rss_mib']:,.0f} MiB, exact {c['exact']}"
             )

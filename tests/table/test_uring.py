@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
+import re
 import threading
 import time
 import warnings
@@ -334,5 +335,37 @@ def test_queue_depth_beyond_the_rings_is_refused(tmp_path):
     try:
         ids = random_ids(ROWS, 64, 8, seed=9)
         assert_same(t.lookup(ids, torch.float32), mem.lookup(ids, torch.float32))
+    finally:
+        t.close()
+
+
+@needs_uring
+def test_a_child_that_cannot_set_up_its_ring_says_why(tmp_path):
+    """In a forked child the reader sets up a ring of its own on first use; one the system refuses
+    (here: no descriptor left, EMFILE) raises the reason instead of reading or hanging."""
+    import resource
+
+    path, mem, _ = _table_file(tmp_path, "fp8")
+    t = DirectTable(path, queue_depth=4, reader="uring")
+    ids = random_ids(ROWS, 8, 4, seed=2)
+    try:
+        assert_same(t.lookup(ids, torch.float32), mem.lookup(ids, torch.float32))
+
+        def child():
+            probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor
+            os.close(probe)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
+            try:
+                t.lookup(ids, torch.float32)
+            except UringUnavailable as e:
+                return str(e)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            return "read"
+
+        said = run_forked(child, tmp_path / "child.pkl")
+        assert re.search(r"io_uring cannot read .*t-fp8\.pletable here: Too many open files \(errno \d+\)", said), said
+        assert_same(t.lookup(ids, torch.float32), mem.lookup(ids, torch.float32))  # the parent reads on
     finally:
         t.close()

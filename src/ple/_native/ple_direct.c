@@ -338,6 +338,10 @@ int64_t ple_reader_read(ple_reader *r, int64_t n, const int64_t *offsets, const 
 #endif
 
 #define PLE_URING_MAX_DEPTH 4096 /* reads in flight per call, at most (the Python side checks it) */
+/* ple_read_error.got of a call that failed without a read: a ring or its buffers could not be set
+ * up, or io_uring_enter itself failed (its errno in .err) */
+#define URING_SETUP_FAILED (-2)
+#define URING_ENTER_FAILED (-3)
 
 typedef struct ple_uring ple_uring;
 int ple_uring_new(int fd, int depth, int64_t align, int drop, int64_t file_size, int flags, ple_uring **out);
@@ -360,6 +364,7 @@ int64_t ple_uring_read(ple_uring *u, int64_t n, const int64_t *offsets, const in
     memset(error, 0, sizeof *error);
     error->err = ENOSYS;
     error->offset = -1;
+    error->got = URING_SETUP_FAILED;
     return -1;
 }
 void ple_uring_free(ple_uring *u) { (void)u; }
@@ -609,7 +614,7 @@ static int ring_run(const ple_uring *u, ring_t *g, const span_t *spans, int64_t 
             else if (errno != EINTR && errno != EAGAIN && errno != EBUSY) {
                 int err = errno;
                 failed = 0; /* this error is reported, whatever came before: the ring is lost */
-                PLE_FAIL(err, -1, 0, -1);
+                PLE_FAIL(err, -1, 0, URING_ENTER_FAILED);
                 return -1;
             }
         }
@@ -730,8 +735,8 @@ static int64_t uring_read(ple_uring *u, int64_t n, const int64_t *offsets, const
     if (err) {
         free(spans);
         error->err = err;
-        error->offset = -1; /* no read: a ring or its buffers could not be set up */
-        error->got = -1;
+        error->offset = -1;
+        error->got = URING_SETUP_FAILED; /* no read: a ring or its buffers could not be set up */
         return -1;
     }
     int rc = ring_run(u, g, spans, k, offsets, lengths, dests, error);

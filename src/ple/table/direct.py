@@ -243,6 +243,10 @@ def _native_reader_available() -> bool:
         return False
 
 
+_URING_FAILURES = {-2: "setting up an io_uring ring (or its buffers) for a read", -3: "io_uring_enter"}
+"""``ple_read_error.got`` of an io_uring call that failed without a read (``ple_direct.c``)."""
+
+
 class _ReadError(ctypes.Structure):
     _fields_ = [
         ("err", ctypes.c_int32),
@@ -335,9 +339,9 @@ class _NativeReader:
             if last:
                 self._free_fn(handle)  # closed while this read ran
         if got < 0:
-            if error.offset < 0:  # no read: the reader could not set up what the call needs
+            if error.got in _URING_FAILURES:  # no read: the io_uring itself failed
                 raise TableFileError(
-                    f"{self.path}: setting up an io_uring for a read failed: {os.strerror(error.err)} (errno {error.err})"
+                    f"{self.path}: {_URING_FAILURES[error.got]} failed: {os.strerror(error.err)} (errno {error.err})"
                 )
             where = f"{self.path}: reading {error.length} bytes at byte {error.offset}"
             if error.err:
