@@ -32,9 +32,9 @@ from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import compare_with_source, table_amax, target_format
-from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFTensor, iter_rows, read_gguf, table_tensor
-from .table.table_file import TABLE_SUFFIX, TableFileWriter, hash_layout
+from .table.convert import compare_with_source, convert_layer, table_amax, target_format
+from .table.gguf import PLE_KEYS, GGUFError, GGUFModel, GGUFRows, GGUFTensor, read_gguf, table_tensor
+from .table.table_file import TABLE_SUFFIX, hash_layout
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
@@ -338,20 +338,8 @@ def _convert_gguf(args: argparse.Namespace) -> int:
     if path.exists() and not args.force:
         raise FileExistsError(f"table file {path} exists: pass --force to replace it")
     out.mkdir(parents=True, exist_ok=True)
-    bar = None
-    if show_progress():
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"convert {path.name}")
-    try:
-        with TableFileWriter(path, rows, head_dim, t.format, shard_rows, layout, force=args.force) as w:
-            for k, part in iter_rows(t, shard_rows):
-                w.write_shard(k, part)
-                if bar is not None:
-                    bar.update(part.shape[0])
-    finally:
-        if bar is not None:
-            bar.close()
+    source = GGUFRows(t, shard_rows)  # bytes copied, values checked finite, resumable
+    convert_layer(source, path, layout, rows, head_dim, shard_rows, force=args.force, progress=show_progress())
     stats = {"ple_layer_index": 0, "path": str(path), "format": t.format, "source_format": f"gguf {t.type_name}"}
     stats["rows"] = rows
     if args.json:
