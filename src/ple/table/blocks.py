@@ -37,10 +37,11 @@ nearest E2M1 value (ties to even).
 
 A block whose fp16 scale (or q4_1 / q5_1 minimum) would be infinite is refused
 (:class:`ScaleOverflowError`, naming the row, the block's first column and its value of largest
-magnitude): GGML writes such a block with an infinite scale, which decodes to inf and NaN. q8_0 and
-iq4_nl hold magnitudes up to about 8.3e6, q5_0 1.0e6, q4_0 5.2e5; q4_1 and q5_1 values down to
--65504 and a block's range up to about 9.8e5 and 2.0e6. mxfp4 (an E8M0 scale) and nvfp4 (a global
-float32 scale) never overflow.
+magnitude): GGML writes such a block with an infinite scale, which decodes to inf and NaN. q8_0
+holds magnitudes up to about 8.3e6, iq4_nl 6.8e6 to 8.3e6 (its scale search may map the largest
+value to another grid point than 127), q5_0 1.0e6, q4_0 5.2e5; q4_1 and q5_1 values down to -65504
+and a block's range up to about 9.8e5 and 2.0e6. mxfp4 (an E8M0 scale) and nvfp4 (a global float32
+scale) never overflow.
 """
 
 from __future__ import annotations
