@@ -21,7 +21,8 @@ projected time for the published table's 320,001,536 rows, MB/s of the table byt
 verify) and, for the plain copies, that rate over the disk's sequential bandwidth: the smaller of
 its sequential read and write (``fio``, 4 MiB ``O_DIRECT`` requests at depth 8; without fio, Python's
 ``O_DIRECT`` reads and writes), measured in the same run with its random 4 KiB read rate (``fio``
-at depth 32, as ``bench/disk_bench.py`` measures it).
+at depth 32, as ``bench/disk_bench.py`` measures it). "cpu us/row" is the CPU time (every thread) a
+row cost: on a machine shared with other work the wall-clock rate falls, this much less.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ elif tool.startswith("verify-"):
     argv, reads = ["verify", paths["file"]], [paths["file"]]
 for p in reads:
     drop(p)
+usage0 = resource.getrusage(resource.RUSAGE_SELF)
+cpu0 = usage0.ru_utime + usage0.ru_stime
 t0 = time.perf_counter()
 if argv is not None:
     with contextlib.redirect_stdout(io.StringIO()):
@@ -105,8 +108,11 @@ if tool.startswith("verify"):
     moved = os.path.getsize(paths["file"])
 else:
     moved = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) if os.path.isdir(out) else 0
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"rc": rc, "seconds": seconds, "maxrss": rss, "bytes": moved}))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+with open("/proc/self/status") as f:  # this process's own peak (ru_maxrss keeps the parent's across exec)
+    rss = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+cpu = usage.ru_utime + usage.ru_stime - cpu0
+print(json.dumps({"rc": rc, "seconds": seconds, "cpu_seconds": cpu, "maxrss": rss, "bytes": moved}))
 """
 
 
@@ -327,6 +333,7 @@ def summarize(results: dict, rows: int, disk_res: dict, sources: dict) -> dict:
             mb = statistics.median(r["bytes"] for r in runs) / 1e6
             entry = {
                 "seconds": secs,
+                "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
                 "rows_per_s": rows / secs,
                 "projected_s": PUBLISHED_ROWS / (rows / secs),
                 "MBps": mb / secs if mb else None,
@@ -343,7 +350,8 @@ def summarize(results: dict, rows: int, disk_res: dict, sources: dict) -> dict:
 
 def format_table(report: dict, sources: dict) -> str:
     head = f"{'tool':24s}" + "".join(
-        f"{s + ' rows/s':>16s}{'320M rows':>11s}{'MB/s':>8s}{'of disk':>8s}{'RSS MiB':>9s}" for s in sources
+        f"{s + ' rows/s':>16s}{'320M rows':>11s}{'MB/s':>8s}{'of disk':>8s}{'cpu us/row':>11s}{'RSS MiB':>9s}"
+        for s in sources
     )
     lines = [head] + (["" + " " * 24 + "  (speed-up this/other in the last column)"] if len(sources) == 2 else [])
     for tool, by in report.items():
@@ -354,7 +362,8 @@ def format_table(report: dict, sources: dict) -> str:
             shown = f"{t / 3600:.1f} h" if t >= 3600 else f"{t / 60:.1f} min"
             mbps = f"{e['MBps']:.0f}" if e.get("MBps") else "-"
             disk_share = f"{e['of_disk']:.2f}" if "of_disk" in e else "-"
-            line += f"{e['rows_per_s']:>16,.0f}{shown:>11s}{mbps:>8s}{disk_share:>8s}{e['peak_rss_MiB']:>9.0f}"
+            cpu_us = 1e6 * e["cpu_seconds"] / (e["rows_per_s"] * e["seconds"])
+            line += f"{e['rows_per_s']:>16,.0f}{shown:>11s}{mbps:>8s}{disk_share:>8s}{cpu_us:>11.2f}{e['peak_rss_MiB']:>9.0f}"
         if "speedup" in by:
             line += f"{by['speedup']:>8.1f}x"
         lines.append(line)

@@ -1,5 +1,6 @@
-"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids) and ``ple_quant.c`` (table
-row gathers), compiled on first use.
+"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), ``ple_quant.c`` (table
+row gathers), ``ple_direct.c`` (the direct tier's reader) and ``ple_encode.c`` (table conversion),
+compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs

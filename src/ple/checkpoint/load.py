@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -271,21 +272,26 @@ class TableShards:
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
     def chunks(self, k: int, max_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Shard ``k``'s rows ``(rows [m, width], scale)`` in pieces of at most ``max_rows`` rows, in order."""
+        """Shard ``k``'s rows ``(rows [m, width], scale)`` in pieces of at most ``max_rows`` rows, in order;
+        a piece's rows are read into one buffer the shard's pieces share: valid until the next piece."""
         e = self.entry
         a, b = e.layout.shard_range(k)
+        step = max(1, max_rows)
+        info = e.whole_table if e.whole_table is not None else e.shards[k]
+        row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else 0
+        buffer = mmap.mmap(-1, max(1, min(step, b - a) * row_bytes))
         with PreadReader() as reader:
             with self._lock:
                 if self._gscale is None:
                     self._gscale = self._global_scale(reader)
             gscale = self._gscale
             base = f"{e.prefix}ple_embedding.ngram_embedding.shard_{k}"
-            for lo in range(0, b - a, max(1, max_rows)):
-                hi = min(b - a, lo + max(1, max_rows))
+            for lo in range(0, b - a, step):
+                hi = min(b - a, lo + step)
                 if e.whole_table is not None:
-                    yield reader.rows(e.whole_table, e.prefix + TABLE_WEIGHT, a + lo, a + hi), gscale
+                    yield reader.rows_into(e.whole_table, e.prefix + TABLE_WEIGHT, a + lo, a + hi, buffer), gscale
                     continue
-                rows = reader.rows(e.shards[k], base + ".weight", lo, hi)
+                rows = reader.rows_into(e.shards[k], base + ".weight", lo, hi, buffer)
                 scale = reader.rows(e.shard_scales[k], base + ".weight_scale", lo, hi) if k in e.shard_scales else None
                 if e.table_format == "nvfp4" and scale is not None:
                     # ple's nvfp4 row: the packed values, then the row's E4M3 block scales

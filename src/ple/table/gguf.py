@@ -368,20 +368,24 @@ class GGUFRows:
         return hashlib.sha256(json.dumps(record).encode()).hexdigest()
 
     def chunks(self, k: int, max_rows: int) -> Iterator[tuple[torch.Tensor, None]]:
-        """Shard ``k``'s stored rows ``[m, width]`` in pieces of at most ``max_rows`` rows, in order."""
+        """Shard ``k``'s stored rows ``[m, width]`` in pieces of at most ``max_rows`` rows, in order (read
+        into one buffer the shard's pieces share: a piece is valid until the next)."""
         t, rows = self.t, self.t.dims[1]
         start, stop = min(k * self.shard_rows, rows), min((k + 1) * self.shard_rows, rows)
+        step = max(1, max_rows)
+        buffer = mmap.mmap(-1, max(1, min(step, stop - start) * self._rn))  # the pieces' one buffer
         fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            for a in range(start, stop, max(1, max_rows)):
-                n = min(max(1, max_rows), stop - a)
-                buf = pread_exact(
-                    fd,
-                    n * self._rn,
-                    t.offset + a * self._rn,
-                    lambda at: GGUFError(f"{t.path}: tensor {t.name} ends early, at byte {at}: the file was cut short"),
-                )
-                yield torch.frombuffer(buf, dtype=torch.uint8).view(self._dtype).reshape(n, self._width), None
+            for a in range(start, stop, step):
+                n = min(step, stop - a)
+                view, done = memoryview(buffer)[: n * self._rn], 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], t.offset + a * self._rn + done)
+                    if got <= 0:
+                        at = t.offset + a * self._rn + done
+                        raise GGUFError(f"{t.path}: tensor {t.name} ends early, at byte {at}: the file was cut short")
+                    done += got
+                yield torch.frombuffer(view, dtype=torch.uint8).view(self._dtype).reshape(n, self._width), None
         finally:
             os.close(fd)
 

@@ -79,6 +79,7 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
 from ..files import PARTIAL_SUFFIX, fsync_dir, open_regular, parse_json, partial_entries, pread_exact
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
+from .shard_writer import DIGEST_SIZE, ShardWriter, open_direct, pwrite_all
 
 __all__ = [
     "ShardWriter",
@@ -102,14 +103,12 @@ TABLE_SUFFIX = ".pletable"
 """The file name suffix of table files (``ple convert`` writes ``<layer prefix>.pletable``)."""
 _ALIGN = 4096
 _PREFIX = 16
-_DIGEST_SIZE = 16
+_DIGEST_SIZE = DIGEST_SIZE
 _CHECKSUM_ALGORITHM = "blake2b-128"
 _READ_CHUNK = 8 << 20
 _MAX_HEADER = 1 << 26
 _MAX_BYTES = 1 << 62  # every offset and size in a table file fits an int64 with room to add
 _MAX_HEAD_DIM = 1 << 24
-DIGEST_SIZE = _DIGEST_SIZE
-"""Bytes of each checksum (blake2b with this digest size)."""
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -152,14 +151,6 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.cpu()
     t = t.contiguous().reshape(-1)
     return t.view(torch.uint8).numpy()
-
-
-def _pwrite_all(fd: int, buf, offset: int) -> None:
-    view = memoryview(buf).cast("B")
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def _ended(path: Path):
@@ -273,7 +264,7 @@ class TableFileWriter:
         resume: str | None = None,
         progress_room: int = 0,
     ) -> None:
-        self._fd = -1
+        self._fd = self._dfd = -1
         self._resume = resume
         self._lock = threading.Lock()
         self._committed: dict[int, Any] = {}
@@ -289,6 +280,7 @@ class TableFileWriter:
         self.sparse = sparse
         self._geo = _geometry(rows, head_dim, format, shard_rows)
         self.rows, self.head_dim, self.format, self.shard_rows = rows, head_dim, format, shard_rows
+        self.row_nbytes, self.scale_kind = self._geo["row_nbytes"], format_info(format).scale_kind
         self.num_shards = self._geo["num_shards"]
         self._info = format_info(format)
         self._layout_hash, self._layout = _as_layout_hash(layout_hash)
@@ -307,6 +299,7 @@ class TableFileWriter:
         self._scale_nbytes = _scale_nbytes(self._info.scale_kind, rows)
         self._file_nbytes = self._scale_offset + self._scale_nbytes
         if resume is not None and self._take_over():
+            self._dfd = -1 if sparse else open_direct(self.partial_path, self._ident)
             return
         live = _sweep_partials(self.path)
         if live and not force:
@@ -320,6 +313,7 @@ class TableFileWriter:
         try:
             self._io(os.ftruncate, self._fd, self._file_nbytes)
             self._write_header(complete=False)
+            self._dfd = -1 if sparse else open_direct(self.partial_path, self._ident)
         except BaseException:
             self.abort()
             raise
@@ -386,6 +380,44 @@ class TableFileWriter:
         self.resumed = dict(done)
         self._committed = dict(done)
         return True
+
+    # ------------------------------------------------------------------ what a ShardWriter writes through
+    def row_place(self, row: int) -> int:
+        """The file offset of row ``row``'s first byte."""
+        return self._data_offset + row * self._geo["row_nbytes"]
+
+    def scale_place(self, row: int) -> int:
+        """The file offset of row ``row``'s per-row scale."""
+        return self._scale_offset + 4 * row
+
+    @property
+    def direct(self) -> bool:
+        """Whether whole pages may be written with ``O_DIRECT`` (:meth:`pwrite`)."""
+        return self._dfd >= 0
+
+    def pwrite(self, data, offset: int, direct: bool = False) -> None:
+        """``data`` at ``offset`` of the temporary file (``direct``: whole pages from a page-aligned
+        buffer, with ``O_DIRECT`` where the file system takes it); an OSError names the table file."""
+        fd = self._dfd if direct else -1
+        if fd >= 0:
+            try:
+                return self._io(pwrite_all, fd, data, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_refused()  # a file system that takes O_DIRECT at open but not at write
+        self._io(pwrite_all, self._fd, data, offset)
+
+    def record_checksum(self, k: int, digest: str) -> None:
+        with self._lock:
+            self._checksums[k] = digest
+
+    def _direct_refused(self) -> None:
+        """Close the ``O_DIRECT`` descriptor: rows go through the page cache from now on."""
+        with self._lock:
+            if self._dfd >= 0:
+                os.close(self._dfd)
+                self._dfd = -1
 
     def _io(self, fn, *args):
         """Run an OS call on the temporary file; an OSError names the table file being written."""
@@ -460,7 +492,7 @@ class TableFileWriter:
         if len(blob) > room:  # a progress record larger than the room its caller asked for
             raise TableFileError(f"table header of {len(blob)} bytes exceeds its {room} reserved bytes")
         prefix = MAGIC + len(blob).to_bytes(8, "little")
-        self._io(_pwrite_all, self._fd, prefix + blob + b" " * (room - len(blob)), 0)
+        self._io(pwrite_all, self._fd, prefix + blob + b" " * (room - len(blob)), 0)
 
     # ------------------------------------------------------------------ writing
     def _check_open(self) -> None:
@@ -525,7 +557,7 @@ class TableFileWriter:
                 )
             return
         b = tensor_bytes(t)
-        self._io(_pwrite_all, self._fd, b, self._scale_offset)
+        self._io(pwrite_all, self._fd, b, self._scale_offset)
         self._global_scale = value
         self._scale_checksum = hashlib.blake2b(b.tobytes(), digest_size=_DIGEST_SIZE).hexdigest()
 
@@ -603,9 +635,9 @@ class TableFileWriter:
         srow = None if scale_bytes is None else scale_bytes.reshape(n, 4)
         rn = self._geo["row_nbytes"]
         for i, r in enumerate(ids.tolist()):
-            self._io(_pwrite_all, self._fd, row_bytes[i], self._data_offset + r * rn)
+            self._io(pwrite_all, self._fd, row_bytes[i], self._data_offset + r * rn)
             if srow is not None:
-                self._io(_pwrite_all, self._fd, srow[i], self._scale_offset + 4 * r)
+                self._io(pwrite_all, self._fd, srow[i], self._scale_offset + 4 * r)
 
     # ------------------------------------------------------------------ finishing
     def close(self) -> Path:
@@ -624,6 +656,7 @@ class TableFileWriter:
                 raise InvalidArgumentError(
                     f"table file {self.path}: format {self.format!r} needs a global scale, none was set"
                 )
+            self._direct_refused()  # the O_DIRECT descriptor is done with
             self._io(os.fsync, self._fd)
             self._write_header(complete=True)
             self._io(os.fsync, self._fd)
@@ -678,6 +711,7 @@ class TableFileWriter:
         except FileNotFoundError:
             pass
         finally:
+            self._direct_refused()
             if self._fd >= 0:
                 fd, self._fd = self._fd, -1
                 os.close(fd)
@@ -697,6 +731,7 @@ class TableFileWriter:
         """Stop, keeping the temporary file with its committed shards for the next writer of the same
         path and key (a line on stderr says so); nothing is published."""
         self._closed = True
+        self._direct_refused()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
@@ -705,53 +740,6 @@ class TableFileWriter:
             "conversion run again continues it; delete it to start over",
             file=sys.stderr,
         )
-
-
-class ShardWriter:
-    """Shard ``k``'s rows, written in order in parts (:meth:`TableFileWriter.shard_writer`): each part's
-    bytes are written at their place and hashed as they come; :meth:`finish` records the checksum."""
-
-    def __init__(self, w: TableFileWriter, k: int, start: int, stop: int) -> None:
-        self.w, self.k, self.start, self.stop, self.at = w, k, start, stop, start
-        self._hash = None if w.sparse else hashlib.blake2b(digest_size=_DIGEST_SIZE)
-        self._scales: list[np.ndarray] = []
-
-    def write(self, rows: np.ndarray, scale: np.ndarray | None = None) -> None:
-        """The next ``m`` rows' stored bytes (``[m * row_nbytes]`` uint8, any shape) and, for per-row
-        formats, their scales (``m`` float32 values, checked positive and finite)."""
-        w, rn = self.w, self.w._geo["row_nbytes"]
-        rows = np.ascontiguousarray(rows)
-        m, extra = divmod(rows.nbytes, rn)
-        if extra or self.at + m > self.stop:
-            raise InvalidArgumentError(
-                f"shard {self.k}: {rows.nbytes} bytes after row {self.at} do not fit rows [{self.start}, {self.stop})"
-            )
-        per_row = w._info.scale_kind == "row"
-        if per_row:
-            if scale is None or scale.nbytes != 4 * m:
-                raise InvalidArgumentError(f"shard {self.k}: format {w.format!r} needs {m} per-row scales")
-            values = torch.from_numpy(np.frombuffer(scale, dtype="<f4"))
-            check_scale_values(values, f"shard {self.k} (rows [{self.start}, {self.stop}))", first_row=self.at)
-        w._io(_pwrite_all, w._fd, rows, w._data_offset + self.at * rn)
-        if self._hash is not None:
-            self._hash.update(rows.data)
-        if per_row:
-            assert scale is not None
-            w._io(_pwrite_all, w._fd, scale, w._scale_offset + 4 * self.at)
-            self._scales.append(np.frombuffer(scale, dtype=np.uint8))
-        self.at += m
-
-    def finish(self) -> None:
-        """Every row written: record the shard's checksum (rows, then per-row scales)."""
-        if self.at != self.stop:
-            raise InvalidArgumentError(
-                f"shard {self.k} (rows [{self.start}, {self.stop})): {self.at - self.start} rows were written"
-            )
-        if self._hash is not None:
-            for b in self._scales:
-                self._hash.update(b.data)
-            with self.w._lock:
-                self.w._checksums[self.k] = self._hash.hexdigest()
 
 
 # ---------------------------------------------------------------------- reading
