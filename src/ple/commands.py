@@ -415,7 +415,7 @@ def verify(args: argparse.Namespace) -> int:
     os.stat(args.file)  # FileNotFoundError, NotADirectoryError, PermissionError: ple.cli's one line
     if not os.access(args.file, os.R_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(args.file))
-    problems = verify_table_file(args.file)
+    problems = verify_table_file(args.file, progress=show_progress())
     if args.checkpoint and not problems:
         problems += _compare_with_checkpoint(args.file, args.checkpoint)
     if args.json:
@@ -448,7 +448,7 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
         return e.problems
     entry = next(e for e in scan.layers if e.ple_layer_index == idx)
     open_layer_table(file, cfg, idx).close()  # the layout hash as the loader checks it
-    return compare_with_source(file, table_shards(entry))
+    return compare_with_source(file, table_shards(entry), progress=show_progress())
 
 
 # ---------------------------------------------------------------------------------------------- stats

@@ -559,7 +559,9 @@ def table_amax(shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None
 
 
 def compare_with_source(
-    path: str | os.PathLike, shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] | Any
+    path: str | os.PathLike,
+    shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] | Any,
+    progress: bool = False,
 ) -> list[str]:
     """Compare a table file with the source it was converted from, exactly; returns problems.
 
@@ -567,20 +569,27 @@ def compare_with_source(
     file must hold exactly what :mod:`ple.table.encode` gives for the dequantized source (what
     :func:`~ple.table.quantize_rows` and :func:`~ple.table.blocks.quantize_blocks` give). Shards
     missing from the source, or of the wrong size, are problems too. The file is read with ``pread``
-    and the shards are compared side by side."""
+    and the shards are compared side by side; ``progress``: a tqdm bar of the rows compared."""
     fd, header, _ = open_table(path)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=header["rows"], unit="row", unit_scale=True, desc=f"compare {Path(path).name}")
     try:
-        return _Comparison(Path(path), fd, header).run(shard_iter)
+        return _Comparison(Path(path), fd, header, bar).run(shard_iter)
     finally:
         os.close(fd)
+        if bar is not None:
+            bar.close()
 
 
 class _Comparison:
-    def __init__(self, path: Path, fd: int, header: dict[str, Any]) -> None:
+    def __init__(self, path: Path, fd: int, header: dict[str, Any], bar=None) -> None:
         self.path, self.fd, self.header = path, fd, header
         self.fmt, self.rn, self.head_dim = header["format"], header["row_nbytes"], header["head_dim"]
         self.g = read_global_scale(fd, header, path) if header["scale"]["kind"] == "global" else None
-        self.lanes = _Lanes(_threads())
+        self.lanes = _Lanes(_threads(), bar)
         self.kernel_threads = 1 if self.lanes.lanes > 1 else _threads()
 
     def _read(self, offset: int, n: int) -> np.ndarray:
@@ -670,6 +679,7 @@ class _Comparison:
                 bad_rows += len(diff)
                 first_bad = at + int(diff[0]) if first_bad is None else first_bad
             at += m
+            self.lanes.advance(m)
         if at != stop:
             problems.append(f"shard {k}: the source has {at - start} rows, the file {n}")
         if bad_rows:

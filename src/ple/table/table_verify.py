@@ -27,14 +27,14 @@ __all__ = ["verify_table_file"]
 _READ_CHUNK = 16 << 20
 
 
-def verify_table_file(path: str | os.PathLike, *, threads: int | None = None) -> list[str]:
+def verify_table_file(path: str | os.PathLike, *, threads: int | None = None, progress: bool = False) -> list[str]:
     """Re-check a table file against its header; returns the problems found (empty when sound).
 
     Validates the header (checksum, fields, geometry; see :func:`ple.table.read_table_header`), then
     recomputes the checksum of every shard the geometry implies (``threads`` shards at a time, default
     ``torch.get_num_threads()``) and checks every scale is a positive finite number; a corrupted shard
     is reported with its index and row range. Unfinished files, and sparse files (which carry no
-    checksums), are problems too.
+    checksums), are problems too. ``progress``: a tqdm bar of the rows checked (rows/s, time left).
     """
     path = Path(path)
     problems: list[str] = []
@@ -54,7 +54,7 @@ def verify_table_file(path: str | os.PathLike, *, threads: int | None = None) ->
         if header["sparse"]:
             return problems + [f"{path}: no checksums recorded (sparse build): the rows cannot be verified"]
         try:
-            problems += _verify_rows(fd, header, path, threads or torch.get_num_threads())
+            problems += _verify_rows(fd, header, path, threads or torch.get_num_threads(), progress)
         except (OSError, TableFileError) as e:  # the file shrank or failed under us
             problems.append(str(e))
     finally:
@@ -84,13 +84,30 @@ def _shard_problem(fd: int, header: dict[str, Any], path: Path, k: int) -> str |
     return None
 
 
-def _verify_rows(fd: int, header: dict[str, Any], path: Path, threads: int) -> list[str]:
+def _verify_rows(fd: int, header: dict[str, Any], path: Path, threads: int, progress: bool = False) -> list[str]:
     shards = range(-(-header["rows"] // header["shard_rows"]))
-    if threads > 1 and len(shards) > 1:
-        with ThreadPoolExecutor(min(threads, len(shards))) as pool:
-            found = list(pool.map(lambda k: _shard_problem(fd, header, path, k), shards))
-    else:
-        found = [_shard_problem(fd, header, path, k) for k in shards]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=header["rows"], unit="row", unit_scale=True, desc=f"verify {path.name}")
+
+    def check(k: int) -> str | None:
+        problem = _shard_problem(fd, header, path, k)
+        if bar is not None:
+            a, b = shard_bounds(k, header["shard_rows"], header["rows"])
+            bar.update(b - a)
+        return problem
+
+    try:
+        if threads > 1 and len(shards) > 1:
+            with ThreadPoolExecutor(min(threads, len(shards))) as pool:
+                found = list(pool.map(check, shards))
+        else:
+            found = [check(k) for k in shards]
+    finally:
+        if bar is not None:
+            bar.close()
     problems = [p for p in found if p is not None]
     if header["scale"]["kind"] == "global":
         b = _read(fd, header["scale"]["offset"], 4, path)
