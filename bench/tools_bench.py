@@ -3,11 +3,14 @@
     PYTHONPATH=src python bench/tools_bench.py [--rows 4000000] [--dir /tmp] [--out tools.json]
     PYTHONPATH=src python bench/tools_bench.py --rows 500000 --compare /path/to/other/checkout/src
 
-The slice: one PLE layer at the published geometry (16 heads of 160 values, fp8 with a global scale,
+A slice: one PLE layer at the published geometry (16 heads of 160 values, fp8 with a global scale,
 the published config's hashing) with ``ngram_vocab_size_base`` reduced to give about ``--rows`` rows,
-cut in shards of ``--shard-rows`` (default the published 2,500,012), as ``synthesize_checkpoint``
-writes it (random fp8 bytes), plus a q4_0 GGUF of the same table; all written to a folder of
-``--dir`` and removed at the end.
+cut in shards of ``--shard-rows`` (default the published 2,500,012; at least two), as
+``synthesize_checkpoint`` writes it (random fp8 bytes), plus a q4_0 GGUF of the same table; all
+written to a folder of ``--dir`` and removed at the end. Two slices are timed, ``--rows`` and
+``--small-rows`` (default a sixteenth): each tool's rate is the slope between them, which leaves out
+what a run costs whatever its size (reading the dense weights, creating and syncing the file); the
+projection for the published table adds that fixed cost back once.
 
 Each tool runs in a child process of its own (``--compare SRC``: once with this checkout's sources
 and once with SRC's, in alternating order, for rates measured side by side on a shared machine): the
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 _REPO = Path(__file__).resolve().parents[1]
 PUBLISHED_ROWS = 320_001_536
@@ -151,6 +155,7 @@ def build(folder: Path, rows: int, shard_rows: int) -> dict[str, str]:
     probe = PLEConfig.from_dict(cfg).layout(0).padded_rows
     text["split_ngram_parts"] = max(2, -(-probe // shard_rows))
     config = PLEConfig.from_dict(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
     ckpt = synthesize_checkpoint(config, folder / "ckpt", seed=0, files=1)
     lay = config.layout(0)
     entry = check_checkpoint(ckpt, config, layers=[0]).layers[0]
@@ -217,7 +222,7 @@ def _python_seq(path: Path, write: bool, size_mb: int) -> float:
     return size_mb / (time.perf_counter() - t0)
 
 
-def disk(folder: Path, size_mb: int, seconds: int) -> dict[str, float | None | str]:
+def disk(folder: Path, size_mb: int, seconds: int) -> dict[str, Any]:
     """Sequential write and read MB/s and random 4 KiB reads/s of the device under ``folder``."""
     path = folder / "disk-probe"
     try:
@@ -260,8 +265,9 @@ def table_file(folder: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=4_000_000, help="rows of the slice (about)")
+    p.add_argument("--small-rows", type=int, default=None, help="rows of the second slice (default rows/16; 0: none)")
     p.add_argument("--shard-rows", type=int, default=2_500_012, help="rows a shard (the published 2,500,012)")
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the slice is written (and removed)")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the slices are written (and removed)")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, of {', '.join(TOOLS)}")
     p.add_argument("--compare", default=None, help="another checkout's src folder, run side by side")
     p.add_argument("--repeat", type=int, default=1, help="runs of each tool (medians reported)")
@@ -273,47 +279,38 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in tools if t not in TOOLS]
     if unknown:
         p.error(f"unknown tools {unknown}: one of {', '.join(TOOLS)}")
+    small_rows = args.rows // 16 if args.small_rows is None else args.small_rows
     sources = {"this": _REPO / "src"} | ({"other": Path(args.compare).resolve()} if args.compare else {})
     folder = Path(tempfile.mkdtemp(prefix="ple-tools-", dir=args.dir))
     try:
         t0 = time.perf_counter()
-        paths = build(folder, args.rows, args.shard_rows)
-        rows = paths["rows"]
-        print(
-            f"slice: {rows:,} rows of 160 values in shards of {paths['shard_rows']:,} ({time.perf_counter() - t0:.0f} s)"
-        )
+        slices = {"big": build(folder / "big", args.rows, args.shard_rows)}
+        if small_rows:
+            slices["small"] = build(folder / "small", small_rows, args.shard_rows)
+        for name, sl in slices.items():
+            print(f"{name} slice: {sl['rows']:,} rows of 160 values in shards of {sl['shard_rows']:,}")
+        print(f"(built in {time.perf_counter() - t0:.0f} s)")
         disk_res = disk(folder, args.disk_mb, args.disk_seconds) if args.disk_seconds > 0 else {}
         if disk_res:
             print(
                 f"disk ({disk_res['tool']}): sequential write {disk_res['seq_write_MBps']:.0f} MB/s, read "
                 f"{disk_res['seq_read_MBps']:.0f} MB/s, random 4 KiB reads {disk_res['rand_read_4k_iops'] or 0:,.0f}/s"
             )
-        results: dict[str, dict[str, list[dict]]] = {t: {s: [] for s in sources} for t in tools}
-        work = folder / "work"
-        work.mkdir()
-        made = {"fp8": work / "made-fp8", "iq4_nl": work / "made-iq4_nl"}  # the files verified
+        results = {t: {s: {n: [] for n in slices} for s in sources} for t in tools}
         for r in range(args.repeat):
             for i, tool in enumerate(tools):
                 order = list(sources) if (r + i) % 2 == 0 else list(sources)[::-1]
                 for s in order:
-                    run = dict(paths, out=str(work / f"out-{tool}-{s}"))
-                    if tool.startswith("verify-"):
-                        fmt = tool.split("-")[-1]
-                        if not made[fmt].exists():  # made once, by this checkout, untimed
-                            run_tool(
-                                "copy" if fmt == "fp8" else f"to-{fmt}",
-                                sources["this"],
-                                dict(paths, out=str(made[fmt])),
-                            )
-                        run["file"] = table_file(made[fmt])
-                    results[tool][s].append(run_tool(tool, sources[s], run))
-                    shutil.rmtree(run["out"], ignore_errors=True)
-        report = summarize(results, rows, disk_res, sources)
+                    for n, sl in slices.items():
+                        results[tool][s][n].append(_timed(tool, sources, s, sl, folder / n))
+        report = summarize(results, {n: sl["rows"] for n, sl in slices.items()}, disk_res)
         name, isa = cpu_isa()
-        print(f"\nCPU: {name} ({isa}), {os.cpu_count()} cores; {rows:,} rows; projected for {PUBLISHED_ROWS:,} rows")
+        how = f"the slope between {small_rows:,} and {args.rows:,} rows" if small_rows else "whole runs"
+        print(f"\nCPU: {name} ({isa}), {os.cpu_count()} cores; rates from {how}; projected for {PUBLISHED_ROWS:,} rows")
         print(format_table(report, sources))
         if args.out:
-            doc = {"cpu": name, "isa": isa, "cores": os.cpu_count(), "rows": rows, "shard_rows": paths["shard_rows"],
+            doc = {"cpu": name, "isa": isa, "cores": os.cpu_count(), "rows": slices["big"]["rows"],
+                   "small_rows": slices["small"]["rows"] if small_rows else 0, "shard_rows": slices["big"]["shard_rows"],
                    "disk": disk_res, "sources": {k: str(v) for k, v in sources.items()}, "tools": report}  # fmt: skip
             Path(args.out).write_text(json.dumps(doc, indent=1))
     finally:
@@ -321,39 +318,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(results: dict, rows: int, disk_res: dict, sources: dict) -> dict:
+def _timed(tool: str, sources: dict, s: str, paths: dict, folder: Path) -> dict:
+    """One timed run of ``tool`` with source tree ``s`` on the slice ``paths`` (files in ``folder``)."""
+    work = folder / "work"
+    work.mkdir(exist_ok=True)
+    run = dict(paths, out=str(work / f"out-{tool}-{s}"))
+    if tool.startswith("verify-"):
+        fmt = tool.split("-")[-1]
+        made = work / f"made-{fmt}"  # the file verified: made once, by this checkout, untimed
+        if not made.exists():
+            run_tool("copy" if fmt == "fp8" else f"to-{fmt}", sources["this"], dict(paths, out=str(made)))
+        run["file"] = table_file(made)
+    try:
+        return run_tool(tool, sources[s], run)
+    finally:
+        shutil.rmtree(run["out"], ignore_errors=True)
+
+
+def summarize(results: dict, rows: dict[str, int], disk_res: dict) -> dict:
+    """Per tool and source: medians of the big slice's runs, and (with a small slice) the rate between
+    the two (the slope, which leaves a run's fixed costs out), its fixed cost, and the projection."""
     seq = None
     if disk_res.get("seq_read_MBps") and disk_res.get("seq_write_MBps"):
         seq = min(disk_res["seq_read_MBps"], disk_res["seq_write_MBps"])
     report: dict[str, dict] = {}
     for tool, by_src in results.items():
         report[tool] = {}
-        for s, runs in by_src.items():
-            secs = statistics.median(r["seconds"] for r in runs)
-            mb = statistics.median(r["bytes"] for r in runs) / 1e6
-            entry = {
-                "seconds": secs,
-                "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
-                "rows_per_s": rows / secs,
-                "projected_s": PUBLISHED_ROWS / (rows / secs),
-                "MBps": mb / secs if mb else None,
-                "peak_rss_MiB": max(r["maxrss"] for r in runs) / 2**20,
+        for s, by_slice in by_src.items():
+            med = {
+                n: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "cpu_seconds", "bytes")}
+                for n, runs in by_slice.items()
             }
-            if tool in PLAIN_COPIES and seq and mb:
-                entry["of_disk"] = (mb / secs) / seq
+            big = med["big"]
+            entry = {
+                "seconds": big["seconds"],
+                "cpu_seconds": big["cpu_seconds"],
+                "rows_per_s_whole": rows["big"] / big["seconds"],
+                "peak_rss_MiB": max(r["maxrss"] for runs in by_slice.values() for r in runs) / 2**20,
+            }
+            d_rows, d_s, d_bytes, d_cpu = rows["big"], big["seconds"], big["bytes"], big["cpu_seconds"]
+            fixed = 0.0
+            if "small" in med and big["seconds"] > med["small"]["seconds"]:
+                small = med["small"]
+                d_rows, d_s = rows["big"] - rows["small"], big["seconds"] - small["seconds"]
+                d_bytes, d_cpu = big["bytes"] - small["bytes"], big["cpu_seconds"] - small["cpu_seconds"]
+                fixed = max(0.0, small["seconds"] - rows["small"] * d_s / d_rows)
+            rate = d_rows / d_s
+            entry |= {
+                "rows_per_s": rate,
+                "fixed_s": fixed,
+                "projected_s": fixed + PUBLISHED_ROWS / rate,
+                "MBps": d_bytes / 1e6 / d_s if d_bytes else None,
+                "cpu_us_per_row": 1e6 * max(d_cpu, 0.0) / d_rows,
+            }
+            if tool in PLAIN_COPIES and seq and d_bytes:
+                entry["of_disk"] = (d_bytes / 1e6 / d_s) / seq
             report[tool][s] = entry
         if len(by_src) == 2:
-            a, b = (report[tool][s]["seconds"] for s in sources)
-            report[tool]["speedup"] = b / a
+            a, b = (report[tool][s]["rows_per_s"] for s in by_src)
+            report[tool]["speedup"] = a / b
     return report
 
 
 def format_table(report: dict, sources: dict) -> str:
-    head = f"{'tool':24s}" + "".join(
-        f"{s + ' rows/s':>16s}{'320M rows':>11s}{'MB/s':>8s}{'of disk':>8s}{'cpu us/row':>11s}{'RSS MiB':>9s}"
-        for s in sources
-    )
-    lines = [head] + (["" + " " * 24 + "  (speed-up this/other in the last column)"] if len(sources) == 2 else [])
+    cols = f"{'rows/s':>12s}{'320M rows':>11s}{'MB/s':>7s}{'of disk':>8s}{'cpu us/row':>11s}{'RSS MiB':>8s}"
+    lines = [f"{'':24s}" + "".join(f"{s:^57s}" for s in sources), f"{'tool':24s}" + cols * len(sources)]
+    if len(sources) == 2:
+        lines[-1] += f"{'this/other':>11s}"
     for tool, by in report.items():
         line = f"{tool:24s}"
         for s in sources:
@@ -362,10 +393,10 @@ def format_table(report: dict, sources: dict) -> str:
             shown = f"{t / 3600:.1f} h" if t >= 3600 else f"{t / 60:.1f} min"
             mbps = f"{e['MBps']:.0f}" if e.get("MBps") else "-"
             disk_share = f"{e['of_disk']:.2f}" if "of_disk" in e else "-"
-            cpu_us = 1e6 * e["cpu_seconds"] / (e["rows_per_s"] * e["seconds"])
-            line += f"{e['rows_per_s']:>16,.0f}{shown:>11s}{mbps:>8s}{disk_share:>8s}{cpu_us:>11.2f}{e['peak_rss_MiB']:>9.0f}"
+            line += f"{e['rows_per_s']:>12,.0f}{shown:>11s}{mbps:>7s}{disk_share:>8s}"
+            line += f"{e['cpu_us_per_row']:>11.2f}{e['peak_rss_MiB']:>8.0f}"
         if "speedup" in by:
-            line += f"{by['speedup']:>8.1f}x"
+            line += f"{by['speedup']:>10.1f}x"
         lines.append(line)
     return "\n".join(lines)
 

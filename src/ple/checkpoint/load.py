@@ -288,10 +288,12 @@ class TableShards:
             base = f"{e.prefix}ple_embedding.ngram_embedding.shard_{k}"
             for lo in range(0, b - a, step):
                 hi = min(b - a, lo + step)
+                then = (hi, min(b - a, hi + step))  # read ahead while this piece is worked on
                 if e.whole_table is not None:
-                    yield reader.rows_into(e.whole_table, e.prefix + TABLE_WEIGHT, a + lo, a + hi, buffer), gscale
+                    nxt = (a + then[0], a + then[1])
+                    yield reader.rows_into(e.whole_table, e.prefix + TABLE_WEIGHT, a + lo, a + hi, buffer, nxt), gscale
                     continue
-                rows = reader.rows_into(e.shards[k], base + ".weight", lo, hi, buffer)
+                rows = reader.rows_into(e.shards[k], base + ".weight", lo, hi, buffer, then)
                 scale = reader.rows(e.shard_scales[k], base + ".weight_scale", lo, hi) if k in e.shard_scales else None
                 if e.table_format == "nvfp4" and scale is not None:
                     # ple's nvfp4 row: the packed values, then the row's E4M3 block scales

@@ -378,6 +378,9 @@ class GGUFRows:
         try:
             for a in range(start, stop, step):
                 n = min(step, stop - a)
+                ahead = min(step, stop - a - n) * self._rn  # the next piece: read ahead while this one is worked on
+                if ahead > 0 and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, t.offset + (a + n) * self._rn, ahead, os.POSIX_FADV_WILLNEED)
                 view, done = memoryview(buffer)[: n * self._rn], 0
                 while done < len(view):
                     got = os.preadv(fd, [view[done:]], t.offset + a * self._rn + done)

@@ -132,6 +132,8 @@ def _hash_range(fd: int, h, offset: int, n: int, path: Path) -> None:
     buf = bytearray(min(n, _READ_CHUNK))
     view = memoryview(buf)
     while n > 0:
+        if n > _READ_CHUNK and hasattr(os, "posix_fadvise"):  # the next chunk: read ahead while this one is hashed
+            os.posix_fadvise(fd, offset + _READ_CHUNK, min(n - _READ_CHUNK, _READ_CHUNK), os.POSIX_FADV_WILLNEED)
         got = os.preadv(fd, [view[: min(n, _READ_CHUNK)]], offset)
         if got <= 0:
             raise TableFileError(f"{path}: unexpected end of file at byte {offset}")
