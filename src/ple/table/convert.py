@@ -18,9 +18,10 @@ Targets: the source's own format (an exact copy, whatever ``to`` says), one scal
 global scale, from :func:`table_amax` through :func:`~ple.table.blocks.nvfp4_global_scale`), encoded by
 :mod:`ple.table.encode` (a block whose fp16 scale would overflow is refused, naming row and value).
 
-Speed and memory: shards are converted side by side, one per thread (``torch.get_num_threads()``),
-each in pieces of at most 16 MiB of source rows, hashed and written as they come; memory stays at a
-few pieces whatever the table's size (a shard source reads its pieces when asked). A shard source with
+Speed and memory: shards are converted side by side, one per thread (``torch.get_num_threads()``; a
+copy, which waits on the disk more than it computes, two per thread), each in pieces of at most 16
+MiB of source rows read ahead one piece, hashed and written as they come; memory stays at a few
+pieces whatever the table's size (a shard source reads its pieces when asked). A shard source with
 an identity makes the conversion resumable: after each shard the file's data is synced and its
 temporary header records the shard and its error sums (``TableFileWriter(..., resume=)``); an
 interrupted conversion keeps its temporary file, and the same conversion run again (the same source
@@ -388,8 +389,11 @@ def convert_layer(
                 w.set_global_scale(torch.tensor([global_scale], dtype=torch.float32))
             todo = [k for k in range(num_shards) if k not in w.resumed]
             threads = _threads()
-            lanes = _Lanes(min(threads, len(todo)) if source is not None else threads, bar)
-            kernel_threads = threads if lanes.lanes == 1 else 1
+            # a copy waits on the disk more than it computes: twice as many lanes as threads keep reads,
+            # hashing and writes overlapping; a conversion computes: one lane a thread
+            want = 2 * threads if to is None else threads
+            lanes = _Lanes(min(want, len(todo)) if source is not None else want, bar)
+            kernel_threads = threads if lanes.lanes == 1 else 1  # one lane alone uses every thread
             conv = _ShardConverter(w, source, src_fmt, to, head_dim, heads, global_scale, kernel_threads, lanes)
             conv.first_k = first[0] if first is not None else 0
             jobs = ((k, None) for k in todo) if source is not None else shard_jobs

@@ -1,9 +1,10 @@
 """Verifying a table file against its header: every shard's checksum recomputed, every scale checked.
 
 :func:`verify_table_file` reads the file with ``pread`` (16 MiB at a time: memory stays bounded
-whatever the table's size, nothing is mapped) and hashes its shards side by side, one per thread
-(``torch.get_num_threads()`` of them: the hash runs at about one byte per cycle, so a single thread
-would hold the check below the disk's speed); problems are listed in shard order.
+whatever the table's size, nothing is mapped) and hashes its shards side by side, two per thread
+(``torch.get_num_threads()``: the hash runs at about one byte per cycle, so a single thread would hold
+the check below the disk's speed, and a second shard a thread reads while the other is hashed);
+problems are listed in shard order.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _verify_rows(fd: int, header: dict[str, Any], path: Path, threads: int, prog
 
     try:
         if threads > 1 and len(shards) > 1:
-            with ThreadPoolExecutor(min(threads, len(shards))) as pool:
+            with ThreadPoolExecutor(min(2 * threads, len(shards))) as pool:  # reads overlap hashing
                 found = list(pool.map(check, shards))
         else:
             found = [check(k) for k in shards]
