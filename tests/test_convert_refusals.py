@@ -80,7 +80,7 @@ def test_a_gguf_table_with_a_value_not_finite_is_refused(tmp_path, capsys, kind)
     assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert f"row {ROW}, column {col} holds" in err and shown in err and "not a finite value" in err, err
-    assert not [p for p in (tmp_path / "out").iterdir() if ".pletable" in p.name]
+    assert not (tmp_path / "out").exists()  # the folder the command made is removed with its partial file
 
 
 def test_a_clean_gguf_table_still_converts_exactly(tmp_path, capsys):
@@ -118,7 +118,7 @@ def test_quantizing_past_fp16_exits_1_naming_row_and_value(big_values_checkpoint
     err = capsys.readouterr().err
     assert f"cannot quantize table row 0 to {fmt}: its block of columns [0, 32) holds" in err, err
     assert "65504" in err and "Traceback" not in err
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "int8"])
