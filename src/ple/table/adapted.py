@@ -113,6 +113,14 @@ class RowOverlay:
             where, slots = self._map.find(ids)
             return where, self._store.read(slots)
 
+    def range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [m], rows [m, head_dim])``: the held rows with ids in ``[start, stop)``, in id order."""
+        with self.lock:
+            keys = self._map.keys
+            a = int(torch.searchsorted(keys, start)) if keys.numel() else 0
+            b = int(torch.searchsorted(keys, stop)) if keys.numel() else 0
+            return keys[a:b].clone(), self._store.read(self._map.slots[a:b])
+
     def chunks(self, size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(ids [m], rows [m, head_dim])`` in id order, ``size`` rows at a time (for saving)."""
         with self.lock:

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RowMap", "SlotStore", "SPILL_CHUNK"]
+__all__ = ["RowMap", "SlotStore", "SPILL_CHUNK", "unnamed_file"]
 
 SPILL_CHUNK = 1 << 14
 """Slots per mapped chunk of a spill file (a multiple of 4,096, so every chunk starts on a page)."""
@@ -157,7 +157,7 @@ class SlotStore:
 
     def _map_chunk(self, c: int) -> None:
         if self._fd < 0:
-            self._fd = _unnamed_file(self.spill_dir)
+            self._fd = unnamed_file(self.spill_dir)
         size = SPILL_CHUNK * self.record_nbytes
         os.ftruncate(self._fd, (c + 1) * size)
         m = mmap.mmap(self._fd, size, offset=c * size)
@@ -234,9 +234,9 @@ class SlotStore:
                 os.close(fd)
 
 
-def _unnamed_file(folder: Path | None) -> int:
+def unnamed_file(folder: str | os.PathLike | None) -> int:
     """A read-write file descriptor of a new file in ``folder`` that no name leads to (removed at once)."""
-    folder = Path(tempfile.gettempdir()) if folder is None else folder
+    folder = Path(tempfile.gettempdir()) if folder is None else Path(folder)
     if not folder.is_dir():
         raise InvalidArgumentError(f"spill_dir {folder} is not a folder")
     flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
