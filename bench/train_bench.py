@@ -123,15 +123,16 @@ def part_step(args, path: Path) -> dict:
         for i in range(len(batches))
     ]
 
-    def timed(fn) -> list[float]:
+    def timed(fn) -> list[tuple[float, float]]:
+        """``(wall, cpu)`` seconds of each run (the process's CPU time: with one thread, what the step
+        computed, whatever else ran on the machine)."""
         out = []
         for i in range(len(batches)):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(i)
-            out.append(time.perf_counter() - t)
+            out.append((time.perf_counter() - t, time.process_time() - c))
         return out[2:]  # the first two warm up
 
-    results = {}
     # the projections alone, over the rows the lookup gives
     layer = layer_over(MmapTable.open(path), cfg)
     emb_rows = [
@@ -147,10 +148,14 @@ def part_step(args, path: Path) -> dict:
         (k.sum() + v.sum()).backward()
         wk.grad = wv.grad = None
 
-    def step(layer, opt):
+    def step(layer, opt, written=True):
         def run(i):
-            out = layer.forward_padded(hidden[i], batches[i])
-            out.sum().backward()
+            PLELayer.written_backward = written
+            try:
+                out = layer.forward_padded(hidden[i], batches[i])
+                out.sum().backward()
+            finally:
+                PLELayer.written_backward = True
             if opt is not None:
                 opt.step()
             for p in layer.parameters():
@@ -168,19 +173,40 @@ def part_step(args, path: Path) -> dict:
     fused_layer = layer_over(MmapTable.open(path), cfg)
     fused = pt.SparseAdam(pt.trainable(fused_layer), lr=1e-3, fused=True)
     cases["layer, table trained (fused)"] = step(fused_layer, fused)
-    # side by side: each case's runs interleaved round by round
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.rounds):
-        for name, fn in cases.items():
-            times[name] += timed(fn)
-    for name, ts in times.items():
-        results[name] = {"median_ms": 1e3 * statistics.median(ts), "runs": len(ts)}
-    base = results["projections"]["median_ms"]
-    froz = results["layer, table frozen"]["median_ms"]
-    for name in results:
-        results[name]["over_projections"] = results[name]["median_ms"] / base
-        results[name]["over_frozen"] = results[name]["median_ms"] / froz
-    return {"tokens": args.tokens, "cases": results, "rows_trained": len(trained.table.overlay)}
+    ref_layer = layer_over(MmapTable.open(path), cfg)
+    ref_opt = pt.SparseAdam(pt.trainable(ref_layer), lr=1e-3)
+    cases["layer, table trained (SparseAdam), autograd of the reference gate and conv"] = step(
+        ref_layer, ref_opt, False
+    )
+    out: dict = {"tokens": args.tokens, "threads": {}}
+    before = torch.get_num_threads()
+    try:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            # side by side: each case's runs interleaved round by round
+            times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+            for _ in range(args.rounds):
+                for name, fn in cases.items():
+                    times[name] += timed(fn)
+            results = {
+                name: {
+                    "median_ms": 1e3 * statistics.median(w for w, _ in ts),
+                    "median_cpu_ms": 1e3 * statistics.median(c for _, c in ts),
+                    "runs": len(ts),
+                }
+                for name, ts in times.items()
+            }
+            for key, over in (("median_ms", ""), ("median_cpu_ms", "_cpu")):
+                base = results["projections"][key]
+                froz = results["layer, table frozen"][key]
+                for name in results:
+                    results[name]["over_projections" + over] = results[name][key] / base
+                    results[name]["over_frozen" + over] = results[name][key] / froz
+            out["threads"][str(threads)] = results
+    finally:
+        torch.set_num_threads(before)
+    out["rows_trained"] = len(trained.table.overlay)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- rss
@@ -379,10 +405,14 @@ def report(res: dict) -> str:
     ]
     if "step" in res:
         s = res["step"]
-        lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, sparse fp8 table file (mmap)",
-                  "| case | median ms | / projections | / frozen table |", "|---|---:|---:|---:|"]  # fmt: skip
-        for name, c in s["cases"].items():
-            lines.append(f"| {name} | {c['median_ms']:.1f} | {c['over_projections']:.2f}x | {c['over_frozen']:.2f}x |")
+        for threads, cases in s["threads"].items():
+            lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, sparse fp8 table file (mmap), "
+                      f"{threads} torch thread(s)",
+                      "| case | median ms | / projections | / frozen table | CPU ms | / projections | / frozen |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+            for name, c in cases.items():
+                lines.append(f"| {name} | {c['median_ms']:.1f} | {c['over_projections']:.2f}x | {c['over_frozen']:.2f}x "
+                             f"| {c['median_cpu_ms']:.1f} | {c['over_projections_cpu']:.2f}x | {c['over_frozen_cpu']:.2f}x |")  # fmt: skip
     if "rss" in res:
         r = res["rss"]
         gb = 1e9
@@ -426,6 +456,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="rss: fine-tuning steps")
     ap.add_argument("--repeats", type=int, default=3, help="step: timed runs a round")
     ap.add_argument("--rounds", type=int, default=3, help="step: rounds, the cases interleaved")
+    ap.add_argument(
+        "--threads", type=int, nargs="+", default=[1, torch.get_num_threads()], help="step: torch threads, in turn"
+    )
     ap.add_argument("--million", type=float, default=1.0, help="rows: millions of real-text tokens")
     ap.add_argument("--spill-steps", type=int, default=200, help="spill: steps of --tokens real-text tokens")
     ap.add_argument("--spill-budget", type=float, default=0.25, help="spill: share of the touched rows in memory")
