@@ -52,8 +52,7 @@ def test_the_written_backward_gives_autograds_gradients(tmp_path, monkeypatch, s
         monkeypatch.setattr(PLELayer, "written_backward", written)
         runs[written] = _run(layer, hidden, ids, attn, use_c, seed=s)
     (out_w, c_w, g_w), (out_r, c_r, g_r) = runs[True], runs[False]
-    torch.testing.assert_close(out_w, out_r, rtol=1e-6, atol=1e-6)  # the conv sums in another order
-    assert torch.equal(c_w, c_r)  # the gate's operations are the reference's
+    assert torch.equal(out_w, out_r) and torch.equal(c_w, c_r)  # the forward is the reference's
     assert sorted(g_w) == sorted(g_r) and "table" in g_w and "hidden" in g_w
     if frozen is True:
         assert sorted(g_w) == ["hidden", "table"]

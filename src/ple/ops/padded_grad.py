@@ -6,11 +6,9 @@ operations per step, each a pass over ``[T, HC*H]`` and, with several threads, a
 them. :func:`gate_conv_padded` computes the same function in fp32 as one autograd node whose
 backward is derived by hand:
 
-- forward: the gate's operations are the reference's, in its order (the same bits); the conv is four
-  shifted multiply-adds along the sequence in the ``[B, S, C]`` layout (no transposes; sums in another
-  order than ``F.conv1d``'s: fp32 rounding apart);
-- backward: ``silu``'s derivative in one operation, the conv's input and weight gradients from shifted
-  slices, each grouped RMS norm's backward as ``r * (dy*w - y * mean(dy*w*y))`` with its weight's
+- forward: the reference's operations, in its order: the same bits as without gradients;
+- backward: ``silu``'s derivative in one operation, the conv's input and weight gradients from
+  shifted slices in the ``[B, S, C]`` layout (four multiply-adds each, no transposes), each grouped RMS norm's backward as ``r * (dy*w - y * mean(dy*w*y))`` with its weight's
   gradient, the gate's sigmoid and signed square root in closed form; gradients are computed only for
   the inputs that require them (a frozen model's weights get none).
 
@@ -74,13 +72,12 @@ class _GateConv(torch.autograd.Function):
         if mask is not None:
             v = v * mask
             c = c * mask
+        k = cw.shape[1]
+        x = F.pad(c.transpose(1, 2), ((k - 1) * dilation, 0))
+        y = F.conv1d(x, cw.unsqueeze(1), groups=width, dilation=dilation)  # [B, C, S], as the reference
+        out = v + F.silu(y).transpose(1, 2)
+        y = y.transpose(1, 2)  # [B, S, C] (a view)
         taps = cw.t().contiguous()  # [K, C]: each tap's weights side by side (a strided column is slow)
-        k = taps.shape[0]
-        y = c * taps[k - 1]
-        for j, back in enumerate(_shifts(k, dilation)[:-1]):
-            if back < s:
-                y[:, back:].addcmul_(c[:, : s - back], taps[j])
-        out = v + F.silu(y)
         ctx.save_for_backward(value, kr, rk, qr, rq, kn, qn, match, root, gate, cr, rc, c, y, nk, nq, nc, taps, mask)
         ctx.geometry = geometry
         return out, c
@@ -96,7 +93,8 @@ class _GateConv(torch.autograd.Function):
             dout = torch.zeros(b, s, width, dtype=c.dtype)
         n_taps = taps.shape[0]
         back = _shifts(n_taps, dilation)
-        dy = torch.ops.aten.silu_backward(dout, y)
+        dout = dout.contiguous()
+        dy = torch.ops.aten.silu_backward.grad_input(dout, y, grad_input=torch.empty_like(dout))  # [B, S, C]
         dcw = None
         if need[6]:
             dtaps = torch.zeros_like(taps)
