@@ -42,9 +42,10 @@ refuses to be saved, naming what to do instead.
 Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
 :meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
 ``torch.no_grad()`` (as ``generate()`` runs). The projections, norms and conv weights train; the table
-is frozen (it is not a parameter of the patched model) unless ``patch(..., table_grad=True)``, which
-needs ``table_tier="memory"`` and a bf16/fp16/fp32 table: the table parameter then gets the same dense
-gradient transformers gives it (non-zero only on the rows the batch touched). Other tiers refuse.
+is not a parameter of the patched model: ``ple.train.trainable(model)`` trains it on every tier and
+format with row-sparse gradients and optimizers (see :mod:`ple.train`). ``patch(..., table_grad=True)``
+(``table_tier="memory"``, a bf16/fp16/fp32 table) instead makes it a parameter with the dense gradient
+transformers gives it (non-zero only on the rows the batch touched).
 """
 
 from __future__ import annotations
