@@ -353,15 +353,14 @@ _INTERRUPTED_CHILD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     import ple.table.table_file as f
-    orig = f.TableFileWriter.write_shard
+    orig = f.TableFileWriter.commit
 
-    def slow(self, k, *a, **kw):
-        if k == 2:
-            Path(sys.argv[3]).write_text("writing")
-            time.sleep(120)
-        return orig(self, k, *a, **kw)
+    def slow(self, k, *a, **kw):  # runs in the converting thread once a shard is done
+        orig(self, k, *a, **kw)
+        Path(sys.argv[3]).write_text("writing")
+        time.sleep(120)
 
-    f.TableFileWriter.write_shard = slow
+    f.TableFileWriter.commit = slow
     from ple.cli import main
     sys.exit(main(["convert", sys.argv[1], sys.argv[2]]))
     """
@@ -373,9 +372,10 @@ _INTERRUPTED_CHILD = textwrap.dedent(
     [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")],
     ids=["int", "term", "hup"],
 )
-def test_ctrl_c_or_sigterm_during_convert(ckpt, tmp_path, sig, code, said):
+def test_ctrl_c_or_sigterm_during_convert(ckpt, tmp_path, capsys, sig, code, said):
     """Ctrl-C, SIGTERM (what ``timeout``, ``kill`` and job runners send) and SIGHUP (a closed terminal)
-    run the same cleanup."""
+    stop a conversion the same way: nothing is published, the shards already done stay in the one
+    temporary file (said on stderr), and the same command run again finishes the table from there."""
     out, marker = tmp_path / "out", tmp_path / "marker"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     child = subprocess.Popen(
@@ -398,8 +398,12 @@ def test_ctrl_c_or_sigterm_during_convert(ckpt, tmp_path, sig, code, said):
             child.kill()
             child.wait()
     assert child.returncode == code, stderr
-    assert stderr == f"ple convert: {said}\n"
-    assert not out.exists()  # the folder it made is removed with the partial file
+    assert stderr.endswith(f"ple convert: {said}\n") and "the same conversion run again continues it" in stderr
+    (kept,) = out.iterdir()
+    assert kept.name.endswith(".partial")
+    assert run(capsys, "convert", ckpt, out)[0] == 0
+    (table,) = [p for p in out.iterdir() if not p.name.endswith(".source.json")]
+    assert table.name.endswith(".pletable") and run(capsys, "verify", table, "--checkpoint", ckpt)[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------- inspect, verify

@@ -184,6 +184,9 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_reader_read(void) { return 0; }\n"
     "int ple_reader_reads(void) { return 0; }\n"
     "void ple_reader_free(void) {}\n"
+    # the table conversion kernels
+    "int ple_encode_rows(void) { return 0; }\n"
+    "long long ple_first_nonfinite(void) { return 0; }\n"
 )
 
 

@@ -37,18 +37,18 @@ from .files import PARTIAL_SUFFIX, open_regular, pread_exact
 from .integrations.table_folder import record_table, source_identity
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import TARGET_NAMES, compare_with_source, table_amax, target_format
+from .table.convert import TARGET_NAMES, compare_with_source, convert_layer, table_amax, target_format
 from .table.gguf import (
     PLE_KEYS,
     GGUFError,
     GGUFModel,
+    GGUFRows,
     GGUFTensor,
-    iter_rows,
     ple_metadata_problems,
     ple_table,
     read_gguf,
 )
-from .table.table_file import TABLE_SUFFIX, TableFileError, TableFileWriter, hash_layout
+from .table.table_file import TABLE_SUFFIX, TableFileError, hash_layout
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
 
@@ -443,23 +443,9 @@ def _convert_gguf(args: argparse.Namespace) -> int:
         path = out / ("per_layer_token_embd" + TABLE_SUFFIX)
     if path.exists() and not args.force:
         raise FileExistsError(f"table file {path} exists: pass --force to replace it")
-    bar = None
-    if show_progress():
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"convert {path.name}")
-    try:
-        with (
-            _output_folder(out),
-            TableFileWriter(path, rows, head_dim, t.format, shard_rows, layout, force=args.force) as w,
-        ):
-            for k, part in iter_rows(t, shard_rows):
-                w.write_shard(k, part)
-                if bar is not None:
-                    bar.update(part.shape[0])
-    finally:
-        if bar is not None:
-            bar.close()
+    source = GGUFRows(t, shard_rows)  # bytes copied, values checked finite, resumable
+    with _output_folder(out):
+        convert_layer(source, path, layout, rows, head_dim, shard_rows, force=args.force, progress=show_progress())
     stats = {"ple_layer_index": 0, "path": str(path), "format": t.format, "source_format": f"gguf {t.type_name}"}
     stats["rows"] = rows
     if args.json:
@@ -587,7 +573,7 @@ def verify(args: argparse.Namespace) -> int:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(f))
     results: list[dict[str, Any]] = []
     for f in files:
-        problems = verify_table_file(f)
+        problems = verify_table_file(f, progress=show_progress())
         if not problems:
             problems += _recorded_gguf_problems(f)
         if args.checkpoint and not problems:
@@ -647,7 +633,7 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
         return e.problems
     entry = next(e for e in scan.layers if e.ple_layer_index == idx)
     open_layer_table(file, cfg, idx).close()  # the layout hash as the loader checks it
-    return compare_with_source(file, table_shards(entry))
+    return compare_with_source(file, table_shards(entry), progress=show_progress())
 
 
 # ---------------------------------------------------------------------------------------------- stats

@@ -368,6 +368,37 @@ class PreadReader(TensorReader):
     def get(self, info: TensorInfo, name: str) -> torch.Tensor:
         return _as_tensor(self.raw(info, name), info, name, info.shape)
 
+    def rows_into(
+        self, info: TensorInfo, name: str, start: int, stop: int, buffer, then: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """:meth:`rows`, read into ``buffer`` (a writable buffer of at least their bytes, reused by a
+        caller that reads many pieces: no fresh memory a piece); the tensor is a view of it. ``then``:
+        the rows ``[a, b)`` the caller reads next, asked of the OS now (read ahead while this piece is
+        worked on)."""
+        n = info.shape[0] if info.shape else 1
+        if not 0 <= start <= stop <= n or not info.shape:
+            raise InvalidArgumentError(f"rows [{start}, {stop}) outside {name}'s shape {list(info.shape)}")
+        fd = self._checked(info, name)
+        row = info.nbytes // n if n else 0
+        if then is not None and hasattr(os, "posix_fadvise") and then[1] > then[0]:
+            os.posix_fadvise(fd, info.begin + then[0] * row, (then[1] - then[0]) * row, os.POSIX_FADV_WILLNEED)
+        view = memoryview(buffer).cast("B")[: (stop - start) * row]
+        done, at = 0, info.begin + start * row
+        while done < len(view):
+            k = os.preadv(fd, [view[done:]], at + done)
+            if k <= 0:
+                raise CheckpointError(
+                    f"{info.file.name} ends at byte {at + done} (it was cut short after it was scanned)"
+                )
+            done += k
+        t = SAFETENSORS_DTYPES.get(info.dtype)
+        if t is None:
+            raise CheckpointError(f"{name} in {info.file.name}: unsupported safetensors dtype {info.dtype}")
+        shape = (stop - start, *info.shape[1:])
+        if not len(view):
+            return torch.empty(shape, dtype=t)
+        return torch.frombuffer(view, dtype=torch.uint8).view(t).reshape(shape)
+
     def rows(self, info: TensorInfo, name: str, start: int, stop: int) -> torch.Tensor:
         n = info.shape[0] if info.shape else 1
         if not 0 <= start <= stop <= n or not info.shape:

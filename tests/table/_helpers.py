@@ -114,8 +114,12 @@ def check_direct_cache(t) -> None:
     or held by the row it names, pinned slots counted."""
     used = t._cache_used
     held = np.nonzero(used >= 0)[0]
-    assert len(t._slot_of) == held.size, "a row was admitted twice (two slots, one index entry)"
-    assert sorted(t._slot_of.values()) == held.tolist()
-    assert all(int(t._row_of_slot[s]) == r for r, s in t._slot_of.items())
-    assert len(t._free) + held.size == t.cache_slots and not set(t._free) & set(held.tolist())
+    rows = t._slot_of.rows()
+    slots = t._slot_of.get(rows)
+    assert len(t._slot_of) == held.size == rows.size, "a row was admitted twice (two slots, one index entry)"
+    assert sorted(slots.tolist()) == held.tolist()
+    assert (t._row_of_slot[slots] == rows).all()
+    free = set(t._free[: t._nfree].tolist()) | set(range(t._fresh, t.cache_slots))
+    assert t._free_slots() == len(free) and len(free) + held.size == t.cache_slots
+    assert not free & set(held.tolist())
     assert int((used == np.iinfo(np.int64).max).sum()) == t.pinned_rows

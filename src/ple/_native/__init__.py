@@ -1,5 +1,6 @@
-"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids) and ``ple_quant.c`` (table
-row gathers), compiled on first use.
+"""The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), ``ple_quant.c`` (table
+row gathers), ``ple_direct.c`` (the direct tier's reader) and ``ple_encode.c`` (table conversion),
+compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
@@ -64,9 +65,15 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_name("ple_cpu.c")
-_SOURCES = (_SOURCE, Path(__file__).with_name("ple_quant.c"), Path(__file__).with_name("ple_direct.c"))
+_SOURCES = (
+    _SOURCE,
+    Path(__file__).with_name("ple_quant.c"),
+    Path(__file__).with_name("ple_direct.c"),
+    Path(__file__).with_name("ple_encode.c"),
+)
 """Every C file of the library: the fused step and ids (``ple_cpu.c``), the block-format lookup
-(``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``)."""
+(``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``), the table conversion kernels
+(``ple_encode.c``)."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -352,6 +359,8 @@ _SYMBOLS = (
     "ple_reader_new",
     "ple_reader_read",
     "ple_reader_free",
+    "ple_encode_rows",
+    "ple_first_nonfinite",
 )
 """The functions the library must export (what :func:`_declare` declares)."""
 
@@ -435,6 +444,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ple_reader_read.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr]
     lib.ple_reader_free.restype = None
     lib.ple_reader_free.argtypes = [ptr]
+    # table conversion (ple_encode.c): source kind, rows, stride, n, D, scale kind, scale, source global,
+    # target, target global, out, out row bytes, out scales, err_sq, ref_sq, max_rel, threads, fail, value
+    enc = lib.ple_encode_rows
+    enc.restype = i32
+    enc.argtypes = [i32, ptr, i64, i64, i64, i32, ptr, f32, i32, f32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr]
+    lib.ple_first_nonfinite.restype = i64
+    lib.ple_first_nonfinite.argtypes = [i32, ptr, i64, i64, i64, ptr]  # kind, rows, stride, n, D, column out
 
 
 def library() -> ctypes.CDLL:

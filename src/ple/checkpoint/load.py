@@ -10,15 +10,20 @@ served.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import mmap
 import os
+import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError
 from ..layout import Layout
-from ..safetensors_file import CheckpointError, TensorReader, read_checked
+from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, TensorReader, read_checked
 from ..table import TABLE_SUFFIX, MemoryTable, MmapTable
 from ..table.convert import convert_layer, nonfinite_problem
 from ..table.formats import check_scale_values
@@ -26,6 +31,7 @@ from .scan import TABLE_SCALE, TABLE_SCALE2, TABLE_WEIGHT, LayerEntry, check_che
 
 __all__ = [
     "PLEWeights",
+    "TableShards",
     "iter_table_shards",
     "load_ple_weights",
     "load_table",
@@ -203,25 +209,103 @@ def load_ple_weights(
     return out
 
 
-def table_shards(
-    entry: LayerEntry, reader: TensorReader | None = None
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """A layer's table shard by shard as :func:`ple.table.convert.convert_layer` takes them: ``(k, rows
-    [n_k, head_dim], scale)`` where ``scale`` is the shard's per-row scale or, for an fp8 table, the
-    global scale ``[1]`` (None for plain tables)."""
-    own = reader is None
-    reader = reader or TensorReader()
-    try:
-        gscale = None
-        if entry.table_format == "fp8" and entry.global_scale is not None:
-            gscale = reader.get(entry.global_scale, entry.prefix + TABLE_SCALE).reshape(1).float()
-        if entry.table_format == "nvfp4" and entry.global_scale2 is not None:
-            gscale = reader.get(entry.global_scale2, entry.prefix + TABLE_SCALE2).reshape(1).float()
-        for k, rows, scale in iter_table_shards(entry, reader):
-            yield k, rows, (gscale if scale is None else scale)
-    finally:
-        if own:
-            reader.close()
+class TableShards:
+    """A layer's table as :func:`ple.table.convert.convert_layer` takes it (:func:`table_shards`).
+
+    Iterated, it yields ``(k, rows [n_k, width], scale)`` shard by shard, in order, where ``scale`` is
+    the shard's per-row scale or, for an fp8 or nvfp4 table, the global scale ``[1]`` (None for plain
+    tables). As a shard source (``num_shards``, ``shard_rows``, ``format``, ``identity``, ``chunks``)
+    it reads pieces of a shard with ``pread`` (a :class:`PreadReader` per shard: nothing mapped, so
+    memory stays at a piece, from any thread), and names its bytes by the files' paths, sizes,
+    modification times and inodes and the tensors' places in them (a conversion it feeds can resume).
+    """
+
+    def __init__(self, entry: LayerEntry, reader: TensorReader | None = None) -> None:
+        self.entry, self.reader = entry, reader
+        self.num_shards = entry.layout.split_parts
+        self.shard_rows = entry.layout.shard_rows
+        self.format: str | None = None  # inferred from the rows
+        self._gscale: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        own = self.reader is None
+        reader = self.reader or TensorReader()
+        try:
+            gscale = self._global_scale(reader)
+            for k, rows, scale in iter_table_shards(self.entry, reader):
+                yield k, rows, (gscale if scale is None else scale)
+        finally:
+            if own:
+                reader.close()
+
+    def _global_scale(self, reader: TensorReader) -> torch.Tensor | None:
+        e = self.entry
+        if e.table_format == "fp8" and e.global_scale is not None:
+            return reader.get(e.global_scale, e.prefix + TABLE_SCALE).reshape(1).float()
+        if e.table_format == "nvfp4" and e.global_scale2 is not None:
+            return reader.get(e.global_scale2, e.prefix + TABLE_SCALE2).reshape(1).float()
+        return None
+
+    def _tensors(self) -> list[tuple[str, TensorInfo]]:
+        e = self.entry
+        out = [(TABLE_WEIGHT, e.whole_table)] if e.whole_table is not None else []
+        out += [(f"shard_{k}.weight", i) for k, i in sorted(e.shards.items())]
+        out += [(f"shard_{k}.weight_scale", i) for k, i in sorted(e.shard_scales.items())]
+        out += [(n, i) for n, i in ((TABLE_SCALE, e.global_scale), (TABLE_SCALE2, e.global_scale2)) if i is not None]
+        return [(n, i) for n, i in out if i is not None]
+
+    @property
+    def identity(self) -> str:
+        """A digest of where the table's bytes lie and of the files holding them as they are now."""
+        files = {}
+        for _, info in self._tensors():
+            if info.file not in files:
+                st = os.stat(info.file)
+                files[info.file] = [str(Path(info.file).resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+        record = {
+            "prefix": self.entry.prefix,
+            "format": self.entry.table_format,
+            "files": sorted(files.values()),
+            "tensors": [[n, str(i.file), i.dtype, list(i.shape), i.begin, i.end] for n, i in self._tensors()],
+        }
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+    def chunks(self, k: int, max_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Shard ``k``'s rows ``(rows [m, width], scale)`` in pieces of at most ``max_rows`` rows, in order;
+        a piece's rows are read into one buffer the shard's pieces share: valid until the next piece."""
+        e = self.entry
+        a, b = e.layout.shard_range(k)
+        step = max(1, max_rows)
+        info = e.whole_table if e.whole_table is not None else e.shards[k]
+        row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else 0
+        buffer = mmap.mmap(-1, max(1, min(step, b - a) * row_bytes))
+        with PreadReader() as reader:
+            with self._lock:
+                if self._gscale is None:
+                    self._gscale = self._global_scale(reader)
+            gscale = self._gscale
+            base = f"{e.prefix}ple_embedding.ngram_embedding.shard_{k}"
+            for lo in range(0, b - a, step):
+                hi = min(b - a, lo + step)
+                then = (hi, min(b - a, hi + step))  # read ahead while this piece is worked on
+                if e.whole_table is not None:
+                    nxt = (a + then[0], a + then[1])
+                    yield reader.rows_into(e.whole_table, e.prefix + TABLE_WEIGHT, a + lo, a + hi, buffer, nxt), gscale
+                    continue
+                rows = reader.rows_into(e.shards[k], base + ".weight", lo, hi, buffer, then)
+                scale = reader.rows(e.shard_scales[k], base + ".weight_scale", lo, hi) if k in e.shard_scales else None
+                if e.table_format == "nvfp4" and scale is not None:
+                    # ple's nvfp4 row: the packed values, then the row's E4M3 block scales
+                    rows, scale = torch.cat([rows.view(torch.uint8), scale.view(torch.uint8)], dim=1), None
+                yield rows, (gscale if scale is None else scale)
+
+
+def table_shards(entry: LayerEntry, reader: TensorReader | None = None) -> TableShards:
+    """A layer's table shard by shard as :func:`ple.table.convert.convert_layer` takes it (see
+    :class:`TableShards`): iterated, ``(k, rows [n_k, head_dim], scale)`` where ``scale`` is the shard's
+    per-row scale or, for an fp8 table, the global scale ``[1]`` (None for plain tables)."""
+    return TableShards(entry, reader)
 
 
 def table_file_name(prefix: str, format: str | None = None) -> str:

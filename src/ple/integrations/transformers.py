@@ -231,11 +231,15 @@ class PatchedPLELayer(nn.Module):
         input_ids: torch.Tensor,
         cache=None,
         conv_mask: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """``v + conv`` ``[B, S, HC*H]`` for ``hidden_states [B, S, HC*H]`` and ``input_ids [B, S]``.
 
         ``cache``: a transformers ``Cache`` (read and updated as the original module does) or None
         (fresh sequences, nothing stored). ``conv_mask [B, S]``: 1 = token, 0 = padding.
+        ``kwargs``: what the decoder layer passes on to every submodule (``output_router_logits``,
+        ``position_ids``, ...; transformers >= 5.25 passes them to this module too); the layer
+        needs none of them and ignores them.
 
         With autograd recording (a call outside ``torch.no_grad()``), fresh sequences run through
         :meth:`ple.PLELayer.forward_padded` (the differentiable reference ops); continuing a cache

@@ -26,7 +26,8 @@ from .mmap import MmapTable
 from .prefetch import PrefetchError
 from .quantize import dequantize, quantize_rows
 from .sharded import ShardedLookupError, ShardedTable, ShardGeometryError
-from .table_file import TABLE_SUFFIX, TableFileError, read_table_header, verify_table_file
+from .table_file import TABLE_SUFFIX, TableFileError, read_table_header
+from .table_verify import verify_table_file
 
 __all__ = [
     "CachedTable",

@@ -25,11 +25,23 @@ and one float32 scale for the whole table. A row of ``D`` values is ``D/2`` byte
 
 A lookup returns these float32 values rounded once to the activation dtype.
 
-Quantizers (numpy, float32, offline): q8_0, q5_1, q5_0, q4_1, q4_0 and mxfp4 compute what the ``gguf``
-package's ``quantize`` computes, bit for bit; iq4_nl follows GGML's reference quantizer (no imatrix:
-a scale search over 15 candidates, then every value to its nearest grid point); nvfp4 takes a per-block
-scale ``amax / 6 / global`` rounded to E4M3 (nearest, ties to even, at most 448) and every value to the
+Quantizers (numpy, float32, offline; :mod:`ple.table.encode` runs the same in C, byte for byte):
+q8_0, q5_1, q5_0, q4_1, q4_0 and mxfp4 compute what the ``gguf`` package's ``quantize`` computes, bit
+for bit (q4_1 and q5_1 take a block's minimum and maximum as GGML's reference loop does, the first of
+equal values: where the extreme is a zero present with both signs, numpy's reductions, which the
+``gguf`` package uses, pick one by their vector lanes, differently for other shapes and CPUs; the
+decoded values are the same); iq4_nl follows GGML's reference quantizer (no imatrix: a scale search
+over 15 candidates, then every value to its nearest grid point); nvfp4 takes a per-block scale
+``amax / 6 / global`` rounded to E4M3 (nearest, ties to even, at most 448) and every value to the
 nearest E2M1 value (ties to even).
+
+A block whose fp16 scale (or q4_1 / q5_1 minimum) would be infinite is refused
+(:class:`ScaleOverflowError`, naming the row, the block's first column and its value of largest
+magnitude): GGML writes such a block with an infinite scale, which decodes to inf and NaN. q8_0
+holds magnitudes up to about 8.3e6, iq4_nl 6.8e6 to 8.3e6 (its scale search may map the largest
+value to another grid point than 127), q5_0 1.0e6, q4_0 5.2e5; q4_1 and q5_1 values down to -65504
+and a block's range up to about 9.8e5 and 2.0e6. mxfp4 (an E8M0 scale) and nvfp4 (a global float32
+scale) never overflow.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from ..errors import InvalidArgumentError
 from .formats import BLOCK_FORMATS, format_info
 
 __all__ = [
+    "ScaleOverflowError",
     "IQ4NL_VALUES",
     "MXFP4_VALUES",
     "E2M1_VALUES",
@@ -170,8 +183,10 @@ def _qh(codes: np.ndarray) -> np.ndarray:
 
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
-    """``[B, 1]`` float32 -> ``[B, 2]`` bytes of the nearest fp16 (ties to even)."""
-    return v.astype(np.float16).astype("<f2").view(np.uint8).reshape(-1, 2)
+    """``[B, 1]`` float32 -> ``[B, 2]`` bytes of the nearest fp16 (ties to even; too large: infinity,
+    which :func:`quantize_blocks` then refuses)."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16).astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -202,9 +217,11 @@ def _q_sym(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q_affine(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Affine 4/5-bit codes: ``d = (max - min) / top``, code ``trunc((x - min) / d + 0.5)``."""
-    lo = x.min(axis=1, keepdims=True)
-    d = ((x.max(axis=1, keepdims=True) - lo) / _F32(top)).astype(_F32)
+    """Affine 4/5-bit codes: ``d = (max - min) / top``, code ``trunc((x - min) / d + 0.5)``; the min and
+    max are the first of equal values (``argmin`` / ``argmax``), as GGML's reference loop finds them."""
+    lo = np.take_along_axis(x, x.argmin(axis=1)[:, None], axis=1)
+    hi = np.take_along_axis(x, x.argmax(axis=1)[:, None], axis=1)
+    d = ((hi - lo) / _F32(top)).astype(_F32)
     q = np.trunc((x - lo) * _inverse(d) + _F32(0.5)).astype(_F32)
     return d, lo, np.clip(q, 0, top)
 
@@ -300,11 +317,46 @@ def _nvfp4(x: np.ndarray, global_scale: float) -> np.ndarray:
     return np.concatenate([packed, s_bytes], axis=1)
 
 
+class ScaleOverflowError(InvalidArgumentError):
+    """A block's fp16 scale (or minimum) would be infinite; ``row``, ``column`` (the block's first) and
+    ``value`` (its value of largest magnitude) say where."""
+
+    def __init__(self, format: str, row: int, column: int, value: float, what: str = "row") -> None:
+        self.format, self.row, self.column, self.value = format, row, column, value
+        super().__init__(
+            f"cannot quantize {what} {row} to {format}: its block of columns [{column}, {column + 32}) holds "
+            f"{value:.7g}, too large for the block's fp16 scale (largest finite 65504; see ple.table.blocks "
+            f"for what each format holds): scale the table down, or choose fp8, int8, nvfp4 or mxfp4"
+        )
+
+
+_FP16_FIELDS = {"q8_0": (0,), "q5_1": (0, 2), "q5_0": (0,), "q4_1": (0, 2), "q4_0": (0,), "iq4_nl": (0,)}
+"""Byte offsets of the fp16 scale (and minimum) in each block of the GGML formats that have them."""
+
+
+def overflowing_block(rows: np.ndarray, format: str) -> tuple[int, int] | None:
+    """``(row, block)`` of the first block of stored rows ``[N, row_nbytes]`` whose fp16 scale or
+    minimum is not finite, None when every one is (and for formats without an fp16 scale)."""
+    fields = _FP16_FIELDS.get(format)
+    if fields is None or rows.shape[0] == 0:
+        return None
+    info = format_info(format)
+    blocks = rows.reshape(rows.shape[0], -1, info.block_nbytes)
+    bad = np.zeros(blocks.shape[:2], dtype=bool)
+    for at in fields:
+        bad |= (blocks[:, :, at + 1] & 0x7C) == 0x7C  # the high byte's exponent bits all set
+    if not bad.any():
+        return None
+    r, b = (int(v) for v in np.argwhere(bad)[0])
+    return r, b
+
+
 def quantize_blocks(x: np.ndarray | torch.Tensor, format: str, global_scale: float | None = None) -> np.ndarray:
     """Rows ``x [N, head_dim]`` (any float dtype; computed in float32) -> stored rows ``[N, row_nbytes]``
     uint8 of a block format. ``global_scale`` is needed for nvfp4 (see :func:`nvfp4_global_scale`).
 
-    Non-finite values are refused by name."""
+    Non-finite values are refused by name, and so is a block whose fp16 scale or minimum would be
+    infinite (:class:`ScaleOverflowError`)."""
     _check_format(format)
     info = format_info(format)
     if isinstance(x, torch.Tensor):
@@ -343,4 +395,10 @@ def quantize_blocks(x: np.ndarray | torch.Tensor, format: str, global_scale: flo
     else:  # q5_1
         d, lo, q = _q_affine(b, 31)
         out = np.concatenate([_f16_bytes(d), _f16_bytes(lo), _qh(q), _pack32(q)], axis=1)
-    return np.ascontiguousarray(out.reshape(N, W))
+    out = np.ascontiguousarray(out.reshape(N, W))
+    bad = overflowing_block(out, format)
+    if bad is not None:
+        r, blk = bad
+        block = x[r, 32 * blk : 32 * blk + 32]
+        raise ScaleOverflowError(format, r, 32 * blk, float(block[np.abs(block).argmax()]))
+    return out

@@ -61,6 +61,7 @@ from .base import Table
 from .forks import track
 from .formats import format_info
 from .lookup import gather_dequant
+from .rowindex import RowIndex
 from .table_file import TableFileError, open_table
 
 __all__ = ["DirectTable", "SLOT_OVERHEAD", "BLOCK"]
@@ -69,8 +70,9 @@ BLOCK = 4096
 """Alignment of direct reads (offsets, lengths and buffers)."""
 
 SLOT_OVERHEAD = 96
-"""Bytes counted per cache slot on top of the row and its scale: the slot's entry in the row index
-(a dict entry and an int object) and its recency stamp."""
+"""Bytes counted per cache slot on top of the row and its scale: its share of the row index (at most
+48, see :mod:`ple.table.rowindex`), its place in the free-slot stack (8), its row id and its recency
+stamp (16)."""
 
 _PINNED = np.iinfo(np.int64).max
 """The recency stamp of a pinned slot (never evicted)."""
@@ -425,8 +427,10 @@ class DirectTable(Table):
         self._cache_scales = np.zeros(slots if kind == "row" else 0, dtype=np.float32)
         self._cache_used = np.full(slots, -1, dtype=np.int64)  # recency stamp; -1 free, _PINNED pinned
         self._row_of_slot = np.zeros(slots, dtype=np.int64)
-        self._slot_of: dict[int, int] = {}
-        self._free = list(range(slots - 1, -1, -1))
+        self._slot_of = RowIndex(slots)  # row id -> slot, numpy arrays (a dict costs 120 bytes a row)
+        self._free = np.empty(slots, dtype=np.int64)  # free slots: _free[:_nfree] recycled, then [_fresh, slots)
+        self._nfree = 0
+        self._fresh = 0
         self._pinned = 0
         self._clock = 0
         self._admissions = 0  # calls of _to_cache that admitted rows: a miss seen before none is still a miss
@@ -561,8 +565,7 @@ class DirectTable(Table):
             return np.arange(rows.size), 0
         with self._lock:
             self._clock += 1
-            slot_of = self._slot_of
-            slots = np.fromiter((slot_of.get(r, -1) for r in rows.tolist()), dtype=np.int64, count=rows.size)
+            slots = self._slot_of.get(rows)
             hit = slots >= 0
             hs = slots[hit]
             out[hit] = self._cache_rows[hs]
@@ -591,7 +594,7 @@ class DirectTable(Table):
         with self._lock:
             slot_of = self._slot_of
             if pin or seen != self._admissions:
-                held = np.fromiter((slot_of.get(r, -1) for r in rows.tolist()), dtype=np.int64, count=rows.size)
+                held = slot_of.get(rows)
                 if pin:
                     hs = held[held >= 0]
                     loose = hs[self._cache_used[hs] != _PINNED]
@@ -603,18 +606,17 @@ class DirectTable(Table):
             n = new.size if pin else min(new.size, cap - self._pinned)
             if n <= 0:
                 return
-            if len(self._free) < n:
-                self._evict(n - len(self._free))
-            n = min(n, len(self._free))
+            if self._free_slots() < n:
+                self._evict(n - self._free_slots())
+            n = min(n, self._free_slots())
             new = new[:n]
-            slots = np.array([self._free.pop() for _ in range(n)], dtype=np.int64)
+            slots = self._take_slots(n)
             self._cache_rows[slots] = data[new]
             if scales is not None:
                 self._cache_scales[slots] = scales[new]
             self._cache_used[slots] = _PINNED if pin else self._clock
             self._row_of_slot[slots] = rows[new]
-            for r, s in zip(rows[new].tolist(), slots.tolist()):
-                slot_of[r] = s
+            slot_of.put(rows[new], slots)
             self._admissions += 1
             if pin:
                 self._pinned += n
@@ -628,10 +630,25 @@ class DirectTable(Table):
         if k <= 0:
             return
         victims = held[np.argpartition(used[held], k - 1)[:k]]
-        for r in self._row_of_slot[victims].tolist():
-            del self._slot_of[r]
+        self._slot_of.delete(self._row_of_slot[victims])
         used[victims] = -1
-        self._free.extend(victims.tolist())
+        self._give_slots(victims)
+
+    def _free_slots(self) -> int:
+        return self._nfree + self._cache_rows.shape[0] - self._fresh
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        """``n`` free slots (recycled ones first, then never used ones; the caller holds the lock)."""
+        k = min(n, self._nfree)
+        took = self._free[self._nfree - k : self._nfree].copy()
+        self._nfree -= k
+        fresh = np.arange(self._fresh, self._fresh + n - k, dtype=np.int64)
+        self._fresh += n - k
+        return np.concatenate([took, fresh])
+
+    def _give_slots(self, slots: np.ndarray) -> None:
+        self._free[self._nfree : self._nfree + slots.size] = slots
+        self._nfree += slots.size
 
     def pin(self, rows: torch.Tensor | np.ndarray) -> int:
         """Keep ``rows`` (row ids, any shape; the hottest first) in memory for good, as many as the
@@ -643,9 +660,9 @@ class DirectTable(Table):
         _, first = np.unique(r, return_index=True)
         r = r[np.sort(first)]
         with self._lock:
-            slot_of, used = self._slot_of, self._cache_used
-            loose = [x for x in r.tolist() if x not in slot_of or used[slot_of[x]] != _PINNED]  # not pinned yet
-            r = np.array(loose[: max(0, self.cache_slots - self._pinned)], dtype=np.int64)
+            held = self._slot_of.get(r)
+            loose = (held < 0) | (self._cache_used[np.maximum(held, 0)] != _PINNED)  # not pinned yet
+            r = r[loose][: max(0, self.cache_slots - self._pinned)]
         if r.size:
             order = np.argsort(r)
             data, scale = self.read_rows(r[order])  # may admit them unpinned; pinned where they are below

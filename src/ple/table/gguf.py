@@ -22,6 +22,9 @@ against one another and the tensor by :func:`ple_table`.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import mmap
 import os
 import re
@@ -42,6 +45,7 @@ __all__ = [
     "ARCHITECTURES",
     "GGUFError",
     "GGUFModel",
+    "GGUFRows",
     "GGUFTensor",
     "GGML_FORMATS",
     "PLE_KEYS",
@@ -528,6 +532,83 @@ def ple_table(model: GGUFModel, metadata: bool = True) -> GGUFTensor:
     if problems:
         raise GGUFError(f"{where}: the PLE metadata does not fit the table tensor {t.name}: " + "; ".join(problems))
     return t
+
+
+class GGUFRows:
+    """A 2-D table tensor's stored rows as :func:`ple.table.convert.convert_layer` takes them (a shard
+    source): ``shard_rows`` rows a shard, read with ``pread`` in pieces when asked for (nothing stays
+    mapped; any thread), named by the file's path, size, modification time and inode and the tensor's
+    place in it (so a conversion can resume). A value that is not finite (an F16/BF16/F32 NaN or
+    infinity, a NaN or infinite block scale, an mxfp4 value past float32) is a :class:`GGUFError`
+    naming the tensor's row and column."""
+
+    error = GGUFError
+
+    def __init__(self, t: GGUFTensor, shard_rows: int) -> None:
+        assert t.format is not None
+        self.t, self.format, self.shard_rows = t, t.format, shard_rows
+        self.num_shards = -(-t.dims[1] // shard_rows)
+        info = format_info(t.format)
+        self._width, self._rn, self._dtype = info.width(t.dims[0]), info.row_nbytes(t.dims[0]), info.storage_dtype
+
+    @property
+    def identity(self) -> str:
+        st = os.stat(self.t.path)
+        record = [str(self.t.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+        record += [self.t.name, self.t.offset, self.t.type, list(self.t.dims)]
+        return hashlib.sha256(json.dumps(record).encode()).hexdigest()
+
+    def chunks(self, k: int, max_rows: int) -> Iterator[tuple[torch.Tensor, None]]:
+        """Shard ``k``'s stored rows ``[m, width]`` in pieces of at most ``max_rows`` rows, in order (read
+        into one buffer the shard's pieces share: a piece is valid until the next)."""
+        t, rows = self.t, self.t.dims[1]
+        start, stop = min(k * self.shard_rows, rows), min((k + 1) * self.shard_rows, rows)
+        step = max(1, max_rows)
+        buffer = mmap.mmap(-1, max(1, min(step, stop - start) * self._rn))  # the pieces' one buffer
+        fd = os.open(t.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for a in range(start, stop, step):
+                n = min(step, stop - a)
+                ahead = min(step, stop - a - n) * self._rn  # the next piece: read ahead while this one is worked on
+                if ahead > 0 and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, t.offset + (a + n) * self._rn, ahead, os.POSIX_FADV_WILLNEED)
+                view, done = memoryview(buffer)[: n * self._rn], 0
+                while done < len(view):
+                    got = os.preadv(fd, [view[done:]], t.offset + a * self._rn + done)
+                    if got <= 0:
+                        at = t.offset + a * self._rn + done
+                        raise GGUFError(f"{t.path}: tensor {t.name} ends early, at byte {at}: the file was cut short")
+                    done += got
+                yield torch.frombuffer(view, dtype=torch.uint8).view(self._dtype).reshape(n, self._width), None
+        finally:
+            os.close(fd)
+
+    def nonfinite_problem(self, k: int, rows: torch.Tensor, first_row: int, shard_row: int, format=None) -> str | None:
+        """The first value of ``rows`` (stored rows from table row ``first_row``) that is not finite, named."""
+        from .encode import first_nonfinite
+
+        hit = first_nonfinite(rows, self.format if format_info(self.format).blocked else None)
+        if hit is None:
+            return None
+        i, col = hit
+        row = rows[i]
+        if format_info(self.format).blocked:
+            info = format_info(self.format)
+            block = row[col // 32 * info.block_nbytes :][: info.block_nbytes]
+            if self.format == "mxfp4":
+                what = f"a value past float32 (its {self.t.type_name} block's exponent byte is 0x{int(block[0]):02x})"
+            else:
+                d, m = (float(v) for v in block[0:4].view(torch.float16))
+                if self.format in ("q4_1", "q5_1") and math.isfinite(d):
+                    what = f"the {self.t.type_name} block minimum {m}"
+                else:
+                    what = f"the {self.t.type_name} block scale {d}"
+        else:
+            what = str(float(row[col]))
+        return (
+            f"{self.t.path}: tensor {self.t.name}: row {first_row + i}, column {col} holds {what}, not a finite "
+            "value (ple refuses tables it would serve NaN or infinite values from)"
+        )
 
 
 def iter_rows(t: GGUFTensor, shard_rows: int) -> Iterator[tuple[int, torch.Tensor]]:

@@ -122,6 +122,20 @@ class QuantStats:
         self.rows += stop - start
         self.rms_rel = (self._err_sq / self._ref_sq) ** 0.5 if self._ref_sq > 0 else 0.0
 
+    def add_sums(self, err_sq: float, ref_sq: float, max_rel: float, rows: int) -> None:
+        """Accumulate rows summarized by :meth:`sums`."""
+        if rows <= 0:
+            return
+        self._err_sq += err_sq
+        self._ref_sq += ref_sq
+        self.max_rel = max(self.max_rel, max_rel)
+        self.rows += rows
+        self.rms_rel = (self._err_sq / self._ref_sq) ** 0.5 if self._ref_sq > 0 else 0.0
+
+    def sums(self) -> list:
+        """``[sum err^2, sum x^2, max_rel, rows]``: what :meth:`add_sums` takes (a JSON-able record)."""
+        return [self._err_sq, self._ref_sq, self.max_rel, self.rows]
+
     def to_dict(self) -> dict:
         return {"max_rel": self.max_rel, "rms_rel": self.rms_rel, "rows": self.rows}
 

@@ -38,6 +38,16 @@ publishes); with ``force`` the last to finish wins. A crash leaves at most a ``.
 which every reader refuses (by name and by its header) and the next writer of the same path
 removes once no process holds its lock (a symbolic link of that name is removed, never followed).
 
+Resumable writes (``TableFileWriter(..., resume=KEY)``, KEY naming the source and options, as
+:func:`ple.table.convert.convert_layer` makes it): after each shard the caller :meth:`~TableFileWriter.
+commit` s, the file's data is synced (``fdatasync``) and then its temporary header records that shard's
+checksum, the caller's progress record and KEY. An interrupted writer (Ctrl-C, SIGTERM: any
+``KeyboardInterrupt``) keeps its temporary file when it has committed a shard; one killed (SIGKILL, a
+power cut) leaves it anyway. The next writer of the same path with the same KEY and geometry takes it
+over (:attr:`~TableFileWriter.resumed`: the committed shards, which it then skips); a writer with
+another KEY removes it as any stale temporary file. A header torn by a crash fails its checksum and
+is not taken over.
+
 Sparse files (``TableFileWriter(..., sparse=True)``) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
 zeros and take no disk space), rows are written by id, no shard needs to be complete, and no
@@ -57,6 +67,8 @@ import re
 import secrets
 import stat
 import struct
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +79,18 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
 from ..files import PARTIAL_SUFFIX, fsync_dir, open_regular, parse_json, partial_entries, pread_exact
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
+from .shard_writer import DIGEST_SIZE, ShardWriter, open_direct, pwrite_all
 
 __all__ = [
+    "ShardWriter",
     "TableFileError",
     "TableFileWriter",
     "hash_layout",
     "open_table",
     "read_table_header",
     "tensor_bytes",
-    "verify_table_file",
+    "read_open_header",
+    "read_global_scale",
     "PARTIAL_SUFFIX",
     "TABLE_SUFFIX",
     "VERSION",
@@ -88,7 +103,7 @@ TABLE_SUFFIX = ".pletable"
 """The file name suffix of table files (``ple convert`` writes ``<layer prefix>.pletable``)."""
 _ALIGN = 4096
 _PREFIX = 16
-_DIGEST_SIZE = 16
+_DIGEST_SIZE = DIGEST_SIZE
 _CHECKSUM_ALGORITHM = "blake2b-128"
 _READ_CHUNK = 8 << 20
 _MAX_HEADER = 1 << 26
@@ -136,14 +151,6 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
         t = t.cpu()
     t = t.contiguous().reshape(-1)
     return t.view(torch.uint8).numpy()
-
-
-def _pwrite_all(fd: int, buf, offset: int) -> None:
-    view = memoryview(buf).cast("B")
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def _ended(path: Path):
@@ -234,6 +241,9 @@ class TableFileWriter:
             another writer of ``path`` is at work (the last to finish wins).
         sparse: build a sparse file (see the module docstring): rows written with ``write_rows``,
             no completeness check, no checksums.
+        resume: a key naming the source and options: take over a temporary file a writer with the same
+            key left (see the module docstring), and keep this one when interrupted.
+        progress_room: header bytes to reserve for the caller's progress record (with ``resume``).
 
     Scales are checked as they come: a global scale and every per-row scale must be a positive
     finite number. Use as a context manager: an exception inside the block (Ctrl-C included) removes
@@ -251,8 +261,15 @@ class TableFileWriter:
         force: bool = False,
         *,
         sparse: bool = False,
+        resume: str | None = None,
+        progress_room: int = 0,
     ) -> None:
-        self._fd = -1
+        self._fd = self._dfd = -1
+        self._resume = resume
+        self._lock = threading.Lock()
+        self._committed: dict[int, Any] = {}
+        self.resumed: dict[int, Any] = {}
+        """Shards a taken-over temporary file had committed: ``{k: the caller's progress record}``."""
         self._closed = False
         self._ident: os.stat_result | None = None
         self.path = Path(path)
@@ -263,6 +280,7 @@ class TableFileWriter:
         self.sparse = sparse
         self._geo = _geometry(rows, head_dim, format, shard_rows)
         self.rows, self.head_dim, self.format, self.shard_rows = rows, head_dim, format, shard_rows
+        self.row_nbytes, self.scale_kind = self._geo["row_nbytes"], format_info(format).scale_kind
         self.num_shards = self._geo["num_shards"]
         self._info = format_info(format)
         self._layout_hash, self._layout = _as_layout_hash(layout_hash)
@@ -270,6 +288,19 @@ class TableFileWriter:
             raise InvalidArgumentError(f"table file {self.path} is a folder")
         if os.path.lexists(self.path) and not force:
             raise FileExistsError(errno.EEXIST, "table file exists: pass force=True to replace it", str(self.path))
+        self._checksums: list[str | None] = [None] * self.num_shards
+        self._written = [False] * self.num_shards
+        self._global_scale: float | None = None
+        self._scale_checksum: str | None = None
+        room = 0 if resume is None else len(resume) + progress_room + 256
+        self._data_offset = _align(_PREFIX + len(self._header_json(complete=True, capacity_probe=True)) + 1024 + room)
+        self._data_nbytes = rows * self._geo["row_nbytes"]
+        self._scale_offset = _align(self._data_offset + self._data_nbytes)
+        self._scale_nbytes = _scale_nbytes(self._info.scale_kind, rows)
+        self._file_nbytes = self._scale_offset + self._scale_nbytes
+        if resume is not None and self._take_over():
+            self._dfd = -1 if sparse else open_direct(self.partial_path, self._ident)
+            return
         live = _sweep_partials(self.path)
         if live and not force:
             raise FileExistsError(
@@ -278,24 +309,11 @@ class TableFileWriter:
                 "wait for it, or pass force=True to write anyway (the last writer to finish wins)",
                 str(self.path),
             )
-        self._checksums: list[str | None] = [None] * self.num_shards
-        self._written = [False] * self.num_shards
-        self._global_scale: float | None = None
-        self._scale_checksum: str | None = None
-
-        row_nbytes = self._geo["row_nbytes"]
-        kind = self._info.scale_kind
-        header_cap = _align(_PREFIX + len(self._header_json(complete=True, capacity_probe=True)) + 1024)
-        self._data_offset = header_cap
-        data_nbytes = rows * row_nbytes
-        self._scale_offset = _align(header_cap + data_nbytes)
-        self._scale_nbytes = _scale_nbytes(kind, rows)
-        self._file_nbytes = self._scale_offset + self._scale_nbytes
-        self._data_nbytes = data_nbytes
         self._create()
         try:
             self._io(os.ftruncate, self._fd, self._file_nbytes)
             self._write_header(complete=False)
+            self._dfd = -1 if sparse else open_direct(self.partial_path, self._ident)
         except BaseException:
             self.abort()
             raise
@@ -320,6 +338,87 @@ class TableFileWriter:
             os.close(fd)
         raise TableFileError(f"could not create a temporary file for {self.path}: other processes removed every try")
 
+    def _take_over(self) -> bool:
+        """Adopt an unlocked temporary file of this path whose header (complete false) has this writer's
+        resume key and geometry; True when one was taken."""
+        for p, st in partial_entries(self.path.parent, _partial_pattern(self.path.name)):
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                ident = os.fstat(fd)
+                if _same_file(p, ident) and self._adopt(fd, _read_header(fd, p)):
+                    self.partial_path, self._fd, self._ident = p, fd, ident
+                    return True
+            except (OSError, TableFileError, ValueError):
+                pass
+            os.close(fd)
+        return False
+
+    def _adopt(self, fd: int, header: dict[str, Any]) -> bool:
+        mine = self._header(complete=False)
+        same = ("format", "rows", "head_dim", "row_nbytes", "shard_rows", "layout_hash", "data_offset", "scale")
+        if header["complete"] or header.get("resume") != self._resume or header["sparse"]:
+            return False
+        if any(header[k] != mine[k] for k in same) or header["file_nbytes"] != self._file_nbytes:
+            return False
+        record = parse_json(header.get("progress") or "{}", f"{self.path}: progress record", TableFileError)
+        sums = header["checksum"]["shards"]
+        done = {int(k): v for k, v in record.items() if sums[int(k)]}
+        if self._info.scale_kind == "global" and header["checksum"]["scale"]:
+            b = pread_exact(fd, 4, self._scale_offset, _ended(self.path))
+            if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
+                return False
+            self._global_scale = struct.unpack("<f", b)[0]
+            self._scale_checksum = header["checksum"]["scale"]
+        for k in done:
+            self._checksums[k], self._written[k] = sums[k], True
+        self.resumed = dict(done)
+        self._committed = dict(done)
+        return True
+
+    # ------------------------------------------------------------------ what a ShardWriter writes through
+    def row_place(self, row: int) -> int:
+        """The file offset of row ``row``'s first byte."""
+        return self._data_offset + row * self._geo["row_nbytes"]
+
+    def scale_place(self, row: int) -> int:
+        """The file offset of row ``row``'s per-row scale."""
+        return self._scale_offset + 4 * row
+
+    @property
+    def direct(self) -> bool:
+        """Whether whole pages may be written with ``O_DIRECT`` (:meth:`pwrite`)."""
+        return self._dfd >= 0
+
+    def pwrite(self, data, offset: int, direct: bool = False) -> None:
+        """``data`` at ``offset`` of the temporary file (``direct``: whole pages from a page-aligned
+        buffer, with ``O_DIRECT`` where the file system takes it); an OSError names the table file."""
+        fd = self._dfd if direct else -1
+        if fd >= 0:
+            try:
+                return self._io(pwrite_all, fd, data, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_refused()  # a file system that takes O_DIRECT at open but not at write
+        self._io(pwrite_all, self._fd, data, offset)
+
+    def record_checksum(self, k: int, digest: str) -> None:
+        with self._lock:
+            self._checksums[k] = digest
+
+    def _direct_refused(self) -> None:
+        """Close the ``O_DIRECT`` descriptor: rows go through the page cache from now on."""
+        with self._lock:
+            if self._dfd >= 0:
+                os.close(self._dfd)
+                self._dfd = -1
+
     def _io(self, fn, *args):
         """Run an OS call on the temporary file; an OSError names the table file being written."""
         try:
@@ -338,6 +437,8 @@ class TableFileWriter:
             scale_sum = "0" * (2 * _DIGEST_SIZE)
         else:
             checksums = None if self.sparse else [c or "" for c in self._checksums]
+            if self._resume is not None and not complete:  # a shard counts once committed
+                checksums = [(c or "") if k in self._committed else "" for k, c in enumerate(self._checksums)]
             offsets = {
                 "data_offset": self._data_offset,
                 "scale_offset": self._scale_offset,
@@ -375,6 +476,9 @@ class TableFileWriter:
             },
             "file_nbytes": offsets["file_nbytes"],
         }
+        if self._resume is not None and not complete and not capacity_probe:
+            header["resume"] = self._resume
+            header["progress"] = json.dumps({str(k): v for k, v in self._committed.items()}, separators=(",", ":"))
         header = json.loads(json.dumps(header, default=str))  # what a reader will parse
         header["header_checksum"] = "0" * (2 * _DIGEST_SIZE) if capacity_probe else _header_digest(header)
         return header
@@ -385,10 +489,10 @@ class TableFileWriter:
     def _write_header(self, complete: bool) -> None:
         blob = self._header_json(complete)
         room = self._data_offset - _PREFIX
-        if len(blob) > room:  # pragma: no cover - the capacity probe sizes the room generously
-            raise RuntimeError(f"table header of {len(blob)} bytes exceeds its {room} reserved bytes")
+        if len(blob) > room:  # a progress record larger than the room its caller asked for
+            raise TableFileError(f"table header of {len(blob)} bytes exceeds its {room} reserved bytes")
         prefix = MAGIC + len(blob).to_bytes(8, "little")
-        self._io(_pwrite_all, self._fd, prefix + blob + b" " * (room - len(blob)), 0)
+        self._io(pwrite_all, self._fd, prefix + blob + b" " * (room - len(blob)), 0)
 
     # ------------------------------------------------------------------ writing
     def _check_open(self) -> None:
@@ -441,6 +545,10 @@ class TableFileWriter:
                 f"a global scale has one element, got shape {tuple(torch.as_tensor(scale).shape)}"
             )
         check_scale_values(t, "the global scale")
+        with self._lock:
+            self._set_global_scale(t)
+
+    def _set_global_scale(self, t: torch.Tensor) -> None:
         value = float(t[0])
         if self._global_scale is not None:
             if value != self._global_scale:
@@ -449,7 +557,7 @@ class TableFileWriter:
                 )
             return
         b = tensor_bytes(t)
-        self._io(_pwrite_all, self._fd, b, self._scale_offset)
+        self._io(pwrite_all, self._fd, b, self._scale_offset)
         self._global_scale = value
         self._scale_checksum = hashlib.blake2b(b.tobytes(), digest_size=_DIGEST_SIZE).hexdigest()
 
@@ -470,21 +578,38 @@ class TableFileWriter:
             if self._info.scale_kind == "global":
                 self._row_scale(scale, 0, what)
             return
-        if self._written[k]:
-            raise InvalidArgumentError(f"{what} was already written")
         self._check_rows(rows, stop - start, what)
         scale_bytes = self._row_scale(scale, stop - start, what, first_row=start)
-        row_bytes = tensor_bytes(rows)
-        self._io(_pwrite_all, self._fd, row_bytes, self._data_offset + start * self._geo["row_nbytes"])
-        if scale_bytes is not None:
-            self._io(_pwrite_all, self._fd, scale_bytes, self._scale_offset + 4 * start)
-        if not self.sparse:
-            h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-            h.update(row_bytes.tobytes())
-            if scale_bytes is not None:
-                h.update(scale_bytes.tobytes())
-            self._checksums[k] = h.hexdigest()
-        self._written[k] = True
+        part = self.shard_writer(k)
+        part.write(tensor_bytes(rows), scale_bytes)
+        part.finish()
+
+    def shard_writer(self, k: int) -> ShardWriter:
+        """A writer of shard ``k``'s rows in order, in parts (:class:`ShardWriter`); shards in any order,
+        each once, from any thread (one thread per shard)."""
+        self._check_open()
+        start, stop = self.shard_range(k)
+        if start == stop:
+            raise InvalidArgumentError(f"shard {k} lies past the table's {self.rows} rows")
+        with self._lock:
+            if self._written[k]:
+                raise InvalidArgumentError(f"shard {k} (rows [{start}, {stop})) was already written")
+            self._written[k] = True
+        return ShardWriter(self, k, start, stop)
+
+    def commit(self, k: int, record: Any = None) -> None:
+        """Record shard ``k`` as done in the temporary file (resumable writers): its data synced, then the
+        header with its checksum and ``record`` (JSON; :attr:`resumed` gives it back to the next writer)."""
+        if self._resume is None:
+            return
+        with self._lock:
+            if self._checksums[k] is None:
+                raise InvalidArgumentError(f"shard {k} is not finished: it cannot be committed")
+            self._io(os.fdatasync, self._fd)
+            self._committed[k] = record
+            self._write_header(complete=False)
+            if hasattr(os, "posix_fadvise"):  # synced rows are clean: leave the page cache to others
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def write_rows(self, row_ids: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Sparse files only: write ``rows [n, head_dim]`` at ``row_ids [n]`` (int64, any order; a
@@ -510,9 +635,9 @@ class TableFileWriter:
         srow = None if scale_bytes is None else scale_bytes.reshape(n, 4)
         rn = self._geo["row_nbytes"]
         for i, r in enumerate(ids.tolist()):
-            self._io(_pwrite_all, self._fd, row_bytes[i], self._data_offset + r * rn)
+            self._io(pwrite_all, self._fd, row_bytes[i], self._data_offset + r * rn)
             if srow is not None:
-                self._io(_pwrite_all, self._fd, srow[i], self._scale_offset + 4 * r)
+                self._io(pwrite_all, self._fd, srow[i], self._scale_offset + 4 * r)
 
     # ------------------------------------------------------------------ finishing
     def close(self) -> Path:
@@ -521,7 +646,7 @@ class TableFileWriter:
             return self.path
         try:
             if not self.sparse:
-                missing = [k for k in range(self.num_shards) if not self._written[k]]
+                missing = [k for k in range(self.num_shards) if self._checksums[k] is None]
                 if missing:
                     shown = ", ".join(str(k) for k in missing[:8]) + (" ..." if len(missing) > 8 else "")
                     raise InvalidArgumentError(
@@ -531,6 +656,7 @@ class TableFileWriter:
                 raise InvalidArgumentError(
                     f"table file {self.path}: format {self.format!r} needs a global scale, none was set"
                 )
+            self._direct_refused()  # the O_DIRECT descriptor is done with
             self._io(os.fsync, self._fd)
             self._write_header(complete=True)
             self._io(os.fsync, self._fd)
@@ -585,6 +711,7 @@ class TableFileWriter:
         except FileNotFoundError:
             pass
         finally:
+            self._direct_refused()
             if self._fd >= 0:
                 fd, self._fd = self._fd, -1
                 os.close(fd)
@@ -593,10 +720,26 @@ class TableFileWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
-        else:
+        if exc_type is None:
             self.close()
+        elif self._resume is not None and issubclass(exc_type, KeyboardInterrupt) and self._committed:
+            self.keep()
+        else:
+            self.abort()
+
+    def keep(self) -> None:
+        """Stop, keeping the temporary file with its committed shards for the next writer of the same
+        path and key (a line on stderr says so); nothing is published."""
+        self._closed = True
+        self._direct_refused()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+        print(
+            f"kept {self.partial_path} ({len(self._committed)} of {self.num_shards} shards done): the same "
+            "conversion run again continues it; delete it to start over",
+            file=sys.stderr,
+        )
 
 
 # ---------------------------------------------------------------------- reading
@@ -733,6 +876,11 @@ def _read_header(fd: int, path: Path) -> dict[str, Any]:
     return _validate(header, path, _PREFIX + n, size)
 
 
+def read_open_header(fd: int, path: str | os.PathLike) -> dict[str, Any]:
+    """The validated header of the table file ``path`` open as ``fd`` (see :func:`read_table_header`)."""
+    return _read_header(fd, Path(path))
+
+
 def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
     """The validated header of a table file (see the module docstring), complete or not.
 
@@ -745,6 +893,12 @@ def read_table_header(path: str | os.PathLike) -> dict[str, Any]:
         return _read_header(fd, path)
     finally:
         os.close(fd)
+
+
+def read_global_scale(fd: int, header: dict[str, Any], path: str | os.PathLike) -> float:
+    """The global scale of a validated table file open as ``fd``; :class:`TableFileError` when it is not
+    a positive finite number."""
+    return _read_global_scale(fd, header, Path(path))
 
 
 def _read_global_scale(fd: int, header: dict[str, Any], path: Path) -> float:
@@ -825,81 +979,3 @@ def open_table(
     except BaseException:
         os.close(fd)
         raise
-
-
-def verify_table_file(path: str | os.PathLike) -> list[str]:
-    """Re-check a table file against its header; returns the problems found (empty when sound).
-
-    Validates the header (checksum, fields, geometry; see :func:`read_table_header`), then
-    recomputes the checksum of every shard the geometry implies (bounded memory: 8 MiB reads) and
-    checks every scale is a positive finite number; a corrupted shard is reported with its index
-    and row range. Unfinished files, and sparse files (which carry no checksums), are problems too.
-    """
-    path = Path(path)
-    problems: list[str] = []
-    if path.name.endswith(PARTIAL_SUFFIX):
-        problems.append(f"{path} is an unfinished table file (a {PARTIAL_SUFFIX!r} write never completed)")
-    try:
-        fd = open_regular(path, "table file", TableFileError)
-    except (OSError, PLEError) as e:
-        return problems + [str(e)]
-    try:
-        try:
-            header = _read_header(fd, path)
-        except TableFileError as e:
-            return problems + [str(e)]
-        if header["complete"] is not True:
-            return problems + [f"{path}: header says the file is incomplete (its writer never finished)"]
-        if header["sparse"]:
-            return problems + [f"{path}: no checksums recorded (sparse build): the rows cannot be verified"]
-        try:
-            problems += _verify_rows(fd, header, path)
-        except (OSError, TableFileError) as e:  # the file shrank or failed under us
-            problems.append(str(e))
-    finally:
-        os.close(fd)
-    return problems
-
-
-def _verify_rows(fd: int, header: dict[str, Any], path: Path) -> list[str]:
-    problems: list[str] = []
-    checksums = header["checksum"]["shards"]
-    rows, rn, s = header["rows"], header["row_nbytes"], header["shard_rows"]
-    per_row = header["scale"]["kind"] == "row"
-    for k in range(-(-rows // s)):
-        start, stop = shard_bounds(k, s, rows)
-        h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-        _hash_range(fd, h, header["data_offset"] + start * rn, (stop - start) * rn, path)
-        bad_scale = None
-        if per_row:
-            scales = pread_exact(fd, 4 * (stop - start), header["scale"]["offset"] + 4 * start, _ended(path))
-            h.update(scales)
-            values = np.frombuffer(scales, dtype="<f4")
-            bad = np.nonzero(~(np.isfinite(values) & (values > 0)))[0]
-            if len(bad):
-                bad_scale = f"the per-row scale of row {start + int(bad[0])} is {float(values[bad[0]])}"
-        if h.hexdigest() != checksums[k]:
-            what = "rows or their per-row scales" if per_row else "rows"
-            problems.append(f"{path}: shard {k} (rows [{start}, {stop})): checksum mismatch, the stored {what} changed")
-        elif bad_scale is not None:
-            problems.append(f"{path}: shard {k} (rows [{start}, {stop})): {bad_scale}, not a positive finite number")
-    if header["scale"]["kind"] == "global":
-        b = pread_exact(fd, 4, header["scale"]["offset"], _ended(path))
-        if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
-            problems.append(f"{path}: global scale checksum mismatch, the stored scale changed")
-        else:
-            try:
-                _read_global_scale(fd, header, path)
-            except TableFileError as e:
-                problems.append(str(e))
-    return problems
-
-
-def _hash_range(fd: int, h, offset: int, n: int, path: Path) -> None:
-    while n > 0:
-        b = os.pread(fd, min(n, _READ_CHUNK), offset)
-        if not b:
-            raise TableFileError(f"{path}: unexpected end of file at byte {offset}")
-        h.update(b)
-        n -= len(b)
-        offset += len(b)

@@ -1,0 +1,213 @@
+"""An interrupted conversion does not lose its work: ``ple convert`` killed with SIGKILL midway (and,
+for GGUF, a copy killed so) is continued by the same command run again, which writes only the shards
+not done and gives the table an uninterrupted run gives, byte for byte, with the same error statistics;
+another target, a changed source or a damaged temporary file start over; a writer interrupted before
+its first shard leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ple.cli import main
+from ple.config import PLEConfig
+from ple.demo import synthesize_checkpoint
+from ple.table import MmapTable
+from ple.table.table_file import TableFileWriter, read_table_header
+
+from .conftest import SMALL
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+CFG = {**SMALL, "ple_embed_dim": 128, "ple_layer_ids": (2,), "split_ngram_parts": 9}  # head_dim 32, 9 shards
+
+_KILLED_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import ple.table.table_file as f
+    orig = f.TableFileWriter.commit
+    done = []
+
+    def slow(self, k, *a, **kw):  # a shard is recorded: after the third, stop here until killed
+        orig(self, k, *a, **kw)
+        done.append(k)
+        if len(done) == 3:
+            Path(sys.argv[3]).write_text(",".join(map(str, done)))
+            time.sleep(300)
+
+    f.TableFileWriter.commit = slow
+    from ple.cli import main
+    sys.exit(main(["convert", sys.argv[1], sys.argv[2], *sys.argv[4:]]))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = PLEConfig(**CFG)
+    return cfg, synthesize_checkpoint(cfg, tmp_path_factory.mktemp("ckpt"), seed=7, files=2)
+
+
+def _kill_midway(source: Path, out: Path, tmp_path: Path, *args: str) -> list[int]:
+    """Run ``ple convert SOURCE OUT ARGS`` in a child and SIGKILL it once three shards are recorded;
+    returns those shards."""
+    marker = tmp_path / "marker"
+    marker.unlink(missing_ok=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CHILD, str(source), str(out), str(marker), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), child.communicate(timeout=30)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+    return [int(k) for k in marker.read_text().split(",")]
+
+
+def _convert(capsys, *args) -> dict:
+    capsys.readouterr()
+    assert main(["convert", *map(str, args), "--json"]) == 0
+    captured = capsys.readouterr()
+    (doc,) = json.loads(captured.out)["layers"]
+    doc["stderr"] = captured.err
+    return doc
+
+
+def _same_stats(a: dict, b: dict) -> None:
+    for x, y in [(a["error"], b["error"])] + list(zip(a["per_head"], b["per_head"])):
+        assert x["rows"] == y["rows"]
+        assert x["max_rel"] == pytest.approx(y["max_rel"], rel=1e-12)
+        assert x["rms_rel"] == pytest.approx(y["rms_rel"], rel=1e-12)
+
+
+@pytest.mark.parametrize("to", ["iq4_nl", None], ids=["iq4_nl", "copy"])
+def test_a_conversion_killed_midway_continues(checkpoint, tmp_path, capsys, to):
+    cfg, ckpt = checkpoint
+    args = ["--to", to] if to else []
+    whole = _convert(capsys, ckpt, tmp_path / "whole", *args)
+    out = tmp_path / "out"
+    done = _kill_midway(ckpt, out, tmp_path, *args)
+    (partial,) = out.iterdir()
+    header = read_table_header(partial)
+    assert partial.name.endswith(".partial") and header["complete"] is False
+    assert sorted(k for k, c in enumerate(header["checksum"]["shards"]) if c) == sorted(done)
+
+    again = _convert(capsys, ckpt, out, *args)
+    lay = cfg.layout(0)
+    assert again["resumed_rows"] == sum(lay.shard_range(k)[1] - lay.shard_range(k)[0] for k in done)
+    assert f"3 of {lay.split_parts} shards were done" in again["stderr"]
+    _same_stats(again, whole)
+    (table,) = out.glob("*.pletable")
+    (ref,) = (tmp_path / "whole").glob("*.pletable")
+    a, b = MmapTable.open(table), MmapTable.open(ref)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    assert a.header["checksum"] == b.header["checksum"] and "resume" not in a.header
+    capsys.readouterr()
+    assert main(["verify", str(table), "--checkpoint", str(ckpt)]) == 0
+
+
+def test_another_target_or_a_changed_source_start_over(checkpoint, tmp_path, capsys):
+    cfg, ckpt = checkpoint
+    out = tmp_path / "out"
+    _kill_midway(ckpt, out, tmp_path, "--to", "q4_0")
+    other = _convert(capsys, ckpt, out, "--to", "q8_0")  # another target: the q4_0 shards are not taken
+    assert other["resumed_rows"] == 0 and other["format"] == "q8_0"
+    assert [p.suffix for p in out.iterdir() if not p.name.endswith(".source.json")] == [".pletable"]
+
+    out2 = tmp_path / "out2"
+    _kill_midway(ckpt, out2, tmp_path, "--to", "q4_0")
+    for f in ckpt.glob("*.safetensors"):  # the source is rewritten (its modification time changes)
+        os.utime(f, ns=(time.time_ns(), time.time_ns()))
+    again = _convert(capsys, ckpt, out2, "--to", "q4_0")
+    assert again["resumed_rows"] == 0 and len([p for p in out2.iterdir() if p.suffix != ".json"]) == 1
+    capsys.readouterr()
+    (table,) = out2.glob("*.pletable")
+    assert main(["verify", str(table), "--checkpoint", str(ckpt)]) == 0
+
+
+def test_a_damaged_temporary_file_is_not_continued(checkpoint, tmp_path, capsys):
+    cfg, ckpt = checkpoint
+    out = tmp_path / "out"
+    _kill_midway(ckpt, out, tmp_path, "--to", "q5_1")
+    (partial,) = out.iterdir()
+    raw = bytearray(partial.read_bytes()[:4096])
+    at = raw.index(b'"progress"')
+    raw[at + 20] ^= 1  # the header no longer matches its checksum (a torn write)
+    with open(partial, "r+b") as fh:
+        fh.write(raw)
+    again = _convert(capsys, ckpt, out, "--to", "q5_1")
+    assert again["resumed_rows"] == 0
+    (table,) = [p for p in out.iterdir() if not p.name.endswith(".source.json")]
+    capsys.readouterr()
+    assert table.suffix == ".pletable" and main(["verify", str(table), "--checkpoint", str(ckpt)]) == 0
+
+
+def test_a_gguf_copy_killed_midway_continues(tmp_path, capsys):
+    """With ``--config``, a GGUF's table is copied in the config's shards: 9 here."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    from .test_convert_refusals import _gguf
+
+    cfg = PLEConfig(**CFG)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    raw = gguf.quants.quantize(torch.randn(cfg.layout(0).padded_rows, 32).numpy(), QT.Q5_0)
+    _gguf(tmp_path / "m.gguf", cfg, QT.Q5_0, raw)
+    out = tmp_path / "out"
+    done = _kill_midway(tmp_path / "m.gguf", out, tmp_path, "--config", str(tmp_path / "cfg"))
+    assert len(done) == 3 and len(list(out.iterdir())) == 1
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "m.gguf"), str(out), "--config", str(tmp_path / "cfg")]) == 0
+    assert f"3 of {cfg.layout(0).split_parts} shards were done" in capsys.readouterr().err
+    (table,) = out.iterdir()
+    assert (MmapTable.open(table).data.numpy() == raw).all()
+    assert main(["verify", str(table)]) == 0
+
+
+def test_a_writer_interrupted_before_its_first_shard_leaves_nothing(tmp_path):
+    path = tmp_path / "t.pletable"
+    with pytest.raises(KeyboardInterrupt):
+        with TableFileWriter(path, 64, 32, "q4_0", 16, "h", resume="k" * 32) as w:
+            part = w.shard_writer(0)
+            part.write(torch.zeros(16 * 18, dtype=torch.uint8).numpy())
+            part.finish()  # finished, never committed
+            raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyboardInterrupt):
+        with TableFileWriter(path, 64, 32, "q4_0", 16, "h", resume="k" * 32) as w:
+            w.write_shard(1, torch.zeros(16, 18, dtype=torch.uint8))
+            w.commit(1, {"any": "record"})
+            raise KeyboardInterrupt
+    (kept,) = tmp_path.iterdir()
+    with TableFileWriter(path, 64, 32, "q4_0", 16, "h", resume="k" * 32) as w:
+        assert w.resumed == {1: {"any": "record"}} and w.partial_path == kept
+        for k in (0, 2, 3):
+            w.write_shard(k, torch.zeros(16, 18, dtype=torch.uint8))
+    assert [p.name for p in tmp_path.iterdir()] == ["t.pletable"]
+    with pytest.raises(KeyboardInterrupt):  # a writer without a key never keeps its file
+        with TableFileWriter(tmp_path / "u.pletable", 64, 32, "q4_0", 16, "h") as w:
+            w.write_shard(1, torch.zeros(16, 18, dtype=torch.uint8))
+            w.commit(1, None)
+            raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == ["t.pletable"]
