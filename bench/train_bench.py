@@ -1,8 +1,9 @@
 """Training a PLE table where it lives: a step's cost, peak memory beside a dense gradient and Adam,
 rows touched per million real-text tokens and the adapter's size.
 
-    PYTHONPATH=src python bench/train_bench.py [--part step rss rows] [--tokens 512] [--steps 20]
-        [--dir /tmp] [--format fp8] [--million 1] [--out train_bench.json]
+    PYTHONPATH=src python bench/train_bench.py [--part step rss rows spill] [--tokens 512] [--steps 20]
+        [--dir /tmp] [--format fp8] [--million 1] [--spill-steps 200] [--spill-budget 0.25]
+        [--out train_bench.json]
 
 One PLE layer at the published geometry (H 2560, HC 4, E 2560, N 3, 16 heads of 160, K 4; fp32
 weights and activations, random weights) over a table file of the published size (320,001,536 rows x
@@ -22,6 +23,9 @@ real text (:mod:`ple.realtext`).
   real-text tokens; peak RSS (``VmHWM``) before and after, the overlay's and the optimizer's bytes, an
   adapter saved; beside the bytes a dense fp32 gradient and Adam's two states would take for the
   whole table.
+- ``spill``: SparseAdam over real text with the trained rows and states in memory up to a budget
+  smaller than the rows touched: the recently used ones kept (least recently used leave) against the
+  first ones made, side by side (:func:`part_spill`).
 - ``rows``: distinct table rows that ``--million`` million real-text tokens read (requests of 512
   tokens, the published layer's hashing; the built-in text holds 484,404 tokens: beyond them the
   count is extrapolated from the last two measures), and the adapter file that training on them
@@ -31,6 +35,7 @@ real text (:mod:`ple.realtext`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -118,15 +123,16 @@ def part_step(args, path: Path) -> dict:
         for i in range(len(batches))
     ]
 
-    def timed(fn) -> list[float]:
+    def timed(fn) -> list[tuple[float, float]]:
+        """``(wall, cpu)`` seconds of each run (the process's CPU time: with one thread, what the step
+        computed, whatever else ran on the machine)."""
         out = []
         for i in range(len(batches)):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn(i)
-            out.append(time.perf_counter() - t)
+            out.append((time.perf_counter() - t, time.process_time() - c))
         return out[2:]  # the first two warm up
 
-    results = {}
     # the projections alone, over the rows the lookup gives
     layer = layer_over(MmapTable.open(path), cfg)
     emb_rows = [
@@ -142,10 +148,14 @@ def part_step(args, path: Path) -> dict:
         (k.sum() + v.sum()).backward()
         wk.grad = wv.grad = None
 
-    def step(layer, opt):
+    def step(layer, opt, written=True):
         def run(i):
-            out = layer.forward_padded(hidden[i], batches[i])
-            out.sum().backward()
+            PLELayer.written_backward = written
+            try:
+                out = layer.forward_padded(hidden[i], batches[i])
+                out.sum().backward()
+            finally:
+                PLELayer.written_backward = True
             if opt is not None:
                 opt.step()
             for p in layer.parameters():
@@ -163,19 +173,40 @@ def part_step(args, path: Path) -> dict:
     fused_layer = layer_over(MmapTable.open(path), cfg)
     fused = pt.SparseAdam(pt.trainable(fused_layer), lr=1e-3, fused=True)
     cases["layer, table trained (fused)"] = step(fused_layer, fused)
-    # side by side: each case's runs interleaved round by round
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.rounds):
-        for name, fn in cases.items():
-            times[name] += timed(fn)
-    for name, ts in times.items():
-        results[name] = {"median_ms": 1e3 * statistics.median(ts), "runs": len(ts)}
-    base = results["projections"]["median_ms"]
-    froz = results["layer, table frozen"]["median_ms"]
-    for name in results:
-        results[name]["over_projections"] = results[name]["median_ms"] / base
-        results[name]["over_frozen"] = results[name]["median_ms"] / froz
-    return {"tokens": args.tokens, "cases": results, "rows_trained": len(trained.table.overlay)}
+    ref_layer = layer_over(MmapTable.open(path), cfg)
+    ref_opt = pt.SparseAdam(pt.trainable(ref_layer), lr=1e-3)
+    cases["layer, table trained (SparseAdam), autograd of the reference gate and conv"] = step(
+        ref_layer, ref_opt, False
+    )
+    out: dict = {"tokens": args.tokens, "threads": {}}
+    before = torch.get_num_threads()
+    try:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            # side by side: each case's runs interleaved round by round
+            times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+            for _ in range(args.rounds):
+                for name, fn in cases.items():
+                    times[name] += timed(fn)
+            results = {
+                name: {
+                    "median_ms": 1e3 * statistics.median(w for w, _ in ts),
+                    "median_cpu_ms": 1e3 * statistics.median(c for _, c in ts),
+                    "runs": len(ts),
+                }
+                for name, ts in times.items()
+            }
+            for key, over in (("median_ms", ""), ("median_cpu_ms", "_cpu")):
+                base = results["projections"][key]
+                froz = results["layer, table frozen"][key]
+                for name in results:
+                    results[name]["over_projections" + over] = results[name][key] / base
+                    results[name]["over_frozen" + over] = results[name][key] / froz
+            out["threads"][str(threads)] = results
+    finally:
+        torch.set_num_threads(before)
+    out["rows_trained"] = len(trained.table.overlay)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- rss
@@ -233,6 +264,85 @@ def part_rss(args, path: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the rss child failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------- spill
+@contextlib.contextmanager
+def _recency(flag: bool):
+    """Stores made within the block keep the recently used records in memory (True) or the first
+    ones made (False): the default of ``SlotStore(recency=)`` set for the block."""
+    from ple.table.rowstore import SlotStore
+
+    defaults = SlotStore.__init__.__kwdefaults__
+    before = defaults["recency"]
+    defaults["recency"] = flag
+    try:
+        yield
+    finally:
+        defaults["recency"] = before
+
+
+def part_spill(args, path: Path) -> dict:
+    """SparseAdam over real text with the trained rows and states in memory up to a budget smaller
+    than the rows the run touches (``--spill-budget`` of them): the recently used records in memory
+    (least recently used leave first) against the first ones made (``recency=False``, the previous
+    policy), two runs side by side step by step on the same gradients. A step: the table's lookup of
+    the step's ids (what the forward reads, trained rows from the overlay) and the optimizer's step
+    on a sparse gradient of the rows read (random values; the backward is not what is measured)."""
+    import ple.train as pt
+    from ple.ngram import ngram_ids
+
+    cfg = config()
+    lay = cfg.layout(0)
+    batches = text_batches(cfg, args.spill_steps, args.tokens)
+    ids = []
+    for b in batches:
+        flat = b.reshape(-1)
+        qsl = torch.tensor([0, flat.numel()])
+        ctx = torch.full((1, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64)
+        ids.append(ngram_ids(flat, qsl, ctx, lay, cfg.eos_token_id))
+    touched = int(torch.unique(torch.cat([i.reshape(-1) for i in ids])).numel())
+    budget_rows = int(args.spill_budget * touched)
+    hd = lay.head_dim
+    runs = {}
+    for recency in (True, False):
+        with _recency(recency):
+            layer = layer_over(MmapTable.open(path), cfg)
+            layer.requires_grad_(False)
+            handles = pt.trainable(layer, memory_budget=budget_rows * 4 * hd, spill_dir=args.dir)
+            opt = pt.SparseAdam(handles, lr=1e-3, memory_budget=budget_rows * 8 * hd, spill_dir=args.dir)
+        runs[recency] = {"layer": layer, "handle": handles[0], "opt": opt, "times": []}
+    g = torch.Generator().manual_seed(0)
+    for step_ids in ids:
+        rows = torch.unique(step_ids.reshape(-1))
+        grad = torch.randn(rows.numel(), hd, generator=g)
+        for recency, run in runs.items():
+            with _recency(recency):
+                t = time.perf_counter()
+                run["layer"].table.lookup(step_ids, torch.float32)
+                run["handle"].grad = torch.sparse_coo_tensor(
+                    rows.view(1, -1), grad, tuple(run["handle"].shape), is_coalesced=True, check_invariants=False
+                )
+                run["opt"].step()
+                run["times"].append(time.perf_counter() - t)
+    out: dict = {"steps": len(ids), "tokens_per_step": args.tokens, "rows_touched": touched,
+                 "rows_in_memory": budget_rows, "budget_share": args.spill_budget}  # fmt: skip
+    ov = {}
+    for recency, run in runs.items():
+        overlay = run["layer"].table.overlay
+        states = run["opt"].row_state(run["handle"]).store
+        reads, writes = overlay.spill_traffic
+        name = "recent rows in memory" if recency else "first rows in memory"
+        out[name] = {
+            "median_step_ms": 1e3 * statistics.median(run["times"][2:]),
+            "total_s": sum(run["times"]),
+            "records_read_from_spill": reads + states.file_reads,
+            "records_written_to_spill": writes + states.file_writes,
+            "rows_spilled": overlay.spilled_rows,
+        }
+        ov[recency] = overlay.get(overlay.ids())[1]
+    out["same_rows"] = bool(torch.equal(ov[True], ov[False]))  # where a record lives never changes it
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -295,10 +405,14 @@ def report(res: dict) -> str:
     ]
     if "step" in res:
         s = res["step"]
-        lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, sparse fp8 table file (mmap)",
-                  "| case | median ms | / projections | / frozen table |", "|---|---:|---:|---:|"]  # fmt: skip
-        for name, c in s["cases"].items():
-            lines.append(f"| {name} | {c['median_ms']:.1f} | {c['over_projections']:.2f}x | {c['over_frozen']:.2f}x |")
+        for threads, cases in s["threads"].items():
+            lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, sparse fp8 table file (mmap), "
+                      f"{threads} torch thread(s)",
+                      "| case | median ms | / projections | / frozen table | CPU ms | / projections | / frozen |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+            for name, c in cases.items():
+                lines.append(f"| {name} | {c['median_ms']:.1f} | {c['over_projections']:.2f}x | {c['over_frozen']:.2f}x "
+                             f"| {c['median_cpu_ms']:.1f} | {c['over_projections_cpu']:.2f}x | {c['over_frozen_cpu']:.2f}x |")  # fmt: skip
     if "rss" in res:
         r = res["rss"]
         gb = 1e9
@@ -309,6 +423,16 @@ def report(res: dict) -> str:
                   f"  dense: gradient {r['dense_fp32_gradient_bytes'] / gb:,.1f} GB + Adam {r['dense_adam_states_bytes'] / gb:,.1f} GB "
                   f"(+ fp32 table {r['dense_fp32_table_bytes'] / gb:,.1f} GB)",  # fmt: skip
                   f"  adapter {r['adapter_bytes'] / 1e6:.1f} MB; {r['seconds_per_step']:.2f} s a step"]  # fmt: skip
+    if "spill" in res:
+        sp = res["spill"]
+        lines += ["", f"spill: SparseAdam, {sp['steps']} steps x {sp['tokens_per_step']} real-text tokens, {sp['rows_touched']:,} rows "
+                  f"touched, {sp['rows_in_memory']:,} in memory ({100 * sp['budget_share']:.0f} %); same rows both ways: {sp['same_rows']}",
+                  "| policy | median step ms | records read from spill | written to spill |", "|---|---:|---:|---:|"]  # fmt: skip
+        for name in ("recent rows in memory", "first rows in memory"):
+            c = sp[name]
+            lines.append(
+                f"| {name} | {c['median_step_ms']:.1f} | {c['records_read_from_spill']:,} | {c['records_written_to_spill']:,} |"
+            )
     if "rows" in res:
         w = res["rows"]
         lines += ["", "real text, requests of 512 tokens: distinct rows read"]
@@ -325,12 +449,19 @@ def report(res: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", nargs="+", choices=["step", "rss", "rows"], default=["step", "rss", "rows"])
+    ap.add_argument(
+        "--part", nargs="+", choices=["step", "rss", "rows", "spill"], default=["step", "rss", "rows", "spill"]
+    )
     ap.add_argument("--tokens", type=int, default=512, help="tokens a step (one request)")
     ap.add_argument("--steps", type=int, default=20, help="rss: fine-tuning steps")
     ap.add_argument("--repeats", type=int, default=3, help="step: timed runs a round")
     ap.add_argument("--rounds", type=int, default=3, help="step: rounds, the cases interleaved")
+    ap.add_argument(
+        "--threads", type=int, nargs="+", default=[1, torch.get_num_threads()], help="step: torch threads, in turn"
+    )
     ap.add_argument("--million", type=float, default=1.0, help="rows: millions of real-text tokens")
+    ap.add_argument("--spill-steps", type=int, default=200, help="spill: steps of --tokens real-text tokens")
+    ap.add_argument("--spill-budget", type=float, default=0.25, help="spill: share of the touched rows in memory")
     ap.add_argument("--format", default="fp8", choices=["fp8", "q4_0", "bf16"])
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse table file goes")
     ap.add_argument("--out", help="write the results as JSON")
@@ -344,10 +475,10 @@ def main(argv=None) -> int:
     path = Path(args.dir) / f"train-bench-{args.format}-{os.getpid()}.pletable"
     res: dict = {"machine": machine_info(), "isa": cpu_isa(), "versions": versions()}
     try:
-        if {"step", "rss"} & set(args.part):
+        if {"step", "rss", "spill"} & set(args.part):
             sparse_table(path, cfg, args.format)
         for part, fn in (("rows", lambda: part_rows(args)), ("step", lambda: part_step(args, path)),
-                         ("rss", lambda: part_rss(args, path))):  # fmt: skip
+                         ("rss", lambda: part_rss(args, path)), ("spill", lambda: part_spill(args, path))):  # fmt: skip
             if part in args.part:
                 res[part] = fn()
                 if args.out:  # what is measured so far, in case a later part fails

@@ -32,6 +32,7 @@ from .ngram import layout_tensors, ngram_ids
 from .operators import OPERATORS
 from .ops import library as ops_library
 from .ops.gate import reference as gate_reference
+from .ops.padded_grad import gate_conv_padded
 from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from .runtime.batch import Batch
 from .table import StoredTable
@@ -86,6 +87,11 @@ class PLELayer(nn.Module):
     the table does (see :class:`ple.table.Table`), and may be built and run inside
     ``torch.inference_mode()``: its parameters and buffers are plain tensors there too.
     """
+
+    written_backward: bool = True
+    """fp32 training calls of :meth:`forward_padded` run the gate and conv as one autograd node with a
+    written-out backward (:mod:`ple.ops.padded_grad`: the same gradients within fp32 rounding, a few
+    dozen operations instead of about a hundred); False: autograd through the reference ops."""
 
     kv_weight: torch.Tensor
     gate_key_query: torch.Tensor
@@ -622,6 +628,9 @@ class PLELayer(nn.Module):
             return (out, c) if return_conv_input else out
 
     # ------------------------------------------------------------------ training-style call
+    def _gate_conv_grad(self) -> bool:
+        return any(p.requires_grad for p in (self.norm_key, self.norm_query, self.norm_conv, self.conv_weight))
+
     def forward_padded(
         self,
         hidden: torch.Tensor,
@@ -631,7 +640,8 @@ class PLELayer(nn.Module):
         return_conv_input: bool = False,
     ):
         """What transformers' ``Qwen4ExpTextPLELayer`` returns (``v + conv``, ``[B, S, HC*H]``) for
-        fresh sequences, through the literal reference ops, with autograd.
+        fresh sequences, through the literal reference ops, with autograd (recording an fp32 step, the
+        gate and conv are one node with a written-out backward: see :attr:`written_backward`).
 
         ``attention_mask [B, S]`` (1 = token, 0 = padding, e.g. left padding): padded positions read
         as EOS for the ids and are zeroed before the conv, as transformers does.
@@ -661,6 +671,17 @@ class PLELayer(nn.Module):
             emb = table.lookup(ids, self.dtype)
         key = F.linear(emb, self.key_proj)
         value = F.linear(emb, self.value_proj)
+        if (
+            self.written_backward
+            and torch.is_grad_enabled()
+            and key.dtype == value.dtype == hidden.dtype == torch.float32
+            and (key.requires_grad or value.requires_grad or hidden.requires_grad or self._gate_conv_grad())
+        ):
+            out, c = gate_conv_padded(
+                key, value, hidden.reshape(b * s, -1), self.gate_weights, self.conv_weight, cfg.ngram_size, (b, s),
+                attention_mask,
+            )  # fmt: skip
+            return (out, c) if return_conv_input else out
         v, c = gate_reference.ngram_gate(key, value, hidden.reshape(b * s, -1), self.gate_weights)
         v = v.reshape(b, s, -1)
         c = c.reshape(b, s, -1)

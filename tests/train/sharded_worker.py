@@ -1,8 +1,9 @@
 """One rank of the sharded training test (started by ``ple.parallel.spawn_local``).
 
 ``python sharded_worker.py TABLE OUT STEPS``: trains the table file's rows sharded over the ranks
-(``load_sharded``), in three runs: replicated ids with SGD and with SparseAdam (every rank the same
-batches), per-rank ids with SGD (each rank its own batches); each run saves one adapter file
+(``load_sharded``), in four runs: replicated ids with SGD and with SparseAdam (every rank the same
+batches), per-rank ids with SGD and with SparseAdam (each rank its own batches); each run saves one
+adapter file
 (``OUT/<run>.safetensors``, written by rank 0)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ RUNS = {
     "etp-sgd": ("replicated", SGD, {"lr": 0.5}),
     "etp-adam": ("replicated", SparseAdam, {"lr": 0.05}),
     "dp-sgd": ("per_rank", SGD, {"lr": 0.5}),
+    "dp-adam": ("per_rank", SparseAdam, {"lr": 0.05}),
 }
 
 

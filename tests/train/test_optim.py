@@ -257,3 +257,32 @@ def test_rows_and_states_spill_beside_the_table_file_by_default(tmp_path, monkey
     opt.step()
     assert layer.table.overlay.spilled_rows > 0 and opt.state_nbytes()[1] > 0
     assert [p.name for p in folder.iterdir()] == ["t.pletable"]  # unnamed files: nothing left beside it
+
+
+def test_rows_and_states_that_leave_memory_and_come_back_train_to_the_same_bits(tmp_path):
+    """Budgets far below the rows touched: the recently used rows and states stay in memory, the
+    others go to the spill files and come back when read again; every row and state equals the
+    unspilled run's, bit for bit."""
+
+    def run(budget_rows):
+        base = make_tier("mmap", "fp8", tmp_path, seed=5)
+        layer = new_layer(seed=6, table=base)
+        layer.requires_grad_(False)
+        width = base.head_dim
+        kw = {} if budget_rows is None else {"spill_dir": tmp_path}
+        handles = trainable(layer, memory_budget=None if budget_rows is None else budget_rows * width * 4, **kw)
+        opt = SparseAdam(handles, lr=0.05, memory_budget=None if budget_rows is None else budget_rows * width * 8, **kw)
+        for i in range(STEPS):
+            hidden, ids, _ = batch(seed=700 + i, b=2, s=10)
+            _loss(layer.forward_padded(hidden, ids), seed=i).backward()
+            opt.step()
+        overlay = layer.table.overlay
+        ids = overlay.ids()
+        return ids, overlay.get(ids)[1], opt.row_state(handles[0]).export(), overlay, opt.row_state(handles[0]).store
+
+    ids, rows, states, _, _ = run(None)
+    s_ids, s_rows, s_states, overlay, store = run(25)
+    assert ids.numel() > 8 * 25
+    assert torch.equal(ids, s_ids) and torch.equal(rows, s_rows)
+    assert torch.equal(states[0], s_states[0]) and torch.equal(states[1], s_states[1])
+    assert overlay.spill_traffic[0] > 0 and store.file_reads > 0  # rows and states came back from the files

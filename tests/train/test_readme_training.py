@@ -1,10 +1,13 @@
-"""The README's training snippet runs as written, on a tiny qwen4_exp model at ``path/to/model``."""
+"""README's training section runs as written: its ``ple train`` command lines (each exits 0) and its
+snippet, on a tiny qwen4_exp model at ``path/to/model``."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
+import pytest
 import torch
 
 from ple.table.adapted import AdaptedTable
@@ -12,12 +15,16 @@ from ple.table.adapted import AdaptedTable
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+def _section() -> str:
+    text = README.read_text()
+    section = text[text.index("## Training the table") :]
+    return section[: section.index("See `docs/ARCHITECTURE.md`")]
+
+
 def test_the_training_snippet_runs_as_written(tmp_path, monkeypatch):
     from ..integrations.helpers import tiny_config, tiny_model
 
-    text = README.read_text()
-    section = text[text.index("## Training the table") :]
-    (code,) = re.findall(r"```python\n(.*?)```", section[: section.index("See `docs/ARCHITECTURE.md`")], flags=re.S)
+    (code,) = re.findall(r"```python\n(.*?)```", _section(), flags=re.S)
     tiny_model(tiny_config(split_ngram_parts=4), seed=61).save_pretrained(tmp_path / "path" / "to" / "model")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
@@ -30,3 +37,28 @@ def test_the_training_snippet_runs_as_written(tmp_path, monkeypatch):
 
     for a, b in zip(patched_layers(trained), patched_layers(served), strict=True):
         assert isinstance(b.layer.table, AdaptedTable) and len(b.layer.table.overlay) == len(a.layer.table.overlay) > 0
+        assert isinstance(a.layer.table, AdaptedTable)  # saving merged the rows into the checkpoint, not the model
+    assert list((tmp_path / "path" / "to" / "tuned").glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_the_training_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    from ple.cli import main
+    from ple.table import verify_table_file
+
+    (block,) = re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["ple", "train"]] * 3
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    before = torch.get_num_threads()
+    try:
+        for argv in commands:
+            assert main(argv[1:]) == 0, (argv, capsys.readouterr())
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert out.count("checks     : all passed") == 2 and "(q4_0), tier direct" in out
+    work = tmp_path / "train-demo"
+    assert {p.name for p in work.iterdir()} >= {"published", "tables", "adapter.safetensors", "loss.png"}
+    assert verify_table_file(tmp_path / "merged.pletable") == []

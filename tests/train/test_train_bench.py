@@ -19,14 +19,21 @@ def test_the_training_benchmark_reports_every_part(tmp_path, capsys):
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     args = ["--tokens", "8", "--steps", "2", "--rounds", "1", "--repeats", "1", "--million", "0.04"]
+    args += ["--threads", "1", "2", "--spill-steps", "3", "--spill-budget", "0.5"]
     assert bench.main([*args, "--dir", str(tmp_path), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["step"]["cases"]) == {
+    assert sorted(res["step"]["threads"]) == ["1", "2"]
+    assert set(res["step"]["threads"]["1"]) == {
         "projections",
         "layer, table frozen",
         "layer, table trained (SparseAdam)",
         "layer, table trained (fused)",
+        "layer, table trained (SparseAdam), autograd of the reference gate and conv",
     }
+    spill = res["spill"]
+    assert spill["same_rows"] and spill["rows_in_memory"] < spill["rows_touched"]
+    for policy in ("recent rows in memory", "first rows in memory"):
+        assert spill[policy]["records_written_to_spill"] > 0 and spill[policy]["rows_spilled"] > 0
     rss = res["rss"]
     assert rss["rows_trained"] > 0 and rss["adapter_bytes"] < 1 << 20
     assert rss["dense_adam_states_bytes"] == 2 * rss["dense_fp32_gradient_bytes"] == 2 * 320_001_536 * 160 * 4

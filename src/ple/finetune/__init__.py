@@ -22,14 +22,37 @@ from pathlib import Path
 from typing import Any
 
 from ..argtypes import int_between, non_negative_int, positive_float
-from ..errors import CommandLineError
+from ..errors import UsageError
 
 __all__ = ["add_arguments", "run"]
+
+
+DESCRIPTION = """\
+fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters
+
+Builds the demo's qwen4_exp model (random weights; fp8 tables in the published layout), loads it
+with ple.integrations.transformers.from_pretrained with its tables on disk (--tier, --table-format)
+and trains it on real text: a row-sparse optimizer for the tables (--optimizer), AdamW for the
+other weights. It reports the training and held-out losses, the rows trained, the adapter file
+written (the trained rows and the optimizer's state) and that the table files were never written;
+the exit status is 1 when one of these checks fails.
+
+Needs transformers, and tiktoken with dashscope for the real text (the Qwen vocabulary ships in
+dashscope); the loss plot needs matplotlib: pip install 'ple[train]' installs them all (and
+accelerate, which transformers' Trainer needs for your own fine-tunes).
+
+Without --workdir everything goes to a temporary folder, removed at the end. With it, WORKDIR keeps
+published/ (the checkpoint), tables/ (one table file per PLE layer), adapter.safetensors and
+loss.png; serve the adapter with from_pretrained(WORKDIR/published, table_dir=WORKDIR/tables,
+table_adapter=WORKDIR/adapter.safetensors), or write it into a table file with --merge."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..table.convert import TARGET_NAMES
     from .loop import OPTIMIZERS
+
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
 
     p.add_argument("--size", choices=["quick", "default"], default="quick", help="the demo model's table size")
     p.add_argument("--steps", type=int_between(1, 100_000), default=40, help="training steps (40)")
@@ -38,13 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tier", choices=["mmap", "cached", "direct"], default="mmap", help="where the tables are served from"
     )
-    p.add_argument("--table-format", choices=TARGET_NAMES, help="train over a copy of the tables in this format")
+    p.add_argument(
+        "--table-format", choices=TARGET_NAMES, help="train over a copy of the tables in this format (default: fp8)"
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sparse_adam", help="the tables' optimizer")
     p.add_argument("--lr", type=positive_float, default=0.05, help="the tables' learning rate (0.05)")
     p.add_argument("--rest-lr", type=positive_float, default=3e-3, help="AdamW's for the other weights (0.003)")
     p.add_argument("--tables-only", action="store_true", help="train the tables alone (the rest frozen)")
     p.add_argument("--fused", action="store_true", help="apply the tables' updates inside the backward")
-    p.add_argument("--memory-budget", type=non_negative_int, metavar="BYTES", help="trained rows kept in memory")
+    p.add_argument(
+        "--memory-budget",
+        type=non_negative_int,
+        metavar="BYTES",
+        help="per table: bytes of trained rows, and of optimizer states, kept in memory (the recently used); "
+        "the rest spill to unnamed files beside the table files (default: all in memory)",
+    )
     p.add_argument(
         "--ranks", type=int_between(1, 64), default=1, help="also train with the tables sharded over N ranks"
     )
@@ -54,6 +85,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", nargs=3, metavar=("TABLE", "ADAPTER", "OUT"), help="merge an adapter into a table file")
     p.add_argument("--force", action="store_true", help="--merge: replace OUT")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the report")
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _check_real_text() -> None:
+    from ..realtext import RealTextError, tokenizer
+
+    try:
+        tokenizer()
+    except RealTextError as e:
+        raise RealTextError(f"{e}. ple train fine-tunes on real text: pip install 'ple[train]'") from e
 
 
 def _say(msg: str) -> None:
@@ -79,20 +125,11 @@ def run(args) -> int:
     from ..integrations.qwen4_exp import require_transformers
     from .loop import Options, finetune, plot_losses, prepare_checkpoint
 
+    # what the run needs, before anything runs
     require_transformers()
-    if args.table_format is not None and args.table_format in (
-        "q8_0",
-        "q5_1",
-        "q5_0",
-        "q4_1",
-        "q4_0",
-        "iq4_nl",
-        "mxfp4",
-        "nvfp4",
-    ):
-        raise CommandLineError(
-            f"--table-format {args.table_format}: the demo model's rows are 4 values, no whole block"
-        )
+    _check_real_text()
+    if args.plot and not _has_matplotlib():
+        raise UsageError(f"--plot {args.plot}: drawing the loss curve needs matplotlib (pip install 'ple[train]')")
     opts = Options(
         size=args.size,
         steps=args.steps,
@@ -137,7 +174,9 @@ def run(args) -> int:
         if args.ranks > 1:
             report["ranks"] = _ranked(args.ranks, published, work, opts)
             checks["ranks_bit_identical"] = report["ranks"]["identical"]
-        plot = args.plot or (str(work / "loss.png") if args.workdir else None)
+        plot = args.plot or (str(work / "loss.png") if args.workdir and _has_matplotlib() else None)
+        if args.workdir and not plot:
+            _say("no loss plot: matplotlib is not installed (pip install 'ple[train]')")
         if plot:
             title = f"ple train: demo model ({args.size}), tables {report['tables'][0][2]} on {args.tier}, real text"
             report["plot"] = plot if plot_losses(report, Path(plot), title) else None
@@ -207,9 +246,8 @@ def _print(r: dict[str, Any], args) -> None:
           f"held-out {r['held_out'][0][1]:.3f} -> {r['held_out'][-1][1]:.3f}")  # fmt: skip
     trained = ", ".join(f"{n:,} of {k:,}" for n, k in zip(r["trained_rows"], r["lookups"], strict=True))
     print(f"rows       : {trained} row reads trained (distinct rows, per table)")
-    print(
-        f"adapter    : {r['adapter']}, {r['adapter_bytes'] / 1e6:.2f} MB (the trained rows and the optimizer's state)"
-    )
+    where = r["adapter"] if args.workdir else "in the temporary folder, removed at the end (--workdir keeps it)"
+    print(f"adapter    : {where}, {r['adapter_bytes'] / 1e6:.2f} MB (the trained rows and the optimizer's state)")
     print(
         f"tables     : {'untouched' if r['tables_untouched'] else 'CHANGED'} ({len(r['table_files'])} files hashed before and after)"
     )

@@ -142,7 +142,7 @@ def finetune(
     )
     held = windows(held_ids, 8, opts.length, 0)
     handles = trainable(model, memory_budget=opts.memory_budget)
-    table_opt = _table_optimizer(opts.optimizer, handles, opts.lr, fused=opts.fused)
+    table_opt = _table_optimizer(opts.optimizer, handles, opts.lr, fused=opts.fused, memory_budget=opts.memory_budget)
     if opts.tables_only:
         model.requires_grad_(False)
         opt: torch.optim.Optimizer = table_opt

@@ -32,15 +32,20 @@ writes. transformers 5.24 reads an F8_E4M3 table as a plain cast and ignores ``w
 ``save_pretrained`` of a model whose tables carry scales warns (:class:`ScaledTableWarning`), and
 ``save_pretrained(dst, dequantize=torch.bfloat16)`` writes the form plain transformers reads
 correctly (the tables dequantized, no ``weight_scale``; :func:`dequantize_checkpoint` does the same
-to a checkpoint folder). A table whose rows this process cannot read (sharded across ranks) refuses
-to be saved.
+to a checkpoint folder). A table with trained rows on it (an adapter of ``ple.train``) is saved
+merged: the base's rows with the trained rows requantized into its format, as
+``ple.train.merge_model`` writes them, streamed through unnamed files in the folder being saved to
+(the model keeps its adapter; see :mod:`ple.integrations.table_state`, which also says what
+:func:`unpatch` gives back). A table whose rows this process cannot read (sharded across ranks)
+refuses to be saved, naming what to do instead.
 
 Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
 :meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
 ``torch.no_grad()`` (as ``generate()`` runs). The projections, norms and conv weights train; the table
-is frozen (it is not a parameter of the patched model) unless ``patch(..., table_grad=True)``, which
-needs ``table_tier="memory"`` and a bf16/fp16/fp32 table: the table parameter then gets the same dense
-gradient transformers gives it (non-zero only on the rows the batch touched). Other tiers refuse.
+is not a parameter of the patched model: ``ple.train.trainable(model)`` trains it on every tier and
+format with row-sparse gradients and optimizers (see :mod:`ple.train`). ``patch(..., table_grad=True)``
+(``table_tier="memory"``, a bf16/fp16/fp32 table) instead makes it a parameter with the dense gradient
+transformers gives it (non-zero only on the rows the batch touched).
 """
 
 from __future__ import annotations
@@ -72,12 +77,13 @@ from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ..files import read_json
 from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
-from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, dequantize, format_info
-from ..table.blocks import dequantize_blocks
+from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
+from ..table.adapted import AdaptedTable
 from ..table.convert import TARGET_NAMES
 from .dequantized_copy import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
 from .table_folder import PreparedTable, default_table_dir, prepare_table, served_format
+from .table_state import staging, table_state, weight_from_table
 
 __all__ = [
     "from_pretrained",
@@ -160,7 +166,9 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args,
                 ScaledTableWarning,
                 stacklevel=2,
             )
-        return save(model, save_directory, *args, **kwargs)
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        with staging(save_directory):
+            return save(model, save_directory, *args, **kwargs)
     if dequantize not in (torch.bfloat16, torch.float16, torch.float32):
         raise InvalidArgumentError(
             f"dequantize must be torch.bfloat16, torch.float16 or torch.float32 (or None), got {dequantize!r}"
@@ -177,7 +185,8 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ScaledTableWarning)
-            save(model, staged, *args, **kwargs)
+            with staging(staged):
+                save(model, staged, *args, **kwargs)
         dequantize_checkpoint(staged, dst, dequantize)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
@@ -335,7 +344,7 @@ class PatchedPLELayer(nn.Module):
         else:
             assert self._released_weight is not None
             want_dtype, device = self._released_weight[0].dtype, self._released_weight[1]
-        weight = _weight_from_table(self.layer.table, want_dtype, device, materialize, self.layer_idx)
+        weight = weight_from_table(self.layer.table, want_dtype, device, materialize, self.layer_idx)
 
         def restore() -> nn.Module:
             w = weight()
@@ -356,7 +365,7 @@ class PatchedPLELayer(nn.Module):
         """Undo a patch that failed part way: a released table comes back from its exact copy."""
         if self._released_weight is not None:
             param, device = self._released_weight
-            restore = _weight_from_table(self.layer.table, param.dtype, device, False, self.layer_idx)
+            restore = weight_from_table(self.layer.table, param.dtype, device, False, self.layer_idx)
             with torch.no_grad():
                 param.data = restore()
             self._released_weight = None
@@ -369,104 +378,14 @@ class PatchedPLELayer(nn.Module):
             for hf_name, attr in _DENSE.items():
                 target = original.get_parameter(hf_name)
                 target.data = getattr(self.layer, attr).detach().reshape(target.shape)
-        if self.layer.table is not None:
-            self.layer.table.close()
+        table = self.layer.table
+        if table is not None:
+            table.close()
+            if isinstance(table, AdaptedTable):  # its base and trained rows go with it
+                table.base.close()
+                table.overlay.close()
         self.layer.table = None
         return original
-
-
-def _weight_from_table(
-    table, dtype: torch.dtype, device, materialize: bool, layer_idx: int
-) -> Callable[[], torch.Tensor]:
-    """How to give a transformers module its table back as a ``dtype`` tensor on ``device``.
-
-    The rows stay where they are when the table stores them exactly in ``dtype`` (a table file
-    becomes a copy-on-write map); otherwise they are dequantized into memory, only when
-    ``materialize`` is set."""
-    backing = table.backing if isinstance(table, CachedTable) else table
-    if not isinstance(backing, StoredTable):
-        raise UsageError(
-            f"PLE layer {layer_idx}: the table's rows are not all in this process ({type(backing).__name__}); "
-            "the original module cannot get its table back"
-        )
-    exact = format_info(backing.format).scale_kind == "none" and backing.storage_dtype == dtype
-    if exact and isinstance(backing, MmapTable):
-        # a copy-on-write map of the file the table holds: nothing read until touched, training
-        # writes go to private pages, never to the file
-        return lambda: backing.map_rows(copy_on_write=True).to(device)
-    if exact:
-        return lambda: backing.data.detach().to(device)
-    if not materialize:
-        mb = backing.rows * backing.head_dim * dtype.itemsize / 1e6
-        raise UsageError(
-            f"PLE layer {layer_idx}: the table is {backing.format!r} and the module holds {dtype}: giving it "
-            f"back means dequantizing {mb:,.1f} MB into memory; pass materialize=True to do so"
-        )
-
-    def dequantized() -> torch.Tensor:
-        out = torch.empty(backing.rows, backing.head_dim, dtype=dtype, device=device)
-        step = 1 << 20
-        scale = backing.scale
-        for a in range(0, backing.rows, step):
-            b = min(backing.rows, a + step)
-            s = None if scale is None else (scale if scale.dim() == 1 else scale[a:b])
-            if format_info(backing.format).blocked:
-                out[a:b] = dequantize_blocks(backing.data[a:b], backing.format, s).to(dtype).to(device)
-            else:
-                out[a:b] = dequantize(backing.data[a:b], s, dtype).to(device)
-        return out
-
-    return dequantized
-
-
-# ---------------------------------------------------------------------------------------------- state dict
-def _distinct_storage(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as the CPU tensor ``t``, under a storage of its own (transformers keeps tensors
-    of one storage in one file, so shards must not share one to honour ``max_shard_size``)."""
-    if t.device.type != "cpu" or t.numel() == 0:
-        return t
-    raw = t.contiguous().view(torch.uint8).numpy()
-    return torch.from_numpy(raw).view(t.dtype)
-
-
-def table_state(table: Table, layer: PLELayer, base: str) -> dict[str, torch.Tensor]:
-    """A table in checkpoint form: ``{base}shard_{k}.weight`` per shard (plus ``{base}weight_scale``
-    or ``{base}shard_{k}.weight_scale``), each tensor with a storage of its own, read from its tier
-    (a table file is mapped, not read: new maps of the very file the table holds, whatever its name
-    leads to now). Raises :class:`UsageError` when the rows are not readable here."""
-    backing = table.backing if isinstance(table, CachedTable) else table
-    if not isinstance(backing, StoredTable):
-        raise UsageError(
-            f"PLE layer {layer.ple_layer_index}: a {type(backing).__name__} holds only part of the table in "
-            "this process, so it cannot be saved from here; save from a process that holds the whole table"
-        )
-    lay = layer.layout
-    kind = format_info(backing.format).scale_kind
-    out: dict[str, torch.Tensor] = {}
-    if format_info(backing.format).blocked:
-        # transformers reads no block format: each shard dequantized to the layer's dtype, no scale
-        for k in range(lay.split_parts):
-            a, b = lay.shard_range(k)
-            rows = dequantize_blocks(backing.data[a:b], backing.format, backing.scale)
-            out[f"{base}shard_{k}.weight"] = rows.to(layer.dtype).cpu()
-        return out
-    mapped = backing if isinstance(backing, MmapTable) else None
-    for k in range(lay.split_parts):
-        a, b = lay.shard_range(k)
-        if mapped is not None:
-            out[f"{base}shard_{k}.weight"] = mapped.map_rows(a, b)
-        else:
-            out[f"{base}shard_{k}.weight"] = _distinct_storage(backing.data.detach()[a:b])
-        if kind == "row":
-            scale = backing.scale
-            assert scale is not None
-            out[f"{base}shard_{k}.weight_scale"] = (
-                mapped.map_rows(a, b, scales=True) if mapped is not None else _distinct_storage(scale.detach()[a:b])
-            )
-    if kind == "global":
-        assert backing.scale is not None
-        out[f"{base}weight_scale"] = backing.scale.detach().reshape(1).float().clone()
-    return out
 
 
 def _hf_state_dict(module: PatchedPLELayer, state_dict: dict, prefix: str, local_metadata) -> None:

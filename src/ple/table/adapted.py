@@ -4,8 +4,8 @@ Training a table changes the rows a corpus reads and no others, so what training
 apart from the table it started from:
 
 - :class:`RowOverlay`: rows by id (``[n, head_dim]`` in fp32 or bf16), kept in a
-  :class:`~ple.table.rowstore.SlotStore` (in memory up to a budget, spilled to an unnamed file
-  beyond it) behind a :class:`~ple.table.rowstore.RowMap`; guarded by a lock, so a lookup (or a
+  :class:`~ple.table.rowstore.SlotStore` (the recently used ones in memory up to a budget, the
+  others in an unnamed spill file) behind a :class:`~ple.table.rowstore.RowMap`; guarded by a lock, so a lookup (or a
   prefetch's worker) never reads a row half-written by an optimizer step.
 - :class:`AdaptedTable`: a table of any tier and format (``base``) with an overlay on top. A lookup
   returns the base's rows, except that the rows the overlay holds read ``overlay_row.to(dtype)``:
@@ -48,8 +48,8 @@ class RowOverlay:
         rows: the table's row count (ids are checked against it).
         head_dim: the width of a row.
         dtype: ``torch.float32`` (training) or ``torch.bfloat16``.
-        memory_budget: bytes of rows kept in memory (None: all); the rest spill to an unnamed file
-            in ``spill_dir`` (default: the system's temporary folder).
+        memory_budget: bytes of rows kept in memory (None: all), the recently used ones; the rest
+            spill to an unnamed file in ``spill_dir`` (default: the system's temporary folder).
     """
 
     def __init__(
@@ -93,6 +93,11 @@ class RowOverlay:
     def spilled_rows(self) -> int:
         return self._store.spilled_slots
 
+    @property
+    def spill_traffic(self) -> tuple[int, int]:
+        """Rows ``(read from, written to)`` the spill file so far."""
+        return self._store.file_reads, self._store.file_writes
+
     def ids(self) -> torch.Tensor:
         """``[n]`` int64: the row ids held, sorted."""
         with self.lock:
@@ -112,6 +117,14 @@ class RowOverlay:
         with self.lock:
             where, slots = self._map.find(ids)
             return where, self._store.read(slots)
+
+    def range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [m], rows [m, head_dim])``: the held rows with ids in ``[start, stop)``, in id order."""
+        with self.lock:
+            keys = self._map.keys
+            a = int(torch.searchsorted(keys, start)) if keys.numel() else 0
+            b = int(torch.searchsorted(keys, stop)) if keys.numel() else 0
+            return keys[a:b].clone(), self._store.read(self._map.slots[a:b])
 
     def chunks(self, size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(ids [m], rows [m, head_dim])`` in id order, ``size`` rows at a time (for saving)."""

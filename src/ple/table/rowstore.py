@@ -9,11 +9,12 @@ rows only, addressed by row id:
   new ids merges two sorted arrays (``O(n + k log n)``, no sort of the whole). There is no dense
   id -> slot array: the published table has 320 million rows.
 - :class:`SlotStore`: records of ``width`` values of one dtype by slot ``0 .. count-1``, slots
-  given out in order. The first ``memory_budget`` bytes of records live in memory (one tensor,
-  grown by doubling up to the budget); records beyond it live in a spill file in ``spill_dir``,
-  mapped in chunks of :data:`SPILL_CHUNK` slots. The spill file has no name (``O_TMPFILE``, or a
-  name removed as soon as it is opened): a process that dies leaves nothing behind, and what must
-  outlive the process is saved on purpose (``ple.train``'s adapter files).
+  given out in order. Up to ``memory_budget`` bytes of records live in memory (frames of one
+  tensor, grown by doubling up to the budget): the records used most recently (least recently used
+  ones leave first: real text reuses a few rows often, so they stay); the others live in a spill
+  file in ``spill_dir``, mapped whole (slot ``s`` at record ``s``). The spill file has no name
+  (``O_TMPFILE``, or a name removed as soon as it is opened): a process that dies leaves nothing
+  behind, and what must outlive the process is saved on purpose (``ple.train``'s adapter files).
 
 Neither is thread-safe by itself; their owners lock (:class:`ple.table.adapted.RowOverlay`).
 """
@@ -30,10 +31,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RowMap", "SlotStore", "SPILL_CHUNK"]
+__all__ = ["RowMap", "SlotStore", "SPILL_CHUNK", "unnamed_file"]
 
 SPILL_CHUNK = 1 << 14
-"""Slots per mapped chunk of a spill file (a multiple of 4,096, so every chunk starts on a page)."""
+"""A spill file grows by whole multiples of this many slots (doubling, mapped again as it grows)."""
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -75,29 +76,41 @@ class RowMap:
         if n == 0:
             self.keys, self.slots = ids.clone(), slots.clone()
             return
-        # merge two sorted arrays: each key's new place is its old place plus how many of the other
-        # array's keys sort before it
+        # merge two sorted arrays: a new key's place is its place among the old keys plus the new keys
+        # before it; the old keys fill the other places in order
         new_at = torch.searchsorted(self.keys, ids) + torch.arange(k)
-        old_at = torch.arange(n) + torch.searchsorted(ids, self.keys)
+        old = torch.ones(n + k, dtype=torch.bool)
+        old[new_at] = False
         keys = torch.empty(n + k, dtype=torch.int64)
         held = torch.empty(n + k, dtype=torch.int64)
-        keys[old_at] = self.keys
+        keys.masked_scatter_(old, self.keys)
         keys[new_at] = ids
-        held[old_at] = self.slots
+        held.masked_scatter_(old, self.slots)
         held[new_at] = slots
         self.keys, self.slots = keys, held
 
 
 class SlotStore:
-    """Records ``[width]`` in ``dtype`` by slot, in memory up to ``memory_budget`` bytes and in a spill
-    file beyond it (see the module docstring).
+    """Records ``[width]`` in ``dtype`` by slot, the recently used ones in memory up to
+    ``memory_budget`` bytes and the others in a spill file (see the module docstring).
 
     Args:
         width: values per record (a row's ``head_dim``; an optimizer's states side by side).
         dtype: the records' dtype.
         memory_budget: bytes of records kept in memory; None: all of them.
         spill_dir: the folder of the spill file (default: the system's temporary folder); the file is
-            made only when the records outgrow the budget.
+            made only when a record must leave memory.
+        recency: keep the records used last in memory (True), or the first ones made (False: records
+            made once memory is full go to the spill file and stay there; for comparison).
+
+    With a budget, memory holds ``memory_budget // record bytes`` frames. A call (:meth:`read`,
+    :meth:`write`, :meth:`append`) uses its slots: a slot in a frame is served there; one that is not
+    is given a frame, a free one or else the frame used longest ago (least recently used, by call;
+    the frames this call uses are never taken), whose record is written back to the spill file when
+    it changed since it was read from there; what does not fit (a call of more slots than frames) is
+    read and written in the spill file directly. The spill file holds slot ``s`` at record ``s``.
+    The records read back are the bytes written: where a record lives never changes its value.
+    ``file_reads`` / ``file_writes`` count the records moved from / to the spill file.
     """
 
     def __init__(
@@ -107,6 +120,7 @@ class SlotStore:
         *,
         memory_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
+        recency: bool = True,
     ) -> None:
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise InvalidArgumentError(f"width must be an int >= 1, got {width!r}")
@@ -119,109 +133,200 @@ class SlotStore:
         self.record_nbytes = width * dtype.itemsize
         self.memory_slots: int | None = None if memory_budget is None else memory_budget // self.record_nbytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.recency = bool(recency)
         self.count = 0
-        self._mem = torch.empty(0, width, dtype=dtype)
+        self.file_reads = 0
+        self.file_writes = 0
+        self._mem = torch.empty(0, width, dtype=dtype)  # the frames (without a budget: slot s in frame s)
+        self._frames = 0  # frames in use
+        self._frame_of = torch.empty(0, dtype=torch.int64)  # per slot: its frame, or -1 (with a budget)
+        self._slot_at = torch.empty(0, dtype=torch.int64)  # per frame: its slot
+        self._used = torch.empty(0, dtype=torch.int64)  # per frame: the call that used it last
+        self._dirty = torch.empty(0, dtype=torch.bool)  # per frame: changed since read from the file
+        self._tick = 0
         self._fd = -1
-        self._maps: list[mmap.mmap] = []
-        self._chunks: list[torch.Tensor] = []
+        self._map: mmap.mmap | None = None
+        self._file = torch.empty(0, width, dtype=dtype)  # the spill file's records, mapped
 
     # ------------------------------------------------------------------ sizes
     @property
     def memory_nbytes(self) -> int:
-        """Bytes of records held in memory (the allocated part)."""
+        """Bytes of records held in memory (the allocated frames)."""
         return self._mem.numel() * self.dtype.itemsize
 
     @property
     def spilled_slots(self) -> int:
-        """Slots that live in the spill file."""
-        return max(0, self.count - self._mem_limit())
-
-    def _mem_limit(self) -> int:
-        return self.count if self.memory_slots is None else self.memory_slots
+        """Slots whose record is in the spill file only (not in a frame)."""
+        return self.count - (self.count if self.memory_slots is None else self._frames)
 
     # ------------------------------------------------------------------ growth
-    def _reserve(self, n: int) -> None:
-        limit = n if self.memory_slots is None else min(n, self.memory_slots)
-        have = self._mem.shape[0]
-        if limit > have:
-            cap = max(limit, 2 * have, 64)
-            if self.memory_slots is not None:
-                cap = min(cap, self.memory_slots)
-            grown = torch.empty(cap, self.width, dtype=self.dtype)
-            grown[: self.count] = self._mem[: self.count]
-            self._mem = grown
-        if self.memory_slots is not None and n > self.memory_slots:
-            need = -(-(n - self.memory_slots) // SPILL_CHUNK)
-            while len(self._chunks) < need:
-                self._map_chunk(len(self._chunks))
+    def _grow(self, t: torch.Tensor, n: int, fill) -> torch.Tensor:
+        if t.shape[0] >= n:
+            return t
+        cap = max(n, 2 * t.shape[0], 64)
+        grown = torch.full((cap, *t.shape[1:]), fill, dtype=t.dtype)
+        grown[: t.shape[0]] = t
+        return grown
 
-    def _map_chunk(self, c: int) -> None:
+    def _grow_frames(self, n: int) -> None:
+        have = self._mem.shape[0]
+        if n <= have:
+            return
+        cap = max(n, 2 * have, 64)
+        if self.memory_slots is not None:
+            cap = min(cap, self.memory_slots)
+            self._slot_at = self._grow(self._slot_at, cap, -1)
+            self._used = self._grow(self._used, cap, 0)
+            self._dirty = self._grow(self._dirty, cap, False)
+        grown = torch.empty(cap, self.width, dtype=self.dtype)
+        grown[:have] = self._mem
+        self._mem = grown
+
+    def _file_slots(self, n: int) -> torch.Tensor:
+        """The spill file as ``[capacity, width]`` records, ``capacity >= n`` (made on first use; grown
+        by doubling, in whole :data:`SPILL_CHUNK` slots, and mapped again)."""
+        have = self._file.shape[0]
+        if n <= have:
+            return self._file
         if self._fd < 0:
-            self._fd = _unnamed_file(self.spill_dir)
-        size = SPILL_CHUNK * self.record_nbytes
-        os.ftruncate(self._fd, (c + 1) * size)
-        m = mmap.mmap(self._fd, size, offset=c * size)
-        self._maps.append(m)
-        self._chunks.append(torch.frombuffer(m, dtype=self.dtype).view(SPILL_CHUNK, self.width))
+            self._fd = unnamed_file(self.spill_dir)
+        cap = -(-max(n, 2 * have, SPILL_CHUNK) // SPILL_CHUNK) * SPILL_CHUNK
+        size = cap * self.record_nbytes
+        os.ftruncate(self._fd, size)
+        m = mmap.mmap(self._fd, size)
+        self._drop_map()
+        self._map = m
+        self._file = torch.frombuffer(m, dtype=self.dtype).view(cap, self.width)
+        return self._file
+
+    def _drop_map(self) -> None:
+        self._file = torch.empty(0, self.width, dtype=self.dtype)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still maps it: unmapped with the view
+                self._map.close()
+            self._map = None
 
     def append(self, values: torch.Tensor) -> torch.Tensor:
         """Store ``values [k, width]`` in ``k`` new slots; returns them (``[k]`` int64, consecutive)."""
         k = values.shape[0]
         start = self.count
-        self._reserve(start + k)
         self.count = start + k
         slots = torch.arange(start, start + k, dtype=torch.int64)
+        if self.memory_slots is None:
+            self._grow_frames(self.count)
+            self._frames = self.count
+        else:
+            self._frame_of = self._grow(self._frame_of, self.count, -1)
         self.write(slots, values)
         return slots
 
+    # ------------------------------------------------------------------ frames
+    def _place(self, slots: torch.Tensor, load: bool) -> torch.Tensor:
+        """The frame of each of ``slots [k]`` (distinct), giving frames to those without one (see the
+        class docstring), their records read from the spill file when ``load``; -1 where none fits."""
+        self._tick += 1
+        tick = self._tick
+        frames = self._frame_of.index_select(0, slots)
+        hit = frames >= 0
+        if self.recency:
+            self._used[frames[hit]] = tick
+        missing = (~hit).nonzero().squeeze(1)
+        if missing.numel() == 0:
+            return frames
+        assert self.memory_slots is not None
+        free = min(self.memory_slots - self._frames, missing.numel())
+        given = torch.arange(self._frames, self._frames + free, dtype=torch.int64)
+        if free:
+            self._grow_frames(self._frames + free)
+            self._frames += free
+            self._used[given] = tick  # not to be taken again below
+        more = missing.numel() - free
+        if more and self.recency and self._frames:
+            older = self._used[: self._frames] < tick  # frames this call does not use
+            take = min(more, int(older.sum()))
+            if take:
+                ages = torch.where(older, self._used[: self._frames], tick)
+                victims = torch.topk(ages, take, largest=False, sorted=False).indices
+                self._evict(victims)
+                given = torch.cat([given, victims])
+        if given.numel() == 0:
+            return frames
+        placed = missing[: given.numel()]
+        new_slots = slots[placed]
+        if load:
+            self._mem[given] = self._file_read(new_slots)
+        self._frame_of[new_slots] = given
+        self._slot_at[given] = new_slots
+        self._used[given] = tick
+        self._dirty[given] = False
+        frames[placed] = given
+        return frames
+
+    def _evict(self, victims: torch.Tensor) -> None:
+        """Write the changed records of frames ``victims`` back to the spill file; their slots lose them."""
+        slots = self._slot_at[victims]
+        dirty = self._dirty[victims]
+        if bool(dirty.any()):
+            self._file_write(slots[dirty], self._mem[victims[dirty]])
+        self._frame_of[slots] = -1
+
+    # ------------------------------------------------------------------ the spill file
+    def _file_read(self, slots: torch.Tensor) -> torch.Tensor:
+        if slots.numel() == 0:
+            return torch.empty(0, self.width, dtype=self.dtype)
+        self.file_reads += slots.numel()
+        return self._file_slots(int(slots.max()) + 1).index_select(0, slots)
+
+    def _file_write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        if slots.numel():
+            self.file_writes += slots.numel()
+            self._file_slots(int(slots.max()) + 1).index_copy_(0, slots, values)
+
     # ------------------------------------------------------------------ access
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[k, width]``: the records of ``slots [k]`` (a copy)."""
-        m = self._mem_limit()
-        if self.spilled_slots == 0 or bool((slots < m).all()):
+        """``[k, width]``: the records of ``slots [k]`` (repeats allowed; a copy)."""
+        if self.memory_slots is None:
             return self._mem.index_select(0, slots)
+        if slots.numel() > 1:
+            distinct, inverse = torch.unique(slots, return_inverse=True)
+            if distinct.numel() < slots.numel():
+                return self.read(distinct).index_select(0, inverse)
+        frames = self._place(slots, load=True)
+        inside = frames >= 0
+        if bool(inside.all()):
+            return self._mem.index_select(0, frames)
         out = torch.empty(slots.numel(), self.width, dtype=self.dtype)
-        inside = slots < m
         at = inside.nonzero().squeeze(1)
-        out[at] = self._mem.index_select(0, slots[at])
-        for where, chunk, offs in self._spilled(slots, ~inside, m):
-            out[where] = chunk.index_select(0, offs)
+        out[at] = self._mem.index_select(0, frames[at])
+        outside = (~inside).nonzero().squeeze(1)
+        out[outside] = self._file_read(slots[outside])
         return out
 
     def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite the records of ``slots [k]`` (distinct) with ``values [k, width]``."""
         values = values.to(self.dtype)
-        m = self._mem_limit()
-        if self.spilled_slots == 0 or bool((slots < m).all()):
+        if self.memory_slots is None:
             self._mem.index_copy_(0, slots, values)
             return
-        inside = slots < m
+        frames = self._place(slots, load=False)
+        inside = frames >= 0
+        if bool(inside.all()):
+            self._mem.index_copy_(0, frames, values)
+            self._dirty[frames] = True
+            return
         at = inside.nonzero().squeeze(1)
-        self._mem.index_copy_(0, slots[at], values[at])
-        for where, chunk, offs in self._spilled(slots, ~inside, m):
-            chunk.index_copy_(0, offs, values[where])
-
-    def _spilled(self, slots: torch.Tensor, outside: torch.Tensor, m: int):
-        """``(positions, chunk tensor, offsets in it)`` for the spilled ``slots``, one chunk at a time."""
-        where = outside.nonzero().squeeze(1)
-        rel = slots[where] - m
-        chunk_of = rel // SPILL_CHUNK
-        order = torch.argsort(chunk_of, stable=True)
-        where, rel, chunk_of = where[order], rel[order], chunk_of[order]
-        present, counts = torch.unique_consecutive(chunk_of, return_counts=True)
-        start = 0
-        for c, n in zip(present.tolist(), counts.tolist(), strict=True):
-            yield where[start : start + n], self._chunks[c], rel[start : start + n] - c * SPILL_CHUNK
-            start += n
+        self._mem.index_copy_(0, frames[at], values[at])
+        self._dirty[frames[at]] = True
+        outside = (~inside).nonzero().squeeze(1)
+        self._file_write(slots[outside], values[outside])
 
     def close(self) -> None:
         """Drop the records and the spill file (nothing is written anywhere)."""
         self._mem = torch.empty(0, self.width, dtype=self.dtype)
-        self._chunks.clear()
-        for m in self._maps:
-            with contextlib.suppress(BufferError):  # a view handed out still maps it: freed with the view
-                m.close()
-        self._maps.clear()
+        self._frame_of = self._slot_at = self._used = torch.empty(0, dtype=torch.int64)
+        self._dirty = torch.empty(0, dtype=torch.bool)
+        self._frames = 0
+        self._drop_map()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -234,9 +339,9 @@ class SlotStore:
                 os.close(fd)
 
 
-def _unnamed_file(folder: Path | None) -> int:
+def unnamed_file(folder: str | os.PathLike | None) -> int:
     """A read-write file descriptor of a new file in ``folder`` that no name leads to (removed at once)."""
-    folder = Path(tempfile.gettempdir()) if folder is None else folder
+    folder = Path(tempfile.gettempdir()) if folder is None else Path(folder)
     if not folder.is_dir():
         raise InvalidArgumentError(f"spill_dir {folder} is not a folder")
     flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)

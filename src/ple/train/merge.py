@@ -30,7 +30,7 @@ from ..table.table_file import TableFileWriter, read_table_header
 from .adapter import AdapterFile, as_adapter, layout_hash_of, read_adapter
 from .attach import ple_layers
 
-__all__ = ["requantize", "merge_table_file", "merge_model"]
+__all__ = ["requantize", "merge_rows", "global_scale_of", "merge_table_file", "merge_model"]
 
 
 def requantize(values: torch.Tensor, format: str, global_scale: float | None = None):
@@ -51,6 +51,33 @@ def requantize(values: torch.Tensor, format: str, global_scale: float | None = N
     from ..table import quantize_rows
 
     return quantize_rows(values, format)
+
+
+def global_scale_of(table) -> float | None:
+    """The global scale of a stored table of a "global" scale format ("fp8", "nvfp4"), else None."""
+    scale = table.scale
+    if format_info(table.format).scale_kind != "global" or scale is None:
+        return None
+    return float(scale.reshape(-1)[0])
+
+
+def merge_rows(
+    data: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    at: torch.Tensor,
+    values: torch.Tensor,
+    format: str,
+    global_scale: float | None = None,
+) -> None:
+    """Write trained rows into stored rows, in place: rows ``at [m]`` of ``data [n, width]`` (a
+    table's stored rows in ``format``) become ``values [m, head_dim]`` requantized (:func:`requantize`),
+    and for a per-row format their scales in ``row_scale [n, 1]`` the new ones."""
+    if at.numel() == 0:
+        return
+    stored, new_scale = requantize(values, format, global_scale)
+    data[at] = stored
+    if row_scale is not None and new_scale is not None:
+        row_scale[at] = new_scale
 
 
 def _rows_in(chunks: Iterator[tuple[torch.Tensor, torch.Tensor]]):
@@ -123,7 +150,7 @@ def merge_table_file(
     try:
         scale = base.scale
         kind = format_info(fmt).scale_kind
-        global_scale = float(scale.reshape(-1)[0]) if kind == "global" and scale is not None else None
+        global_scale = global_scale_of(base)
         layout = header.get("layout") or header["layout_hash"]
         take = _rows_in(file.chunks(entry.ple_layer_index))
         bar = None
@@ -137,11 +164,7 @@ def merge_table_file(
                 data = base.data[a:b].clone()
                 srow = scale[a:b].clone() if kind == "row" and scale is not None else None
                 ids, values = take(b)
-                if ids.numel():
-                    stored, new_scale = requantize(values, fmt, global_scale)
-                    data[ids - a] = stored
-                    if srow is not None and new_scale is not None:
-                        srow[ids - a] = new_scale
+                merge_rows(data, srow, ids - a, values, fmt, global_scale)
                 writer.write_shard(k, data, srow if kind == "row" else (scale if kind == "global" else None))
                 if bar is not None:
                     bar.update(b - a)

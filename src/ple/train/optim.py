@@ -21,8 +21,10 @@ order, on the rows of the step: :class:`SparseAdam` is ``torch.optim.SparseAdam`
 :class:`RowWiseAdagrad` keeps one fp32 state per row (the mean of the squared gradient, summed
 over steps), as FBGEMM's exact row-wise Adagrad does.
 
-State memory: ``memory_budget`` bytes of states per table in memory (None: all); beyond it states
-spill to an unnamed file in ``spill_dir`` (default: the folder of the table's file).
+State memory: ``memory_budget`` bytes of states per table in memory (None: all), those of the rows
+used most recently; the others spill to an unnamed file in ``spill_dir`` (default: the folder of the
+table's file) and come back when their rows are in a step again
+(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value.
 
 Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
 computed (FBGEMM's fused backward): no gradient is stored on the handle and :meth:`step` has
