@@ -716,7 +716,7 @@ def report(res: dict) -> str:
     ]
     for c in res["configs"]:
         name = "memory map" if c["kind"] == "mmap" else f"direct, budget {c['budget_gib']:g} GiB"
-        if c["kind"] == "direct" and len({x.get("reader") for x in res["configs"]}) > 1:
+        if c["kind"] == "direct" and len({x.get("reader") for x in res["configs"] if x["kind"] == "direct"}) > 1:
             name += f" ({c['reader']})"
         dev = c["device"]["depth32"]
         if c["kind"] == "direct":

@@ -184,6 +184,10 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_reader_read(void) { return 0; }\n"
     "int ple_reader_reads(void) { return 0; }\n"
     "void ple_reader_free(void) {}\n"
+    "int ple_uring_compiled(void) { return 0; }\n"
+    "int ple_uring_new(void) { return 0; }\n"
+    "int ple_uring_read(void) { return 0; }\n"
+    "void ple_uring_free(void) {}\n"
     # the table conversion kernels
     "int ple_encode_rows(void) { return 0; }\n"
     "long long ple_first_nonfinite(void) { return 0; }\n"
