@@ -178,7 +178,9 @@ def part_step(args, path: Path) -> dict:
     cases["layer, table trained (SparseAdam), autograd of the reference gate and conv"] = step(
         ref_layer, ref_opt, False
     )
-    out: dict = {"tokens": args.tokens, "threads": {}}
+    st = path.stat()
+    kind = "dense" if st.st_blocks * 512 >= st.st_size * 0.99 else "sparse"
+    out: dict = {"tokens": args.tokens, "threads": {}, "table": f"{kind} {frozen.table.format} table file"}
     before = torch.get_num_threads()
     try:
         for threads in args.threads:
@@ -239,6 +241,8 @@ def part_rss_child(args, path: Path) -> dict:
         "tokens_per_step": args.tokens,
         "seconds_per_step": seconds / args.steps,
         "table_file_bytes": path.stat().st_size,
+        "table_file_allocated_bytes": path.stat().st_blocks * 512,  # a sparse file's holes take none
+        "table_format": table.format,
         "table_rows": lay.padded_rows,
         "rows_trained": len(overlay),
         "overlay_bytes": overlay.nbytes,
@@ -406,7 +410,7 @@ def report(res: dict) -> str:
     if "step" in res:
         s = res["step"]
         for threads, cases in s["threads"].items():
-            lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, sparse fp8 table file (mmap), "
+            lines += ["", f"step, T = {s['tokens']} tokens, fp32, published geometry, {s.get('table', 'sparse fp8 table file')} (mmap), "
                       f"{threads} torch thread(s)",
                       "| case | median ms | / projections | / frozen table | CPU ms | / projections | / frozen |",
                       "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -416,7 +420,9 @@ def report(res: dict) -> str:
     if "rss" in res:
         r = res["rss"]
         gb = 1e9
-        lines += ["", f"fine-tune over a {r['table_file_bytes'] / gb:.1f} GB table file (direct tier, 64 MiB cache), "
+        dense = "dense" if r.get("table_file_allocated_bytes", 0) >= r["table_file_bytes"] * 0.99 else "sparse"
+        lines += ["", f"fine-tune over a {r['table_file_bytes'] / gb:.1f} GB {dense} {r.get('table_format', '')} table file "
+                  "(direct tier, 64 MiB cache), "
                   f"{r['steps']} steps x {r['tokens_per_step']} tokens, table only, SparseAdam:",  # fmt: skip
                   f"  rows trained {r['rows_trained']:,}; overlay {r['overlay_bytes'] / 1e6:.1f} MB, states {r['optimizer_state_bytes'] / 1e6:.1f} MB",
                   f"  peak RSS {r['peak_rss_bytes'] / 1e6:,.0f} MB (before training {r['peak_rss_before_bytes'] / 1e6:,.0f} MB); machine {r['machine_memory_bytes'] / gb:.1f} GB",
@@ -464,6 +470,11 @@ def main(argv=None) -> int:
     ap.add_argument("--spill-budget", type=float, default=0.25, help="spill: share of the touched rows in memory")
     ap.add_argument("--format", default="fp8", choices=["fp8", "q4_0", "bf16"])
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse table file goes")
+    ap.add_argument(
+        "--table-file",
+        help="an existing table file of the published layer's geometry to train over (a dense one, as "
+        "dense_bench.py --keep writes) instead of a sparse file; never removed",
+    )
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--child-rss", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--table", help=argparse.SUPPRESS)
@@ -472,10 +483,13 @@ def main(argv=None) -> int:
         print(json.dumps(part_rss_child(args, Path(args.table))))
         return 0
     cfg = config()
-    path = Path(args.dir) / f"train-bench-{args.format}-{os.getpid()}.pletable"
+    given = args.table_file is not None
+    path = Path(args.table_file) if given else Path(args.dir) / f"train-bench-{args.format}-{os.getpid()}.pletable"
+    if given and not path.is_file():
+        ap.error(f"--table-file {path}: no such file")
     res: dict = {"machine": machine_info(), "isa": cpu_isa(), "versions": versions()}
     try:
-        if {"step", "rss", "spill"} & set(args.part):
+        if {"step", "rss", "spill"} & set(args.part) and not given:
             sparse_table(path, cfg, args.format)
         for part, fn in (("rows", lambda: part_rows(args)), ("step", lambda: part_step(args, path)),
                          ("rss", lambda: part_rss(args, path)), ("spill", lambda: part_spill(args, path))):  # fmt: skip
@@ -484,7 +498,8 @@ def main(argv=None) -> int:
                 if args.out:  # what is measured so far, in case a later part fails
                     Path(args.out).write_text(json.dumps(res, indent=1))
     finally:
-        path.unlink(missing_ok=True)
+        if not given:
+            path.unlink(missing_ok=True)
     print(report(res))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))

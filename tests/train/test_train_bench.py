@@ -41,3 +41,21 @@ def test_the_training_benchmark_reports_every_part(tmp_path, capsys):
     assert not rows["extrapolated"] and rows["distinct_rows"] == rows["measured"][-1]["distinct_rows"] > 1000
     assert list(tmp_path.glob("*.pletable")) == []
     assert "distinct rows" in capsys.readouterr().out
+
+
+def test_a_given_table_file_is_trained_over_and_kept(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_bench", ROOT / "bench" / "train_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    table = bench.sparse_table(tmp_path / "given.pletable", bench.config(), "q4_0")
+    out = tmp_path / "r.json"
+    args = ["--part", "rss", "--tokens", "8", "--steps", "2", "--table-file", str(table)]
+    assert bench.main([*args, "--dir", str(tmp_path), "--out", str(out)]) == 0
+    rss = json.loads(out.read_text())["rss"]
+    assert rss["table_format"] == "q4_0" and rss["table_file_bytes"] == table.stat().st_size
+    assert rss["table_file_allocated_bytes"] < rss["table_file_bytes"] // 100  # the holes take no disk
+    assert rss["rows_trained"] > 0
+    assert table.is_file()  # a given file is never removed
+    assert "sparse q4_0 table file" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--part", "rss", "--table-file", str(tmp_path / "missing.pletable")])
