@@ -90,3 +90,18 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused(tmp_path, capsys):
     assert "formats these rows fit: fp8, int8\n" in err
     assert not (tmp_path / "out").exists()
     assert dataclasses.asdict(cfg)["ple_embed_dim"] == 32
+
+
+def test_an_nvfp4_conversion_shows_its_amax_pass(wide_checkpoint, tmp_path, capsys, monkeypatch):
+    """nvfp4's global scale needs one pass over the whole table before the conversion: on a terminal
+    it has a progress bar of its own, counting every row of the layer."""
+    import ple.commands
+
+    cfg, ckpt = wide_checkpoint
+    monkeypatch.setattr(ple.commands, "show_progress", lambda: True)
+    assert main(["convert", str(ckpt), str(tmp_path / "out"), "--layers", "0", "--to", "nvfp4"]) == 0
+    err = capsys.readouterr().err
+    amax = [line for line in err.replace("\r", "\n").splitlines() if "amax" in line and "nvfp4 global scale" in line]
+    assert amax, err
+    rows = cfg.layout(0).padded_rows
+    assert f"{rows}/{rows}" in amax[-1] or f"{rows / 1000:.2f}k/{rows / 1000:.2f}k" in amax[-1], amax[-1]

@@ -534,7 +534,8 @@ def _convert_layers(
         source = source_identity(e)  # before the rows are read: a checkpoint changed meanwhile does not match
         g = None
         if to == "nvfp4":
-            g = nvfp4_global_scale(table_amax(table_shards(e)))
+            rows = cfg.layout(e.ple_layer_index).padded_rows
+            g = nvfp4_global_scale(table_amax(table_shards(e), show_progress(), rows, path.name))
         stats = write_layer_table(
             table_shards(e),
             path,

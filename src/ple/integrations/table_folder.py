@@ -427,7 +427,8 @@ def _prepare(
         g = None
         if target == "nvfp4":
             with PreadReader() as reader:
-                g = nvfp4_global_scale(table_amax(table_shards(entry, reader)))
+                rows = config.layout(index).padded_rows
+                g = nvfp4_global_scale(table_amax(table_shards(entry, reader), progress, rows, path.name))
         with PreadReader() as reader:
             write_layer_table(
                 table_shards(entry, reader),

@@ -518,13 +518,26 @@ class _ShardConverter:
 # ---------------------------------------------------------------------------------------------- amax
 
 
-def table_amax(shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] | Any) -> float:
+def table_amax(
+    shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] | Any,
+    progress: bool = False,
+    total_rows: int | None = None,
+    name: str = "table",
+) -> float:
     """The largest magnitude of a table's dequantized (fp32) values, one pass over its shards, side by
     side (what an nvfp4 conversion's global scale is made from). A value that is not finite is refused,
-    naming its shard, row and column."""
+    naming its shard, row and column. ``progress``: a bar of the rows read (``total_rows`` its total,
+    when known), described as ``name``'s amax pass."""
     source: Any = shard_iter if _is_source(shard_iter) else None
     threads = _threads()
-    lanes = _Lanes(threads)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=total_rows, unit="row", unit_scale=True, desc=f"amax {name} (nvfp4 global scale)", smoothing=0.1
+        )
+    lanes = _Lanes(threads, bar)
     found: list[float] = [0.0]
 
     def pieces_of(k: int, shard) -> Iterable:
@@ -549,13 +562,18 @@ def table_amax(shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None
                     or f"source shard {k}: {where}, column {f.column} is {f.value} once scaled, not a finite value"
                 ) from None
             at += rows.shape[0]
+            lanes.advance(rows.shape[0])
         return amax
 
     if source is not None:
         jobs: Iterator = ((k, None) for k in range(source.num_shards))
     else:
         jobs = ((k, (src, scale)) for k, src, scale in shard_iter)
-    lanes.run(jobs, work, lambda k, a: found.__setitem__(0, max(found[0], a)))
+    try:
+        lanes.run(jobs, work, lambda k, a: found.__setitem__(0, max(found[0], a)))
+    finally:
+        if bar is not None:
+            bar.close()
     return found[0]
 
 
