@@ -222,23 +222,36 @@ def test_a_training_run_killed_at_any_point_leaves_the_base_and_the_last_adapter
     path = write_table_file(tmp_path / "base.pletable", "q8_0", seed=8)
     before = _sha(path)
     ckpt = tmp_path / "ckpt.safetensors"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    # a child that dies of a signal says where (faulthandler), not only that it printed nothing
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONFAULTHANDLER": "1"}
     child = [sys.executable, str(ROOT / "tests" / "train" / "train_child.py"), str(path), str(ckpt)]
     rng = random.Random(0)
     saved_steps: set[int] = set()
-    for _ in range(3):
+    for run in range(3):
+        resume = ckpt.exists()
         proc = subprocess.Popen(
-            [*child, "400", "2", *(["resume"] if ckpt.exists() else [])], env=env, stdout=subprocess.PIPE, text=True
+            [*child, "400", "2", *(["resume"] if resume else [])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()  # the first save of this run
-        assert line.startswith("saved"), line
+        if not line.startswith("saved"):
+            proc.kill()
+            _, err = proc.communicate(timeout=60)
+            raise AssertionError(
+                f"run {run} (resume={resume}, saved so far {sorted(saved_steps)}) printed {line!r} and exited "
+                f"with {proc.returncode}; its stderr:\n{err[-4000:]}"
+            )
         saved_steps.add(int(line.split()[1]))
         time.sleep(rng.uniform(0.0, 0.6))  # then a kill anywhere: a step, a save, between
         proc.send_signal(signal.SIGKILL)
         for rest in proc.stdout:
             saved_steps.add(int(rest.split()[1]))
         proc.wait()
+        proc.stderr.close()
         assert _sha(path) == before
         file = read_adapter(ckpt)  # whole: every row readable, the step one that was saved
         step = int(file.meta["step"])
