@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFValueType as VT
 from safetensors.torch import load_file, save_file
 
 from ple.cli import main
@@ -20,6 +19,7 @@ from ple.demo import synthesize_checkpoint
 from ple.table.blocks import quantize_blocks
 
 from .conftest import SMALL
+from .test_gguf import _write as write_test_gguf
 
 WIDE = {**SMALL, "ple_embed_dim": 128, "ple_layer_ids": (2,)}  # one PLE layer, head_dim 32
 TWO_BLOCKS = {**SMALL, "ple_embed_dim": 256, "ple_layer_ids": (2,)}  # head_dim 64
@@ -27,23 +27,7 @@ TWO_BLOCKS = {**SMALL, "ple_embed_dim": 256, "ple_layer_ids": (2,)}  # head_dim 
 
 def _gguf(path, cfg: PLEConfig, qtype, raw) -> None:
     """A qwen4exp GGUF holding ``raw`` as the table of ``cfg``'s layer 0, with its PLE metadata."""
-    lay = cfg.layout(0)
-    w = gguf.GGUFWriter(str(path), arch="qwen4exp")
-    p = "qwen4exp."
-    w.add_key_value(p + "ple.layers", [i - 1 for i in cfg.ple_layer_ids], VT.ARRAY, VT.UINT32)
-    w.add_uint32(p + "ple.ngram_size", cfg.ngram_size)
-    w.add_uint32(p + "ple.heads_per_ngram", cfg.heads_per_ngram)
-    w.add_uint32(p + "ple.conv_kernel", cfg.ple_conv_kernel_size)
-    w.add_uint32(p + "ple.eos_token_id", cfg.eos_token_id)
-    w.add_uint32(p + "embedding_length_per_layer_input", lay.head_dim)
-    w.add_key_value(p + "ple.layer_multipliers", list(lay.multipliers), VT.ARRAY, VT.UINT64)
-    w.add_key_value(p + "ple.head_offsets", list(lay.head_offsets), VT.ARRAY, VT.UINT64)
-    w.add_key_value(p + "ple.head_vocab_sizes", list(lay.head_sizes), VT.ARRAY, VT.UINT64)
-    w.add_tensor("per_layer_token_embd.weight", raw, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_test_gguf(path, cfg, qtype, raw=raw)
 
 
 def _table(cfg: PLEConfig) -> np.ndarray:
