@@ -40,10 +40,14 @@ def test_convert_then_verify_and_lookup(small_checkpoint, tmp_path, capsys):
         t = MmapTable.open(f)
         ids = torch.randint(0, cfg.layout(idx).padded_rows, (17, cfg.num_heads))
         assert torch.equal(t.lookup(ids, torch.float32), w[idx].table.lookup(ids, torch.float32))
-    # no overwrite without --force
+    # the same conversion again keeps the file its record vouches for; another is no overwrite without --force
     capsys.readouterr()
-    assert main(["convert", str(ckpt), str(out), "--layers", "0"]) == 1
-    assert "exists: pass --force to replace it" in capsys.readouterr().err
+    assert main(["convert", str(ckpt), str(out), "--layers", "0"]) == 0
+    assert "PLE layer 0: kept" in capsys.readouterr().err
+    assert main(["convert", str(ckpt), str(out), "--layers", "0", "--to", "int8"]) == 1
+    assert "exists and is not kept (it holds fp8 rows, not int8_row): pass --force to replace it" in (
+        capsys.readouterr().err
+    )
     assert main(["convert", str(ckpt), str(out), "--layers", "0", "--force"]) == 0
 
 

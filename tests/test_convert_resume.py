@@ -211,3 +211,189 @@ def test_a_writer_interrupted_before_its_first_shard_leaves_nothing(tmp_path):
             w.commit(1, None)
             raise KeyboardInterrupt
     assert [p.name for p in tmp_path.iterdir()] == ["t.pletable"]
+
+
+def _rewrite_header(partial: Path, edit) -> None:
+    """Edit the temporary file's header (``edit(header)`` in place), its header checksum recomputed as a
+    writer would: a header that checks out, saying what the edit says."""
+    from ple.table.table_file import _header_digest
+
+    raw = partial.read_bytes()
+    n = int.from_bytes(raw[8:16], "little")
+    header = json.loads(raw[16 : 16 + n])
+    edit(header)
+    header["header_checksum"] = _header_digest(header)
+    blob = json.dumps(header, indent=1).encode()
+    room = header["data_offset"] - 16
+    assert len(blob) <= room
+    with open(partial, "r+b") as fh:
+        fh.write(b"PLETABLE" + len(blob).to_bytes(8, "little") + blob + b" " * (room - len(blob)))
+
+
+def _served_equals(table: Path, ref: Path) -> None:
+    a, b = MmapTable.open(table), MmapTable.open(ref)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    assert a.header["checksum"] == b.header["checksum"]
+
+
+def test_a_finished_shard_damaged_in_the_temporary_file_is_converted_again(checkpoint, tmp_path, capsys):
+    """A byte of a finished shard flipped inside the ``.partial``: the shard no longer gives the checksum
+    recorded as it was written, so it is converted again (the others are kept)."""
+    cfg, ckpt = checkpoint
+    whole = _convert(capsys, ckpt, tmp_path / "whole", "--to", "q4_0")
+    out = tmp_path / "out"
+    done = _kill_midway(ckpt, out, tmp_path, "--to", "q4_0")
+    (partial,) = out.iterdir()
+    header = read_table_header(partial)
+    k = sorted(done)[1]
+    a, b = cfg.layout(0).shard_range(k)
+    at = header["data_offset"] + (a + (b - a) // 2) * header["row_nbytes"] + 5  # a code byte of a middle row
+    with open(partial, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 0x10]))
+    again = _convert(capsys, ckpt, out, "--to", "q4_0")
+    lay = cfg.layout(0)
+    kept = [j for j in done if j != k]
+    assert again["resumed_rows"] == sum(lay.shard_range(j)[1] - lay.shard_range(j)[0] for j in kept)
+    assert f"1 finished shard(s) no longer give the checksums recorded as they were written ({k})" in again["stderr"]
+    _same_stats(again, whole)
+    (table,) = out.glob("*.pletable")
+    _served_equals(table, next((tmp_path / "whole").glob("*.pletable")))
+
+
+def test_a_progress_record_claiming_an_unstarted_shard_is_not_believed(checkpoint, tmp_path, capsys):
+    """The record edited to say a shard never started is done (a checksum of another shard put in its
+    place, the header's checksum recomputed): its bytes do not give it, so it is converted."""
+    cfg, ckpt = checkpoint
+    out = tmp_path / "out"
+    done = _kill_midway(ckpt, out, tmp_path, "--to", "q4_0")
+    (partial,) = out.iterdir()
+    lay = cfg.layout(0)
+    claimed = next(k for k in range(lay.split_parts) if k not in done)
+
+    def edit(header):
+        progress = json.loads(header["progress"])
+        progress[str(claimed)] = progress[str(done[0])]
+        header["progress"] = json.dumps(progress, separators=(",", ":"))
+        header["checksum"]["shards"][claimed] = header["checksum"]["shards"][done[0]]
+
+    _rewrite_header(partial, edit)
+    assert read_table_header(partial)["checksum"]["shards"][claimed]  # a header a reader accepts
+    again = _convert(capsys, ckpt, out, "--to", "q4_0")
+    assert again["resumed_rows"] == sum(lay.shard_range(j)[1] - lay.shard_range(j)[0] for j in done)
+    assert f"({claimed}): converting them again" in again["stderr"]
+    whole = _convert(capsys, ckpt, tmp_path / "whole", "--to", "q4_0")
+    _same_stats(again, whole)
+    (table,) = out.glob("*.pletable")
+    _served_equals(table, next((tmp_path / "whole").glob("*.pletable")))
+
+
+def test_a_source_row_rewritten_with_its_time_set_back_starts_over(checkpoint, tmp_path, capsys):
+    """A row of a finished shard rewritten in the checkpoint, its modification time set back: the change
+    time moved, so the source is another one (the resume key and the record beside the table file are
+    made of one identity), and the table holds the new row."""
+    import shutil
+
+    from ple.checkpoint import read_header
+    from ple.integrations.table_folder import RECORD_SUFFIX
+
+    cfg, ckpt = checkpoint
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    out = tmp_path / "out"
+    done = _kill_midway(copy, out, tmp_path, "--to", "q4_0")
+    name = f"model.language_model.layers.1.ple.ple_embedding.ngram_embedding.shard_{done[0]}.weight"
+    (f,) = [f for f in copy.glob("*.safetensors") if name in read_header(f).tensors]
+    info = read_header(f).tensors[name]
+    st = os.stat(f)
+    width = info.nbytes // info.shape[0]
+    with open(f, "r+b") as fh:  # row 0 of the shard becomes a copy of row 1 (finite fp8 values)
+        fh.seek(info.begin + width)
+        row1 = fh.read(width)
+        fh.seek(info.begin)
+        assert fh.read(width) != row1
+        fh.seek(info.begin)
+        fh.write(row1)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(f).st_size, os.stat(f).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    again = _convert(capsys, copy, out, "--to", "q4_0")
+    assert again["resumed_rows"] == 0 and "continuing" not in again["stderr"]
+    whole = _convert(capsys, copy, tmp_path / "whole", "--to", "q4_0")
+    (table,) = out.glob("*.pletable")
+    _served_equals(table, next((tmp_path / "whole").glob("*.pletable")))
+    record = json.loads(table.with_name(table.name + RECORD_SUFFIX).read_text())
+    assert {r["file"]: r["ctime_ns"] for r in record["source"]["files"]}[f.name] == os.stat(f).st_ctime_ns
+    capsys.readouterr()
+    assert main(["verify", str(table), "--checkpoint", str(copy)]) == 0
+    _same_stats(again, whole)
+
+
+def test_a_multi_layer_conversion_interrupted_continues_with_the_same_command(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the second layer is converted, the first layer's file finished: the same command
+    keeps the first file (its record matches the checkpoint: said on stderr) and continues the second's
+    ``.partial``; the files equal an uninterrupted run's. A file whose record does not match the
+    conversion asked for (another target) is refused without --force."""
+    cfg = PLEConfig(**{**CFG, "ple_layer_ids": (1, 2)})
+    ckpt = synthesize_checkpoint(cfg, tmp_path / "ckpt", seed=3, files=2)
+    whole = tmp_path / "whole"
+    assert main(["convert", str(ckpt), str(whole), "--to", "int8"]) == 0
+    orig = TableFileWriter.commit
+    commits: list[str] = []
+
+    def commit(self, k, *a, **kw):
+        orig(self, k, *a, **kw)
+        commits.append(self.path.name)
+        if "layers.1." in self.path.name and commits.count(self.path.name) == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(TableFileWriter, "commit", commit)
+    capsys.readouterr()
+    assert main(["convert", str(ckpt), str(out), "--to", "int8"]) == 130
+    err = capsys.readouterr().err
+    assert "2 of 9 shards done): the same conversion run again continues it" in err
+    monkeypatch.setattr(TableFileWriter, "commit", orig)
+    first = out / "model.language_model.layers.0.ple.pletable"
+    before = os.stat(first)
+    assert main(["convert", str(ckpt), str(out), "--to", "int8"]) == 0
+    err = capsys.readouterr().err
+    assert f"PLE layer 0: kept {first}: its record says it holds this conversion of the checkpoint" in err
+    assert "continuing" in err and "2 of 9 shards were done" in err
+    assert os.stat(first).st_ino == before.st_ino and os.stat(first).st_mtime_ns == before.st_mtime_ns
+    for ref in whole.glob("*.pletable"):
+        _served_equals(out / ref.name, ref)
+    assert main(["convert", str(ckpt), str(out), "--to", "q4_0"]) == 1
+    assert "exists and is not kept (it holds int8_row rows, not q4_0): pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workdir", [False, True], ids=["temporary", "workdir"])
+def test_a_kept_temporary_file_is_named_only_while_it_is_there(tmp_path, capsys, monkeypatch, workdir):
+    """``ple demo`` stopped (SIGTERM) while its table is converted: the ``.partial`` kept in its
+    temporary folder goes with the folder, so nothing says it was kept; in a ``--workdir`` it stays,
+    and the line says so (before the command's last line)."""
+    import ple.demo as demo
+    from ple.cli import Terminated
+
+    seen: list[Path] = []
+
+    def interrupted_serving(args, work, progress):
+        with TableFileWriter(work / "t.pletable", 64, 32, "q4_0", 16, "h", resume="k" * 32) as w:
+            w.write_shard(0, torch.zeros(16, 18, dtype=torch.uint8))
+            w.commit(0, None)
+            seen.append(w.partial_path)
+            raise Terminated
+
+    monkeypatch.setattr(demo, "run_serving", interrupted_serving)
+    extra = ["--workdir", str(tmp_path / "work")] if workdir else []
+    capsys.readouterr()
+    assert main(["demo", "--only", "serving", "--synthetic-tokens", *extra]) == 143
+    err = capsys.readouterr().err
+    (partial,) = seen
+    assert err.endswith("ple demo: terminated\n")
+    if workdir:
+        assert partial.exists()
+        assert f"kept {partial} (1 of 4 shards done): the same conversion run again continues it" in err
+    else:
+        assert not partial.parent.exists() and "kept" not in err and ".partial" not in err

@@ -312,8 +312,8 @@ def test_convert_output_problems(ckpt, tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "convert", f"output {a_file} exists and is not a folder")
     assert run(capsys, "convert", ckpt, out)[0] == 0
     (table,) = out.glob("*.pletable")
-    code, _, err = run(capsys, "convert", ckpt, out)
-    assert_one_line(code, err, "convert", "exists: pass --force to replace it")
+    code, _, err = run(capsys, "convert", ckpt, out, "--to", "int8")  # the same conversion would keep it
+    assert_one_line(code, err, "convert", "exists and is not kept (it holds fp32 rows, not int8_row): pass --force")
     # a read-only folder (simulated: tests may run as root, who may write anywhere)
     ro = tmp_path / "ro"
     ro.mkdir()

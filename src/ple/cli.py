@@ -39,6 +39,7 @@ from typing import Any
 
 from . import __version__
 from .errors import CommandLineError, PLEError
+from .files import kept_notes
 
 __all__ = [
     "build_parser",
@@ -233,17 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous[sig] = signal.signal(sig, handler)
     try:
         return int(args.fn(args) or 0)
-    except Terminated:
-        print(f"{name}: terminated", file=sys.stderr)
+    except Terminated as e:
+        print("\n".join([*kept_notes(e), f"{name}: terminated"]), file=sys.stderr)
         return EXIT_TERMINATED
-    except HungUp:
+    except HungUp as e:
         try:  # the terminal may be gone: writing to it can fail
-            print(f"{name}: hung up", file=sys.stderr)
+            print("\n".join([*kept_notes(e), f"{name}: hung up"]), file=sys.stderr)
         except OSError:
             pass
         return EXIT_HANGUP
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # what was kept is said only if still there (not in a folder removed since)
+        print("\n".join([*kept_notes(e), f"{name}: interrupted"]), file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader went away (``| head``): say nothing more, and keep Python's exit flush quiet

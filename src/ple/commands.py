@@ -34,7 +34,7 @@ from .checkpoint import (
 from .config import PLEConfig
 from .errors import CommandLineError, InvalidArgumentError
 from .files import PARTIAL_SUFFIX, open_regular, pread_exact
-from .integrations.table_folder import record_table, source_identity
+from .integrations.table_folder import made_from, record_table, source_identity
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
 from .table.convert import TARGET_NAMES, compare_with_source, convert_layer, table_amax, target_format
@@ -475,13 +475,18 @@ def convert(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
     entries = [e for e in scan.layers if wanted is None or e.ple_layer_index in wanted]
-    if not args.force:
-        taken = [out / table_file_name(e.prefix) for e in entries if (out / table_file_name(e.prefix)).exists()]
-        if taken:
-            raise FileExistsError(f"table file {taken[0]} exists: pass --force to replace it")
+    done: set[int] = set()  # layers whose file an earlier run of this conversion finished: kept
+    for e in entries if not args.force else []:
+        path = out / table_file_name(e.prefix)
+        if os.path.lexists(path):
+            fmt = target_format(args.to, e.table_format or "") or e.table_format or ""
+            why = made_from(path, e, cfg, fmt)
+            if why is not None:
+                raise FileExistsError(f"table file {path} exists and is not kept ({why}): pass --force to replace it")
+            done.add(e.ple_layer_index)
     results: list[dict[str, Any]] = []
     with _output_folder(out):
-        _convert_layers(args, cfg, entries, out, results)
+        _convert_layers(args, cfg, entries, out, results, done)
     if args.json:
         _emit_json({"checkpoint": str(args.checkpoint), "out": str(out), "layers": results})
     return 0
@@ -526,11 +531,20 @@ def _output_folder(out: Path) -> Iterator[None]:
 
 
 def _convert_layers(
-    args: argparse.Namespace, cfg: PLEConfig, entries: list, out: Path, results: list[dict[str, Any]]
+    args: argparse.Namespace, cfg: PLEConfig, entries: list, out: Path, results: list[dict[str, Any]], done: set[int]
 ) -> None:
     for e in entries:
         path = out / table_file_name(e.prefix)
         to = target_format(args.to, e.table_format or "")
+        if e.ple_layer_index in done:
+            fmt = to or e.table_format
+            print(
+                f"PLE layer {e.ple_layer_index}: kept {path}: its record says it holds this conversion of the "
+                "checkpoint as it is now (--force converts it again)",
+                file=sys.stderr,
+            )
+            results.append({"ple_layer_index": e.ple_layer_index, "path": str(path), "format": fmt, "kept": True})
+            continue
         source = source_identity(e)  # before the rows are read: a checkpoint changed meanwhile does not match
         g = None
         if to == "nvfp4":
@@ -547,7 +561,7 @@ def _convert_layers(
             global_scale=g,
         )
         record_table(path, e, source)  # from_pretrained(table_dir=out) reuses the file without a comparison
-        results.append({"ple_layer_index": e.ple_layer_index, **stats})
+        results.append({"ple_layer_index": e.ple_layer_index, **stats, "kept": False})
         if args.json:
             continue
         print(f"PLE layer {e.ple_layer_index}: wrote {path} ({e.table_format} -> {stats['format']})")

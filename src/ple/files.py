@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -32,8 +33,11 @@ from typing import Any
 from .errors import InvalidArgumentError, PLEError
 
 __all__ = [
+    "file_identity",
     "file_kind",
     "fsync_dir",
+    "kept_notes",
+    "note_kept",
     "open_regular",
     "parse_json",
     "partial_dir",
@@ -122,6 +126,37 @@ def read_regular(
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+def file_identity(file: str | os.PathLike | os.stat_result) -> dict[str, int]:
+    """A file as the file system knows it now (a path, or its ``os.stat`` result): its size, modification
+    and change times (ns) and inode. Any write to the file changes it, even one whose modification time
+    was set back afterwards (no program can set the change time), and so does a file put in its place.
+    It is the one identity of a file that ple keeps: a conversion's resume key (the source's files) and
+    a table folder's record (the checkpoint's files, the table file) are made of it. The device number
+    is left out: network and overlay file systems do not keep it stable, and hosts sharing a folder
+    see different ones. (A change time also moves on a ``chmod`` or a new hard link: a file so
+    touched is taken for a changed one, which costs a comparison or a conversion, never a wrong row.)"""
+    st = file if isinstance(file, os.stat_result) else os.stat(file)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def note_kept(interruption: BaseException | None, path: Path, message: str) -> None:
+    """Say that ``path`` was kept (``message``, one line) when it is true: on stderr at once without an
+    ``interruption``; else noted on it (a note of the exception, shown with its traceback, and what
+    :func:`kept_notes` gives whoever handles it, the ``ple`` command, once whatever removes folders on
+    the way out, say a temporary one, has run)."""
+    if interruption is None:
+        print(message, file=sys.stderr)
+        return
+    interruption.ple_kept = [*getattr(interruption, "ple_kept", []), (Path(path), message)]  # type: ignore[attr-defined]
+    if hasattr(interruption, "add_note"):  # Python 3.11
+        interruption.add_note(message)
+
+
+def kept_notes(interruption: BaseException) -> list[str]:
+    """The messages :func:`note_kept` noted on ``interruption`` whose file is still there."""
+    return [m for p, m in getattr(interruption, "ple_kept", []) if os.path.lexists(p)]
 
 
 # ---------------------------------------------------------------------------------------------- JSON

@@ -16,6 +16,7 @@ from ple.cli import main
 from ple.config import ConfigError, PLEConfig, architecture_names
 from ple.errors import ArgumentTypeError
 from ple.integrations.transformers import from_pretrained, patch, patched_layers, unpatch
+from ple.table import read_table_header
 
 from .helpers import tiny_config, tiny_model
 
@@ -70,6 +71,31 @@ def test_a_shard_edited_in_place_with_its_time_set_back_is_not_served_stale(chec
     assert bool((_table_rows(second, 0) == 0.25).any())
     third = from_pretrained(copy, table_dir=tables)  # recorded again: reused
     assert [w.prepared.action for w in patched_layers(third)] == ["reused", "reused"]
+
+
+def test_a_table_file_edited_in_place_with_its_time_set_back_is_not_served(checkpoint, tmp_path):
+    """The README: a table file written to since it was checked is compared with the checkpoint again,
+    even when its modification time was set back (its change time moved: no program sets that one)."""
+    tables = tmp_path / "tables"
+    first = from_pretrained(checkpoint, table_dir=tables)
+    path = patched_layers(first)[0].prepared.path
+    want = _table_rows(first, 0).clone()
+    del first
+    header = read_table_header(path)
+    st = os.stat(path)
+    at = header["data_offset"] + 3 * header["row_nbytes"] + 1  # a byte of row 3
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 0x01]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the modification time put back
+    now = os.stat(path)
+    assert (now.st_size, now.st_mtime_ns, now.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    with pytest.warns(UserWarning, match="layers.0.ple.pletable is not used: its rows differ from the checkpoint's"):
+        second = from_pretrained(checkpoint, table_dir=tables)
+    assert [w.prepared.action for w in patched_layers(second)] == ["converted", "reused"]
+    assert torch.equal(_table_rows(second, 0), want)
 
 
 def test_a_single_file_beside_an_index_and_its_shards_is_refused(checkpoint, tmp_path, capsys):

@@ -22,6 +22,7 @@ import torch
 
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError
+from ..files import file_identity
 from ..layout import Layout
 from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, TensorReader, read_checked
 from ..table import TABLE_SUFFIX, MemoryTable, MmapTable
@@ -216,8 +217,9 @@ class TableShards:
     the shard's per-row scale or, for an fp8 or nvfp4 table, the global scale ``[1]`` (None for plain
     tables). As a shard source (``num_shards``, ``shard_rows``, ``format``, ``identity``, ``chunks``)
     it reads pieces of a shard with ``pread`` (a :class:`PreadReader` per shard: nothing mapped, so
-    memory stays at a piece, from any thread), and names its bytes by the files' paths, sizes,
-    modification times and inodes and the tensors' places in them (a conversion it feeds can resume).
+    memory stays at a piece, from any thread), and names its bytes by the files' paths and identities
+    (:func:`ple.files.file_identity`: size, modification and change times, inode) and the tensors'
+    places in them (a conversion it feeds can resume).
     """
 
     def __init__(self, entry: LayerEntry, reader: TensorReader | None = None) -> None:
@@ -261,8 +263,7 @@ class TableShards:
         files = {}
         for _, info in self._tensors():
             if info.file not in files:
-                st = os.stat(info.file)
-                files[info.file] = [str(Path(info.file).resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+                files[info.file] = [str(Path(info.file).resolve()), file_identity(info.file)]
         record = {
             "prefix": self.entry.prefix,
             "format": self.entry.table_format,

@@ -13,13 +13,15 @@ another format (``table_format=``) is ``<prefix>.<format>.pletable``, or the fil
   layer's table or scales, its name, size, modification time, change time and the sha256 of its
   header (which lists every tensor's name, dtype, shape and byte range); and the record's table identity (format,
   size, the header's per-shard checksums) equals the file's; and the table file itself is the one
-  recorded (its size, modification time and inode): a table file changed in place since
-  (a copy over it, an edit, a copy of the folder elsewhere) is compared with the checkpoint again.
+  recorded (its size, modification and change times and inode): a table file changed in place since
+  (a copy over it, an edit, even one whose modification time was set back, a copy of the folder
+  elsewhere) is compared with the checkpoint again. Both identities are
+  :func:`ple.files.file_identity`, the one a conversion's resume key is made of.
 
-A shard edited in place with its modification time set back still has a new change time (no
-program can set that one): the table file is then compared with the checkpoint row by row before it
-is served, as when only the change time moved (a ``chmod``, a new hard link), which converts
-nothing when the rows are equal.
+A checkpoint file edited in place with its modification time set back still has a new change time
+(no program can set that one): the table file is then compared with the checkpoint row by row before
+it is served, as when only the change time or the inode moved (a ``chmod``, a new hard link, a copy
+of the checkpoint), which converts nothing when the rows are equal.
 
 That costs a ``stat`` and a header read per checkpoint file, and opening the table file reads its
 per-row scales when it has them (4 bytes per row, checked at every open); never the rows. ``ple
@@ -72,7 +74,7 @@ from ..checkpoint import (
 )
 from ..config import PLEConfig
 from ..errors import InvalidArgumentError, PLEError
-from ..files import read_json, write_atomically
+from ..files import file_identity, read_json, write_atomically
 from ..table import MmapTable, TableFileError, format_info, read_table_header
 from ..table.blocks import nvfp4_global_scale
 from ..table.convert import TARGET_NAMES, compare_with_source, table_amax, target_format
@@ -81,6 +83,7 @@ __all__ = [
     "default_table_dir",
     "prepare_table",
     "served_format",
+    "made_from",
     "record_table",
     "source_identity",
     "PreparedTable",
@@ -89,7 +92,7 @@ __all__ = [
 
 RECORD_SUFFIX = ".source.json"
 """Suffix of the record beside a table file: ``<table file name>.source.json``."""
-_RECORD_VERSION = 3
+_RECORD_VERSION = 4  # 4: the file identities carry change times and inodes (ple.files.file_identity)
 _MAX_RECORD_BYTES = 1 << 20
 
 
@@ -110,25 +113,19 @@ def _table_infos(entry: LayerEntry):
 
 def source_identity(entry: LayerEntry) -> dict[str, Any]:
     """What a layer's table is made from, cheap to recompute: the checkpoint prefix and format, and
-    for each safetensors file holding the table or its scales its name, size, modification and change
-    times and header digest."""
+    for each safetensors file holding the table or its scales its name, identity
+    (:func:`ple.files.file_identity`: size, modification and change times, inode) and header digest."""
     files = []
     for f in sorted({i.file for i in _table_infos(entry)}):
-        st = f.stat()
         files.append(
-            {
-                "file": f.name,
-                "bytes": st.st_size,
-                "mtime_ns": st.st_mtime_ns,
-                "ctime_ns": st.st_ctime_ns,
-                "header_sha256": hashlib.sha256(read_header(f).raw).hexdigest(),
-            }
+            {"file": f.name, **file_identity(f), "header_sha256": hashlib.sha256(read_header(f).raw).hexdigest()}
         )
     return {"prefix": entry.prefix, "format": entry.table_format, "files": files}
 
 
 def _without_ctime(source: dict[str, Any]) -> dict[str, Any]:
-    files = [{k: v for k, v in f.items() if k != "ctime_ns"} for f in source.get("files", [])]
+    """``source`` without what a copy of the same files changes (change times, inodes)."""
+    files = [{k: v for k, v in f.items() if k not in ("ctime_ns", "inode")} for f in source.get("files", [])]
     return {**source, "files": files}
 
 
@@ -142,14 +139,6 @@ def _table_identity(header: dict[str, Any]) -> dict[str, Any]:
         "file_nbytes": header["file_nbytes"],
         "checksums_sha256": hashlib.sha256(checks).hexdigest(),
     }
-
-
-def _file_identity(path: Path) -> dict[str, int]:
-    """The table file as the file system knows it: changed by any write to it or any file put in its
-    place. (Not the device number: network and overlay file systems do not keep it stable, and hosts
-    sharing a folder see different ones.)"""
-    st = os.stat(path)
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
 def _record_path(path: Path) -> Path:
@@ -166,7 +155,7 @@ def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], ch
         "record": "ple table source",
         "version": _RECORD_VERSION,
         "table": _table_identity(header),
-        "file": _file_identity(path),
+        "file": file_identity(path),
         "source": source,
         "checkpoint": checkpoint,
     }
@@ -192,7 +181,7 @@ def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
     if set(before) != set(now):
         return f"it was made from file(s) {sorted(before)}, the checkpoint now holds the table in {sorted(now)}"
     for name, f in now.items():
-        keys = ("bytes", "mtime_ns", "header_sha256", "ctime_ns")
+        keys = ("bytes", "mtime_ns", "header_sha256", "ctime_ns", "inode")
         diff = [k for k in keys if before[name].get(k) != f[k]]
         if diff:
             what = {
@@ -200,6 +189,7 @@ def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
                 "mtime_ns": "modification time",
                 "header_sha256": "header",
                 "ctime_ns": "change time",
+                "inode": "inode: another file in its place",
             }
             return f"checkpoint file {name} changed since ({', '.join(what[d] for d in diff)})"
     return "its record does not match"
@@ -513,7 +503,7 @@ def _refused_format(
         want == entry.table_format
         and record is not None
         and record.get("table") == _table_identity(header)
-        and record.get("file") == _file_identity(path)
+        and record.get("file") == file_identity(path)
         and (record.get("source") or {}).get("format") == have
     ):
         return f"it holds a copy of the checkpoint's table in {have}, which is {want} now"
@@ -587,6 +577,31 @@ def record_table(path: str | os.PathLike, entry: LayerEntry, source: dict[str, A
     _write_record(path, read_table_header(path), source, _checkpoint_folder(entry))
 
 
+def made_from(path: str | os.PathLike, entry: LayerEntry, config: PLEConfig, format: str) -> str | None:
+    """None when its record says table file ``path`` is PLE layer ``entry``'s table in ``format``, made
+    from the checkpoint as it is now: the record's source identity equals :func:`source_identity` of
+    ``entry`` (change times included), its table and file identities the file's, and the file opens for
+    the layer's layout; else why not (what ``ple convert`` run again keeps of an interrupted run)."""
+    path = Path(path)
+    record = _read_record(path)
+    if record is None:
+        return "no record beside it says what it was made from"
+    try:
+        table = open_layer_table(path, config, entry.ple_layer_index)
+    except (TableFileError, OSError, ValueError) as e:
+        return f"it cannot be used ({e})"
+    with contextlib.closing(table):
+        header = table.header
+        if header["format"] != format:
+            return f"it holds {header['format']} rows, not {format}"
+        if record.get("table") != _table_identity(header) or record.get("file") != file_identity(path):
+            return "it was changed since its record was written"
+    source = source_identity(entry)
+    if record.get("source") != source:
+        return _describe_change(record.get("source") or {}, source)
+    return None
+
+
 def _check_existing(
     table: MmapTable,
     path: Path,
@@ -600,7 +615,7 @@ def _check_existing(
     if (
         record is not None
         and record.get("table") == _table_identity(table.header)
-        and record.get("file") == _file_identity(path)
+        and record.get("file") == file_identity(path)
     ):
         if record.get("source") == source:
             return "reused", ""

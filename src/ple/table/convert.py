@@ -23,9 +23,14 @@ copy, which waits on the disk more than it computes, two per thread), each in pi
 MiB of source rows read ahead one piece, hashed and written as they come; memory stays at a few
 pieces whatever the table's size (a shard source reads its pieces when asked). A shard source with
 an identity makes the conversion resumable: after each shard the file's data is synced and its
-temporary header records the shard and its error sums (``TableFileWriter(..., resume=)``); an
-interrupted conversion keeps its temporary file, and the same conversion run again (the same source
-bytes, target and layout) writes only the shards not done; its statistics cover every shard.
+temporary header records the shard, its checksum (computed as it is written) and its error sums
+(``TableFileWriter(..., resume=)``); an interrupted conversion keeps its temporary file, and the same
+conversion run again (the same source files, :func:`ple.files.file_identity`: no write to them since,
+even with its modification time set back; the same target and layout) writes only the shards not
+done, after reading the finished ones once to check them against their checksums (a shard that fails
+is converted again: :func:`~ple.table.shard_writer.matching_shards` says what that read costs on the
+published table, at most what ``ple verify`` of the finished part costs); its statistics cover every
+shard.
 """
 
 from __future__ import annotations
@@ -378,11 +383,19 @@ def convert_layer(
                 errors.merge(record)
                 a, b = w.shard_range(k)
                 resumed_rows += b - a
+            if w.rejected:
+                shown = ", ".join(map(str, w.rejected[:8])) + (" ..." if len(w.rejected) > 8 else "")
+                print(
+                    f"{w.partial_path.name}: {len(w.rejected)} finished shard(s) no longer give the checksums "
+                    f"recorded as they were written ({shown}): converting them again",
+                    file=sys.stderr,
+                )
             if resumed_rows:
                 if bar is not None:
                     bar.update(resumed_rows)
                 print(
-                    f"continuing {w.partial_path.name}: {len(w.resumed)} of {num_shards} shards were done",
+                    f"continuing {w.partial_path.name}: {len(w.resumed)} of {num_shards} shards were done "
+                    "(their bytes checked against their checksums)",
                     file=sys.stderr,
                 )
             if to == "nvfp4":

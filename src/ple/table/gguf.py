@@ -38,7 +38,7 @@ import torch
 
 from ..config import LIMITS, MAX_HEADS
 from ..errors import PLEError
-from ..files import open_regular, pread_exact
+from ..files import file_identity, open_regular, pread_exact
 from .formats import format_info
 
 __all__ = [
@@ -537,8 +537,8 @@ def ple_table(model: GGUFModel, metadata: bool = True) -> GGUFTensor:
 class GGUFRows:
     """A 2-D table tensor's stored rows as :func:`ple.table.convert.convert_layer` takes them (a shard
     source): ``shard_rows`` rows a shard, read with ``pread`` in pieces when asked for (nothing stays
-    mapped; any thread), named by the file's path, size, modification time and inode and the tensor's
-    place in it (so a conversion can resume). A value that is not finite (an F16/BF16/F32 NaN or
+    mapped; any thread), named by the file's path and identity (:func:`ple.files.file_identity`) and
+    the tensor's place in it (so a conversion can resume). A value that is not finite (an F16/BF16/F32 NaN or
     infinity, a NaN or infinite block scale, an mxfp4 value past float32) is a :class:`GGUFError`
     naming the tensor's row and column."""
 
@@ -553,8 +553,7 @@ class GGUFRows:
 
     @property
     def identity(self) -> str:
-        st = os.stat(self.t.path)
-        record = [str(self.t.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+        record: list = [str(self.t.path.resolve()), file_identity(self.t.path)]
         record += [self.t.name, self.t.offset, self.t.type, list(self.t.dims)]
         return hashlib.sha256(json.dumps(record).encode()).hexdigest()
 

@@ -44,9 +44,10 @@ commit` s, the file's data is synced (``fdatasync``) and then its temporary head
 checksum, the caller's progress record and KEY. An interrupted writer (Ctrl-C, SIGTERM: any
 ``KeyboardInterrupt``) keeps its temporary file when it has committed a shard; one killed (SIGKILL, a
 power cut) leaves it anyway. The next writer of the same path with the same KEY and geometry takes it
-over (:attr:`~TableFileWriter.resumed`: the committed shards, which it then skips); a writer with
-another KEY removes it as any stale temporary file. A header torn by a crash fails its checksum and
-is not taken over.
+over (:attr:`~TableFileWriter.resumed`: the committed shards whose bytes, read and hashed again,
+still give their recorded checksums, which it then skips; :attr:`~TableFileWriter.rejected`: the others,
+to be written again); a writer with another KEY removes it as any stale temporary file. A header torn
+by a crash fails its checksum and is not taken over.
 
 Sparse files (``TableFileWriter(..., sparse=True)``) are for tests
 and benchmarks at full geometry: the file is sized with ``ftruncate`` (unwritten rows read as
@@ -67,7 +68,6 @@ import re
 import secrets
 import stat
 import struct
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -76,10 +76,10 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from ..files import PARTIAL_SUFFIX, fsync_dir, open_regular, parse_json, partial_entries, pread_exact
+from ..files import PARTIAL_SUFFIX, fsync_dir, note_kept, open_regular, parse_json, partial_entries, pread_exact
 from ..layout import shard_bounds
 from .formats import FORMATS, check_scale_values, format_info
-from .shard_writer import DIGEST_SIZE, ShardWriter, open_direct, pwrite_all
+from .shard_writer import DIGEST_SIZE, ShardWriter, matching_shards, open_direct, pwrite_all
 
 __all__ = [
     "ShardWriter",
@@ -270,6 +270,8 @@ class TableFileWriter:
         self._committed: dict[int, Any] = {}
         self.resumed: dict[int, Any] = {}
         """Shards a taken-over temporary file had committed: ``{k: the caller's progress record}``."""
+        self.rejected: list[int] = []
+        """Shards it had committed whose bytes no longer give their checksums (written again)."""
         self._closed = False
         self._ident: os.stat_result | None = None
         self.path = Path(path)
@@ -368,7 +370,11 @@ class TableFileWriter:
             return False
         record = parse_json(header.get("progress") or "{}", f"{self.path}: progress record", TableFileError)
         sums = header["checksum"]["shards"]
-        done = {int(k): v for k, v in record.items() if sums[int(k)]}
+        record = record if isinstance(record, dict) else {}
+        done = {k: record[str(k)] for k in range(self.num_shards) if sums[k] and str(k) in record}
+        good = matching_shards(self, fd, {k: sums[k] for k in done})  # bytes hashed again
+        self.rejected = sorted(set(done) - good)
+        done = {k: v for k, v in done.items() if k in good}
         if self._info.scale_kind == "global" and header["checksum"]["scale"]:
             b = pread_exact(fd, 4, self._scale_offset, _ended(self.path))
             if hashlib.blake2b(b, digest_size=_DIGEST_SIZE).hexdigest() != header["checksum"]["scale"]:
@@ -723,23 +729,22 @@ class TableFileWriter:
         if exc_type is None:
             self.close()
         elif self._resume is not None and issubclass(exc_type, KeyboardInterrupt) and self._committed:
-            self.keep()
+            self.keep(exc)
         else:
             self.abort()
 
-    def keep(self) -> None:
+    def keep(self, interruption: BaseException | None = None) -> None:
         """Stop, keeping the temporary file with its committed shards for the next writer of the same
-        path and key (a line on stderr says so); nothing is published."""
+        path and key; nothing is published. A line says so: on stderr now, or, given the
+        ``interruption`` passing by, noted on it (:func:`ple.files.note_kept`: said once it is handled,
+        if the file is still there then)."""
         self._closed = True
         self._direct_refused()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
-        print(
-            f"kept {self.partial_path} ({len(self._committed)} of {self.num_shards} shards done): the same "
-            "conversion run again continues it; delete it to start over",
-            file=sys.stderr,
-        )
+        done = f"{len(self._committed)} of {self.num_shards} shards done"
+        note_kept(interruption, self.partial_path, f"kept {self.partial_path} ({done}): the same conversion run again continues it; delete it to start over")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- reading
