@@ -127,6 +127,46 @@ def test_nvfp4_blocks_round_trip_within_the_format_step():
     assert np.array_equal(y[0], np.zeros(160, np.float32)) and len(set(y[1].tolist())) == 1
 
 
+def _best_index_int8(grid, x: float) -> int:
+    """GGML's ``best_index_int8`` as its C reads: a binary search, then the lower neighbour only when
+    strictly nearer."""
+    if x <= grid[0]:
+        return 0
+    if x >= grid[-1]:
+        return len(grid) - 1
+    lo, hi = 0, len(grid) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x < grid[mid]:
+            hi = mid
+        else:
+            lo = mid
+    return hi - 1 if x - grid[hi - 1] < grid[hi] - x else hi
+
+
+def test_iq4_nl_nearest_point_is_ggmls_and_the_words_say_so():
+    """Halfway between two grid points goes up, as GGML's ``best_index_int8`` (every midpoint, every
+    grid point and values near them); the docstring says the same, and docs/FORMATS.md names the
+    quantizer llama-quantize runs and GGML's NVFP4 type (blocks of 64, per the gguf package: a row of
+    160 values does not fill them)."""
+    from pathlib import Path
+
+    from ple.table.blocks import IQ4NL_VALUES, _nearest_iq4
+
+    grid = np.asarray(IQ4NL_VALUES, dtype=np.float32)
+    mids = (grid[:-1] + grid[1:]) / 2
+    v = np.concatenate([mids, grid, np.nextafter(mids, -np.inf), np.nextafter(mids, np.inf), [-200.0, 200.0]])
+    v = v.astype(np.float32)
+    got = _nearest_iq4(v[None, :], grid)[0]
+    assert [int(i) for i in got] == [_best_index_int8(grid, float(x)) for x in v]
+    assert all(int(got[i]) == i + 1 for i in range(len(mids)))  # halfway: up
+    assert "the upper one unless the lower is strictly nearer" in " ".join(_nearest_iq4.__doc__.split())
+    page = " ".join((Path(__file__).resolve().parents[2] / "docs" / "FORMATS.md").read_text().split())
+    assert "`quantize_iq4_nl` (what llama-quantize writes" in page and "reference algorithm" not in page
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.NVFP4]
+    assert block == 64 and 160 % block and f"GGML's own NVFP4 type has blocks of {block}" in page
+
+
 def test_iq4_nl_quantizer_beats_q4_0_and_uses_nearest_codes():
     x = _values(rows=256, seed=5)[8:]
     q = quantize_blocks(x, "iq4_nl")

@@ -182,6 +182,63 @@ def test_extremes_of_equal_zeros_follow_ggmls_loop(fmt, top, each_isa):
     assert torch.equal(ours, theirs)
 
 
+def _tiny_blocks(seed: int = 9) -> np.ndarray:
+    """Rows whose blocks hold values all below about 5e-38 (the scale's inverse overflows float32), of
+    both signs, with zeros among them, and one row of ordinary values beside them."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, 64)) * np.array([[1e-38], [2e-39], [1e-40], [3e-45], [4e-38], [1.0]])).astype(
+        np.float32
+    )
+    x[0, [3, 40]] = 0.0
+    x[2, 7] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q4_1", "q5_1"])
+def test_codes_of_an_overflowing_inverse_are_zero_as_gguf_and_ggml(fmt, each_isa):
+    """A block of values all below about 5e-38: ``1 / d`` is infinite, so ``x / d`` is infinite (NaN for a
+    zero, or the minimum itself); GGML's ``(int8_t)`` cast of such a code gives 0 on x86-64, and so does
+    the gguf package: every code is 0 (not the top code), in the reference and in every C variant."""
+    x = _tiny_blocks()
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    with np.errstate(invalid="ignore", over="ignore"):  # the gguf package's casts of inf and NaN
+        want = gguf_quantize(x, qtype)
+    ours = quantize_blocks(x, fmt)
+    assert np.array_equal(ours, want), np.nonzero((ours != want).any(axis=1))[0]
+    for isa in each_isa:
+        _native.set_isa(isa)
+        got = encode_rows(torch.from_numpy(x), None, fmt, native=True).data
+        assert np.array_equal(got, want), (isa, np.nonzero((got != want).any(axis=1))[0])
+    start = {"q4_0": 2, "q5_0": 2, "q4_1": 4, "q5_1": 4}[fmt]  # where a block's codes (qh, nibbles) begin
+    blocks = ours[1:3].reshape(4, -1)  # the rows of magnitudes 2e-39 and 1e-40: 1 / d overflows
+    assert (blocks[:, start:] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0"])
+def test_a_block_of_zeros_has_ggmls_negative_zero_scale(fmt, each_isa):
+    """GGML's loop keeps ``max = 0.0f`` unless a magnitude is strictly larger, so a block of zeros has the
+    scale ``0.0f / -levels = -0`` (fp16 0x8000) whatever its first zero's sign; the gguf package takes the
+    first value (-0.0 gives it +0), so the bytes here are built by hand: scale 0x8000, every code the
+    middle one (8 of q4_0, 16 of q5_0)."""
+    x = np.zeros((3, 64), np.float32)
+    x[0, 0] = -0.0  # the first a negative zero
+    x[1] = -0.0  # every one
+    x[2, [0, 33]] = -0.0  # the first of each block
+    block = {
+        "q4_0": bytes([0x00, 0x80]) + bytes([0x88]) * 16,
+        "q5_0": bytes([0x00, 0x80]) + bytes([0xFF]) * 4 + bytes(16),
+    }[fmt]
+    want = np.frombuffer(block * 6, dtype=np.uint8).reshape(3, -1)
+    assert np.array_equal(quantize_blocks(x, fmt), want)
+    assert np.array_equal(quantize_blocks(np.zeros((1, 64), np.float32), fmt), want[:1])  # +0 first: the same
+    for isa in each_isa:
+        _native.set_isa(isa)
+        assert np.array_equal(encode_rows(torch.from_numpy(x), None, fmt, native=True).data, want), isa
+    # it decodes to zeros of the scale's sign, as GGML's own decode gives
+    dec = dequantize_blocks(torch.from_numpy(want.copy()), fmt)
+    assert (dec == 0).all() and bool(torch.signbit(dec).all())
+
+
 LIMITS = {"q8_0": 8.3e6, "q5_0": 1.04e6, "q4_0": 5.2e5, "iq4_nl": 6.8e6, "q4_1": 9.8e5, "q5_1": 2.0e6}
 
 

@@ -205,10 +205,11 @@ static void put_qh(const uint8_t *codes, uint8_t *p) {
 
 static inline float inverse(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
 
-/* the value of largest magnitude, the first of equals, its sign kept */
+/* the value of largest magnitude, the first of equals, its sign kept; +0 when every value is a zero of
+ * either sign (GGML's loop starts from max = 0.0f and takes only a strictly larger magnitude) */
 static float signed_max(const float *x) {
-    float amax = fabsf(x[0]), big = x[0];
-    for (int j = 1; j < 32; j++)
+    float amax = 0.0f, big = 0.0f;
+    for (int j = 0; j < 32; j++)
         if (fabsf(x[j]) > amax) {
             amax = fabsf(x[j]);
             big = x[j];
@@ -238,8 +239,9 @@ static int enc_sym(const float *x, uint8_t *out, int levels) {
     const float half = (float)levels + 0.5f;
     uint8_t codes[32];
     for (int j = 0; j < 32; j++) {
+        /* a subnormal d has an infinite inverse: the reference's NaN or infinite codes cast to 0 */
         float q = truncf(x[j] * id + half);
-        q = q < 0.0f ? 0.0f : q > top ? top : q != q ? 0.0f : q; /* NaN (0 times an infinite 1/d): 0 */
+        q = !isfinite(q) ? 0.0f : q < 0.0f ? 0.0f : q > top ? top : q;
         codes[j] = (uint8_t)q;
     }
     const uint16_t h = f16_of(d);
@@ -265,7 +267,7 @@ static int enc_affine(const float *x, uint8_t *out, int top) {
     uint8_t codes[32];
     for (int j = 0; j < 32; j++) {
         float q = truncf((x[j] - lo) * id + 0.5f);
-        q = q < 0.0f ? 0.0f : q > ftop ? ftop : q != q ? 0.0f : q;
+        q = !isfinite(q) ? 0.0f : q < 0.0f ? 0.0f : q > ftop ? ftop : q; /* as enc_sym: non-finite codes 0 */
         codes[j] = (uint8_t)q;
     }
     const uint16_t hd = f16_of(d), hm = f16_of(lo);
@@ -313,7 +315,7 @@ static int enc_mxfp4(const float *x, uint8_t *out) {
     return 0;
 }
 
-/* GGML's nearest grid point: the lower one unless the upper is strictly nearer. Without branches (a
+/* GGML's nearest grid point: the upper one unless the lower is strictly nearer (halfway goes up). Without branches (a
  * binary search through the grid, then the two neighbours compared): the values are data, a branch on
  * each would be mispredicted half the time. */
 static const float IQ4_PAD[17] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113, 113};

@@ -26,14 +26,19 @@ and one float32 scale for the whole table. A row of ``D`` values is ``D/2`` byte
 A lookup returns these float32 values rounded once to the activation dtype.
 
 Quantizers (numpy, float32, offline; :mod:`ple.table.encode` runs the same in C, byte for byte):
-q8_0, q5_1, q5_0, q4_1, q4_0 and mxfp4 compute what the ``gguf`` package's ``quantize`` computes, bit
-for bit (q4_1 and q5_1 take a block's minimum and maximum as GGML's reference loop does, the first of
-equal values: where the extreme is a zero present with both signs, numpy's reductions, which the
-``gguf`` package uses, pick one by their vector lanes, differently for other shapes and CPUs; the
-decoded values are the same); iq4_nl follows GGML's reference quantizer (no imatrix: a scale search
-over 15 candidates, then every value to its nearest grid point); nvfp4 takes a per-block scale
-``amax / 6 / global`` rounded to E4M3 (nearest, ties to even, at most 448) and every value to the
-nearest E2M1 value (ties to even).
+q8_0, q5_1, q5_0, q4_1, q4_0 and mxfp4 compute what GGML's C reference loops compute on x86-64, and
+what the ``gguf`` package's ``quantize`` computes, bit for bit, but for two kinds of blocks where
+the package differs from GGML: the minimum and maximum of q4_1 and q5_1 are the first of equal
+values, as GGML's loop finds them (where the extreme is a zero present with both signs, numpy's
+reductions, which the package uses, pick one by their vector lanes; the decoded values are the
+same), and a q4_0 or q5_0 block of zeros has the scale -0 whatever its first zero's sign (GGML's
+loop takes only a magnitude strictly above 0; the package takes the first value). A code that is
+not finite (``1 / d`` overflows float32 for a block of values all below about 5e-38) is 0, as
+GGML's ``(int8_t)`` cast gives it on x86-64 and the package's cast does. iq4_nl follows GGML's
+``quantize_iq4_nl``, what llama-quantize writes (no imatrix: a scale search over 15 candidates,
+then every value to its nearest grid point; ``quantize_row_iq4_nl_ref`` searches none); nvfp4 takes
+a per-block scale ``amax / 6 / global`` rounded to E4M3 (nearest, ties to even, at most 448) and
+every value to the nearest E2M1 value (ties to even).
 
 A block whose fp16 scale (or q4_1 / q5_1 minimum) would be infinite is refused
 (:class:`ScaleOverflowError`, naming the row, the block's first column and its value of largest
@@ -190,14 +195,24 @@ def _f16_bytes(v: np.ndarray) -> np.ndarray:
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
-    """``1 / d`` in float32, 0 where ``d`` is 0."""
-    with np.errstate(divide="ignore"):
+    """``1 / d`` in float32, 0 where ``d`` is 0 (infinite where ``d`` is subnormal and its inverse overflows)."""
+    with np.errstate(divide="ignore", over="ignore"):
         return np.where(d == 0, _F32(0), _F32(1) / d).astype(_F32)
 
 
 def _signed_max(x: np.ndarray) -> np.ndarray:
-    """``[B, 1]``: the value of largest magnitude of each block (the first of equals), sign kept."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    """``[B, 1]``: the value of largest magnitude of each block (the first of equals), sign kept; +0
+    for a block of zeros of either sign (GGML's loop starts from ``max = 0.0f`` and takes only a
+    strictly larger magnitude, so a q4_0 block of zeros whose first is -0.0 has the scale -0)."""
+    big = np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)
+    return np.where(big == 0, _F32(0), big).astype(_F32)
+
+
+def _finite_codes(q: np.ndarray, top: int) -> np.ndarray:
+    """Codes clipped to ``[0, top]``; a non-finite one (``1 / d`` overflows for a block of values all
+    below about 5e-38: infinite, or NaN for a zero) is 0, as GGML's ``(int8_t)`` cast of it gives on
+    x86-64 (and the ``gguf`` package's cast)."""
+    return np.where(np.isfinite(q), np.clip(q, 0, top), _F32(0)).astype(_F32)
 
 
 def _q8_0(x: np.ndarray) -> np.ndarray:
@@ -212,8 +227,9 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
 def _q_sym(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric 4/5-bit codes: ``d = max / -levels``, code ``trunc(x / d + levels + 0.5)``."""
     d = (_signed_max(x) / _F32(-levels)).astype(_F32)
-    q = np.trunc(x * _inverse(d) + _F32(levels + 0.5)).astype(_F32)
-    return d, np.clip(q, 0, 2 * levels - 1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.trunc(x * _inverse(d) + _F32(levels + 0.5)).astype(_F32)
+    return d, _finite_codes(q, 2 * levels - 1)
 
 
 def _q_affine(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -222,8 +238,9 @@ def _q_affine(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     lo = np.take_along_axis(x, x.argmin(axis=1)[:, None], axis=1)
     hi = np.take_along_axis(x, x.argmax(axis=1)[:, None], axis=1)
     d = ((hi - lo) / _F32(top)).astype(_F32)
-    q = np.trunc((x - lo) * _inverse(d) + _F32(0.5)).astype(_F32)
-    return d, lo, np.clip(q, 0, top)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.trunc((x - lo) * _inverse(d) + _F32(0.5)).astype(_F32)
+    return d, lo, _finite_codes(q, top)
 
 
 def _mxfp4(x: np.ndarray) -> np.ndarray:
@@ -239,8 +256,8 @@ def _mxfp4(x: np.ndarray) -> np.ndarray:
 
 
 def _nearest_iq4(v: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """Index of the grid point nearest each value (GGML's rule: the lower one unless the upper is
-    strictly nearer)."""
+    """Index of the grid point nearest each value (GGML's ``best_index_int8``: the upper one unless the
+    lower is strictly nearer, so a value halfway between two goes up)."""
     hi = np.clip(np.searchsorted(grid, v, side="right"), 1, len(grid) - 1)
     lower, upper = grid[hi - 1], grid[hi]
     idx = np.where(v - lower < upper - v, hi - 1, hi)

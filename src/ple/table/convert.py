@@ -70,7 +70,7 @@ __all__ = [
 TARGET_NAMES = ("fp8", "int8", *BLOCK_FORMATS)
 """What ``ple convert --to`` and ``from_pretrained(table_format=)`` accept."""
 
-_ENCODER = 1
+_ENCODER = 2  # 2: q4_0/q5_0 zero blocks' -0 scale and 4/5-bit codes of an overflowing 1/d as GGML
 """Bumped when an encoder's bytes change: a temporary file an older one left is not continued."""
 
 
