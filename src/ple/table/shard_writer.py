@@ -177,7 +177,8 @@ def _file_digest(fd: int, places: list[tuple[int, int]]) -> str | None:
 def matching_shards(w: Any, fd: int, sums: dict[int, str]) -> set[int]:
     """The shards ``k`` of ``sums`` (``{k: checksum}``) whose bytes in ``fd``, the temporary file of
     the writer ``w`` (a :class:`~ple.table.table_file.TableFileWriter`), give their checksum (rows, then
-    per-row scales); shards are read and hashed side by side, one a thread (the hash releases the GIL).
+    per-row scales); shards are read and hashed side by side, two a thread (``torch.get_num_threads()``,
+    as ``ple verify`` does: one is read while the other is hashed; the hash releases the GIL).
 
     It reads every byte of those shards once: what continuing a conversion costs before it writes
     anything. For the published table converted to q4_0 (28.8 GB when finished) that is at most the
@@ -194,5 +195,6 @@ def matching_shards(w: Any, fd: int, sums: dict[int, str]) -> set[int]:
     order = sorted(sums)
     if not order:
         return set()
-    with ThreadPoolExecutor(min(torch.get_num_threads(), len(order)), thread_name_prefix="ple-resume-check") as pool:
+    lanes = min(2 * torch.get_num_threads(), len(order))
+    with ThreadPoolExecutor(lanes, thread_name_prefix="ple-resume-check") as pool:
         return {k for k, ok in zip(order, pool.map(check, order)) if ok}
