@@ -235,3 +235,40 @@ def test_a_lock_file_removed_by_its_maker_is_not_shared(tmp_path):
         events.append("third holds")
     t.join(10)
     assert events == ["first fails", "second holds", "second done", "third holds"]
+
+
+def test_an_interrupted_copy_continues_only_with_the_shards_that_check_out(wide, tmp_path, monkeypatch):
+    """A ``table_format="q4_0"`` start interrupted after two shards of its first table, then a byte of
+    a finished shard flipped in the kept ``.partial``: the next start converts that shard again and
+    serves the rows a start that was never interrupted serves."""
+    from ple.table.table_file import TableFileWriter, read_table_header
+
+    folder = tmp_path / "tables"
+    orig = TableFileWriter.commit
+    done: list[int] = []
+
+    def commit(self, k, *a, **kw):
+        orig(self, k, *a, **kw)
+        done.append(k)
+        if len(done) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TableFileWriter, "commit", commit)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        from_pretrained(wide, table_dir=folder, table_format="q4_0")
+    monkeypatch.setattr(TableFileWriter, "commit", orig)
+    (partial,) = folder.glob("*.partial")
+    assert any(n.startswith(f"kept {partial} (2 of 3 shards done)") for n in stopped.value.__notes__)
+    h = read_table_header(partial)
+    a = done[0] * h["shard_rows"]
+    at = h["data_offset"] + (a + 1) * h["row_nbytes"] + 4  # a code byte of the shard's second row
+    with open(partial, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 0x21]))
+    model = from_pretrained(wide, table_dir=folder, table_format="q4_0")
+    own = from_pretrained(wide, table_dir=tmp_path / "own", table_format="q4_0")
+    for x, y in zip(patched_layers(model), patched_layers(own)):
+        assert np.array_equal(x.layer.table.data.numpy(), y.layer.table.data.numpy())
+    torch.testing.assert_close(_logits(model), _logits(own), rtol=0, atol=0)
