@@ -14,7 +14,8 @@ Exit status, the same for every subcommand:
 - 129: hung up (SIGHUP: the terminal was closed): the same cleanup as 130;
 - 130: interrupted (Ctrl-C); the temporary files being written are removed (table files already
   published stay: each is complete), and so is ``ple demo``'s temporary folder, but for the shards a
-  table conversion finished: kept in its ``.partial`` file, which the same command run again continues;
+  table conversion finished: kept in its ``.partial`` file, which the same command run again continues
+  (a line names it, last but one, when it is still there: not in a temporary folder removed since);
 - 141: stdout was closed early (``ple ... | head``), quietly;
 - 143: terminated (SIGTERM, what ``timeout``, ``kill`` and job runners send): the same cleanup as 130.
 
