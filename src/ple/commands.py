@@ -63,10 +63,11 @@ def _emit_json(doc: Any) -> None:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    """Bytes in binary units, as the README's tables give them (``47.7 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
+        n /= 1024
     return str(n)
 
 
