@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ple.argtypes import byte_size, shown_size
 from ple.cli import build_parser, main
 from ple.config import PLEConfig
 from ple.demo import synthesize_checkpoint
@@ -25,6 +24,8 @@ README = ROOT / "README.md"
 
 # ---------------------------------------------------------------------------------------------- sizes
 def test_a_size_is_read_with_its_unit():
+    from ple.argtypes import byte_size, shown_size
+
     assert [byte_size(t) for t in ("64MiB", "1GiB", "512MB", "1.5KiB", "65536B", "64kib", "0")] == [
         64 << 20,
         1 << 30,
@@ -66,10 +67,11 @@ def test_ple_demo_refuses_any_non_empty_workdir_before_anything_runs(tmp_path, c
     work.mkdir()
     (work / "notes.txt").write_text("mine")
     argv = ["demo", "--config", str(config), "--synthetic-tokens", "--requests", "2", "--slots", "2"]
-    assert main([*argv, "--workdir", str(work), "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"ple demo: --workdir {work} is not empty (it holds notes.txt)")
-    assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]  # nothing ran
+    for extra in ([], ["--ranks", "2", "--parallel", "sp"]):
+        assert main([*argv, *extra, "--workdir", str(work), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"ple demo: --workdir {work} is not empty (it holds notes.txt)")
+        assert sorted(p.name for p in work.iterdir()) == ["notes.txt"]  # nothing ran
 
 
 # ---------------------------------------------------------------------------------------------- messages
