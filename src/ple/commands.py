@@ -593,6 +593,13 @@ def verify(args: argparse.Namespace) -> int:
         if args.checkpoint and not problems:
             found, note = _compare_with_checkpoint(f, args.checkpoint)
             problems += found
+        elif not problems:
+            record = read_table_header(f).get("merged")
+            if isinstance(record, dict):
+                note = (
+                    f"a merge of {record.get('adapter')} (PLE layer {record.get('ple_layer_index')}, "
+                    f"{record.get('trained_rows')} rows trained; --checkpoint compares them and the rest)"
+                )
         results.append({"file": str(f), "ok": not problems, "problems": problems, **({"note": note} if note else {})})
     ok = all(r["ok"] for r in results)
     if args.json:

@@ -86,7 +86,10 @@ def test_the_report_the_merge_and_its_verification(tmp_path, capfd):
     assert main(["train", "--merge", str(table), str(adapter), str(out_file)]) == 1
     assert capfd.readouterr().err == f"ple train: {out_file} exists: pass --force to replace it\n"
 
-    # verify: the trained rows against the adapter, the rest against the checkpoint
+    # verify: the file says it is a merge; with its checkpoint, the trained rows are compared with the adapter,
+    # the rest with the checkpoint
+    assert main(["verify", str(out_file)]) == 0
+    assert f"OK (a merge of {adapter.resolve()} (PLE layer 1, {n} rows trained;" in capfd.readouterr().out
     assert main(["verify", str(out_file), "--checkpoint", str(work / "published")]) == 0
     said = capfd.readouterr().out
     assert f"{n:,} rows trained, equal to the adapter's; the rest equal to the checkpoint's" in said
