@@ -96,7 +96,7 @@ def test_the_report_the_merge_and_its_verification(tmp_path, capfd):
     shutil.move(adapter, tmp_path / "elsewhere.safetensors")  # the merge's own rows can no longer be told apart
     assert main(["verify", str(out_file), "--checkpoint", str(work / "published")]) == 1
     said = capfd.readouterr().out
-    assert "the adapter it names cannot be read" in said and "rows differ from the source" in said
+    assert f"the adapter it names, {adapter.resolve()}, is not there" in said and "rows differ from the source" in said
 
 
 def test_an_adapter_is_merged_only_into_the_table_it_was_trained_over(tmp_path, capsys):
@@ -113,3 +113,33 @@ def test_an_adapter_is_merged_only_into_the_table_it_was_trained_over(tmp_path, 
     assert "PLE layer 0 was trained over the table file" in err and str(a / "tables" / other.name) in err
     assert f"not {other}" in err and "merge it into the table it was trained over" in err
     assert not (tmp_path / "m.pletable").exists()
+
+
+def test_the_trained_rows_of_a_merged_file_are_checked_against_the_adapter(tmp_path):
+    """``check_merged_rows`` compares each trained row with the adapter's, requantized as the merge does:
+    none differ for the adapter merged; every one for an adapter of the same rows trained further."""
+    from ple.table import MmapTable
+    from ple.train import SparseAdam, merge_table_file, save_adapter, trainable
+    from ple.train.merge import check_merged_rows, merged_rows
+
+    from ._helpers import batch, new_layer, write_table_file
+
+    table = write_table_file(tmp_path / "t.pletable", "int8_row", seed=2)
+    layer = new_layer(seed=1, table=MmapTable.open(table))
+    opt = SparseAdam(trainable(layer), lr=0.1)
+    hidden, ids, _ = batch(seed=1)
+    layer.forward_padded(hidden, ids).sum().backward()
+    opt.step()
+    adapter = save_adapter(tmp_path / "a.safetensors", layer)
+    out = merge_table_file(table, adapter, tmp_path / "m.pletable")
+    record, entry, file, why = merged_rows(out)
+    assert why == "" and entry is not None and file is not None and record["trained_rows"] == entry.trained_rows > 0
+    assert check_merged_rows(out, file, 0) == []
+    opt.zero_grad()
+    layer.forward_padded(hidden, ids).sum().backward()  # the same rows, trained one step further
+    opt.step()
+    save_adapter(adapter, layer)
+    record, entry, file, why = merged_rows(out)
+    assert why == "" and file is not None  # the same ids: the file it names passes for the one merged
+    (problem,) = check_merged_rows(out, file, 0)
+    assert f"{record['trained_rows']} trained rows differ from the adapter's" in problem

@@ -229,6 +229,8 @@ def merged_rows(path: str | os.PathLike) -> tuple[dict | None, AdapterLayer | No
     if record is None:
         return None, None, None, ""
     name = record.get("adapter")
+    if not isinstance(name, str) or not os.path.lexists(name):
+        return record, None, None, f"the adapter it names, {name}, is not there"
     try:
         file = read_adapter(name)
         entry = file.layers[int(record["ple_layer_index"])]
