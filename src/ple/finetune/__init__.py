@@ -35,7 +35,9 @@ with ple.integrations.transformers.from_pretrained with its tables on disk (--ti
 and trains it on real text: a row-sparse optimizer for the tables (--optimizer), AdamW for the
 other weights. It reports the training and held-out losses, the rows trained, the adapter file
 written (the trained rows and the optimizer's state) and that the table files were never written;
-the exit status is 1 when one of these checks fails.
+the exit status is 1 when one of these checks fails. A step's training loss is one batch's: the
+first and the last 5 steps are compared from 10 steps on; the held-out loss, before and after
+training, in every run.
 
 Needs transformers, and tiktoken with dashscope for the real text (the Qwen vocabulary ships in
 dashscope); the loss plot needs matplotlib: pip install 'ple[train]' installs them all (and
