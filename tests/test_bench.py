@@ -509,7 +509,7 @@ def test_session_cases_pass_their_checks_and_the_report_names_the_geometry(capsy
 def test_memory_budget_serves_ples_table_from_the_direct_tier(tmp_path, capsys):
     from ple.table import DirectTable
 
-    fx = bench_cases.Fixture(bench_cases.QUICK, memory_budget_mb=1)
+    fx = bench_cases.Fixture(bench_cases.QUICK, memory_budget=1 << 20)
     layer = fx.layer(torch.bfloat16)
     table = layer.table
     assert isinstance(table, DirectTable) and table.memory_budget == 1 << 20
@@ -518,11 +518,13 @@ def test_memory_budget_serves_ples_table_from_the_direct_tier(tmp_path, capsys):
     want = PLELayer.from_transformers(fx.module(torch.bfloat16)).table.lookup(ids, torch.bfloat16)
     assert torch.equal(table.lookup(ids, torch.bfloat16), want)  # the rows of transformers' table, bit for bit
     out_json = tmp_path / "b.json"
-    rc = _run("--quick", "--cases", "decode-bf16", "--repeat", "2", "--memory-budget", "1", "--output", str(out_json))
+    rc = _run(
+        "--quick", "--cases", "decode-bf16", "--repeat", "2", "--memory-budget", "1MiB", "--output", str(out_json)
+    )
     assert rc == 0  # the case's check (against transformers, its table in memory) passed
-    assert "ple's table: direct tier, memory budget 1 MB; cache hit rate bf16" in capsys.readouterr().out
+    assert "ple's table: direct tier, memory budget 1MiB; cache hit rate bf16" in capsys.readouterr().out
     served = json.loads(out_json.read_text())["settings"]["table"]
-    assert served["tier"] == "direct" and served["memory_budget_mb"] == 1
+    assert served["tier"] == "direct" and served["memory_budget_bytes"] == 1 << 20
     assert 0 < served["bf16"]["hit_rate"] < 1 and served["bf16"]["rows_read"] > 0
 
 

@@ -200,9 +200,10 @@ def test_inspect_refuses_pickles(tmp_path, capsys, target):
 
 def test_inspect_bad_paths(tmp_path, capsys):
     code, _, err = run_cli(capsys, "inspect", tmp_path / "absent")
-    assert code == 1 and err == f"ple inspect: no such file or directory: {tmp_path / 'absent'}\n"
+    assert code == 1 and err == f"ple inspect: No such file or directory: {tmp_path / 'absent'}\n"
     code, _, err = run_cli(capsys, "inspect", tmp_path)
-    assert code == 1 and err == f"ple inspect: {tmp_path} has no config.json\n"
+    assert code == 1 and err.startswith(f"ple inspect: {tmp_path} has no config.json: expected a config.json, a model")
+    assert err.endswith("or a GGUF file or a .pletable table file\n")
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 24, "eos_token_id": 7, "heads_per_ngram": 5}))
     code, _, err = run_cli(capsys, "inspect", tmp_path / "config.json")
     assert code == 1 and "ple_embed_dim" in err and len(err.splitlines()) == 1

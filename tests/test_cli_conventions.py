@@ -92,7 +92,7 @@ def test_json_is_one_document_on_stdout_for_every_subcommand(model, tmp_path, ca
 def test_a_refused_input_is_one_line_and_exit_1(tmp_path):
     proc = _ple("inspect", str(tmp_path / "absent"))
     assert proc.returncode == EXIT_PROBLEM
-    assert proc.stdout == "" and proc.stderr == f"ple inspect: no such file or directory: {tmp_path / 'absent'}\n"
+    assert proc.stdout == "" and proc.stderr == f"ple inspect: No such file or directory: {tmp_path / 'absent'}\n"
     assert "Traceback" not in proc.stderr
 
 

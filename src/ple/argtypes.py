@@ -15,6 +15,9 @@ __all__ = [
     "int_between",
     "integer",
     "positive_float",
+    "byte_size",
+    "SIZE_UNITS",
+    "shown_size",
     "device",
     "parse_int",
     "shown",
@@ -86,6 +89,58 @@ def positive_float(text: str) -> float:
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"{shown(text)} is out of range: expected a finite number > 0")
     return v
+
+
+SIZE_UNITS = {
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+"""The units :func:`byte_size` reads (case aside): bytes, decimal (KB = 1000 B) and binary (KiB = 1024 B)."""
+
+_SIZE = re.compile(r"([0-9]{1,30}(?:\.[0-9]{1,30})?) ?([A-Za-z]{1,3})")
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes with its unit, the one convention of every ``ple`` option that takes a size
+    (``--memory-budget``): ``64MiB``, ``1GiB``, ``512MB``, ``1.5KiB``, ``65536B`` (units:
+    :data:`SIZE_UNITS`, case aside). A bare number is refused, but ``0`` (which needs none): ``64``
+    would be 64 bytes to one reader and 64 MB to another."""
+    t = text.strip()
+    if t == "0":
+        return 0
+    m = _SIZE.fullmatch(t)
+    units = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+    if m is None:
+        if parse_int(t) is not None or _SIZE.fullmatch(t + "B") is not None:
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)} has no unit: give a size with its unit, e.g. {t}MiB, {t}KiB or {t}B ({units})"
+            )
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a size: expected e.g. 64MiB, 1GiB, 512MB ({units})")
+    number, unit = m.groups()
+    factor = SIZE_UNITS.get(unit.upper())
+    if factor is None:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: unknown unit {unit!r}, expected one of {units}")
+    whole, _, frac = number.partition(".")
+    scaled = int(whole) * factor + (int(frac) * factor) // 10 ** len(frac) if frac else int(whole) * factor
+    if frac and (int(frac) * factor) % 10 ** len(frac):
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number of bytes")
+    return scaled
+
+
+def shown_size(n: int) -> str:
+    """``n`` bytes as :func:`byte_size` reads them back, in the largest binary unit that holds it whole:
+    ``64MiB``, ``1536B``."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n and n % SIZE_UNITS[unit.upper()] == 0:
+            return f"{n // SIZE_UNITS[unit.upper()]}{unit}"
+    return f"{n}B"
 
 
 def device(text: str) -> torch.device:

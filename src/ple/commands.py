@@ -32,7 +32,7 @@ from .checkpoint import (
     write_layer_table,
 )
 from .config import PLEConfig
-from .errors import CommandLineError, InvalidArgumentError
+from .errors import CommandLineError, InvalidArgumentError, PLEError
 from .files import PARTIAL_SUFFIX, open_regular, pread_exact
 from .integrations.table_folder import made_from, record_table, source_identity
 from .table import FORMATS, format_info, read_table_header, verify_table_file
@@ -63,10 +63,11 @@ def _emit_json(doc: Any) -> None:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    """Bytes in binary units, as the README's tables give them (``47.7 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
+        n /= 1024
     return str(n)
 
 
@@ -101,7 +102,7 @@ def inspect(args: argparse.Namespace) -> int:
         return _inspect_gguf(args)
     if _is_table_file(args.path):
         return _inspect_table(args)
-    cfg, ckpt = resolve_model(args.path)
+    cfg, ckpt = resolve_model(args.path, also="a GGUF file or a .pletable table file")
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(
             f"{args.path}: the config has no PLE layers (ple_layer_ids is empty or missing); "
@@ -518,15 +519,26 @@ def _output_folder(out: Path) -> Iterator[None]:
     while not os.path.lexists(p) and p != p.parent:
         made.append(p)  # deepest first
         p = p.parent
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
+
+    def remove_made() -> None:
         for q in made:
             try:
                 q.rmdir()
-            except OSError:  # not empty (or gone): leave it, and its parents
+            except FileNotFoundError:  # never made (a parent could not be)
+                continue
+            except OSError:  # not empty: leave it, and its parents
                 break
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        remove_made()
+        where = "" if e.filename in (None, str(out)) else f" ({e.filename})"
+        raise PLEError(f"cannot create the output folder {out}{where}: {e.strerror}") from e
+    try:
+        yield
+    except BaseException:
+        remove_made()
         raise
 
 
@@ -589,11 +601,20 @@ def verify(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for f in files:
         problems = verify_table_file(f, progress=show_progress())
+        note = ""
         if not problems:
             problems += _recorded_gguf_problems(f)
         if args.checkpoint and not problems:
-            problems += _compare_with_checkpoint(f, args.checkpoint)
-        results.append({"file": str(f), "ok": not problems, "problems": problems})
+            found, note = _compare_with_checkpoint(f, args.checkpoint)
+            problems += found
+        elif not problems:
+            record = read_table_header(f).get("merged")
+            if isinstance(record, dict):
+                note = (
+                    f"a merge of {record.get('adapter')} (PLE layer {record.get('ple_layer_index')}, "
+                    f"{record.get('trained_rows')} rows trained; --checkpoint compares them and the rest)"
+                )
+        results.append({"file": str(f), "ok": not problems, "problems": problems, **({"note": note} if note else {})})
     ok = all(r["ok"] for r in results)
     if args.json:
         if len(results) == 1:
@@ -604,11 +625,13 @@ def verify(args: argparse.Namespace) -> int:
         for q in results[0]["problems"]:
             print(f"problem: {q}")
         if results[0]["ok"]:
-            print(f"{results[0]['file']}: OK")
+            noted = results[0].get("note")
+            print(f"{results[0]['file']}: OK" + (f" ({noted})" if noted else ""))
     else:
         for r in results:
             n = len(r["problems"])
-            print(f"{r['file']}: " + ("OK" if r["ok"] else f"{n} problem{'s' * (n != 1)}"))
+            fine = "OK" + (f" ({r['note']})" if r.get("note") else "")
+            print(f"{r['file']}: " + (fine if r["ok"] else f"{n} problem{'s' * (n != 1)}"))
             for q in r["problems"]:
                 print(f"  problem: {q}")
         bad = sum(not r["ok"] for r in results)
@@ -628,27 +651,46 @@ def _recorded_gguf_problems(file: str) -> list[str]:
     return [f"{file}: the GGUF metadata its header records: {q}" for q in found]
 
 
-def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
+def _compare_with_checkpoint(file: str, checkpoint: str) -> tuple[list[str], str]:
+    """``(problems, a note for the report)``: the file compared with its PLE layer in ``checkpoint``;
+    a merged table file's trained rows with the adapter it names instead (:mod:`ple.train.merge`)."""
+    from .train.merge import check_merged_rows, merged_rows
+
     header = read_table_header(file)
     fields = header.get("layout")
     if not isinstance(fields, dict) or not isinstance(fields.get("ple_layer_index"), int):
-        return ["the file's header records no layout fields: it cannot be matched to a checkpoint layer"]
+        return ["the file's header records no layout fields: it cannot be matched to a checkpoint layer"], ""
     cfg, ckpt = resolve_model(checkpoint)
     idx = fields["ple_layer_index"]
     if not 0 <= idx < cfg.num_ple_layers:
-        return [f"the file is for PLE layer {idx}, which {checkpoint}'s config does not have"]
+        return [f"the file is for PLE layer {idx}, which {checkpoint}'s config does not have"], ""
     want = cfg.layout_fields(idx)
     if fields != want or header.get("layout_hash") != hash_layout(want):
-        return [f"the file was made for another layout than {checkpoint}'s config (PLE layer {idx})"]
+        return [f"the file was made for another layout than {checkpoint}'s config (PLE layer {idx})"], ""
     if ckpt is None:
-        return [f"{checkpoint}: no safetensors weights to compare with"]
+        return [f"{checkpoint}: no safetensors weights to compare with"], ""
     try:
         scan = check_checkpoint(ckpt, cfg, layers=[idx])
     except CheckpointError as e:
-        return e.problems
+        return e.problems, ""
     entry = next(e for e in scan.layers if e.ple_layer_index == idx)
     open_layer_table(file, cfg, idx).close()  # the layout hash as the loader checks it
-    return compare_with_source(file, table_shards(entry), progress=show_progress())
+    record, trained, adapter, why = merged_rows(file)
+    if record is None:
+        return compare_with_source(file, table_shards(entry), progress=show_progress()), ""
+    what = f"a merge of {record.get('adapter')} (PLE layer {record.get('ple_layer_index')})"
+    if trained is None or adapter is None:  # the trained rows cannot be told apart from damage
+        problems = compare_with_source(file, table_shards(entry), progress=show_progress())
+        return [f"the file is {what}: {why}; the rows below include the trained ones", *problems], ""
+    import numpy as np
+
+    ids = np.concatenate([i.numpy() for i, _ in adapter.chunks(trained.ple_layer_index)] or [np.empty(0, np.int64)])
+    problems = check_merged_rows(file, adapter, trained.ple_layer_index)
+    problems += compare_with_source(file, table_shards(entry), progress=show_progress(), skip_rows=ids)
+    return (
+        problems,
+        f"{what}: {trained.trained_rows:,} rows trained, equal to the adapter's; the rest equal to the checkpoint's",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- stats
@@ -656,11 +698,18 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> list[str]:
 
 def stats(args: argparse.Namespace) -> int:
     """Row traffic of a token stream: distinct rows, reuse, bucket load, decode reuse, cache hit rates."""
-    from .realtext import token_stream, tokenize_file
+    from .realtext import QWEN_ENDOFTEXT, token_stream, tokenize_file
     from .stats import iter_token_file, row_traffic
 
     cfg, _ = resolve_model(args.path)
     _check_layer_index(cfg, args.layer)
+    if args.tokens is None and cfg.vocab_size <= QWEN_ENDOFTEXT:
+        given = f"--real-text {args.real_text}" if args.text is None else f"--text {args.text}"
+        raise CommandLineError(
+            f"{given}: the text is tokenized with Qwen's vocabulary (ids up to {QWEN_ENDOFTEXT:,}), and {args.path}'s "
+            f"model has {cfg.vocab_size:,} token ids: it needs a Qwen-sized vocabulary (at least "
+            f"{QWEN_ENDOFTEXT + 1:,}); give a small model its own tokens with --tokens FILE"
+        )
     if args.tokens is not None:
         chunks: Any = iter_token_file(args.tokens, cfg.vocab_size)
     elif args.text is not None:

@@ -125,7 +125,9 @@ def test_bad_arguments_are_one_line_errors(small_config, tmp_path, capsys):
 def test_a_reused_workdir_is_refused_before_anything_runs(tmp_path, capsys):
     (tmp_path / "model" / "published").mkdir(parents=True)
     assert main(["demo", "--quick", "--workdir", str(tmp_path)]) == 1
-    assert "published exists: pass an empty --workdir" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--workdir {tmp_path} is not empty (it holds model): ple demo keeps" in err
+    assert err.rstrip().endswith("reuses nothing; pass an empty or new folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the serving part never ran
 
 

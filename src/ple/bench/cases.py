@@ -252,17 +252,17 @@ class Fixture:
         geometry: Geometry,
         device: str | torch.device = "cpu",
         seed: int = 0,
-        memory_budget_mb: int | None = None,
+        memory_budget: int | None = None,
     ):
         self.geometry = geometry
         self.device = torch.device(device)
         self.seed = seed
-        self.memory_budget_mb = memory_budget_mb
+        self.memory_budget = memory_budget
         self._hf_config = None
         self._modules: dict[torch.dtype, nn.Module] = {}
         self._layers: dict[torch.dtype, Any] = {}
         self.direct_tables: dict[torch.dtype, Any] = {}
-        """With ``memory_budget_mb``: the direct tier serving each dtype's ple layer."""
+        """With ``memory_budget``: the direct tier serving each dtype's ple layer."""
 
     # ---------------------------------------------------------------- transformers side
     @property
@@ -299,13 +299,13 @@ class Fixture:
         return self._modules[dtype]
 
     def layer(self, dtype: torch.dtype):
-        """The ple layer sharing ``module(dtype)``'s weights and table (with ``memory_budget_mb``:
+        """The ple layer sharing ``module(dtype)``'s weights and table (with ``memory_budget``:
         its table served by the direct tier instead, see :meth:`direct_table`)."""
         if dtype not in self._layers:
             from ..layer import PLELayer
 
             layer = PLELayer.from_transformers(self.module(dtype))
-            if self.memory_budget_mb is not None:
+            if self.memory_budget is not None:
                 layer.table = self.direct_table(layer, dtype)
             self._layers[dtype] = layer
         return self._layers[dtype]
@@ -313,7 +313,7 @@ class Fixture:
     def direct_table(self, layer, dtype: torch.dtype):
         """``layer``'s in-memory table written to a table file in a temporary folder (removed once
         open: the table keeps its descriptor) and served by :class:`~ple.table.DirectTable` with
-        ``memory_budget_mb`` MB of rows in memory: half its cache pinned with the rows a warm-up
+        ``memory_budget`` bytes of rows in memory: half its cache pinned with the rows a warm-up
         stream reads most (100,000 tokens of the same source, away from the cases' text), the other
         half a running LRU cache; every other row read from disk (O_DIRECT) when a step needs it."""
         import os
@@ -339,8 +339,8 @@ class Fixture:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written pages leave the page cache
             finally:
                 os.close(fd)
-            assert self.memory_budget_mb is not None
-            table = DirectTable(path, fields, memory_budget=self.memory_budget_mb << 20)
+            assert self.memory_budget is not None
+            table = DirectTable(path, fields, memory_budget=self.memory_budget)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         geo = self.geometry
@@ -363,11 +363,11 @@ class Fixture:
         return table
 
     def table_report(self) -> dict[str, Any] | None:
-        """What served ple's tables with ``memory_budget_mb``: the tier, its budget, pinned rows and
+        """What served ple's tables with ``memory_budget``: the tier, its budget, pinned rows and
         the hit rate of its cache over the run (per dtype); None for the in-memory table."""
-        if self.memory_budget_mb is None:
+        if self.memory_budget is None:
             return None
-        out: dict[str, Any] = {"tier": "direct", "memory_budget_mb": self.memory_budget_mb}
+        out: dict[str, Any] = {"tier": "direct", "memory_budget_bytes": self.memory_budget}
         for dtype, t in self.direct_tables.items():
             seen = t.hits + t.misses
             out[dtype_name(dtype)] = {

@@ -97,11 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--memory-budget",
-        type=argtypes.non_negative_int,
+        type=argtypes.byte_size,
         default=None,
-        metavar="MB",
-        help="serve ple's table from the direct tier (a table file read with O_DIRECT) keeping MB of rows in "
-        "memory: half the rows a warm-up of the same text reads most, half a running cache (default: the "
+        metavar="SIZE",
+        help="serve ple's table from the direct tier (a table file read with O_DIRECT) keeping SIZE of rows in "
+        "memory, a size with its unit (64MiB, 1GiB, 512MB): half the rows a warm-up of the same text reads most, half a running cache (default: the "
         "table in memory)",
     )
     parser.add_argument("--device", type=argtypes.device, default="cpu", help="torch device (default cpu)")
@@ -550,7 +550,7 @@ def run(args: argparse.Namespace) -> int:
         raise PLEError(f"--device {args.device}: CUDA is not available on this machine")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    fixture = Fixture(geometry, device, seed=args.seed, memory_budget_mb=getattr(args, "memory_budget", None))
+    fixture = Fixture(geometry, device, seed=args.seed, memory_budget=getattr(args, "memory_budget", None))
 
     if args.profile:
         from .profile import profile_case
@@ -590,7 +590,8 @@ def run(args: argparse.Namespace) -> int:
         rates = ", ".join(
             f"{k} {v['hit_rate']:.1%}" for k, v in served.items() if isinstance(v, dict) and v["hit_rate"] is not None
         )
-        table += f"ple's table: direct tier, memory budget {served['memory_budget_mb']} MB; cache hit rate {rates or 'n/a'}\n"
+        budget = argtypes.shown_size(served["memory_budget_bytes"])
+        table += f"ple's table: direct tier, memory budget {budget}; cache hit rate {rates or 'n/a'}\n"
     if args.json:
         print(json.dumps(report, indent=2), file=out)
     else:

@@ -12,6 +12,7 @@ files are read.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import re
@@ -490,22 +491,31 @@ def check_checkpoint(
     return scan
 
 
-def resolve_model(path: str | os.PathLike) -> tuple[PLEConfig, Path | None]:
-    """``(config, checkpoint or None)`` for a ``config.json``, a model directory or an index file.
+def resolve_model(path: str | os.PathLike, also: str = "") -> tuple[PLEConfig, Path | None]:
+    """``(config, checkpoint or None)`` for a ``config.json``, a model directory, its index file or one
+    of its ``.safetensors`` files. ``also``: what else the caller takes, for the message refusing
+    another file.
 
     The checkpoint is None when the folder holds a config but no weights. Pickled weights count as
     weights, so that the reader refuses them by name instead of the folder reading as config-only.
     """
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"no such file or directory: {p}")
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(p))
     if not p.is_dir() and not p.is_file():
         raise ConfigError(f"{p} is {file_kind(p.stat().st_mode)}, not a regular file or a folder")
     if p.is_file() and p.name.endswith(".json") and p.name != INDEX_NAME:
         return PLEConfig.from_pretrained(p), None
+    accepted = (
+        "a config.json, a model folder (config.json and its safetensors files), its "
+        f"{INDEX_NAME} or one of its .safetensors files" + (f", or {also}" if also else "")
+    )
+    if p.is_file() and p.suffix not in (".safetensors", *_PICKLE_SUFFIXES) and p.name != INDEX_NAME:
+        raise ConfigError(f"{p} is not a model file: expected {accepted}")
     root = p.parent if p.is_file() else p
     if not (root / "config.json").exists():
-        raise ConfigError(f"{root} has no config.json")
+        where = f"{p}'s folder {root.resolve()}" if p.is_file() else str(p)
+        raise ConfigError(f"{where} has no config.json: expected {accepted}")
     cfg = PLEConfig.from_pretrained(root)
     has_weights = (
         p.is_file()

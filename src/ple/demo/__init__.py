@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..argtypes import int_between, non_negative_int
+from ..argtypes import byte_size, int_between, non_negative_int
 from ..errors import CommandLineError, InvalidArgumentError
 from ..table.convert import TARGET_NAMES
 from . import parallel
@@ -50,11 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--memory-budget",
-        type=non_negative_int,
+        type=byte_size,
         default=None,
-        metavar="MB",
-        help="--tier direct: MB of hot rows each table keeps in memory (the rest read from disk; default 64 for "
-        "the serving layer, 1 for each of the model's two small tables)",
+        metavar="SIZE",
+        help="--tier direct: hot rows each table keeps in memory, a size with its unit (64MiB, 1GiB, 512KiB; the "
+        "rest read from disk; default 64MiB for the serving layer, 1MiB for each of the model's two small tables)",
     )
     p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
@@ -76,7 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--new-tokens", type=int_between(1, 100_000), default=16, help="tokens each prompt generates (model part)"
     )
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--workdir", help="keep the checkpoints and table files here (an empty or new folder)")
+    p.add_argument(
+        "--workdir",
+        help="keep the checkpoints and table files here (an empty or new folder: a folder holding anything is refused)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout")
     p.add_argument("--output", metavar="PATH", help="also write the results as JSON to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when stderr is no terminal)")
@@ -205,27 +208,24 @@ def run(args) -> int:
     if parallel.requested(args):
         return parallel.run(args)
     from ..integrations.qwen4_exp import require_transformers
-    from .model import check_workdir, compare
+    from .model import compare, new_workdir
 
     progress = not args.no_progress and sys.stderr.isatty()
     if args.requests is None:
         args.requests = 6 if args.quick else 16
     only = args.only or ("serving" if args.checkpoint or args.config or table_format else None)
     if only in (None, "model"):
-        require_transformers()  # before anything runs: the model part needs transformers (ple[demo])
+        require_transformers(extra="demo")  # before anything runs: the model part needs transformers
     if only in (None, "serving") and not getattr(args, "synthetic_tokens", False):
         check_real_text()  # and the serving part real text (ple[demo]), unless told otherwise
     t_start = time.perf_counter()
     tmp = None
-    if args.workdir:
-        work = Path(args.workdir)
-        work.mkdir(parents=True, exist_ok=True)
+    if args.workdir:  # a reused --workdir is refused before anything runs
+        work = new_workdir(args.workdir, "ple demo", "its checkpoints and table files")
     else:
         tmp = tempfile.TemporaryDirectory(prefix="ple-demo-")
         work = Path(tmp.name)
     try:
-        if only in (None, "model"):
-            check_workdir(work / "model")  # a reused --workdir is refused before anything runs
         doc: dict[str, Any] = {}
         checks: dict[str, bool] = {}
         parts = [p for p in ("serving", "model") if only in (None, p)]
@@ -242,7 +242,7 @@ def run(args) -> int:
         if "model" in parts:
             say(f"{_part(parts, 'model')}the user's path: plain transformers vs ple, each in a fresh process ...")
             base = MODEL_SIZES["quick" if args.quick else "default"]
-            budget = MODEL_DIRECT_BUDGET if args.memory_budget is None else args.memory_budget << 20
+            budget = MODEL_DIRECT_BUDGET if args.memory_budget is None else args.memory_budget
             doc["model"] = compare(
                 work / "model",
                 base,

@@ -1,7 +1,7 @@
 """One fresh process: load a qwen4_exp model (plain transformers, or ple's loader) and generate.
 
 ``python -m ple.demo.measure --loader plain|ple --checkpoint DIR --prompts JSON --new-tokens N
---logits FILE [--table-dir DIR] [--tier mmap|cached|memory|direct] [--memory-budget BYTES]
+--logits FILE [--table-dir DIR] [--tier mmap|cached|memory|direct] [--memory-budget SIZE]
 [--starts K] [--evict]`` prints one JSON line: load and generate seconds (per start for ple), peak
 resident memory (``VmHWM``: anonymous and file-backed pages, the number a process monitor shows)
 with sampled peaks of each kind, the tables at the end (the bytes of the table files served, on disk;
@@ -128,6 +128,8 @@ class _Peaks:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..argtypes import byte_size
+
     ap = argparse.ArgumentParser(prog="python -m ple.demo.measure", description=__doc__.splitlines()[0])
     ap.add_argument("--loader", choices=["plain", "ple"], required=True)
     ap.add_argument("--checkpoint", required=True)
@@ -136,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logits", required=True, help="where to torch.save the step logits")
     ap.add_argument("--table-dir")
     ap.add_argument("--tier", default="mmap")
-    ap.add_argument("--memory-budget", type=int, default=None, help="--tier direct: bytes of rows each table keeps")
+    ap.add_argument(
+        "--memory-budget", type=byte_size, default=None, help="--tier direct: rows each table keeps (65536B)"
+    )
     ap.add_argument("--starts", type=int, default=1)
     ap.add_argument("--evict", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the demo's model is tiny)")

@@ -33,6 +33,7 @@ __all__ = [
     "randomize_ple_weights",
     "save_published",
     "check_workdir",
+    "new_workdir",
     "write_checkpoints",
     "measure",
     "compare",
@@ -161,6 +162,25 @@ def _table_bytes_on_disk(folder: Path) -> int:
     return total
 
 
+def new_workdir(path: str | os.PathLike, command: str, keeps: str) -> Path:
+    """The ``--workdir`` of ``ple demo`` and ``ple train``, one rule for both: an empty or new folder
+    (made here, with its parents), so that nothing a run keeps there is mixed with an earlier run's;
+    a folder holding anything is refused, naming what it holds, before any work is done. ``keeps``:
+    what the command writes there, for the message."""
+    work = Path(path)
+    if work.exists() and not work.is_dir():
+        raise InvalidArgumentError(f"--workdir {work} is not a folder: pass an empty or new folder")
+    held = sorted(p.name for p in work.iterdir()) if work.is_dir() else []
+    if held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise InvalidArgumentError(
+            f"--workdir {work} is not empty (it holds {shown}): {command} keeps {keeps} there and reuses "
+            "nothing; pass an empty or new folder"
+        )
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def check_workdir(work: Path) -> None:
     """Refuse a folder that already holds the model part's checkpoints (before any work is done)."""
     for p in (work / "published", work / "plain"):
@@ -242,7 +262,7 @@ def measure(
     cmd += ["--prompts", json.dumps(prompt_ids), "--new-tokens", str(new_tokens), "--logits", str(logits_out)]
     cmd += ["--tier", tier, "--starts", str(starts)]
     if memory_budget is not None:
-        cmd += ["--memory-budget", str(memory_budget)]
+        cmd += ["--memory-budget", f"{memory_budget}B"]
     if table_dir is not None:
         cmd += ["--table-dir", str(table_dir)]
     if evict:

@@ -639,6 +639,10 @@ def run(args: argparse.Namespace) -> int:
         opts.check_world(world)
         return worker(opts)
     opts.check_world(opts.ranks)
+    if opts.workdir:  # the rule of every --workdir, checked here once for the ranks
+        from .model import new_workdir
+
+        new_workdir(opts.workdir, "ple demo", "its ranks' table files")
     with tempfile.TemporaryDirectory(prefix="ple-parallel-") as tmp:
         spec = Path(tmp) / "options.json"
         ranks_opts = opts if opts.workdir else dataclasses.replace(opts, workdir=str(Path(tmp) / "ranks"))

@@ -293,8 +293,8 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         assert mapped is not None
         table = CachedTable(mapped, min(mapped.rows, 1 << 18)) if args.tier == "cached" else mapped
         if args.tier == "direct":
-            budget = 64 if getattr(args, "memory_budget", None) is None else args.memory_budget
-            table = DirectTable(prepared.path, mapped.layout_hash, memory_budget=budget << 20)
+            budget = 64 << 20 if getattr(args, "memory_budget", None) is None else args.memory_budget
+            table = DirectTable(prepared.path, mapped.layout_hash, memory_budget=budget)
             if not mapped.same_file(prepared.path):
                 table.close()
                 raise InvalidArgumentError(f"{prepared.path} was replaced while it was opened: run again")

@@ -17,14 +17,15 @@ __all__ = ["vocabulary_map", "real_text", "windows"]
 
 
 def vocabulary_map(tokens: np.ndarray, vocab_size: int, eos_in: int, eos_out: int, first_id: int = 3) -> np.ndarray:
-    """``map [max(tokens) + 1]`` int64: source token -> model id (see the module docstring); the
-    unknown id is ``first_id - 1``."""
+    """``map [max(max(tokens), eos_in) + 1]`` int64: source token -> model id (see the module
+    docstring); the unknown id is ``first_id - 1``. ``tokens`` need not hold ``eos_in`` (a short
+    slice of text may end before its first document does)."""
     if vocab_size <= first_id:
         raise InvalidArgumentError(f"vocab_size {vocab_size} leaves no ids from {first_id} on")
     values, counts = np.unique(tokens[tokens != eos_in], return_counts=True)
     order = np.lexsort((values, -counts))  # most frequent first, ties by id
     keep = values[order][: vocab_size - first_id]
-    out = np.full(int(tokens.max()) + 1, first_id - 1, dtype=np.int64)
+    out = np.full(max(int(tokens.max(initial=0)), eos_in) + 1, first_id - 1, dtype=np.int64)
     out[keep] = np.arange(first_id, first_id + keep.size)
     out[eos_in] = eos_out
     return out

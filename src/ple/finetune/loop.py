@@ -12,12 +12,13 @@ batches) and the adapter is gathered to rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,19 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["Options", "OPTIMIZERS", "finetune", "prepare_checkpoint", "plot_losses"]
+__all__ = [
+    "Options",
+    "OPTIMIZERS",
+    "LOSS_WINDOW",
+    "quiet_transformers",
+    "finetune",
+    "prepare_checkpoint",
+    "plot_losses",
+]
 
 OPTIMIZERS = ("sparse_adam", "adamw", "adagrad", "rowwise_adagrad", "sgd")
+LOSS_WINDOW = 5
+"""Steps averaged at each end of the run for the training-loss check (which needs twice as many)."""
 
 
 @dataclasses.dataclass
@@ -48,6 +59,24 @@ class Options:
     eval_every: int = 10
     seed: int = 0
     memory_budget: int | None = None
+
+
+@contextlib.contextmanager
+def quiet_transformers(progress: bool) -> Iterator[None]:
+    """transformers' log at errors only (its warnings that it runs its PyTorch reference code on the CPU
+    would fill the report: ``ple train`` says it once), its progress bars only with ``progress``."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def prepare_checkpoint(work: Path, size: str, seed: int) -> Path:
@@ -189,7 +218,11 @@ def finetune(
     tables = [(w.layer.table.rows, w.layer.table.head_dim, w.layer.table.format) for w in patched_layers(model)]
     after = _sha(files)
     tokens = opts.steps * opts.batch * opts.length
-    first, last = sum(losses[:5]) / min(5, len(losses)), sum(losses[-5:]) / min(5, len(losses))
+    # the training loss of a step is one batch's: noisy, so the first and the last LOSS_WINDOW steps are
+    # compared, and only when they are different steps (the held-out loss is compared in every run)
+    compared = len(losses) >= 2 * LOSS_WINDOW
+    first = sum(losses[:LOSS_WINDOW]) / LOSS_WINDOW if compared else None
+    last = sum(losses[-LOSS_WINDOW:]) / LOSS_WINDOW if compared else None
     return {
         "options": dataclasses.asdict(opts),
         "tables": tables,

@@ -73,14 +73,16 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def require_transformers():
+def require_transformers(extra: str = "hf"):
     """The qwen4_exp modeling module, after checking transformers' version and the internals ple
-    uses; raises :class:`TransformersVersionError` otherwise."""
+    uses; raises :class:`TransformersVersionError` otherwise. ``extra``: the ple extra whose install
+    the message names, the one that makes the caller work (``demo`` for ``ple demo``, ``train`` for
+    ``ple train``: they need more than transformers)."""
     try:
         import transformers
     except ImportError as e:
         raise TransformersVersionError(
-            "ple's transformers integration needs transformers >= 5.24 (pip install 'ple[hf]')"
+            f"ple's transformers integration needs transformers >= 5.24 (pip install 'ple[{extra}]')"
         ) from e
     version = getattr(transformers, "__version__", "0")
     if _version_tuple(version) < MIN_VERSION:

@@ -230,11 +230,13 @@ def _lock(path: Path):
     """Hold the lock of table file ``path`` (``<file>.lock``, made if missing). A lock file may be
     removed by its maker (a start that failed before a table file lay there): every start checks,
     once it holds the lock, that the name still leads to the file it locked, and takes it again if
-    not, so two starts never both hold "the" lock."""
+    not, so two starts never both hold "the" lock. Yields a :class:`_Held`: its ``unused()`` removes
+    a lock file made here for a table file that is not made (another file served instead)."""
+    held_lock = _Held()
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX: no inter-process lock
-        yield
+        yield held_lock
         return
     lock = path.with_name(path.name + ".lock")
     # never through a symbolic link planted at the lock's name
@@ -263,7 +265,10 @@ def _lock(path: Path):
             break
         os.close(fd)  # its maker removed it while this start waited: lock the file now there
     try:
-        yield
+        yield held_lock
+        if created and held_lock.drop:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)
     except BaseException:
         if created:  # a failed start leaves no file it made behind (removed while held: safe, see above)
             with contextlib.suppress(OSError):
@@ -271,6 +276,16 @@ def _lock(path: Path):
         raise
     finally:
         os.close(fd)
+
+
+class _Held:
+    """A lock :func:`_lock` holds; ``unused()``: the table file it guards is not made, and a lock file
+    made for it goes when it is released (a lock for a file that never exists is a leftover)."""
+
+    drop = False
+
+    def unused(self) -> None:
+        self.drop = True
 
 
 def byte_size(n: int) -> str:
@@ -381,12 +396,13 @@ def _prepare(
     target = None if want == entry.table_format else want
     path = folder / table_file_name(entry.prefix, target)
     index = entry.ple_layer_index
-    with _lock(path):
+    with _lock(path) as held:
         source = source_identity(entry)
         home = _checkpoint_folder(entry)
         if target is not None and not os.path.lexists(path):
             made = _convert_output(entry, config, folder, want, source, home, path, t0)
             if made is not None:
+                held.unused()  # ple convert's file is served: no file is made under this name
                 return made
         record = _read_record(path)
         other = _foreign_owner(path, record, source, home)

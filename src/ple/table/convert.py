@@ -597,6 +597,7 @@ def compare_with_source(
     path: str | os.PathLike,
     shard_iter: Iterable[tuple[int, torch.Tensor, torch.Tensor | None]] | Any,
     progress: bool = False,
+    skip_rows: np.ndarray | None = None,
 ) -> list[str]:
     """Compare a table file with the source it was converted from, exactly; returns problems.
 
@@ -604,7 +605,8 @@ def compare_with_source(
     file must hold exactly what :mod:`ple.table.encode` gives for the dequantized source (what
     :func:`~ple.table.quantize_rows` and :func:`~ple.table.blocks.quantize_blocks` give). Shards
     missing from the source, or of the wrong size, are problems too. The file is read with ``pread``
-    and the shards are compared side by side; ``progress``: a tqdm bar of the rows compared."""
+    and the shards are compared side by side; ``progress``: a tqdm bar of the rows compared.
+    ``skip_rows``: sorted row ids that may differ (the trained rows of a merged table file)."""
     fd, header, _ = open_table(path)
     bar = None
     if progress:
@@ -612,7 +614,7 @@ def compare_with_source(
 
         bar = tqdm(total=header["rows"], unit="row", unit_scale=True, desc=f"compare {Path(path).name}")
     try:
-        return _Comparison(Path(path), fd, header, bar).run(shard_iter)
+        return _Comparison(Path(path), fd, header, bar, skip_rows).run(shard_iter)
     finally:
         os.close(fd)
         if bar is not None:
@@ -620,8 +622,8 @@ def compare_with_source(
 
 
 class _Comparison:
-    def __init__(self, path: Path, fd: int, header: dict[str, Any], bar=None) -> None:
-        self.path, self.fd, self.header = path, fd, header
+    def __init__(self, path: Path, fd: int, header: dict[str, Any], bar=None, skip=None) -> None:
+        self.path, self.fd, self.header, self.skip = path, fd, header, skip
         self.fmt, self.rn, self.head_dim = header["format"], header["row_nbytes"], header["head_dim"]
         self.g = read_global_scale(fd, header, path) if header["scale"]["kind"] == "global" else None
         self.lanes = _Lanes(_threads(), bar)
@@ -710,6 +712,8 @@ class _Comparison:
             if want_s is not None:
                 got_s = self._read(h["scale"]["offset"] + 4 * at, 4 * m).reshape(m, 4)
                 diff = np.union1d(diff, np.nonzero((got_s != want_s).any(axis=1))[0])
+            if len(diff) and self.skip is not None:
+                diff = diff[~np.isin(diff + at, self.skip)]
             if len(diff):
                 bad_rows += len(diff)
                 first_bad = at + int(diff[0]) if first_bad is None else first_bad

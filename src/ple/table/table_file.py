@@ -14,7 +14,10 @@ File layout (all integers little-endian)::
 ``layout_hash`` (see :func:`hash_layout`), the shard geometry (``shard_rows``, ``num_shards``), one
 blake2b-128 checksum per shard covering the shard's row bytes followed by its per-row scale bytes
 (plus one for a global scale), and ``header_checksum``: blake2b-128 of the header itself (its JSON
-with sorted keys and no spaces, without this field). Checksums detect damage, not forgery.
+with sorted keys and no spaces, without this field). Checksums detect damage, not forgery. A table
+file written by merging an adapter into another (:func:`ple.train.merge_table_file`) also says so:
+``merged``, a JSON object naming the adapter and the table it was merged into (files without the
+key read as before).
 
 Format version 2 (this one) added the header checksum; version 1 files are refused with a message
 saying to convert the table again (their headers cannot be trusted).
@@ -263,8 +266,12 @@ class TableFileWriter:
         sparse: bool = False,
         resume: str | None = None,
         progress_room: int = 0,
+        merged: dict[str, Any] | None = None,
     ) -> None:
         self._fd = self._dfd = -1
+        self.merged = merged
+        """The header's ``merged`` record (a merge's writer may complete it before ``close``, in place:
+        at the same size, since the header's room is reserved at the start)."""
         self._resume = resume
         self._lock = threading.Lock()
         self._committed: dict[int, Any] = {}
@@ -482,6 +489,8 @@ class TableFileWriter:
             },
             "file_nbytes": offsets["file_nbytes"],
         }
+        if self.merged is not None:
+            header["merged"] = self.merged
         if self._resume is not None and not complete and not capacity_probe:
             header["resume"] = self._resume
             header["progress"] = json.dumps({str(k): v for k, v in self._committed.items()}, separators=(",", ":"))
@@ -866,6 +875,8 @@ def _validate(header: Any, path: Path, header_end: int, file_size: int) -> dict[
         _check_digest(c, "scale", allow_empty=not complete)
     elif c.d.get("scale") is not None:
         raise c.bad("scale", "null")
+    if "merged" in header and not isinstance(header["merged"], dict):
+        raise f.bad("merged", "a JSON object (what was merged into the table)")
     return header
 
 

@@ -9,7 +9,9 @@ An adapter file is a safetensors file (``.safetensors``; any name) holding, per 
 
 and in its ``__metadata__``: ``format`` = ``"ple-table-adapter"``, ``version`` = ``"1"``, ``layers``
 (JSON: per layer its ``ple_layer_index``, ``rows``, ``head_dim``, ``layout_hash`` (the layer's
-layout, :func:`ple.table.table_file.hash_layout`), the base table's ``format`` and the row count),
+layout, :func:`ple.table.table_file.hash_layout`), the base table's ``format``, the row count and
+``base``: the table file the rows were trained over, :func:`base_identity`, absent or null where
+the base is not a table file),
 ``optimizer`` (JSON, checkpoints only: class, hyperparameters and step count per layer) and
 ``user`` (JSON: what the caller passed as ``meta``).
 
@@ -42,7 +44,7 @@ from ..layer import PLELayer
 from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, read_header
 from ..table import ShardedTable, Table
 from ..table.adapted import AdaptedTable, RowOverlay
-from ..table.table_file import hash_layout
+from ..table.table_file import hash_layout, read_table_header
 from .attach import TableTarget, ple_layers
 from .optim import RowSparseOptimizer
 from .sharded import all_gather_rows
@@ -53,6 +55,7 @@ __all__ = [
     "AdapterFileError",
     "AdapterLayer",
     "adapter_overlays",
+    "base_identity",
     "as_adapter",
     "load_adapter",
     "load_optimizer_state",
@@ -81,6 +84,30 @@ def layout_hash_of(layer: PLELayer) -> str:
 def base_of(table: Table) -> Table:
     """The table under an adapter (the table itself when it has none)."""
     return table.base if isinstance(table, AdaptedTable) else table
+
+
+def base_identity(table: Table) -> dict[str, Any] | None:
+    """The table file under ``table`` (through caches): ``{"file", "format", "header_checksum"}``; the
+    header checksum covers every shard's checksum, so it names the rows exactly. None for a table not
+    read from a table file."""
+    at: Any = base_of(table)
+    for _ in range(8):
+        path = getattr(at, "path", None)
+        if isinstance(path, (str, os.PathLike)):
+            header = getattr(at, "header", None)
+            try:
+                header = header if isinstance(header, dict) else read_table_header(path)
+            except (OSError, PLEError):
+                return None
+            return {
+                "file": str(Path(path).resolve()),
+                "format": header["format"],
+                "header_checksum": header["header_checksum"],
+            }
+        at = getattr(at, "backing", None)
+        if at is None:
+            return None
+    return None
 
 
 def _local(layer: PLELayer) -> tuple[Table, int, int, bool]:
@@ -196,6 +223,7 @@ def write_adapter_file(path: Path, sources, dtype, states, optimizer, meta) -> P
                     "layout_hash": layout_hash_of(layer),
                     "base_format": base.format,
                     "trained_rows": n,
+                    "base": base_identity(base),
                 }
             )
             entries.append((f"layer{i}.ids", "I64", [n], 8 * n))
@@ -262,6 +290,8 @@ class AdapterLayer:
     values: TensorInfo
     state_ids: TensorInfo | None
     state_values: TensorInfo | None
+    base: dict[str, Any] | None = None
+    """The table file the rows were trained over (:func:`base_identity`); None when unknown."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,8 +380,11 @@ def read_adapter(path: str | os.PathLike) -> AdapterFile:
                 )
             dtypes.add(values.dtype)
             sid, sval = t.get(f"layer{i}.state.ids"), t.get(f"layer{i}.state.values")
+            base = entry.get("base")
+            if base is not None and not (isinstance(base, dict) and isinstance(base.get("header_checksum"), str)):
+                raise AdapterFileError(f"{path}: layer {i}: damaged record of the table it was trained over")
             layers[i] = AdapterLayer(
-                i, rows, d, str(entry["layout_hash"]), str(entry["base_format"]), n, ids, values, sid, sval
+                i, rows, d, str(entry["layout_hash"]), str(entry["base_format"]), n, ids, values, sid, sval, base
             )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, AdapterFileError):

@@ -5,7 +5,13 @@ published atomically by :class:`~ple.table.table_file.TableFileWriter`), each tr
 to the table's format (:func:`requantize`): plain formats are cast; "fp8" keeps the table's global
 scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row" get a new per-row
 scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
-scale). Every other row keeps its stored bytes exactly.
+scale). Every other row keeps its stored bytes exactly. The new file's header records the merge
+(``merged``: the adapter, its layer, the trained rows' count and the digest of their ids, the table
+merged into and the one the adapter was trained over), so that :func:`merged_rows` tells its trained
+rows from the rest (``ple verify FILE --checkpoint DIR`` compares only the rest with the checkpoint,
+and the trained rows with the adapter). An adapter trained over another table than the one it is
+merged into (another checkpoint of the same layout, another format of it) is refused: its untrained
+rows would be another table's.
 
 :func:`merge_model` does it for every adapted layer of a model whose base tables are table files
 (a ``from_pretrained`` model) and serves the merged files instead: ``model.save_pretrained(dst)``
@@ -14,6 +20,7 @@ then writes a checkpoint in the published layout with the trained rows in it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +28,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, UsageError
+from ..errors import InvalidArgumentError, PLEError, UsageError
 from ..layer import PLELayer
 from ..table import MmapTable, format_info
 from ..table.adapted import AdaptedTable
 from ..table.blocks import quantize_blocks
 from ..table.table_file import TableFileWriter, read_table_header
-from .adapter import AdapterFile, as_adapter, layout_hash_of, read_adapter
+from .adapter import AdapterFile, AdapterLayer, as_adapter, layout_hash_of, read_adapter
 from .attach import ple_layers
 
-__all__ = ["requantize", "merge_rows", "global_scale_of", "merge_table_file", "merge_model"]
+__all__ = [
+    "requantize",
+    "merge_rows",
+    "global_scale_of",
+    "merge_table_file",
+    "merge_model",
+    "merged_rows",
+    "check_merged_rows",
+]
 
 
 def requantize(values: torch.Tensor, format: str, global_scale: float | None = None):
@@ -145,6 +160,27 @@ def merge_table_file(
         )
     if out.resolve() == table.resolve():
         raise InvalidArgumentError(f"merge into a new file: {out} is the base table (the base stays untouched)")
+    over = entry.base
+    if over is not None and over.get("header_checksum") != header["header_checksum"]:
+        raise InvalidArgumentError(
+            f"{file.path}: PLE layer {entry.ple_layer_index} was trained over the table file {over.get('file')} "
+            f"({over.get('format')}, header checksum {str(over.get('header_checksum'))[:12]}...), not {table} "
+            f"({header['format']}, {header['header_checksum'][:12]}...): the rows it did not train are another "
+            f"table's (another checkpoint, or another format of it); merge it into the table it was trained over"
+        )
+    record = {
+        "adapter": str(Path(file.path).resolve()),
+        "ple_layer_index": entry.ple_layer_index,
+        "trained_rows": entry.trained_rows,
+        "ids_digest": "0" * 32,  # the digest of the trained rows' ids, filled in as they are read
+        "into": {
+            "file": str(table.resolve()),
+            "format": header["format"],
+            "header_checksum": header["header_checksum"],
+        },
+        "trained_over": over,
+    }
+    ids_hash = hashlib.blake2b(digest_size=16)
     fmt, rows, shard_rows = header["format"], int(header["rows"]), int(header["shard_rows"])
     base = MmapTable.open(table, header["layout_hash"], random_access=False)
     try:
@@ -158,21 +194,77 @@ def merge_table_file(
             from tqdm.auto import tqdm
 
             bar = tqdm(total=rows, unit="row", unit_scale=True, desc=f"merge {out.name}")
-        with TableFileWriter(out, rows, base.head_dim, fmt, shard_rows, layout, force=force) as writer:
+        with TableFileWriter(out, rows, base.head_dim, fmt, shard_rows, layout, force=force, merged=record) as writer:
             for k in range(writer.num_shards):
                 a, b = writer.shard_range(k)
                 data = base.data[a:b].clone()
                 srow = scale[a:b].clone() if kind == "row" and scale is not None else None
                 ids, values = take(b)
+                ids_hash.update(ids.numpy().astype("<i8").tobytes())
                 merge_rows(data, srow, ids - a, values, fmt, global_scale)
                 writer.write_shard(k, data, srow if kind == "row" else (scale if kind == "global" else None))
                 if bar is not None:
                     bar.update(b - a)
+            record["ids_digest"] = ids_hash.hexdigest()  # the final header's, written by close()
         if bar is not None:
             bar.close()
     finally:
         base.close()
     return out
+
+
+def _ids_digest(file: AdapterFile, index: int) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for ids, _ in file.chunks(index):
+        h.update(ids.numpy().astype("<i8").tobytes())
+    return h.hexdigest()
+
+
+def merged_rows(path: str | os.PathLike) -> tuple[dict | None, AdapterLayer | None, AdapterFile | None, str]:
+    """What a table file says was merged into it: ``(its header's merge record or None, the adapter's
+    layer entry, the adapter file, "")`` when the adapter it names is there and is the one merged (the
+    same trained rows' ids), else ``(record, None, None, why it cannot be used)``."""
+    header = read_table_header(path)
+    record = header.get("merged")
+    if record is None:
+        return None, None, None, ""
+    name = record.get("adapter")
+    if not isinstance(name, str) or not os.path.lexists(name):
+        return record, None, None, f"the adapter it names, {name}, is not there"
+    try:
+        file = read_adapter(name)
+        entry = file.layers[int(record["ple_layer_index"])]
+        same = entry.trained_rows == record.get("trained_rows")
+        same = same and _ids_digest(file, entry.ple_layer_index) == record.get("ids_digest")
+    except (OSError, PLEError, KeyError, TypeError, ValueError) as e:
+        return record, None, None, f"the adapter it names cannot be read ({e})"
+    if not same:
+        return record, None, None, f"the adapter {name} no longer holds the rows merged (another file under its name)"
+    return record, entry, file, ""
+
+
+def check_merged_rows(path: str | os.PathLike, file: AdapterFile, index: int) -> list[str]:
+    """Problems of the trained rows of the merged table file ``path``: each must hold exactly what
+    :func:`requantize` makes of the adapter's row (the merge's own arithmetic); ``[]`` when all do."""
+    table = MmapTable.open(path, random_access=False)
+    try:
+        fmt, kind = table.format, format_info(table.format).scale_kind
+        g = global_scale_of(table)
+        bad, first = 0, None
+        for ids, values in file.chunks(index):
+            stored, scale = requantize(values, fmt, g)
+            got = table.data[ids]
+            diff = (got.view(torch.uint8) != stored.view(torch.uint8)).reshape(len(ids), -1).any(1)
+            if kind == "row" and scale is not None and table.scale is not None:
+                diff |= (table.scale[ids].float() != scale.float()).reshape(-1)
+            if bool(diff.any()):
+                bad += int(diff.sum())
+                first = int(ids[diff.nonzero()[0]]) if first is None else first
+    finally:
+        table.close()
+    if bad:
+        return [f"{path}: {bad} trained rows differ from the adapter's {file.path} (requantized), first at row {first}"]
+    return []
 
 
 def merge_model(
