@@ -2,11 +2,16 @@
 batches (``ddp_worker.py``, as a user writes the loop): the ranks' trained rows, SparseAdam's states and
 the other weights are equal bit for bit on every rank, and equal within fp32 rounding to one process
 training on the ranks' batches together with the loss averaged over them (DDP's mean of gradients);
-with gradient accumulation (``no_sync`` backwards) and a bf16 model too. A fused optimizer and ranks
-whose tables disagree are refused on every rank."""
+with gradient accumulation (``no_sync`` backwards) and a bf16 model too; and transformers' ``Trainer``
+launched with 2 processes by ``accelerate launch``. A fused optimizer and ranks whose tables disagree are
+refused on every rank."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +22,7 @@ from ple.parallel import spawn_local
 from ple.train import read_adapter, save_adapter
 
 from ..integrations.helpers import tiny_config, tiny_model
+from . import trainer_worker
 from .ddp_worker import CASES, LR_REST, LR_TABLE, load, rank_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,3 +140,60 @@ def test_a_fused_optimizer_and_ranks_that_disagree_are_refused_on_every_rank(che
         assert "refused: RankMismatchError" in mismatch and "optimizer steps: rank 0: 1; rank 1: 0" in mismatch
         assert "load the same adapter or checkpoint on every rank" in mismatch
         assert "refused: UsageError" in fused and "fused=False" in fused and "2 data-parallel ranks" in fused
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_trainer_launched_with_two_processes_keeps_one_table_equal_to_one_process(checkpoint, tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath; ``use_cpu=True``: gloo)
+    of a script giving ``Trainer`` the combined optimizer, as a user writes it."""
+    launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+    if launcher is None:
+        pytest.skip("accelerate's launcher is not installed")
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = ROOT / "tests" / "train" / "trainer_worker.py"
+    argv = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    argv += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), MASTER_ADDR="127.0.0.1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(
+        [*argv, str(worker), str(checkpoint / "ckpt"), str(checkpoint / "tables"), str(out)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "rank 0 of 2" in res.stdout and "rank 1 of 2" in res.stdout
+
+    tables = [_trained(out / f"rank{r}.safetensors") for r in range(2)]
+    saved = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    assert tables[1][1] == tables[0][1] == {str(i): trainer_worker.STEPS for i in tables[0][0]}
+    for i, want in tables[0][0].items():
+        for a, b in zip(want, tables[1][0][i], strict=True):
+            assert torch.equal(a, b), i
+    for n, w in saved[0]["weights"].items():
+        assert torch.equal(w, saved[1]["weights"][n]), n
+    assert not torch.equal(saved[0]["batches"][0], saved[1]["batches"][0])  # each rank its own batches
+
+    # one process, each step the ranks' batches together
+    from ple.integrations.transformers import from_pretrained
+
+    model = from_pretrained(checkpoint / "ckpt", table_dir=checkpoint / "tables")
+    model.train()
+    opt = trainer_worker.optimizer(model)
+    for step in range(trainer_worker.STEPS):
+        ids = torch.cat([saved[r]["batches"][step] for r in range(2)])
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    save_adapter(tmp_path / "one.safetensors", model, optimizer=opt.optimizers[0])
+    ref, _ = _trained(tmp_path / "one.safetensors")
+    for i, (ids, rows, s_ids, states) in ref.items():
+        got = tables[0][0][i]
+        assert ids.numel() > 50 and torch.equal(got[0], ids) and torch.equal(got[2], s_ids)
+        torch.testing.assert_close(got[1], rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[3], states, rtol=1e-4, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(saved[0]["weights"][n], p.detach(), rtol=1e-3, atol=0.1 * LR_REST)
