@@ -197,3 +197,21 @@ def test_trainer_launched_with_two_processes_keeps_one_table_equal_to_one_proces
         torch.testing.assert_close(got[3], states, rtol=1e-4, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(saved[0]["weights"][n], p.detach(), rtol=1e-3, atol=0.1 * LR_REST)
+
+
+def test_the_data_parallel_setting_is_checked_and_kept_by_the_handles():
+    from ple.errors import InvalidArgumentError
+    from ple.train import trainable
+    from ple.train.data_parallel import group_of
+
+    from ._helpers import make_tier, new_layer
+
+    layer = new_layer(seed=3, table=make_tier("memory", "bf16", None, seed=4))
+    for bad in ("yes", None, True, 2):
+        with pytest.raises(InvalidArgumentError, match="data_parallel must be 'auto'"):
+            trainable(layer, data_parallel=bad)
+    (handle,) = trainable(layer, data_parallel=False)
+    assert handle.ple_target.data_parallel is False and group_of(handle.ple_target) is None
+    (again,) = trainable(layer)  # the same handle, the setting given again
+    assert again is handle and handle.ple_target.data_parallel == "auto"
+    assert group_of(handle.ple_target) is None  # no process group here: this process alone
