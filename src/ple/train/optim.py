@@ -146,13 +146,62 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plain, averaged = _gradients(self)
+        plain, averaged = self._take_gradients()
         for p, rows, values, group in plain:
             self._apply(p, rows, values, group)
         if averaged:
-            for p, rows, values, group in _mean_over_ranks(self, averaged):
+            for p, rows, values, group in self._mean_over_ranks(averaged):
                 self._apply(p, rows, values, group, averaged=True)
         return loss
+
+    def _take_gradients(self) -> tuple[list, list]:
+        """The step's gradients ``(handle, rows, values, group)``, taken off the handles: those applied as
+        they are, and those of tables averaged over data-parallel ranks (every such table, with no rows
+        where this rank has no gradient: the ranks exchange at every step together)."""
+        plain, averaged = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                dp = group_of(target_of(p))
+                if grad is None:
+                    if dp is not None:
+                        averaged.append((p, torch.empty(0, dtype=torch.int64), torch.empty(0, p.shape[1]), group, dp))
+                    continue
+                if not grad.is_sparse:
+                    raise InvalidArgumentError(
+                        f"a table handle's gradient must be row-sparse (from the layer's lookup), got a {grad.layout} one"
+                    )
+                grad = grad.coalesce()
+                p.grad = None
+                item = (p, grad.indices()[0], grad.values().to(torch.float32), group)
+                if dp is None:
+                    plain.append(item)
+                else:
+                    averaged.append((*item, dp))
+        return plain, averaged
+
+    def _mean_over_ranks(self, averaged: list) -> list:
+        """The ranks' mean gradient of each table of ``averaged`` (one exchange per process group, in
+        order of first appearance: the same on every rank); tables no rank had a gradient for are left
+        out (no step for them). Adds the bytes this rank received to ``self.exchanged_nbytes``."""
+        out = []
+        groups: list = []
+        for *_, dp in averaged:
+            if not any(dp is g for g in groups):
+                groups.append(dp)
+        for dp in groups:
+            mine = [a for a in averaged if a[4] is dp]
+            items = []
+            for p, rows, values, _group, _dp in mine:
+                trained = sum(len(o) for o in target_of(p).overlays())
+                steps = int(self.state[p].get("step", 0)) if p in self.state else 0
+                items.append((target_of(p), steps, trained, rows, values))
+            means, exchange = mean_gradients(dp, items)
+            self.exchanged_nbytes += exchange.received
+            for (p, _r, _v, group, _dp), (rows, values) in zip(mine, means, strict=True):
+                if rows.numel():
+                    out.append((p, rows, values, group))
+        return out
 
     def unfuse(self) -> None:
         """Stop applying updates in the backward (gradients are stored on the handles again)."""
@@ -288,57 +337,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for rs in self._states.values():
             rs.store.close()
         self._states.clear()
-
-
-def _gradients(opt: RowSparseOptimizer) -> tuple[list, list]:
-    """The step's gradients ``(handle, rows, values, group)``, taken off the handles: those applied as
-    they are, and those of tables averaged over data-parallel ranks (every such table, with no rows
-    where this rank has no gradient: the ranks exchange at every step together)."""
-    plain, averaged = [], []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            grad = p.grad
-            dp = group_of(target_of(p))
-            if grad is None:
-                if dp is not None:
-                    averaged.append((p, torch.empty(0, dtype=torch.int64), torch.empty(0, p.shape[1]), group, dp))
-                continue
-            if not grad.is_sparse:
-                raise InvalidArgumentError(
-                    f"a table handle's gradient must be row-sparse (from the layer's lookup), got a {grad.layout} one"
-                )
-            grad = grad.coalesce()
-            p.grad = None
-            item = (p, grad.indices()[0], grad.values().to(torch.float32), group)
-            if dp is None:
-                plain.append(item)
-            else:
-                averaged.append((*item, dp))
-    return plain, averaged
-
-
-def _mean_over_ranks(opt: RowSparseOptimizer, averaged: list) -> list:
-    """The ranks' mean gradient of each table of ``averaged`` (one exchange per process group, in
-    order of first appearance: the same on every rank); tables no rank had a gradient for are left
-    out (no step for them). Adds the bytes this rank received to ``opt.exchanged_nbytes``."""
-    out = []
-    groups: list = []
-    for *_, dp in averaged:
-        if not any(dp is g for g in groups):
-            groups.append(dp)
-    for dp in groups:
-        mine = [a for a in averaged if a[4] is dp]
-        items = []
-        for p, rows, values, _group, _dp in mine:
-            trained = sum(len(o) for o in target_of(p).overlays())
-            steps = int(opt.state[p].get("step", 0)) if p in opt.state else 0
-            items.append((target_of(p), steps, trained, rows, values))
-        means, exchange = mean_gradients(dp, items)
-        opt.exchanged_nbytes += exchange.received
-        for (p, _r, _v, group, _dp), (rows, values) in zip(mine, means, strict=True):
-            if rows.numel():
-                out.append((p, rows, values, group))
-    return out
 
 
 def _check_betas(betas) -> tuple[float, float]:
