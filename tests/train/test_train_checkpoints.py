@@ -187,6 +187,9 @@ def test_state_dict_holds_the_trained_rows_while_training_and_the_merged_tables_
     with pytest.raises(UsageError, match="is a training checkpoint .* ple.train.freeze"):
         from_pretrained(tmp_path / "training-checkpoint", table_dir=tmp_path / "tables2")
 
+    with pytest.raises(UsageError, match="call ple.train.freeze"):
+        model.save_pretrained(tmp_path / "dequantized", dequantize=torch.bfloat16)
+
     freeze(model)  # training done: the published layout, trained rows merged into the tables
     merged = model.state_dict()
     assert not any("trained_" in k for k in merged)

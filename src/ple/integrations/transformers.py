@@ -181,6 +181,11 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args,
         )
     if kwargs.get("push_to_hub"):
         raise InvalidArgumentError("save_pretrained: dequantize= writes a local folder; push it in a second step")
+    if any(w.layer.table_weight is not None for w in patched_layers(model)):
+        raise UsageError(
+            "save_pretrained: dequantize= writes the tables, and this model's tables are being trained (it would "
+            "save their trained rows): call ple.train.freeze(model) first"
+        )
     dst = Path(save_directory)
     if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
         dst.rmdir()  # an empty folder made for the copy
