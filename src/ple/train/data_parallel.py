@@ -22,11 +22,13 @@ Which group (:func:`group_of`, from ``ple.train.trainable(model, data_parallel=.
 A table sharded across ranks (:class:`~ple.table.ShardedTable`) is never averaged here: its ranks
 exchange what they own (:mod:`ple.train.sharded`).
 
-The exchange, per step and process group, for all its tables at once: one all-gather of each rank's
-record (:func:`ple.collective.exchange_records`: a length, then per table its layer, shape, step count,
-trained rows and gradient rows: 48 bytes a table), then one all-gather of each rank's rows and values
+The exchange, per step and process group, for all its tables at once, three all-gathers: each rank's
+record (:func:`ple.collective.exchange_records`: its length, then the record: per table its layer,
+shape, step count, trained rows and gradient rows, 48 bytes a table), then each rank's rows and values
 as bytes (per table ``k`` gradient rows of ``8 + 4 * head_dim`` bytes, each rank's buffer padded to
-the largest). A rank receives ``(world - 1) * (largest buffer)`` bytes (:attr:`Exchange.received`).
+the largest). A rank receives ``(world - 1) * (8 + record + largest buffer)`` bytes
+(:attr:`Exchange.received`); at T = 512 real-text tokens on the published layer about 7,000 rows,
+4.6 MB.
 The records are checked first: ranks whose tables disagree (another layer, shape, step count or
 number of trained rows: a rank that resumed from another checkpoint, a rank that stepped alone)
 raise :class:`~ple.collective.RankMismatchError` on every rank, before any row moves.
