@@ -11,7 +11,7 @@ import torch
 import ple.integrations.table_state as table_state
 from ple.integrations.transformers import from_pretrained, patched_layers, unpatch
 from ple.table.adapted import AdaptedTable
-from ple.train import SparseAdam, merge_model, save_adapter, trainable
+from ple.train import SparseAdam, freeze, merge_model, save_adapter, trainable
 
 from ..integrations.helpers import EOS, VOCAB, tiny_config, tiny_model
 from ..integrations.test_save import assert_same_checkpoint
@@ -47,7 +47,9 @@ def _trained(tmp_path, fmt, tier, seed=71):
         ids = torch.randint(EOS + 1, VOCAB, (2, 10), generator=g)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-    return model, save_adapter(tmp_path / "adapter.safetensors", model), ckpt
+    adapter = save_adapter(tmp_path / "adapter.safetensors", model)
+    freeze(model)  # training done: save_pretrained writes the tables (while trainable, the trained rows)
+    return model, adapter, ckpt
 
 
 def _merged_reference(tmp_path, ckpt, fmt, adapter):

@@ -25,6 +25,12 @@ adapter (:class:`~ple.table.adapted.AdaptedTable`, the rows ``ple.train`` traine
 
 A table sharded across ranks holds only this rank's rows: it is refused, naming what to do instead
 (save the adapter with ``ple.train.save_sharded_adapter`` and merge it into the table files).
+
+A table being trained (``ple.train.trainable``, not frozen) is in its training state instead
+(:func:`trained_state`): the trained rows alone, ids and fp32 rows, exactly as the overlay holds them
+(``TRAINED_KEYS``), never a table-sized tensor; what a training checkpoint (transformers' ``Trainer``,
+a user's ``torch.save(model.state_dict())``) needs to resume exactly. :func:`load_trained` puts such
+rows back (replacing the trained rows; the base table is never written).
 """
 
 from __future__ import annotations
@@ -50,7 +56,11 @@ from ..table.rowstore import unnamed_file
 from ..table.table_file import TableFileError
 from ..train.merge import global_scale_of, merge_rows
 
-__all__ = ["table_state", "weight_from_table", "staging", "STAGE_ROWS"]
+__all__ = ["table_state", "trained_state", "load_trained", "weight_from_table", "staging", "STAGE_ROWS", "TRAINED_KEYS"]
+
+TRAINED_KEYS = ("trained_ids", "trained_rows")
+"""A trainable table's names in a state dict (after the table's prefix): the trained row ids ``[n]``
+int64 (sorted) and their rows ``[n, head_dim]`` fp32."""
 
 STAGE_ROWS = 1 << 16
 """Rows a staged copy is written in at a time (its memory: one chunk of stored and dequantized rows)."""
@@ -267,6 +277,64 @@ def _row_scale(source: _Source, a: int, b: int) -> torch.Tensor:
     scale = source.merged(a, b)[1]
     assert scale is not None
     return scale
+
+
+# ---------------------------------------------------------------------------------------------- training state
+def _refuse_sharded(table: Table | None, layer_index: int) -> None:
+    if isinstance(table, ShardedTable):
+        raise UsageError(
+            f"PLE layer {layer_index}: the table is sharded across ranks and this process holds only its own "
+            "rows; save the trained rows with ple.train.save_sharded_adapter and load them with "
+            "ple.train.load_adapter"
+        )
+
+
+def trained_state(layer: PLELayer, base: str) -> dict[str, torch.Tensor]:
+    """A trainable table in checkpoint form: ``{base}trained_ids [n]`` int64 (sorted) and
+    ``{base}trained_rows [n, head_dim]`` fp32, the overlay's rows exactly (none before the first step)."""
+    table = layer.table
+    _refuse_sharded(table, layer.ple_layer_index)
+    assert table is not None
+    if isinstance(table, AdaptedTable) and len(table.overlay):
+        ids, rows = table.overlay.range(0, table.rows)
+        rows = rows.to(torch.float32)
+    else:
+        ids, rows = torch.empty(0, dtype=torch.int64), torch.empty(0, table.head_dim)
+    return {base + TRAINED_KEYS[0]: ids, base + TRAINED_KEYS[1]: rows}
+
+
+def load_trained(layer: PLELayer, ids: torch.Tensor, rows: torch.Tensor, spill_dir) -> str | None:
+    """Make ``(ids, rows)`` (from :func:`trained_state`) the trained rows of ``layer``'s table, exactly
+    (an overlay put on a table without one, in ``spill_dir`` beyond its memory); the base table is
+    never written. Returns what is wrong with them instead (nothing changed), or None."""
+    table = layer.table
+    i = layer.ple_layer_index
+    if table is None:
+        return f"PLE layer {i} has no table to load trained rows into"
+    if isinstance(table, ShardedTable):
+        return (
+            f"PLE layer {i}'s table is sharded across ranks: load its trained rows with ple.train.load_adapter "
+            "(from ple.train.save_sharded_adapter)"
+        )
+    if ids.dim() != 1 or ids.dtype != torch.int64 or tuple(rows.shape) != (ids.numel(), table.head_dim):
+        return (
+            f"trained rows of PLE layer {i}: ids {ids.dtype} {list(ids.shape)} and rows {list(rows.shape)}, expected "
+            f"int64 [n] and [n, {table.head_dim}]"
+        )
+    if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= table.rows or bool((ids[1:] <= ids[:-1]).any())):
+        return f"trained rows of PLE layer {i}: the ids must be sorted, distinct and in [0, {table.rows})"
+    if not bool(torch.isfinite(rows).all()):
+        return f"trained rows of PLE layer {i}: {int((~torch.isfinite(rows)).any(1).sum())} rows are not finite"
+    if isinstance(table, AdaptedTable):
+        overlay = table.overlay
+        with overlay.lock:
+            overlay.close()
+            overlay.put(ids, rows.to(overlay.dtype))
+        return None
+    overlay = RowOverlay(table.rows, table.head_dim, spill_dir=spill_dir)
+    overlay.put(ids, rows.to(torch.float32))
+    layer.set_table(AdaptedTable(table, overlay))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- unpatch

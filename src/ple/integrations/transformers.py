@@ -37,7 +37,10 @@ merged: the base's rows with the trained rows requantized into its format, as
 ``ple.train.merge_model`` writes them, streamed through unnamed files in the folder being saved to
 (the model keeps its adapter; see :mod:`ple.integrations.table_state`, which also says what
 :func:`unpatch` gives back). A table whose rows this process cannot read (sharded across ranks)
-refuses to be saved, naming what to do instead.
+refuses to be saved, naming what to do instead. A table being trained (``ple.train.trainable``, until
+``ple.train.freeze``) is saved as its training state instead: its trained rows alone, fp32, exactly
+(``...ngram_embedding.trained_ids`` / ``trained_rows``), which ``load_state_dict`` puts back on the
+model's table: transformers' ``Trainer`` checkpoints and resumes exactly, and no table is written.
 
 Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
 :meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
@@ -80,10 +83,11 @@ from ..runtime.batch import PREFILL, Batch
 from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
 from ..table.adapted import AdaptedTable
 from ..table.convert import TARGET_NAMES
+from ..train.attach import default_spill_dir
 from .dequantized_copy import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
 from .table_folder import PreparedTable, default_table_dir, prepare_table, served_format
-from .table_state import staging, table_state, weight_from_table
+from .table_state import TRAINED_KEYS, load_trained, staging, table_state, trained_state, weight_from_table
 
 __all__ = [
     "from_pretrained",
@@ -134,6 +138,8 @@ def _scaled_formats(model: nn.Module) -> list[str]:
     out = []
     for w in patched_layers(model):
         table = w.layer.table
+        if w.layer.table_weight is not None:  # being trained: its trained rows are saved, not the table
+            continue
         backing = table.backing if isinstance(table, CachedTable) else table
         fmt = getattr(backing, "format", None)
         # block formats are saved dequantized (transformers has no layout for them): nothing to warn
@@ -175,6 +181,11 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args,
         )
     if kwargs.get("push_to_hub"):
         raise InvalidArgumentError("save_pretrained: dequantize= writes a local folder; push it in a second step")
+    if any(w.layer.table_weight is not None for w in patched_layers(model)):
+        raise UsageError(
+            "save_pretrained: dequantize= writes the tables, and this model's tables are being trained (it would "
+            "save their trained rows): call ple.train.freeze(model) first"
+        )
     dst = Path(save_directory)
     if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
         dst.rmdir()  # an empty folder made for the copy
@@ -401,6 +412,9 @@ def _hf_state_dict(module: PatchedPLELayer, state_dict: dict, prefix: str, local
         state_dict[prefix + name] = value
     if layer.table is None:
         raise UsageError(f"PLE layer {layer.ple_layer_index} has no table: there is nothing to save")
+    if layer.table_weight is not None:  # being trained: the training state (the trained rows)
+        state_dict.update(trained_state(layer, prefix + _TABLE_PREFIX))
+        return
     state_dict.update(table_state(layer.table, layer, prefix + _TABLE_PREFIX))
 
 
@@ -427,6 +441,12 @@ def _load_hf_state_dict(
             error_msgs.append(
                 f"{prefix}ple_embedding.{name} = {got.tolist()}, but PLE layer {layer.ple_layer_index}'s layout has {list(want[name])}"
             )
+    trained = [state_dict.pop(prefix + _TABLE_PREFIX + k, None) for k in TRAINED_KEYS]
+    if trained[0] is not None or trained[1] is not None:
+        error = "missing trained_ids or trained_rows" if trained[0] is None or trained[1] is None else None
+        error = error or load_trained(layer, trained[0], trained[1], default_spill_dir(layer.table))
+        if error is not None:
+            error_msgs.append(f"{prefix}{_TABLE_PREFIX}{TRAINED_KEYS[0]}: {error}")
     keys = [k for k in state_dict if k.startswith(prefix + _TABLE_PREFIX)]
     if not keys:
         return
@@ -836,6 +856,13 @@ def from_pretrained(
     if not config.ple_layer_ids:
         raise InvalidArgumentError(f"{root}: the config has no PLE layers; load it with transformers directly")
     scan = scan_checkpoint(root, config)
+    if any(p.endswith(f".{TRAINED_KEYS[0]}") for p in scan.all_problems):
+        raise UsageError(
+            f"{root} is a training checkpoint (saved while the PLE tables were being trained: their trained rows, "
+            "not the tables): load the base model with from_pretrained, then model.load_state_dict of this "
+            "checkpoint's weights (or resume with Trainer(resume_from_checkpoint=...)); to save the tables "
+            "themselves, call ple.train.freeze(model) before save_pretrained"
+        )
     if scan.all_problems:
         raise CheckpointError(scan.all_problems)
     show = sys.stderr.isatty() if progress is None else bool(progress)

@@ -16,6 +16,10 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
   (:func:`load_adapter`, :func:`remove_adapter`: load, swap and remove on a running model), or
   merged into a table file (:mod:`.merge`).
 - Tables sharded across ranks (:mod:`.sharded`): each rank trains the rows it owns.
+- Data parallelism (:mod:`.data_parallel`: DDP, ``torchrun``, a multi-process ``Trainer``): every rank
+  holds the whole table and the optimizers apply the ranks' mean row-sparse gradient at each step.
+- Checkpoints: while a table is trainable, a patched model's ``state_dict()`` holds its trained rows,
+  which ``load_state_dict`` puts back (:mod:`ple.integrations.table_state`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from ..layer import PLELayer
 from ..table import ShardedTable, Table
 from ..table.adapted import AdaptedTable, RowOverlay
 from ..table.sparse_grad import table_parameter
+from .data_parallel import check_setting, refuse_fused
 from .sharded import owned_gradient
 
 __all__ = [
@@ -58,9 +60,10 @@ class Part:
 class TableTarget:
     """What a gradient handle trains: its layer's table, resolved at each step (``parts``)."""
 
-    def __init__(self, layer: PLELayer) -> None:
+    def __init__(self, layer: PLELayer, data_parallel: Any = "auto") -> None:
         self._layer = weakref.ref(layer)
         self.ple_layer_index = layer.ple_layer_index
+        self.data_parallel = data_parallel  # see ple.train.data_parallel
 
     @property
     def layer(self) -> PLELayer:
@@ -86,11 +89,15 @@ class TableTarget:
         )
 
     def gradient(self, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradient this process applies, from its backward's ``(rows, values)``: the same, except
-        for a table sharded across ranks with per-rank ids (:func:`ple.train.sharded.owned_gradient`)."""
+        """The gradient this process applies now, from its backward's ``(rows, values)``: the same, except
+        for a table sharded across ranks with per-rank ids (:func:`ple.train.sharded.owned_gradient`).
+        A replicated table under data parallelism is averaged over the ranks at ``step()``
+        (:mod:`ple.train.data_parallel`), never here: a fused update, which would apply this rank's
+        gradient alone, is refused."""
         table = self.layer.table
         if isinstance(table, ShardedTable):
             return owned_gradient(table, rows, values)
+        refuse_fused(self)
         return rows, values
 
     def overlays(self) -> list[RowOverlay]:
@@ -141,6 +148,7 @@ def trainable(
     *,
     memory_budget: int | None = None,
     spill_dir: str | os.PathLike | None = None,
+    data_parallel: Any = "auto",
 ) -> list[nn.Parameter]:
     """Make the table of every PLE layer of ``model`` trainable; returns their gradient handles.
 
@@ -150,10 +158,16 @@ def trainable(
             it spill to an unnamed file in ``spill_dir``.
         spill_dir: where trained rows spill (default: the folder of the table's file, else the system's
             temporary folder).
+        data_parallel: which ranks average the table's gradient at each optimizer step, as DDP
+            averages the other weights' (:mod:`ple.train.data_parallel`): ``"auto"`` the default
+            process group when one is initialised with more than one rank at the step, a
+            ``ProcessGroup`` that group, ``False`` none (each process trains its own rows). A
+            table sharded across ranks trains each rank's own rows whatever this says.
 
-    A layer that is already trainable keeps its handle. Returns the handles in layer order, each
-    ``requires_grad`` and carrying a :class:`TableTarget` as ``ple_target``.
+    A layer that is already trainable keeps its handle (and takes this ``data_parallel``). Returns the
+    handles in layer order, each ``requires_grad`` and carrying a :class:`TableTarget` as ``ple_target``.
     """
+    data_parallel = check_setting(data_parallel)
     handles = []
     for layer in ple_layers(model):
         table = layer.table
@@ -169,8 +183,10 @@ def trainable(
         weight = layer.table_weight
         if weight is None:
             weight = table_parameter(table.rows, table.head_dim)
-            weight.ple_target = TableTarget(layer)  # type: ignore[attr-defined]
+            weight.ple_target = TableTarget(layer, data_parallel)  # type: ignore[attr-defined]
             layer.set_table_weight(weight)
+        else:
+            target_of(weight).data_parallel = data_parallel
         weight.requires_grad_(True)
         handles.append(weight)
     return handles

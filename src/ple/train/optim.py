@@ -44,6 +44,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..table.rowstore import RowMap, SlotStore
 from .attach import default_spill_dir, target_of
+from .data_parallel import group_of, mean_gradients
 
 __all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW", "CombinedOptimizer"]
 
@@ -104,6 +105,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     value_states = 0
     row_states = 0
     initial_state = 0.0
+    exchanged_nbytes = 0
+    """Bytes this rank received in data-parallel exchanges of the tables' gradients (:mod:`.data_parallel`)."""
 
     def __init__(
         self,
@@ -143,10 +146,26 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plain, averaged = self._take_gradients()
+        for p, rows, values, group in plain:
+            self._apply(p, rows, values, group)
+        if averaged:
+            for p, rows, values, group in self._mean_over_ranks(averaged):
+                self._apply(p, rows, values, group, averaged=True)
+        return loss
+
+    def _take_gradients(self) -> tuple[list, list]:
+        """The step's gradients ``(handle, rows, values, group)``, taken off the handles: those applied as
+        they are, and those of tables averaged over data-parallel ranks (every such table, with no rows
+        where this rank has no gradient: the ranks exchange at every step together)."""
+        plain, averaged = [], []
         for group in self.param_groups:
             for p in group["params"]:
                 grad = p.grad
+                dp = group_of(target_of(p))
                 if grad is None:
+                    if dp is not None:
+                        averaged.append((p, torch.empty(0, dtype=torch.int64), torch.empty(0, p.shape[1]), group, dp))
                     continue
                 if not grad.is_sparse:
                     raise InvalidArgumentError(
@@ -154,8 +173,35 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     )
                 grad = grad.coalesce()
                 p.grad = None
-                self._apply(p, grad.indices()[0], grad.values().to(torch.float32), group)
-        return loss
+                item = (p, grad.indices()[0], grad.values().to(torch.float32), group)
+                if dp is None:
+                    plain.append(item)
+                else:
+                    averaged.append((*item, dp))
+        return plain, averaged
+
+    def _mean_over_ranks(self, averaged: list) -> list:
+        """The ranks' mean gradient of each table of ``averaged`` (one exchange per process group, in
+        order of first appearance: the same on every rank); tables no rank had a gradient for are left
+        out (no step for them). Adds the bytes this rank received to ``self.exchanged_nbytes``."""
+        out = []
+        groups: list = []
+        for *_, dp in averaged:
+            if not any(dp is g for g in groups):
+                groups.append(dp)
+        for dp in groups:
+            mine = [a for a in averaged if a[4] is dp]
+            items = []
+            for p, rows, values, _group, _dp in mine:
+                trained = sum(len(o) for o in target_of(p).overlays())
+                steps = int(self.state[p].get("step", 0)) if p in self.state else 0
+                items.append((target_of(p), steps, trained, rows, values))
+            means, exchange = mean_gradients(dp, items)
+            self.exchanged_nbytes += exchange.received
+            for (p, _r, _v, group, _dp), (rows, values) in zip(mine, means, strict=True):
+                if rows.numel():
+                    out.append((p, rows, values, group))
+        return out
 
     def unfuse(self) -> None:
         """Stop applying updates in the backward (gradients are stored on the handles again)."""
@@ -181,13 +227,17 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             rs = self._states[p] = _RowStates(width, self.initial_state, self.memory_budget, spill)
         return rs
 
-    def _apply(self, p: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, group: dict) -> None:
-        """One step of table ``p`` with the gradient ``values [U, head_dim]`` of its distinct ``rows [U]`` (sorted)."""
+    def _apply(
+        self, p: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, group: dict, averaged: bool = False
+    ) -> None:
+        """One step of table ``p`` with the gradient ``values [U, head_dim]`` of its distinct ``rows [U]``
+        (sorted); ``averaged``: already the data-parallel ranks' mean (:mod:`.data_parallel`)."""
+        target = target_of(p)
+        if not averaged:
+            rows, values = target.gradient(rows, values)
         state = self.state[p]
         step = int(state.get("step", 0)) + 1
         state["step"] = step
-        target = target_of(p)
-        rows, values = target.gradient(rows, values)
         for part in target.parts():
             a = int(torch.searchsorted(rows, part.start))
             b = int(torch.searchsorted(rows, part.stop))
