@@ -421,8 +421,11 @@ def _check_betas(betas: Any, where: str = "") -> tuple[float, float]:
     """``betas`` as two floats in [0, 1) (torch's rule), else a ple error naming the value."""
     if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise InvalidArgumentError(f"{where}betas must be two numbers in [0, 1), got {short_repr(betas)}")
-    b1, b2 = (_number(f"betas[{k}]", b, "nonnegative", where) for k, b in enumerate(betas))
-    if not (b1 < 1.0 and b2 < 1.0):
+    try:
+        b1, b2 = (_number(f"betas[{k}]", b, "nonnegative", where) for k, b in enumerate(betas))
+    except (InvalidArgumentError, ArgumentTypeError):
+        b1 = b2 = math.nan
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise InvalidArgumentError(f"{where}betas must lie in [0, 1), got {short_repr(betas)}")
     return b1, b2
 
