@@ -119,7 +119,7 @@ def _train(table_path, spill_dir, steps, before_step=None, remedy=None):
         try:
             opt.step()
         except SpillFileError as e:
-            assert isinstance(e, OSError) and e.errno is not None
+            assert isinstance(e, OSError) and e.errno is not None and e.filename == str(spill_dir)
             after = _snapshot(layer, handles[0], opt)
             errors.append((str(e), _same(before, after)))
             remedy()

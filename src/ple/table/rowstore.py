@@ -273,13 +273,13 @@ class SlotStore:
 
     def _no_room(self, e: OSError, doing: str) -> SpillFileError:
         folder = self.spill_dir if self.spill_dir is not None else Path(tempfile.gettempdir())
-        what = f"could not {doing} for {self.count} {self.what} in {folder}: {e.strerror or e}"
+        what = f"spilling {self.what} ({self.count} held) to {folder}: could not {doing}: {e.strerror or e}"
         if e.errno in _NO_ROOM:
             what += (
                 "; free space there, pass spill_dir= a folder on a disk with room (ple.train.trainable, the "
                 "optimizer), or a larger memory_budget= to keep more of them in memory"
             )
-        return SpillFileError(e.errno or errno.EIO, what)
+        return SpillFileError(e.errno or errno.EIO, what, os.fspath(folder))
 
     # ------------------------------------------------------------------ fork (ple.table.forks)
     def _fork_locks(self) -> list[threading.Lock]:

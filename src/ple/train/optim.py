@@ -24,7 +24,10 @@ over steps), as FBGEMM's exact row-wise Adagrad does.
 State memory: ``memory_budget`` bytes of states per table in memory (None: all), those of the rows
 used most recently; the others spill to an unnamed file in ``spill_dir`` (default: the folder of the
 table's file) and come back when their rows are in a step again
-(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value.
+(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value. The spill
+files' space is allocated before a step changes anything: a step that finds no room raises
+:class:`~ple.table.rowstore.SpillFileError` (naming the folder) with every row, state and step count
+as before it; its gradient is used up, so once there is room run the batch's backward again and step.
 
 Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
 computed (FBGEMM's fused backward): no gradient is stored on the handle and :meth:`step` has
