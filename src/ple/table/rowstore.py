@@ -281,6 +281,15 @@ class SlotStore:
             )
         return SpillFileError(e.errno or errno.EIO, what, os.fspath(folder))
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_file_lock"]  # a lock is not copied: the copy gets its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._file_lock = threading.Lock()
+
     # ------------------------------------------------------------------ fork (ple.table.forks)
     def _fork_locks(self) -> list[threading.Lock]:
         return [self._file_lock]
