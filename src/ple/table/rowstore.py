@@ -26,7 +26,9 @@ no other call ever grows it. A store fails whole or not at all.
 Across ``fork()`` (:mod:`ple.table.forks`) the spill file is shared by both processes, so after a
 fork neither writes it again: the first write of each process (the parent's and every child's)
 copies the records to a file of its own first. Each process then trains its own copy, and reads
-before that first write see the records of the fork.
+before that first write see the records of the fork. The cost: one copy of the records in use per
+fork and process that writes after it (a training loop whose DataLoader forks workers each epoch
+copies its spill files once per epoch), and their disk space until the other processes end.
 
 Neither is thread-safe by itself; their owners lock (:class:`ple.table.adapted.RowOverlay`).
 """
