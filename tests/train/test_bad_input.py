@@ -249,12 +249,12 @@ def _rewrite(path, out, *, metadata=None, tensors=None) -> None:
 @pytest.mark.parametrize(
     ("kind", "named"),
     [
-        ("nan moment", "state of row .* is nan"),
-        ("lr nan", "lr must be a finite number > 0, got nan"),
-        ("betas", re.escape("betas must lie in [0, 1), got (1.5, 2.0)")),
+        ("nan moment", r"layer0\.state\.values: the state of row \d+ is nan"),
+        ("lr nan", "parameter group 0: lr must be a finite number > 0, got nan"),
+        ("betas", re.escape("parameter group 0: betas must lie in [0, 1), got (1.5, 2.0)")),
         ("param_groups", "param_groups must be a list of objects, got 5"),
         ("steps", "steps must be an object by layer, got 'x'"),
-        ("step", "step must be an integer >= 0, got 2.5"),
+        ("step", re.escape("steps['0']: step must be an integer >= 0, got 2.5")),
     ],
 )
 def test_load_optimizer_state_refuses_a_bad_checkpoint_naming_the_file_and_the_value(tmp_path, table_path, kind, named):

@@ -45,7 +45,7 @@ from ..table import ShardedTable, Table
 from ..table.adapted import AdaptedTable, RowOverlay
 from ..table.table_file import hash_layout
 from .attach import TableTarget, ple_layers
-from .optim import RowSparseOptimizer, short_repr
+from .optim import RowSparseOptimizer, check_step, short_repr
 from .sharded import all_gather_rows
 
 __all__ = [
@@ -531,29 +531,30 @@ def load_optimizer_state(optimizer: RowSparseOptimizer, adapter: str | os.PathLi
     state: dict[int, dict[str, Any]] = {}
     param_groups = []
     index = 0
-    for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
-        mine = [p.ple_target.ple_layer_index for p in group["params"]]
-        if mine != saved_group.get("layers"):
-            raise AdapterFileError(
-                f"{file.path}: a group of PLE layers {saved_group['layers']}, the optimizer's {mine}"
-            )
-        hp = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items() if k != "layers"}
-        param_groups.append({**hp, "params": list(range(index, index + len(mine)))})
-        for i in mine:
-            st: dict[str, Any] = {}
-            step = steps.get(str(i))
-            if step is not None:
-                st["step"] = step
-            if i in file.layers:
-                got = file.optimizer_states(i)
-                if got is not None:
-                    st["rows"], st["values"] = _local_states(optimizer, group, i, *got)
-            state[index] = st
-            index += 1
     try:
+        for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
+            mine = [p.ple_target.ple_layer_index for p in group["params"]]
+            if mine != saved_group.get("layers"):
+                raise AdapterFileError(
+                    f"{file.path}: a group of PLE layers {short_repr(saved_group.get('layers'))}, the optimizer's {mine}"
+                )
+            hp = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items() if k != "layers"}
+            param_groups.append({**hp, "params": list(range(index, index + len(mine)))})
+            for p, i in zip(group["params"], mine, strict=True):
+                st: dict[str, Any] = {}
+                step = steps.get(str(i))
+                if step is not None:
+                    st["step"] = check_step(step, f"optimizer steps[{str(i)!r}]")
+                if i in file.layers:
+                    got = file.optimizer_states(i)
+                    if got is not None:
+                        st["rows"], st["values"] = _local_states(optimizer, group, i, *got)
+                        optimizer.check_row_states(p, st["rows"], st["values"], f"layer{i}.state.values")
+                state[index] = st
+                index += 1
         optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     except (InvalidArgumentError, ArgumentTypeError) as e:
-        raise AdapterFileError(f"{file.path}: optimizer {e}") from None
+        raise AdapterFileError(f"{file.path}: {e}") from None
 
 
 def _local_states(optimizer, group, index: int, ids: torch.Tensor, values: torch.Tensor):

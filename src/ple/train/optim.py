@@ -325,18 +325,16 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             if not isinstance(st, dict):
                 raise InvalidArgumentError(f"{where} must be a dict, got {short_repr(st)}")
             if "step" in st:
-                step = st["step"]
-                if isinstance(step, torch.Tensor) and step.numel() == 1:
-                    step = step.item()
-                x = float(step) if isinstance(step, numbers.Real) and not isinstance(step, bool) else -1.0
-                if not math.isfinite(x) or x < 0 or x != math.floor(x):
-                    raise InvalidArgumentError(f"{where}: step must be an integer >= 0, got {short_repr(st['step'])}")
+                check_step(st["step"], where)
             if ("rows" in st) != ("values" in st):
                 raise InvalidArgumentError(f"{where}: 'rows' and 'values' come together")
             if "rows" in st:
-                self._check_row_states(handles[key], st["rows"], st["values"], where)
+                self.check_row_states(handles[key], st["rows"], st["values"], where)
 
-    def _check_row_states(self, p: torch.Tensor, ids: Any, values: Any, where: str) -> None:
+    def check_row_states(self, p: torch.Tensor, ids: Any, values: Any, where: str) -> None:
+        """Refuse per-row states ``values [n, width]`` of rows ``ids [n]`` of table ``p`` that this
+        optimizer cannot take: not the right shape, rows repeated or outside the table (this process's
+        part of it), a state that is not finite, a sum of squares below 0; the error names ``where``."""
         parts = target_of(p).parts()
         rows = parts[0].overlay.rows if parts else 0
         d = p.shape[1]
@@ -404,6 +402,16 @@ def short_repr(value: Any) -> str:
         return f"a {value.dtype} tensor {list(value.shape)}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_step(value: Any, where: str) -> int:
+    """A saved step count as an int when it is an integer >= 0 (an int, an integral float, a
+    one-element tensor); :class:`InvalidArgumentError` naming ``where`` and the value otherwise."""
+    step = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    x = float(step) if isinstance(step, numbers.Real) and not isinstance(step, bool) else -1.0
+    if not math.isfinite(x) or x < 0 or x != math.floor(x):
+        raise InvalidArgumentError(f"{where}: step must be an integer >= 0, got {short_repr(value)}")
+    return int(x)
 
 
 def _number(name: str, value: Any, rule: str, where: str = "") -> float:
