@@ -457,6 +457,7 @@ class SlotStore:
 
 
 _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
 
 
 def _allocate(fd: int, start: int, stop: int) -> None:
@@ -465,13 +466,18 @@ def _allocate(fd: int, start: int, stop: int) -> None:
     if stop <= start:
         return
     try:
-        if hasattr(os, "posix_fallocate"):
+        try:
             os.posix_fallocate(fd, start, stop - start)
-        else:  # pragma: no cover - no posix_fallocate: write the zeros
-            zeros = bytes(1 << 20)
-            at = start
-            while at < stop:
-                at += os.pwrite(fd, zeros[: stop - at], at)
+            return
+        except AttributeError:  # pragma: no cover - no posix_fallocate here
+            pass
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+        zeros = bytes(1 << 20)  # a file system that cannot allocate: write the zeros
+        at = start
+        while at < stop:
+            at += os.pwrite(fd, zeros[: stop - at], at)
     except OSError:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, start)
