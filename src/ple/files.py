@@ -219,7 +219,9 @@ def write_atomically_from(path: str | os.PathLike, chunks: Iterable, mode: int =
     or truncated. The file is fsync'd and renamed over ``path`` (``os.replace``; then the folder is
     fsync'd), so a reader sees the old file or the new one, never a mix; concurrent writers each
     write their own file and the last rename wins. On any error (the disk full, an interruption) the temporary file is removed and
-    ``path`` is left as it was. ``mode`` is the new file's permissions (less the umask)."""
+    ``path`` is left as it was; an ``OSError`` of a write names ``path``; ``chunks`` is closed (a
+    generator's ``finally`` runs) whether it was used up or not. ``mode`` is the new file's
+    permissions (less the umask)."""
     path = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     tmp: Path | None = None
@@ -240,8 +242,15 @@ def write_atomically_from(path: str | os.PathLike, chunks: Iterable, mode: int =
                 while view:
                     view = view[os.write(fd, view) :]
             os.fsync(fd)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # the disk full, a file size limit: name the file
+                raise OSError(e.errno, f"{e.strerror} (writing {path})", os.fspath(path)) from e
+            raise
         finally:
             os.close(fd)
+            close = getattr(chunks, "close", None)
+            if close is not None:  # a generator stopped midway runs its cleanup now, in this thread
+                close()
         os.replace(tmp, path)
         tmp = None
     except BaseException:

@@ -3,6 +3,8 @@ back is what was written, wherever a record lives, and memory holds the records 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -83,3 +85,45 @@ def test_without_recency_the_first_records_stay():
     reads = store.file_reads
     store.read(first)
     assert store.file_reads == reads  # never left
+
+
+def _refuse_allocation(monkeypatch, code: int) -> None:
+    def refuse(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+
+
+def test_a_spill_file_without_room_raises_and_the_store_stays_as_it_was(tmp_path, monkeypatch):
+    """The spill file's space is allocated before records go to it: no room raises SpillFileError
+    (an OSError naming the folder) and the store keeps its records and slots; with room it goes on."""
+    import errno
+
+    from ple.table.rowstore import SpillFileError
+
+    store = SlotStore(4, memory_budget=2 * 4 * 4, spill_dir=tmp_path)  # two records in memory
+    first = torch.randn(2, 4)
+    store.append(first)
+    with monkeypatch.context() as m:
+        _refuse_allocation(m, errno.ENOSPC)
+        with pytest.raises(SpillFileError, match=f"{tmp_path}.*spill_dir=.*memory_budget=") as e:
+            store.append(torch.randn(3, 4))
+        assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path)
+    assert store.count == 2 and torch.equal(store.read(torch.arange(2)), first)
+    more = torch.randn(3, 4)
+    assert torch.equal(store.append(more), torch.arange(2, 5))
+    assert torch.equal(store.read(torch.arange(5)), torch.cat([first, more])) and store.spilled_slots == 3
+    st = os.fstat(store._fd)
+    assert st.st_size >= 5 * 4 * 4 and st.st_blocks * 512 >= st.st_size  # allocated, not sparse
+    store.close()
+
+
+def test_a_file_system_that_cannot_allocate_gets_the_zeros_written(tmp_path, monkeypatch):
+    import errno
+
+    _refuse_allocation(monkeypatch, errno.EOPNOTSUPP)
+    store = SlotStore(4, memory_budget=0, spill_dir=tmp_path)
+    values = torch.randn(10, 4)
+    store.append(values)
+    assert torch.equal(store.read(torch.arange(10)), values) and store.spilled_slots == 10
+    store.close()

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UsageError
 from .base import Table
 from .rowstore import RowMap, SlotStore
 from .sharded import ShardedTable
@@ -70,7 +70,9 @@ class RowOverlay:
         self.head_dim = head_dim
         self.dtype = dtype
         self._map = RowMap()
-        self._store = SlotStore(head_dim, dtype, memory_budget=memory_budget, spill_dir=spill_dir)
+        self._store = SlotStore(
+            head_dim, dtype, memory_budget=memory_budget, spill_dir=spill_dir, what="trained rows of a table"
+        )
         self.lock = threading.RLock()
         self.version = 0
         """Counts the changes (a training run's steps, a load): what a saved file was made from."""
@@ -127,11 +129,20 @@ class RowOverlay:
             return keys[a:b].clone(), self._store.read(self._map.slots[a:b])
 
     def chunks(self, size: int = 1 << 16) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(ids [m], rows [m, head_dim])`` in id order, ``size`` rows at a time (for saving)."""
+        """``(ids [m], rows [m, head_dim])`` in id order, ``size`` rows at a time (for saving).
+
+        Each chunk is read under :attr:`lock`, which is never held across a ``yield`` (a consumer
+        that stops or fails midway leaves no lock behind); a caller that wants every chunk from one
+        version of the rows holds :attr:`lock` across the iteration itself. Rows added after the
+        first chunk are not included; a :meth:`close` in between raises :class:`UsageError`."""
         with self.lock:
-            keys, slots = self._map.keys, self._map.slots
-            for a in range(0, keys.numel(), size):
-                yield keys[a : a + size].clone(), self._store.read(slots[a : a + size])
+            held, keys, slots = self._map, self._map.keys, self._map.slots
+        for a in range(0, keys.numel(), size):
+            with self.lock:
+                if self._map is not held:
+                    raise UsageError("the overlay was closed while its rows were being read")
+                rows = self._store.read(slots[a : a + size])
+            yield keys[a : a + size].clone(), rows
 
     # ------------------------------------------------------------------ writes
     def slots_for(self, ids: torch.Tensor, init: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -150,6 +161,12 @@ class RowOverlay:
             self._map.add(new_ids, new_slots)
             slots[missing] = new_slots
         return slots
+
+    def reserve(self, k: int) -> None:
+        """Make room for ``k`` more rows (the spill file's space, where rows spill), so that adding up to
+        ``k`` rows and writing them cannot fail on a full disk: :class:`~ple.table.rowstore.SpillFileError`
+        is raised here, before anything changes. Call under :attr:`lock`."""
+        self._store.reserve(self._store.count + k)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """``[k, head_dim]``: the rows in ``slots`` (from :meth:`slots_for`). Call under :attr:`lock`."""

@@ -9,7 +9,10 @@ for good. Objects that hold threads or locks register here (:func:`track`) and s
   taken before the fork (so no bookkeeping is half-done in the child's copy) and released after it,
   in the parent and in the child;
 - ``_after_fork_in_child()``: drop the threads' handles (never joined or freed: they belong to the
-  parent), to be started again on first use.
+  parent), to be started again on first use;
+- optionally ``_after_fork_in_parent()``: what the parent does about what it now shares with the
+  child (a spill file mapped shared: :class:`~ple.table.rowstore.SlotStore` copies it before its
+  next write), run before the locks are released.
 
 A fork waits at most for the bookkeeping in progress (the locks are held for that only, never across
 a file read). Objects are tracked through weak references: tracking keeps nothing alive.
@@ -70,8 +73,14 @@ def _release() -> None:
 
 
 def _after_in_parent() -> None:
-    _release()
-    _objects.clear()
+    try:
+        for obj in _objects:
+            hook = getattr(obj, "_after_fork_in_parent", None)
+            if hook is not None:
+                hook()
+    finally:
+        _release()
+        _objects.clear()
 
 
 def _after_in_child() -> None:

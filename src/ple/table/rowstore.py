@@ -16,22 +16,45 @@ rows only, addressed by row id:
   (``O_TMPFILE``, or a name removed as soon as it is opened): a process that dies leaves nothing
   behind, and what must outlive the process is saved on purpose (``ple.train``'s adapter files).
 
+The spill file's space is allocated (``posix_fallocate``) before any record is written through
+its map, so a full disk or a file size limit raises :class:`SpillFileError` (naming the folder and
+what to do) instead of killing the process with ``SIGBUS``. Once records can leave memory
+(more slots than frames), the file always has room for every slot: a call that adds slots
+(:meth:`SlotStore.append`, :meth:`SlotStore.reserve`) grows it first, before anything changes, and
+no other call ever grows it. A store fails whole or not at all.
+
+Across ``fork()`` (:mod:`ple.table.forks`) the spill file is shared by both processes, so after a
+fork neither writes it again: the first write of each process (the parent's and every child's)
+copies the records to a file of its own first. Each process then trains its own copy, and reads
+before that first write see the records of the fork. The cost: one copy of the records in use per
+fork and process that writes after it (a training loop whose DataLoader forks workers each epoch
+copies its spill files once per epoch), and their disk space until the other processes end.
+
 Neither is thread-safe by itself; their owners lock (:class:`ple.table.adapted.RowOverlay`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, PLEError
+from . import forks
 
-__all__ = ["RowMap", "SlotStore", "SPILL_CHUNK", "unnamed_file"]
+__all__ = ["RowMap", "SlotStore", "SpillFileError", "SPILL_CHUNK", "unnamed_file"]
+
+
+class SpillFileError(PLEError, OSError):
+    """A spill file could not be made, grown or copied (the disk full, a file size limit): the
+    message names the folder and what to do; the store is as it was before the call."""
+
 
 SPILL_CHUNK = 1 << 14
 """A spill file grows by whole multiples of this many slots (doubling, mapped again as it grows)."""
@@ -102,6 +125,7 @@ class SlotStore:
             made only when a record must leave memory.
         recency: keep the records used last in memory (True), or the first ones made (False: records
             made once memory is full go to the spill file and stay there; for comparison).
+        what: what the records are, for messages ("trained rows", "optimizer states").
 
     With a budget, memory holds ``memory_budget // record bytes`` frames. A call (:meth:`read`,
     :meth:`write`, :meth:`append`) uses its slots: a slot in a frame is served there; one that is not
@@ -121,6 +145,7 @@ class SlotStore:
         memory_budget: int | None = None,
         spill_dir: str | os.PathLike | None = None,
         recency: bool = True,
+        what: str = "records",
     ) -> None:
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise InvalidArgumentError(f"width must be an int >= 1, got {width!r}")
@@ -134,6 +159,7 @@ class SlotStore:
         self.memory_slots: int | None = None if memory_budget is None else memory_budget // self.record_nbytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
         self.recency = bool(recency)
+        self.what = what
         self.count = 0
         self.file_reads = 0
         self.file_writes = 0
@@ -147,6 +173,8 @@ class SlotStore:
         self._fd = -1
         self._map: mmap.mmap | None = None
         self._file = torch.empty(0, width, dtype=dtype)  # the spill file's records, mapped
+        self._file_lock = threading.Lock()  # held while the spill file is written, grown or copied
+        self._shared = False  # the spill file is shared with a process forked since: copy before writing
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -182,22 +210,97 @@ class SlotStore:
         grown[:have] = self._mem
         self._mem = grown
 
-    def _file_slots(self, n: int) -> torch.Tensor:
-        """The spill file as ``[capacity, width]`` records, ``capacity >= n`` (made on first use; grown
-        by doubling, in whole :data:`SPILL_CHUNK` slots, and mapped again)."""
+    def reserve(self, n: int) -> None:
+        """Make sure slots ``0 .. n-1`` can live in the spill file when they must leave memory: with a
+        budget of fewer than ``n`` frames, the file is grown (its space allocated) to ``n`` records at
+        least. Raises :class:`SpillFileError` and changes nothing when the disk has no room."""
+        if self.memory_slots is not None and n > self.memory_slots and (n > self._file.shape[0] or self._shared):
+            with self._file_lock:
+                self._writable(n)
+
+    def _writable(self, n: int) -> torch.Tensor:
+        """The spill file as ``[capacity, width]`` records, ``capacity >= n``, for writing: this
+        process's own (copied first after a fork), made on first use, grown by doubling (in whole
+        :data:`SPILL_CHUNK` slots; the size needed alone when the doubled one finds no room) and
+        mapped again. Call under ``_file_lock``."""
+        if self._shared:
+            self._own_copy()
         have = self._file.shape[0]
         if n <= have:
             return self._file
         if self._fd < 0:
-            self._fd = unnamed_file(self.spill_dir)
-        cap = -(-max(n, 2 * have, SPILL_CHUNK) // SPILL_CHUNK) * SPILL_CHUNK
-        size = cap * self.record_nbytes
-        os.ftruncate(self._fd, size)
-        m = mmap.mmap(self._fd, size)
+            try:
+                self._fd = unnamed_file(self.spill_dir)
+            except OSError as e:
+                raise self._no_room(e, "make the spill file") from None
+            forks.track(self)
+        chunks = -(-max(n, SPILL_CHUNK) // SPILL_CHUNK) * SPILL_CHUNK
+        doubled = -(-max(n, 2 * have, SPILL_CHUNK) // SPILL_CHUNK) * SPILL_CHUNK
+        for cap in (doubled, chunks) if doubled > chunks else (doubled,):
+            try:
+                _allocate(self._fd, have * self.record_nbytes, cap * self.record_nbytes)
+                break
+            except OSError as e:
+                if cap == chunks or e.errno not in _NO_ROOM:
+                    raise self._no_room(e, f"grow the spill file to {cap * self.record_nbytes} bytes") from None
+        m = mmap.mmap(self._fd, cap * self.record_nbytes)
         self._drop_map()
         self._map = m
         self._file = torch.frombuffer(m, dtype=self.dtype).view(cap, self.width)
         return self._file
+
+    def _own_copy(self) -> None:
+        """After a fork: copy the shared spill file's records to a new file of this process's own."""
+        cap = self._file.shape[0]
+        used = min(self.count, cap)
+        try:
+            fd = unnamed_file(self.spill_dir)
+        except OSError as e:
+            raise self._no_room(e, "copy the spill file after fork()") from None
+        try:
+            _allocate(fd, 0, cap * self.record_nbytes)
+            m = mmap.mmap(fd, cap * self.record_nbytes) if cap else None
+            copy = torch.frombuffer(m, dtype=self.dtype).view(cap, self.width) if m is not None else self._file
+            copy[:used] = self._file[:used]
+        except OSError as e:
+            os.close(fd)
+            raise self._no_room(e, "copy the spill file after fork()") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._drop_map()
+        os.close(self._fd)
+        self._fd, self._map, self._file = fd, m, copy
+        self._shared = False
+
+    def _no_room(self, e: OSError, doing: str) -> SpillFileError:
+        folder = self.spill_dir if self.spill_dir is not None else Path(tempfile.gettempdir())
+        what = f"spilling {self.what} ({self.count} held) to {folder}: could not {doing}: {e.strerror or e}"
+        if e.errno in _NO_ROOM:
+            what += (
+                "; free space there, pass spill_dir= a folder on a disk with room (ple.train.trainable, the "
+                "optimizer), or a larger memory_budget= to keep more of them in memory"
+            )
+        return SpillFileError(e.errno or errno.EIO, what, os.fspath(folder))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_file_lock"]  # a lock is not copied: the copy gets its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._file_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ fork (ple.table.forks)
+    def _fork_locks(self) -> list[threading.Lock]:
+        return [self._file_lock]
+
+    def _after_fork_in_child(self) -> None:
+        self._shared = self._fd >= 0
+
+    def _after_fork_in_parent(self) -> None:
+        self._shared = self._fd >= 0
 
     def _drop_map(self) -> None:
         self._file = torch.empty(0, self.width, dtype=self.dtype)
@@ -212,6 +315,11 @@ class SlotStore:
         start = self.count
         self.count = start + k
         slots = torch.arange(start, start + k, dtype=torch.int64)
+        try:
+            self.reserve(start + k)
+        except BaseException:
+            self.count = start
+            raise
         if self.memory_slots is None:
             self._grow_frames(self.count)
             self._frames = self.count
@@ -224,6 +332,9 @@ class SlotStore:
     def _place(self, slots: torch.Tensor, load: bool) -> torch.Tensor:
         """The frame of each of ``slots [k]`` (distinct), giving frames to those without one (see the
         class docstring), their records read from the spill file when ``load``; -1 where none fits."""
+        if self._shared:  # evictions below write the file: this process's own copy first, before any change
+            with self._file_lock:
+                self._writable(0)
         self._tick += 1
         tick = self._tick
         frames = self._frame_of.index_select(0, slots)
@@ -274,13 +385,18 @@ class SlotStore:
     def _file_read(self, slots: torch.Tensor) -> torch.Tensor:
         if slots.numel() == 0:
             return torch.empty(0, self.width, dtype=self.dtype)
+        n = int(slots.max()) + 1
+        if n > self._file.shape[0]:  # never after reserve(): every slot has its record's room
+            with self._file_lock:
+                self._writable(n)
         self.file_reads += slots.numel()
-        return self._file_slots(int(slots.max()) + 1).index_select(0, slots)
+        return self._file.index_select(0, slots)
 
     def _file_write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         if slots.numel():
+            with self._file_lock:
+                self._writable(int(slots.max()) + 1).index_copy_(0, slots, values)
             self.file_writes += slots.numel()
-            self._file_slots(int(slots.max()) + 1).index_copy_(0, slots, values)
 
     # ------------------------------------------------------------------ access
     def read(self, slots: torch.Tensor) -> torch.Tensor:
@@ -330,6 +446,7 @@ class SlotStore:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._shared = False
         self.count = 0
 
     def __del__(self) -> None:
@@ -337,6 +454,34 @@ class SlotStore:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+
+
+def _allocate(fd: int, start: int, stop: int) -> None:
+    """Give bytes ``[start, stop)`` of the file ``fd`` their disk space (the file grows to ``stop``), so
+    writes through a map of them cannot fail; on failure the file is cut back to ``start`` bytes."""
+    if stop <= start:
+        return
+    try:
+        try:
+            os.posix_fallocate(fd, start, stop - start)
+            return
+        except AttributeError:  # pragma: no cover - no posix_fallocate here
+            pass
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                raise
+        zeros = bytes(1 << 20)  # a file system that cannot allocate: write the zeros
+        at = start
+        while at < stop:
+            at += os.pwrite(fd, zeros[: stop - at], at)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
 
 
 def unnamed_file(folder: str | os.PathLike | None) -> int:

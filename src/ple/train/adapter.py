@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,15 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import InvalidArgumentError, PLEError, UsageError
-from ..files import sweep_partial_files, write_atomically_from
+from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError, UsageError
+from ..files import file_kind, parse_json, sweep_partial_files, write_atomically_from
 from ..layer import PLELayer
 from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, read_header
 from ..table import ShardedTable, Table
 from ..table.adapted import AdaptedTable, RowOverlay
 from ..table.table_file import hash_layout, read_table_header
 from .attach import TableTarget, ple_layers
-from .optim import RowSparseOptimizer
+from .optim import RowSparseOptimizer, check_step, short_repr
 from .sharded import all_gather_rows
 
 __all__ = [
@@ -171,8 +172,7 @@ def save_adapter(
     if optimizer is not None and dtype != torch.float32:
         raise InvalidArgumentError("a training checkpoint (optimizer=...) keeps its rows in torch.float32")
     path = Path(path)
-    if path.is_dir():
-        raise InvalidArgumentError(f"{path} is a folder, not an adapter file")
+    check_destination(path, model)
     layers = [layer for layer in ple_layers(model) if isinstance(_local(layer)[0], AdaptedTable)]
     if not layers:
         raise UsageError("no PLE layer of this model holds an adapter: nothing to save (ple.train.trainable(model))")
@@ -189,6 +189,61 @@ def save_adapter(
         assert isinstance(table, AdaptedTable)
         sources.append((layer, table.overlay, 0, table.base))
     return write_adapter_file(path, sources, dtype, states, optimizer, meta)
+
+
+def _table_files(table: Table | None) -> list[str]:
+    """The paths of the table files under ``table`` (through adapters, row caches and shards)."""
+    out: list[str] = []
+    todo: list[object] = [table]
+    seen: set[int] = set()
+    while todo:
+        at = todo.pop()
+        if at is None or id(at) in seen:
+            continue
+        seen.add(id(at))
+        path = getattr(at, "path", None)
+        if isinstance(path, (str, os.PathLike)):
+            out.append(os.fspath(path))
+        for name in ("base", "backing", "local_table"):
+            below = getattr(at, name, None)
+            if isinstance(below, Table):
+                todo.append(below)
+    return out
+
+
+def check_destination(path: Path, model: nn.Module | PLELayer) -> None:
+    """Refuse to write an adapter over anything but an adapter: a folder, a table file ``model``
+    serves (the same file through any name: a symbolic or hard link), or an existing file that is
+    not a ple table adapter (a table file, a checkpoint), each named."""
+    try:
+        st = os.stat(path)  # follows a symbolic link to what it names
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise OSError(e.errno, f"cannot check the adapter destination {path}: {e.strerror}", os.fspath(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgumentError(
+            f"{path} is {file_kind(st.st_mode)}, not an adapter file: save the adapter to a file path"
+        )
+    for layer in ple_layers(model):
+        for table_path in _table_files(layer.table):
+            try:
+                other = os.stat(table_path)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                raise InvalidArgumentError(
+                    f"{path} is the table file {table_path} that PLE layer {layer.ple_layer_index} serves: an "
+                    "adapter is saved to a file of its own, never over a table (ple.train.merge_table_file writes "
+                    "merged tables)"
+                )
+    try:
+        read_adapter(path)
+    except AdapterFileError as e:
+        raise InvalidArgumentError(
+            f"{path} exists and is not a ple table adapter ({e}): save the adapter to a new path, or remove "
+            "that file first"
+        ) from None
 
 
 def _optimizer_states(optimizer: RowSparseOptimizer, layers: list[PLELayer]) -> dict[int, tuple[int, Any]]:
@@ -359,12 +414,17 @@ def read_adapter(path: str | os.PathLike) -> AdapterFile:
         raise AdapterFileError(f"{path}: not a ple table adapter (metadata format {md.get('format')!r})")
     if md.get("version") != _VERSION:
         raise AdapterFileError(f"{path}: adapter version {md.get('version')!r}, this ple reads version {_VERSION}")
-    try:
-        info = json.loads(md["layers"])
-        optimizer = json.loads(md["optimizer"]) if "optimizer" in md else None
-        meta = json.loads(md["user"]) if "user" in md else None
-    except (KeyError, ValueError) as e:
-        raise AdapterFileError(f"{path}: damaged adapter metadata ({e})") from None
+    if "layers" not in md:
+        raise AdapterFileError(f"{path}: damaged adapter metadata (no 'layers')")
+    info = parse_json(md["layers"], f"{path}: the adapter metadata 'layers'", AdapterFileError)
+    optimizer = (
+        parse_json(md["optimizer"], f"{path}: the adapter metadata 'optimizer'", AdapterFileError)
+        if "optimizer" in md
+        else None
+    )
+    meta = parse_json(md["user"], f"{path}: the adapter metadata 'user'", AdapterFileError) if "user" in md else None
+    if not isinstance(info, list):
+        raise AdapterFileError(f"{path}: the adapter metadata 'layers' must be a list, got {short_repr(info)}")
     layers: dict[int, AdapterLayer] = {}
     dtypes = set()
     t = header.tensors
@@ -483,11 +543,20 @@ def load_optimizer_state(optimizer: RowSparseOptimizer, adapter: str | os.PathLi
     saved = file.optimizer
     if saved is None:
         raise AdapterFileError(f"{file.path}: holds no optimizer state (saved without optimizer=)")
+    if not isinstance(saved, dict):
+        raise AdapterFileError(f"{file.path}: the optimizer metadata must be a JSON object, got {short_repr(saved)}")
     if saved.get("class") != type(optimizer).__name__:
         raise AdapterFileError(
-            f"{file.path}: the state of a {saved.get('class')} optimizer cannot resume a {type(optimizer).__name__}"
+            f"{file.path}: the state of a {short_repr(saved.get('class'))} optimizer cannot resume a "
+            f"{type(optimizer).__name__}"
         )
-    groups = saved["param_groups"]
+    groups, steps = saved.get("param_groups"), saved.get("steps")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise AdapterFileError(
+            f"{file.path}: optimizer param_groups must be a list of objects, got {short_repr(groups)}"
+        )
+    if not isinstance(steps, dict):
+        raise AdapterFileError(f"{file.path}: optimizer steps must be an object by layer, got {short_repr(steps)}")
     if len(groups) != len(optimizer.param_groups):
         raise AdapterFileError(
             f"{file.path}: {len(groups)} parameter groups saved, the optimizer has {len(optimizer.param_groups)}"
@@ -495,26 +564,30 @@ def load_optimizer_state(optimizer: RowSparseOptimizer, adapter: str | os.PathLi
     state: dict[int, dict[str, Any]] = {}
     param_groups = []
     index = 0
-    for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
-        mine = [p.ple_target.ple_layer_index for p in group["params"]]
-        if mine != saved_group["layers"]:
-            raise AdapterFileError(
-                f"{file.path}: a group of PLE layers {saved_group['layers']}, the optimizer's {mine}"
-            )
-        hp = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items() if k != "layers"}
-        param_groups.append({**hp, "params": list(range(index, index + len(mine)))})
-        for i in mine:
-            st: dict[str, Any] = {}
-            step = saved["steps"].get(str(i))
-            if step is not None:
-                st["step"] = int(step)
-            if i in file.layers:
-                got = file.optimizer_states(i)
-                if got is not None:
-                    st["rows"], st["values"] = _local_states(optimizer, group, i, *got)
-            state[index] = st
-            index += 1
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    try:
+        for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
+            mine = [p.ple_target.ple_layer_index for p in group["params"]]
+            if mine != saved_group.get("layers"):
+                raise AdapterFileError(
+                    f"{file.path}: a group of PLE layers {short_repr(saved_group.get('layers'))}, the optimizer's {mine}"
+                )
+            hp = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved_group.items() if k != "layers"}
+            param_groups.append({**hp, "params": list(range(index, index + len(mine)))})
+            for p, i in zip(group["params"], mine, strict=True):
+                st: dict[str, Any] = {}
+                step = steps.get(str(i))
+                if step is not None:
+                    st["step"] = check_step(step, f"optimizer steps[{str(i)!r}]")
+                if i in file.layers:
+                    got = file.optimizer_states(i)
+                    if got is not None:
+                        st["rows"], st["values"] = _local_states(optimizer, group, i, *got)
+                        optimizer.check_row_states(p, st["rows"], st["values"], f"layer{i}.state.values")
+                state[index] = st
+                index += 1
+        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    except (InvalidArgumentError, ArgumentTypeError) as e:
+        raise AdapterFileError(f"{file.path}: {e}") from None
 
 
 def _local_states(optimizer, group, index: int, ids: torch.Tensor, values: torch.Tensor):
@@ -565,6 +638,7 @@ def save_sharded_adapter(
     ]
     if not layers:
         raise UsageError("no PLE layer of this model has a trained sharded table (ple.train.trainable(model))")
+    check_destination(Path(path), model)
     steps: dict[int, tuple[int, Any]] = {}
     sources = []
     for layer in layers:

@@ -24,7 +24,10 @@ over steps), as FBGEMM's exact row-wise Adagrad does.
 State memory: ``memory_budget`` bytes of states per table in memory (None: all), those of the rows
 used most recently; the others spill to an unnamed file in ``spill_dir`` (default: the folder of the
 table's file) and come back when their rows are in a step again
-(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value.
+(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value. The spill
+files' space is allocated before a step changes anything: a step that finds no room raises
+:class:`~ple.table.rowstore.SpillFileError` (naming the folder) with every row, state and step count
+as before it; its gradient is used up, so once there is room run the batch's backward again and step.
 
 Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
 computed (FBGEMM's fused backward): no gradient is stored on the handle and :meth:`step` has
@@ -34,6 +37,7 @@ nothing left to do for it. Every backward through a table is then one step of it
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import weakref
 from collections import OrderedDict, defaultdict
@@ -41,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..table.rowstore import RowMap, SlotStore
 from .attach import default_spill_dir, target_of
 from .data_parallel import group_of, mean_gradients
@@ -55,7 +59,9 @@ class _RowStates:
     def __init__(self, width: int, initial: float, memory_budget: int | None, spill_dir) -> None:
         self.initial = initial
         self.map = RowMap()
-        self.store = SlotStore(width, torch.float32, memory_budget=memory_budget, spill_dir=spill_dir)
+        self.store = SlotStore(
+            width, torch.float32, memory_budget=memory_budget, spill_dir=spill_dir, what="optimizer states of a table"
+        )
 
     def __len__(self) -> int:
         return len(self.map)
@@ -107,6 +113,13 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     initial_state = 0.0
     exchanged_nbytes = 0
     """Bytes this rank received in data-parallel exchanges of the tables' gradients (:mod:`.data_parallel`)."""
+    hyperparameters: dict[str, str] = {}
+    """Each hyperparameter's rule: ``"positive"`` (a finite number > 0), ``"nonnegative"`` (>= 0) or
+    ``"betas"`` (two numbers in [0, 1)); the constructor's arguments, every parameter group's values
+    and a loaded state's are checked by it (:meth:`check_hyperparameters`)."""
+    squared_states: tuple[int, int] | None = None
+    """The states that are sums or averages of squares, ``(first, last + 1)`` in units of ``head_dim``
+    (row states after the value states count as one unit): a loaded state must have them >= 0."""
 
     def __init__(
         self,
@@ -121,16 +134,29 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0
         ):
             raise InvalidArgumentError(f"memory_budget must be an int >= 0 (bytes) or None, got {memory_budget!r}")
-        for name, value in defaults.items():
-            if isinstance(value, float) and (not math.isfinite(value) or value < 0):
-                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
-        super().__init__(params, defaults)
-        for group in self.param_groups:
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise ArgumentTypeError(f"spill_dir must be a folder's path or None, got {spill_dir!r}")
+        if not isinstance(fused, bool):
+            raise ArgumentTypeError(f"fused must be True or False, got {fused!r}")
+        defaults = {**defaults, **self.check_hyperparameters(defaults)}
+        if isinstance(params, torch.Tensor):
+            raise ArgumentTypeError(
+                "params must be an iterable of table handles (ple.train.trainable(model)) or of parameter "
+                f"groups, got one tensor of shape {list(params.shape)}"
+            )
+        try:
+            super().__init__(params, defaults)
+        except TypeError as e:
+            raise ArgumentTypeError(f"params: {e}") from None
+        except ValueError as e:
+            raise InvalidArgumentError(f"params: {e}") from None
+        for k, group in enumerate(self.param_groups):
+            group.update(self.check_hyperparameters(group, f"parameter group {k}: "))
             for p in group["params"]:
                 target_of(p)
         self.memory_budget = memory_budget
         self.spill_dir = spill_dir
-        self.fused = bool(fused)
+        self.fused = fused
         self._states: dict[torch.Tensor, _RowStates] = {}
         if self.fused:
             for group in self.param_groups:
@@ -237,7 +263,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             rows, values = target.gradient(rows, values)
         state = self.state[p]
         step = int(state.get("step", 0)) + 1
-        state["step"] = step
         for part in target.parts():
             a = int(torch.searchsorted(rows, part.start))
             b = int(torch.searchsorted(rows, part.stop))
@@ -253,6 +278,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
             rs = self._row_states(p, base)
             overlay = part.overlay
             with overlay.lock:
+                overlay.reserve(ids.numel())  # a full spill disk fails here, before any row or state changes
+                if rs is not None:
+                    rs.store.reserve(rs.store.count + ids.numel())
                 slots = overlay.slots_for(ids, first_values)
                 w = overlay.read(slots)
                 if rs is None:
@@ -264,6 +292,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     rs.store.write(s_slots, s)
                 overlay.write(slots, w)
                 overlay.version += 1
+        state["step"] = step
 
     def _update(
         self, w: torch.Tensor, g: torch.Tensor, s: torch.Tensor | None, step: int, group: dict
@@ -303,7 +332,91 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 index += 1
         return sd
 
+    def check_hyperparameters(self, group: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """The hyperparameters of ``group`` (a constructor's defaults, a parameter group, a saved
+        one) checked by the rules of :attr:`hyperparameters` (numbers as floats, betas as a tuple);
+        :class:`InvalidArgumentError` or :class:`ArgumentTypeError` naming ``where``, the field and
+        the value. Fields without a rule are returned as they are."""
+        out = {}
+        for name, rule in self.hyperparameters.items():
+            if name not in group:
+                raise InvalidArgumentError(f"{where}hyperparameter {name!r} is missing")
+            value = group[name]
+            out[name] = _check_betas(value, where) if rule == "betas" else _number(name, value, rule, where)
+        return out
+
+    def _check_loaded(self, state_dict: Any) -> None:
+        """Refuse a state that is not one of this optimizer's: hyperparameters as the constructor checks
+        them, step counts, and per-row states of the right shape, finite, for distinct rows of the
+        table (nothing changes before every check has passed)."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+            raise InvalidArgumentError("an optimizer state must be a dict with 'state' (a dict) and 'param_groups'")
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise InvalidArgumentError(
+                f"param_groups must be a list of {len(self.param_groups)} parameter groups, got {short_repr(groups)}"
+            )
+        handles: dict[Any, torch.Tensor] = {}
+        for k, (saved, group) in enumerate(zip(groups, self.param_groups, strict=True)):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+                raise InvalidArgumentError(
+                    f"parameter group {k} must be a dict with 'params' (a list), got {short_repr(saved)}"
+                )
+            if len(saved["params"]) != len(group["params"]):
+                raise InvalidArgumentError(
+                    f"parameter group {k} holds {len(saved['params'])} tables, the optimizer's {len(group['params'])}"
+                )
+            self.check_hyperparameters(saved, f"parameter group {k}: ")
+            handles.update(zip(saved["params"], group["params"], strict=True))
+        for key, st in state_dict["state"].items():
+            where = f"the state of table {key!r}"
+            if key not in handles:
+                raise InvalidArgumentError(f"{where}: no parameter group holds table {key!r}")
+            if not isinstance(st, dict):
+                raise InvalidArgumentError(f"{where} must be a dict, got {short_repr(st)}")
+            if "step" in st:
+                check_step(st["step"], where)
+            if ("rows" in st) != ("values" in st):
+                raise InvalidArgumentError(f"{where}: 'rows' and 'values' come together")
+            if "rows" in st:
+                self.check_row_states(handles[key], st["rows"], st["values"], where)
+
+    def check_row_states(self, p: torch.Tensor, ids: Any, values: Any, where: str) -> None:
+        """Refuse per-row states ``values [n, width]`` of rows ``ids [n]`` of table ``p`` that this
+        optimizer cannot take: not the right shape, rows repeated or outside the table (this process's
+        part of it), a state that is not finite, a sum of squares below 0; the error names ``where``."""
+        parts = target_of(p).parts()
+        rows = parts[0].overlay.rows if parts else 0
+        d = p.shape[1]
+        width = self.value_states * d + self.row_states
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgumentError(f"{where}: rows must be a 1-D int64 tensor of row ids, got {short_repr(ids)}")
+        n = ids.numel()
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point() or tuple(values.shape) != (n, width):
+            raise InvalidArgumentError(
+                f"{where}: values {short_repr(values)} for {n} rows, expected a float tensor [{n}, {width}]"
+            )
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise InvalidArgumentError(f"{where}: row ids {int(ids.min())}..{int(ids.max())} outside [0, {rows})")
+        if n > 1 and int(torch.unique(ids).numel()) != n:
+            raise InvalidArgumentError(f"{where}: row ids repeat")
+        states = values.to(torch.float32)
+        bad = ~torch.isfinite(states)
+        if bool(bad.any()):
+            r, c = (int(x) for x in bad.nonzero()[0])
+            raise InvalidArgumentError(f"{where}: the state of row {int(ids[r])} is {float(values[r, c])} (column {c})")
+        if self.squared_states is not None:
+            a, b = self.squared_states
+            cols = states[:, a * d : min(b * d, width)]
+            if bool((cols < 0).any()):
+                r, c = (int(x) for x in (cols < 0).nonzero()[0])
+                raise InvalidArgumentError(
+                    f"{where}: the state of row {int(ids[r])} is {float(cols[r, c])} (column {a * d + c}), "
+                    "a sum of squares must be >= 0"
+                )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_loaded(state_dict)
         rows_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         plain = {"param_groups": state_dict["param_groups"], "state": {}}
         for k, st in state_dict["state"].items():
@@ -320,12 +433,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                     st["step"] = int(st["step"])
                 if index in rows_of:
                     ids, values = rows_of[index]
-                    width = self.value_states * p.shape[1] + self.row_states
-                    if values.dim() != 2 or values.shape[1] != width or values.shape[0] != ids.numel():
-                        raise InvalidArgumentError(
-                            f"optimizer state of table {index}: values {list(values.shape)} for {ids.numel()} rows, "
-                            f"expected [{ids.numel()}, {width}]"
-                        )
                     part = target_of(p).parts()
                     rs = self._row_states(p, part[0].base if part else None)
                     assert rs is not None
@@ -339,10 +446,48 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self._states.clear()
 
 
-def _check_betas(betas) -> tuple[float, float]:
-    b1, b2 = (float(b) for b in betas)
+def short_repr(value: Any) -> str:
+    """``value`` in a message: a tensor by its shape and dtype, anything else by a bounded repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor {list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_step(value: Any, where: str) -> int:
+    """A saved step count as an int when it is an integer >= 0 (an int, an integral float, a
+    one-element tensor); :class:`InvalidArgumentError` naming ``where`` and the value otherwise."""
+    step = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    x = float(step) if isinstance(step, numbers.Real) and not isinstance(step, bool) else -1.0
+    if not math.isfinite(x) or x < 0 or x != math.floor(x):
+        raise InvalidArgumentError(f"{where}: step must be an integer >= 0, got {short_repr(value)}")
+    return int(x)
+
+
+def _number(name: str, value: Any, rule: str, where: str = "") -> float:
+    """``value`` as a float when it is a finite real number that ``rule`` allows (``"positive"``:
+    > 0; ``"nonnegative"``: >= 0); a ple error naming ``name`` and the value otherwise."""
+    want = "> 0" if rule == "positive" else ">= 0"
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{where}{name} must be a finite number {want}, got {short_repr(value)}")
+    x = float(value)
+    if not math.isfinite(x) or x < 0 or (rule == "positive" and x == 0):
+        raise InvalidArgumentError(f"{where}{name} must be a finite number {want}, got {short_repr(value)}")
+    return x
+
+
+def _check_betas(betas: Any, where: str = "") -> tuple[float, float]:
+    """``betas`` as two floats in [0, 1) (torch's rule), else a ple error naming the value."""
+    if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise InvalidArgumentError(f"{where}betas must be two numbers in [0, 1), got {short_repr(betas)}")
+    try:
+        b1, b2 = (_number(f"betas[{k}]", b, "nonnegative", where) for k, b in enumerate(betas))
+    except (InvalidArgumentError, ArgumentTypeError):
+        b1 = b2 = math.nan
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise InvalidArgumentError(f"betas must lie in [0, 1), got {tuple(betas)}")
+        raise InvalidArgumentError(f"{where}betas must lie in [0, 1), got {short_repr(betas)}")
     return b1, b2
 
 
@@ -350,8 +495,10 @@ class SGD(RowSparseOptimizer):
     """``w -= lr * (g + weight_decay * w)`` on the rows of the step (``torch.optim.SGD`` without
     momentum, weight decay on those rows only). No state."""
 
+    hyperparameters = {"lr": "nonnegative", "weight_decay": "nonnegative"}
+
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, **kw) -> None:
-        super().__init__(params, {"lr": float(lr), "weight_decay": float(weight_decay)}, **kw)
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, **kw)
 
     def _update(self, w, g, s, step, group):
         lr, wd = group["lr"], group["weight_decay"]
@@ -364,9 +511,12 @@ class SGD(RowSparseOptimizer):
 class Adagrad(RowSparseOptimizer):
     """``torch.optim.Adagrad`` on the rows of the step: one sum of squared gradients per value
     (starting at ``initial_accumulator_value``), ``lr / (1 + (step - 1) * lr_decay)``, weight decay
-    (L2, added to the gradient) on those rows only."""
+    (L2, added to the gradient) on those rows only. ``eps`` must be > 0 (torch allows 0, which makes
+    a row whose gradient and sum are 0, a padded position's, 0 / 0)."""
 
     value_states = 1
+    squared_states = (0, 1)
+    hyperparameters = {"lr": "nonnegative", "lr_decay": "nonnegative", "weight_decay": "nonnegative", "eps": "positive"}
 
     def __init__(
         self,
@@ -378,16 +528,10 @@ class Adagrad(RowSparseOptimizer):
         eps: float = 1e-10,
         **kw,
     ) -> None:
-        defaults = {
-            "lr": float(lr),
-            "lr_decay": float(lr_decay),
-            "weight_decay": float(weight_decay),
-            "eps": float(eps),
-        }
+        initial = _number("initial_accumulator_value", initial_accumulator_value, "nonnegative")
+        defaults = {"lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay, "eps": eps}
         super().__init__(params, defaults, **kw)
-        if initial_accumulator_value < 0:
-            raise InvalidArgumentError(f"initial_accumulator_value must be >= 0, got {initial_accumulator_value}")
-        self.initial_state = float(initial_accumulator_value)
+        self.initial_state = initial
 
     def _update(self, w, g, s, step, group):
         if group["weight_decay"] != 0:
@@ -405,9 +549,11 @@ class RowWiseAdagrad(RowSparseOptimizer):
     A 160-wide row's state is 4 bytes instead of Adagrad's 640."""
 
     row_states = 1
+    squared_states = (0, 1)
+    hyperparameters = {"lr": "nonnegative", "weight_decay": "nonnegative", "eps": "positive"}
 
     def __init__(self, params, lr: float = 1e-2, weight_decay: float = 0.0, eps: float = 1e-8, **kw) -> None:
-        super().__init__(params, {"lr": float(lr), "weight_decay": float(weight_decay), "eps": float(eps)}, **kw)
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "eps": eps}, **kw)
 
     def _update(self, w, g, s, step, group):
         if group["weight_decay"] != 0:
@@ -419,13 +565,15 @@ class RowWiseAdagrad(RowSparseOptimizer):
 
 class SparseAdam(RowSparseOptimizer):
     """``torch.optim.SparseAdam``: lazy Adam, the moments and rows of the step's rows only, bias
-    corrections from the table's step count; no weight decay (see :class:`AdamW`)."""
+    corrections from the table's step count; no weight decay (see :class:`AdamW`). ``lr`` and ``eps``
+    must be > 0, as torch's requires."""
 
     value_states = 2
+    squared_states = (1, 2)
+    hyperparameters = {"lr": "positive", "betas": "betas", "eps": "positive"}
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, **kw) -> None:
-        b1, b2 = _check_betas(betas)
-        super().__init__(params, {"lr": float(lr), "betas": (b1, b2), "eps": float(eps)}, **kw)
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps}, **kw)
 
     def _update(self, w, g, s, step, group):
         d = w.shape[1]
@@ -447,16 +595,19 @@ class SparseAdam(RowSparseOptimizer):
 class Adam(RowSparseOptimizer):
     """``torch.optim.Adam`` (``AdamW`` with ``decoupled=True``) on the rows of the step: moments of
     those rows only, bias corrections from the table's step count; weight decay (Adam: L2 added to
-    the gradient; AdamW: ``w *= 1 - lr * weight_decay``) on those rows only."""
+    the gradient; AdamW: ``w *= 1 - lr * weight_decay``) on those rows only. ``eps`` must be > 0
+    (torch allows 0, which makes a row whose gradient is 0 at its first step, a padded position's,
+    0 / 0)."""
 
     value_states = 2
+    squared_states = (1, 2)
     decoupled = False
+    hyperparameters = {"lr": "nonnegative", "betas": "betas", "eps": "positive", "weight_decay": "nonnegative"}
 
     def __init__(
         self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, **kw
     ) -> None:
-        b1, b2 = _check_betas(betas)
-        defaults = {"lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay)}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, **kw)
 
     def _update(self, w, g, s, step, group):
