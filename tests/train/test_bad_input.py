@@ -302,3 +302,40 @@ def test_adapter_metadata_nested_deeper_than_the_recursion_limit_is_refused(tmp_
         read_adapter(bad)
     with pytest.raises(AdapterFileError):
         load_adapter(_layer(table_path), bad)
+
+
+@pytest.mark.parametrize("broken", ["table part", "torch part"])
+def test_a_combined_state_with_one_bad_part_is_refused_before_any_part_loads(table_path, broken):
+    """CombinedOptimizer checks every part before loading one: a bad table state, after the torch
+    optimizer's, leaves the torch state as it was; a torch state of other parameter groups, after the
+    table's, leaves the table's."""
+    from ple.train import CombinedOptimizer
+
+    layer = _layer(table_path)
+    other = torch.nn.Parameter(torch.ones(3))
+    tables = SparseAdam(trainable(layer), lr=0.05)
+    rest = torch.optim.AdamW([other], lr=0.1)
+    parts = [rest, tables] if broken == "table part" else [tables, rest]  # the good part loads first
+    combined = CombinedOptimizer(*parts)
+    t, r = parts.index(tables), parts.index(rest)
+    for i in range(2):
+        _steps(layer, tables, n=1)
+        (other * (i + 1)).sum().backward()
+        rest.step()
+        rest.zero_grad()
+    good = copy.deepcopy(combined.state_dict())
+    bad = copy.deepcopy(good)
+    if broken == "table part":
+        bad["optimizers"][t]["param_groups"][0]["lr"] = NAN
+        named = "lr must be a finite number > 0, got nan"
+        bad["optimizers"][r]["param_groups"][0]["lr"] = 0.5
+    else:
+        bad["optimizers"][r]["param_groups"][0]["params"] = [0, 1]
+        named = rf"optimizer {r} .*AdamW.* \[1\] parameters, the saved state \[2\]"
+        bad["optimizers"][t]["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(PLEError, match=named):
+        combined.load_state_dict(bad)
+    assert _equal_states(_state(tables), good["optimizers"][t])
+    assert float(rest.state[other]["step"]) == 2.0 and rest.param_groups[0]["lr"] == 0.1
+    combined.load_state_dict(good)
+    assert _equal_states(_state(tables), good["optimizers"][t])

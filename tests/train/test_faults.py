@@ -122,9 +122,10 @@ def _train(table_path, spill_dir, steps, before_step=None, remedy=None):
             assert isinstance(e, OSError) and e.errno is not None and e.filename == str(spill_dir)
             after = _snapshot(layer, handles[0], opt)
             errors.append((str(e), _same(before, after)))
+            assert handles[0].grad is not None  # the gradient of the table not updated is kept
             remedy()
-            _backward(layer, i)  # the failed step used up its gradient: the same batch again
-            opt.step()
+            opt.step()  # the same gradient again, without a second backward
+            assert handles[0].grad is None
     assert layer.table.overlay.spilled_rows > 0 and opt.state_nbytes()[1] > 0
     return _snapshot(layer, handles[0], opt), errors
 

@@ -167,17 +167,30 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Apply each table's gradient (and clear it: the gradient is used up). Fused tables were
-        updated in their backward already."""
+        updated in their backward already. A step that raises (a full spill disk:
+        :class:`~ple.table.rowstore.SpillFileError`, raised before the table's rows or states change)
+        leaves the gradients of the tables it did not update on their handles: make room and call
+        ``step()`` again."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plain, averaged = self._take_gradients()
-        for p, rows, values, group in plain:
-            self._apply(p, rows, values, group)
-        if averaged:
-            for p, rows, values, group in self._mean_over_ranks(averaged):
-                self._apply(p, rows, values, group, averaged=True)
+        taken = [(p, p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        updated: set[int] = set()
+        try:
+            plain, averaged = self._take_gradients()
+            for p, rows, values, group in plain:
+                self._apply(p, rows, values, group)
+                updated.add(id(p))
+            if averaged:
+                for p, rows, values, group in self._mean_over_ranks(averaged):
+                    self._apply(p, rows, values, group, averaged=True)
+                    updated.add(id(p))
+        except BaseException:
+            for p, grad in taken:
+                if id(p) not in updated and p.grad is None:
+                    p.grad = grad
+            raise
         return loss
 
     def _take_gradients(self) -> tuple[list, list]:
@@ -690,6 +703,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
         saved = state_dict.get("optimizers")
         if not isinstance(saved, list) or len(saved) != len(self.optimizers):
             raise InvalidArgumentError(f"a CombinedOptimizer state of {len(self.optimizers)} optimizers was expected")
+        for i, (o, sd) in enumerate(zip(self.optimizers, saved, strict=True)):  # every part checked before any loads
+            if isinstance(o, RowSparseOptimizer):
+                o._check_loaded(sd)
+                continue
+            groups = sd.get("param_groups") if isinstance(sd, dict) else None
+            sizes = [len(g["params"]) if isinstance(g, dict) and "params" in g else None for g in groups or []]
+            if not isinstance(groups, list) or sizes != [len(g["params"]) for g in o.param_groups]:
+                raise InvalidArgumentError(
+                    f"optimizer {i} of this CombinedOptimizer ({type(o).__name__}) has parameter groups of "
+                    f"{[len(g['params']) for g in o.param_groups]} parameters, the saved state {sizes or short_repr(groups)}"
+                )
         for o, sd in zip(self.optimizers, saved, strict=True):
             o.load_state_dict(sd)
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
