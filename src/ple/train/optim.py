@@ -27,7 +27,7 @@ table's file) and come back when their rows are in a step again
 (:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value. The spill
 files' space is allocated before a step changes anything: a step that finds no room raises
 :class:`~ple.table.rowstore.SpillFileError` (naming the folder) with every row, state and step count
-as before it; its gradient is used up, so once there is room run the batch's backward again and step.
+as before it and its gradient still on the handle, so once there is room ``step()`` runs again.
 
 Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
 computed (FBGEMM's fused backward): no gradient is stored on the handle and :meth:`step` has
