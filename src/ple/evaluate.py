@@ -154,48 +154,50 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 
 # ---------------------------------------------------------------------------------------------- comparison
 
-_ROWS = 64
-"""Predictions compared at a time: the temporaries of the KL are ``_ROWS x vocab``."""
+_ROWS = 8
+"""Predictions a candidate is compared in at a time: its log-probabilities and the KL's temporaries
+are ``_ROWS x vocab`` (a few MB, in cache), never the window's."""
 
 
 @dataclasses.dataclass
 class Reference:
-    """One window's reference: log-probabilities, probabilities and top tokens of its predictions."""
+    """One window's reference: next-token log-probabilities, top tokens and the actual tokens'
+    probabilities of its predictions (dropped with the window)."""
 
     logp: torch.Tensor  # [P, V] float32
-    p: torch.Tensor  # [P, V]
     top: torch.Tensor  # [P] int64
-    p_actual: torch.Tensor  # [P]
+    p_actual: torch.Tensor  # [P] float32
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """``[P, V]`` float32 next-token log-probabilities."""
-    return torch.log_softmax(logits.float(), dim=-1)
+def reference_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[Reference, np.ndarray]:
+    """The reference of a window's ``logits [P, V]`` and its per-prediction NLL (float64)."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    actual = logp.gather(1, targets[:, None])[:, 0]
+    return Reference(logp, logp.argmax(-1), actual.exp()), (-actual).double().numpy()
 
 
-def reference_of(logp: torch.Tensor, targets: torch.Tensor) -> Reference:
-    p = logp.exp()
-    return Reference(logp, p, logp.argmax(-1), p.gather(1, targets[:, None])[:, 0])
-
-
-def compare_logits(ref: Reference, logp: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per prediction of a candidate against the reference: ``kld`` (KL(reference || candidate) of the
-    next-token distributions, float64; rounding below zero counted as zero), ``same_top`` (bool),
-    ``delta_p`` (the actual next token's probability, candidate minus reference)."""
-    kld = torch.empty(logp.shape[0], dtype=torch.float32)
-    for a in range(0, logp.shape[0], _ROWS):
-        b = min(a + _ROWS, logp.shape[0])
-        kld[a:b] = (ref.p[a:b] * (ref.logp[a:b] - logp[a:b])).sum(-1)
-    p_actual = logp.gather(1, targets[:, None])[:, 0].exp()
+def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per prediction of a candidate's ``logits [P, V]`` against the reference, ``_ROWS`` at a time:
+    ``nll``; ``kld``, KL(reference || candidate) of the next-token distributions (float64; rounding
+    below zero counted as zero); ``same_top`` (bool); ``delta_p``, the actual next token's
+    probability, candidate minus reference."""
+    n = logits.shape[0]
+    kld = torch.empty(n, dtype=torch.float32)
+    actual = torch.empty(n, dtype=torch.float32)
+    top = torch.empty(n, dtype=torch.int64)
+    for a in range(0, n, _ROWS):
+        b = min(a + _ROWS, n)
+        lv = torch.log_softmax(logits[a:b], dim=-1, dtype=torch.float32)
+        lr = ref.logp[a:b]
+        kld[a:b] = (lr.exp() * (lr - lv)).sum(-1)
+        actual[a:b] = lv.gather(1, targets[a:b, None])[:, 0]
+        top[a:b] = lv.argmax(-1)
     return {
+        "nll": (-actual).double().numpy(),
         "kld": kld.clamp_min(0).double().numpy(),
-        "same_top": (logp.argmax(-1) == ref.top).numpy(),
-        "delta_p": (p_actual - ref.p_actual).double().numpy(),
+        "same_top": (top == ref.top).numpy(),
+        "delta_p": (actual.exp() - ref.p_actual).double().numpy(),
     }
-
-
-def nll_of(logp: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
-    return (-logp.gather(1, targets[:, None])[:, 0]).double().numpy()
 
 
 # ---------------------------------------------------------------------------------------------- variants
@@ -331,17 +333,16 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
                     t0 = time.perf_counter()
                     logits = model(input_ids=ids).logits[0, :-1]
                     t1 = time.perf_counter()
-                    logp = log_probs(logits)
-                    del logits
-                    v.nll.append(nll_of(logp, targets))
                     if ref is None:
-                        ref = reference_of(logp, targets)
+                        ref, nll = reference_of(logits, targets)
+                        v.nll.append(nll)
                     else:
-                        c = compare_logits(ref, logp, targets)
+                        c = compare_logits(ref, logits, targets)
+                        v.nll.append(c["nll"])
                         v.kld.append(c["kld"])
                         v.same_top.append(c["same_top"])
                         v.delta_p.append(c["delta_p"])
-                    del logp
+                    del logits
                     v.forward_s += t1 - t0
                     v.compare_s += time.perf_counter() - t1
                 del ref
