@@ -186,3 +186,40 @@ def test_windows_drop_the_incomplete_tail():
     chunks = [np.arange(5), np.arange(5, 12), np.arange(12, 13)]
     got = [w.tolist() for w in token_windows(chunks, 4)]
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def readme_command() -> list[str]:
+    """The command line of the README's "Choosing a table format"."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Choosing a table format") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)
+    assert block is not None
+    (line,) = [ln for ln in block.group(1).splitlines() if ln.strip()]
+    return shlex.split(line)
+
+
+@pytest.mark.slow
+def test_the_readme_command_runs_as_written(tmp_path, monkeypatch, capsys):
+    """On a tiny qwen4_exp model with Qwen's vocabulary saved at path/to/model (fp8 tables in the
+    published layout): exit 0, one report row per variant, and the plot written."""
+    from ple.demo.model import save_published
+
+    from .integrations.helpers import tiny_config, tiny_model
+
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tiktoken")
+    argv = readme_command()
+    assert argv[:2] == ["ple", "eval"]
+    model = tiny_model(tiny_config(vocab_size=151_936, ple_embed_dim=128, ngram_vocab_size_base=400), seed=5)
+    save_published(model, tmp_path / "path" / "to" / "model")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(argv[1:]) == 0
+    out = capsys.readouterr().out.splitlines()
+    formats = argv[argv.index("--formats") + 1].split(",")
+    assert [line.split()[0] for line in out[2:]] == ["reference", *formats]
+    assert (tmp_path / "formats.png").stat().st_size > 0

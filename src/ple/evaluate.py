@@ -154,9 +154,9 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 
 # ---------------------------------------------------------------------------------------------- comparison
 
-_ROWS = 8
+_ROWS = 32
 """Predictions a candidate is compared in at a time: its log-probabilities and the KL's temporaries
-are ``_ROWS x vocab`` (a few MB, in cache), never the window's."""
+are ``_ROWS x vocab`` (tens of MB at most), never the window's."""
 
 
 @dataclasses.dataclass
