@@ -2,11 +2,12 @@
 
     PYTHONPATH=src python bench/eval_bench.py [--windows 3] [--ctx 512] [--rows 1000000] [--json out.json]
 
-A random-weight ``qwen4_exp`` model of one decoder layer carrying a PLE layer at the published
-geometry (hidden 2560, HC 4, E 2560, 16 heads of 160, conv kernel 4; the published vocabulary of
-248,320 ids; the decoder layer's attention and experts small), bf16 weights, its table (``--rows``
-rows) in fp8 with a global scale, saved in the published layout. Then, each in a fresh process (its
-peak memory its own), on the same ``--windows`` windows of ``--ctx`` random tokens:
+A random-weight ``qwen4_exp`` model of two decoder layers: the first (linear attention) carries a
+PLE layer at the published geometry (hidden 2560, HC 4, E 2560, 16 heads of 160, conv kernel 4),
+the second has indexed attention (transformers needs one); the published vocabulary of 248,320
+ids; attention and experts small; bf16 weights; the table (``--rows`` rows) in fp8 with a global
+scale, saved in the published layout. Then, each in a fresh process (its peak memory its own), on
+the same ``--windows`` windows of ``--ctx`` random tokens:
 
 - plain: ``from_pretrained`` (tables on disk) and ``model(input_ids=window)`` on each window, timed;
 - eval: ``ple eval CKPT --tokens F --ctx N --json``, the reference alone;
@@ -43,8 +44,8 @@ def build(folder: Path, rows: int) -> None:
     cfg.update(
         vocab_size=VOCAB,
         hidden_size=2560,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
         hc_count=4,
         ple_layer_ids=[1],
         ple_embed_dim=2560,
