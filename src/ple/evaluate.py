@@ -550,18 +550,27 @@ def plot(doc: dict[str, Any], path: Path, title: str) -> None:
 
     from .files import write_atomically
 
-    rows = [("reference", doc["reference"])] + list(doc["variants"].items())
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, r in rows:
-        label = name if name in ("reference", "adapter") else r["format"]
-        if name == "reference":
-            label = f"reference ({r['format']})"
-        a.plot(r["bytes_per_row"], r["ppl"], "o", color="#d62728" if name == "reference" else "#1f77b4")
-        a.annotate(label, (r["bytes_per_row"], r["ppl"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        if "kld_mean" in r:
-            b.plot(r["bytes_per_row"], max(r["kld_mean"], 1e-9), "o", color="#1f77b4")
-            b.annotate(label, (r["bytes_per_row"], max(r["kld_mean"], 1e-9)), fontsize=7, xytext=(3, 3),
-                       textcoords="offset points")  # fmt: skip
+    ref = doc["reference"]
+    formats = [(k, r) for k, r in doc["variants"].items() if k != "adapter"]
+    adapter = doc["variants"].get("adapter")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    a.plot(ref["bytes_per_row"], ref["ppl"], "o", color="#d62728")
+    a.annotate(f"reference ({ref['format']})", (ref["bytes_per_row"], ref["ppl"]), fontsize=7, xytext=(3, 3),
+               textcoords="offset points")  # fmt: skip
+    for axes, key in ((a, "ppl"), (b, "kld_mean")):
+        seen: dict[int, int] = {}  # points of the same size: labels right, left, right, ...
+        for r in sorted((r for _, r in formats), key=lambda r: -r[key]):
+            y = max(r[key], 1e-12)
+            k = seen[r["bytes_per_row"]] = seen.get(r["bytes_per_row"], -1) + 1
+            axes.plot(r["bytes_per_row"], y, "o", color="#1f77b4")
+            axes.annotate(r["format"], (r["bytes_per_row"], y), fontsize=7, xytext=(-5 if k % 2 else 5, -3),
+                          textcoords="offset points", ha="right" if k % 2 else "left")  # fmt: skip
+    if adapter is not None:  # its perplexity in the legend (a fine-tune moves it off the formats' scale)
+        a.plot([], [], "*", color="#2ca02c", label=f"with the adapter: {adapter['ppl']:.3f}")
+        a.legend(fontsize=7)
+        k = max(adapter["kld_mean"], 1e-12)
+        b.plot(adapter["bytes_per_row"], k, "*", color="#2ca02c", markersize=9)
+        b.annotate("adapter", (adapter["bytes_per_row"], k), fontsize=7, xytext=(3, 3), textcoords="offset points")
     a.axhline(doc["reference"]["ppl"], color="#d62728", linewidth=0.5)
     a.set_xlabel("table bytes per row")
     a.set_ylabel("perplexity")
