@@ -154,6 +154,18 @@ def test_adapter_row_is_the_model_with_the_adapter(demo, capsys, plain_logits):
     assert [line.split()[0] for line in out[2:]] == ["reference", "q8_0", "adapter"]
 
 
+def test_every_tier_gives_the_same_numbers(demo, capsys):
+    """Lookups are bit-exact on every tier: the tables served with a row cache or read directly
+    within a 1 MB budget give the memory map's numbers exactly."""
+    keys = ("nll", "kld_mean", "kld_max", "same_top", "delta_p_mean")
+    runs = {}
+    for tier in (["--tier", "mmap"], ["--tier", "cached"], ["--tier", "direct", "--memory-budget", "1"]):
+        doc = run_eval(demo, capsys, "--formats", "q4_0", "--adapter", str(demo["adapter"]), *tier)
+        assert doc["tier"] == tier[1]
+        runs[tier[1]] = [doc["reference"]["nll"]] + [v[k] for v in doc["variants"].values() for k in keys]
+    assert runs["cached"] == runs["mmap"] and runs["direct"] == runs["mmap"]
+
+
 def test_json_document_shape(demo, capsys, tmp_path):
     out = tmp_path / "eval.json"
     doc = run_eval(demo, capsys, "--formats", "q8_0", "--output", str(out))
