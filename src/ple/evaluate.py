@@ -154,9 +154,10 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 
 # ---------------------------------------------------------------------------------------------- comparison
 
-_ROWS = 32
-"""Predictions a candidate is compared in at a time: its log-probabilities and the KL's temporaries
-are ``_ROWS x vocab`` (tens of MB at most), never the window's."""
+_ROWS = 4
+"""Predictions handled at a time: a few rows of ``vocab`` values, so that the passes over them
+(log-softmax, top token, KL terms) run in cache; the reference's log-probabilities are written
+into the window's array as they are made, a candidate's never leave the chunk."""
 
 
 @dataclasses.dataclass
@@ -169,11 +170,21 @@ class Reference:
     p_actual: torch.Tensor  # [P] float32
 
 
-def reference_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[Reference, np.ndarray]:
-    """The reference of a window's ``logits [P, V]`` and its per-prediction NLL (float64)."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+def reference_of(
+    logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[Reference, np.ndarray]:
+    """The reference of a window's ``logits [P, V]`` and its per-prediction NLL (float64).
+    ``out``: a float32 tensor of the logits' shape to hold the log-probabilities (one allocation
+    reused window after window: a fresh one would be faulted in page by page each time)."""
+    n = logits.shape[0]
+    logp = torch.empty(logits.shape, dtype=torch.float32) if out is None else out
+    top = torch.empty(n, dtype=torch.int64)
+    for a in range(0, n, _ROWS):
+        b = min(a + _ROWS, n)
+        torch.log_softmax(logits[a:b], dim=-1, dtype=torch.float32, out=logp[a:b])
+        top[a:b] = logp[a:b].argmax(-1)
     actual = logp.gather(1, targets[:, None])[:, 0]
-    return Reference(logp, logp.argmax(-1), actual.exp()), (-actual).double().numpy()
+    return Reference(logp, top, actual.exp()), (-actual).double().numpy()
 
 
 def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
@@ -322,6 +333,7 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
     """Run every window through every variant (``variants[0]``: the reference), keeping per-token
     statistics in the variants; returns the number of windows. The model is left serving the reference."""
     count = 0
+    buf: torch.Tensor | None = None  # the reference's log-probabilities, window after window
     try:
         with torch.inference_mode():
             for win in windows:
@@ -334,7 +346,9 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
                     logits = model(input_ids=ids).logits[0, :-1]
                     t1 = time.perf_counter()
                     if ref is None:
-                        ref, nll = reference_of(logits, targets)
+                        if buf is None or buf.shape != logits.shape:
+                            buf = torch.empty(logits.shape, dtype=torch.float32)
+                        ref, nll = reference_of(logits, targets, buf)
                         v.nll.append(nll)
                     else:
                         c = compare_logits(ref, logits, targets)
