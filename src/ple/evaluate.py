@@ -154,10 +154,15 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 
 # ---------------------------------------------------------------------------------------------- comparison
 
-_ROWS = 4
-"""Predictions handled at a time: a few rows of ``vocab`` values, so that the passes over them
-(log-softmax, top token, KL terms) run in cache; the reference's log-probabilities are written
-into the window's array as they are made, a candidate's never leave the chunk."""
+_CHUNK_VALUES = 1 << 20
+"""Values of the logits handled at a time (4 MiB in float32; four predictions of a 248,320-id
+vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the reference's
+log-probabilities are written into the window's array as they are made, a candidate's never leave
+the chunk."""
+
+
+def _rows(vocab: int) -> int:
+    return max(1, _CHUNK_VALUES // vocab)
 
 
 @dataclasses.dataclass
@@ -179,8 +184,9 @@ def reference_of(
     n = logits.shape[0]
     logp = torch.empty(logits.shape, dtype=torch.float32) if out is None else out
     top = torch.empty(n, dtype=torch.int64)
-    for a in range(0, n, _ROWS):
-        b = min(a + _ROWS, n)
+    rows = _rows(logits.shape[1])
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
         torch.log_softmax(logits[a:b], dim=-1, dtype=torch.float32, out=logp[a:b])
         top[a:b] = logp[a:b].argmax(-1)
     actual = logp.gather(1, targets[:, None])[:, 0]
@@ -188,7 +194,7 @@ def reference_of(
 
 
 def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per prediction of a candidate's ``logits [P, V]`` against the reference, ``_ROWS`` at a time:
+    """Per prediction of a candidate's ``logits [P, V]`` against the reference, a chunk at a time:
     ``nll``; ``kld``, KL(reference || candidate) of the next-token distributions (float64; rounding
     below zero counted as zero); ``same_top`` (bool); ``delta_p``, the actual next token's
     probability, candidate minus reference."""
@@ -196,8 +202,9 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
     kld = torch.empty(n, dtype=torch.float32)
     actual = torch.empty(n, dtype=torch.float32)
     top = torch.empty(n, dtype=torch.int64)
-    for a in range(0, n, _ROWS):
-        b = min(a + _ROWS, n)
+    rows = _rows(logits.shape[1])
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
         lv = torch.log_softmax(logits[a:b], dim=-1, dtype=torch.float32)
         lr = ref.logp[a:b]
         kld[a:b] = (lr.exp() * (lr - lv)).sum(-1)
