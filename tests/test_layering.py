@@ -47,6 +47,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.demo", 9, "demo"),
     ("ple.commands", 10, "commands"),
     ("ple.finetune", 10, "finetune"),
+    ("ple.evaluate", 10, "evaluate"),
     ("ple.cli", 11, "cli"),
     ("ple", 8, "facade"),  # the package's own __init__: the public API, above the library levels
 ]

@@ -46,13 +46,14 @@ def test_a_size_is_read_with_its_unit():
     assert [shown_size(n) for n in (64 << 20, 1536, 65536, 7)] == ["64MiB", "1536B", "64KiB", "7B"]
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "train"])
+@pytest.mark.parametrize("command", ["demo", "bench", "train", "eval"])
 def test_every_command_takes_the_memory_budget_with_its_unit(command, capsys):
     """``64`` was 64 MB to ``ple demo`` and ``ple bench`` and 64 bytes to ``ple train``."""
-    args = build_parser().parse_args([command, "--memory-budget", "64KiB"])
+    rest = ["CHECKPOINT", "--tokens", "t.npy"] if command == "eval" else []
+    args = build_parser().parse_args([command, *rest, "--memory-budget", "64KiB"])
     assert args.memory_budget == 64 << 10
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([command, "--memory-budget", "64"])
+        build_parser().parse_args([command, *rest, "--memory-budget", "64"])
     assert e.value.code == 2 and "'64' has no unit" in capsys.readouterr().err
 
 

@@ -201,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("train", "fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters")
     finetune.add_arguments(p)
     p.set_defaults(fn=finetune.run)
+
+    from . import evaluate
+
+    p = add("eval", "what a table format or an adapter costs in quality: perplexity and KL divergence, side by side")
+    evaluate.add_arguments(p)
+    p.set_defaults(fn=evaluate.run)
     return ap
 
 
