@@ -440,7 +440,8 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
     """Run every window through every variant (``variants[0]``: the reference), keeping per-token
     statistics in the variants; returns the number of windows. The model is left serving the reference."""
     count = 0
-    buf: torch.Tensor | None = None  # the reference's log-probabilities, window after window
+    buf: torch.Tensor | None = None  # the reference's [P, V] values, window after window
+    _native_lib()  # built or loaded before the first window, not within its timing
     try:
         with torch.inference_mode():
             for win in windows:

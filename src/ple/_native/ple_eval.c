@@ -8,16 +8,17 @@
  * in double). The reference distribution is p_r = e_r / s_r: the rounded e_r define it, so every sum
  * below is of one distribution. lse_r = m_r + log s_r.
  *
- * Candidate row z_c: pass 1 its maximum and top token; pass 2, with d = z_c - z_r (exact for bf16
- * logits of similar magnitude) and the reference's shift m_r,
- *   T = sum e_r (z_r - z_c),  S = sum exp(z_c - m_r),  D = sum e_r expm1(d)  ( = S - s_r ),
- * where e_r expm1(d) is taken from a polynomial of expm1 for |d| <= EXPM1_SMALL (accurate relative to
- * d, exactly 0 for d = 0) and as exp(z_c - m_r) - e_r beyond. Then
- *   lse_c - lse_r = log1p(D / s_r)   (when |D| <= s_r / 2: the two normalizers close), else log(S / s_r),
- *   KL(p_r || p_c) = T / s_r + lse_c - lse_r.
- * A candidate equal to the reference gives d = 0 everywhere: T = D = 0 and KL exactly 0; a close one
- * (a q8_0 table) a KL of 1e-5 nats carried by the changed values alone, without the cancellation of
- * two log-sum-exps of size 10 in float32. A candidate whose maximum is more than EVAL_FAR from the
+ * Candidate row z_c: pass 1 its maximum and top token; pass 2, with d = z_c - z_r (exact in float32
+ * for logits of similar magnitude) and the reference's shift m_r,
+ *   T = sum e_r d,  S = sum exp(z_c - m_r),  R = sum e_r (expm1(d) - d)  ( = S - s_r - T ),
+ * where R's terms come from a polynomial of (expm1(d) - d) / d^2 for |d| <= EXPM1_SMALL (accurate
+ * relative to d^2 / 2, exactly 0 for d = 0) and as exp(z_c - m_r) - e_r - e_r d beyond. Then with
+ * u = T / s_r and r = R / s_r (r >= 0, second order in d),
+ *   lse_c - lse_r = log1p(u + r)   (when |u + r| <= 1/2: the two normalizers close), else log(S / s_r),
+ *   KL(p_r || p_c) = lse_c - lse_r - u,
+ * where an error in u cancels to first order. A candidate equal to the reference gives d = 0
+ * everywhere: T = R = 0 and KL exactly 0; a close one (a q8_0 table) a KL of 1e-5 nats carried by its
+ * changed values alone, without the cancellation of two log-sum-exps of size 10 in float32. A candidate whose maximum is more than EVAL_FAR from the
  * reference's takes S with its own shift (exp(z_c - m_r) would leave float32's range).
  *
  * The exponential is a polynomial the compiler vectorizes (Cody-Waite reduction to |r| <= ln2/2, a
@@ -76,17 +77,16 @@ EVAL_INLINE float fexp(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
-/* expm1(d) for |d| <= ln2/2, relative to d (degree 8; 0 for d = 0) */
-EVAL_INLINE float fexpm1_small(float d) {
-    float p = 2.48015873e-5f;
+/* (expm1(d) - d) / d^2 for |d| <= ln2/2 (degree 7: relative error below 1e-8) */
+EVAL_INLINE float fphi_small(float d) {
+    float p = 2.75573192e-6f;
+    p = p * d + 2.48015873e-5f;
     p = p * d + 1.98412698e-4f;
     p = p * d + 1.38888889e-3f;
     p = p * d + 8.33333333e-3f;
     p = p * d + 4.16666667e-2f;
     p = p * d + 1.66666667e-1f;
-    p = p * d + 0.5f;
-    p = p * d + 1.0f;
-    return p * d;
+    return p * d + 0.5f;
 }
 
 /* The row's maximum and the first index holding it (0 for a row without a number above -inf). */
@@ -165,31 +165,34 @@ EVAL_INLINE void candidate_row(eval_job *J, int64_t row, int bf_r, int bf_c) {
     const float mc = row_max(zc, V, bf_c, &top);
     const int near = mc <= mr + EVAL_FAR && mc >= mr - EVAL_FAR;
     const float shift = near ? mr : mc;
-    double T = 0.0, S = 0.0, D = 0.0;
+    double T = 0.0, S = 0.0, R = 0.0;
     for (int64_t a = 0; a < V; a += EVAL_BLOCK) {
         const int64_t b = a + EVAL_BLOCK < V ? a + EVAL_BLOCK : V;
-        float bt = 0.0f, bs = 0.0f, bd = 0.0f;
-#pragma omp simd reduction(+ : bt, bs, bd)
+        float bt = 0.0f, bs = 0.0f, br = 0.0f;
+#pragma omp simd reduction(+ : bt, bs, br)
         for (int64_t i = a; i < b; i++) {
             const float r = load(zr, i, bf_r), c = load(zc, i, bf_c), er = e[i];
             const float d = c - r;
             const float x = fexp(c - shift);
-            const float small = er * fexpm1_small(d);
-            bt += er * (r - c);
+            const float small = er * (d * d * fphi_small(d));
+            const float big = (x - er) - er * d;
+            bt += er * d;
             bs += x;
-            bd += (d <= EXPM1_SMALL && d >= -EXPM1_SMALL) ? small : x - er;
+            br += (d <= EXPM1_SMALL && d >= -EXPM1_SMALL) ? small : big;
         }
         T += bt;
         S += bs;
-        D += bd;
+        R += br;
     }
-    double dlse; /* lse_c - lse_r */
-    if (near && fabs(D) <= 0.5 * sr)
-        dlse = log1p(D / sr);
+    /* lse_c - lse_r = log(sum p_r exp(d)) = log1p((T + R) / s_r); KL = lse_c - lse_r - T / s_r */
+    const double u = T / sr;
+    double dlse;
+    if (near && fabs(u + R / sr) <= 0.5)
+        dlse = log1p(u + R / sr);
     else
         dlse = (double)shift + log(S) - lse_r;
     J->top[row] = top;
-    J->kld[row] = T / sr + dlse;
+    J->kld[row] = dlse - u;
     J->nll[row] = lse_r + dlse - (double)load(zc, J->targets[row], bf_c);
 }
 
