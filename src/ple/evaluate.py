@@ -10,8 +10,9 @@ once: every candidate swaps only the PLE layers' tables (``PLELayer.set_table``)
 
 The token stream is cut into non-overlapping windows of ``--ctx`` tokens (the last incomplete window
 dropped); in each window every position but the last predicts the next token. Windows run one after
-the other: for each window the reference's next-token log-probabilities are computed, then each
-candidate's, compared row by row, and dropped; only per-token scalars are kept (negative
+the other: for each window the reference's next-token distributions are computed, then each
+candidate's logits are compared with them row by row (two passes a row in C, ``_native/ple_eval.c``;
+PyTorch log-softmaxes where the kernels are off), and dropped; only per-token scalars are kept (negative
 log-likelihood of the actual next token, KL divergence of the full distributions to the reference's,
 whether the top-1 token is the reference's, the change of the actual token's probability). The
 summaries are those ``llama-perplexity --kl-divergence`` gives: perplexity, KL mean / median /
@@ -169,14 +170,13 @@ def _rows(vocab: int) -> int:
 class Reference:
     """One window's reference, dropped with the window: its predictions' top tokens and actual tokens'
     probabilities, and what a candidate is compared with. The C kernel (``ple_eval.c``) keeps the
-    logits themselves, ``e = exp(logits - m)`` (float32, row maxima ``m``) and the rows' sums ``s``
-    (float64): the distribution is ``e / s``. The PyTorch path keeps the log-probabilities ``logp``."""
+    logits themselves, their rows' maxima ``m`` and sums ``s`` of ``exp(logits - m)`` (float64): the
+    distribution is ``exp(logits - m) / s``. The PyTorch path keeps the log-probabilities ``logp``."""
 
     top: torch.Tensor  # [P] int64
     p_actual: torch.Tensor  # [P] float64
     logp: torch.Tensor | None = None  # [P, V] float32 (PyTorch path)
     logits: torch.Tensor | None = None  # [P, V] as the model returned them (C kernel)
-    e: torch.Tensor | None = None  # [P, V] float32
     m: torch.Tensor | None = None  # [P] float32
     s: torch.Tensor | None = None  # [P] float64
 
@@ -210,18 +210,18 @@ def reference_of(
     logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor | None = None, *, native: bool | None = None
 ) -> tuple[Reference, np.ndarray]:
     """The reference of a window's ``logits [P, V]`` and its per-prediction NLL (float64).
-    ``out``: a float32 tensor of the logits' shape for the window's ``[P, V]`` values (one allocation
-    reused window after window: a fresh one would be faulted in page by page each time). ``native``:
-    the C kernel (default: where the library is available), or the PyTorch path (False)."""
+    ``native``: the C kernel (default: where the library is available; the reference then keeps
+    ``logits``), or the PyTorch path (False). ``out``: for the PyTorch path, a float32 tensor of the
+    logits' shape for the log-probabilities (one allocation reused window after window: a fresh one
+    would be faulted in page by page each time)."""
     lib = _native_lib() if native is not False else None
     if native and lib is None:
         from ._native import library
 
         library()  # raises NativeUnavailable with the reason
     n, vocab = logits.shape
-    buf = torch.empty(logits.shape, dtype=torch.float32) if out is None else out
     if lib is None:
-        return _reference_torch(logits, targets, buf)
+        return _reference_torch(logits, targets, torch.empty(logits.shape, dtype=torch.float32) if out is None else out)
     from ._native import threads_for
 
     bf, z = _kernel_input(logits)
@@ -236,7 +236,6 @@ def reference_of(
         n,
         vocab,
         _ptr(t),
-        _ptr(buf),
         _ptr(m),
         _ptr(s),
         _ptr(top),
@@ -245,7 +244,7 @@ def reference_of(
     )
     if rc != 0:
         raise InvalidArgumentError(f"a target token is outside the vocabulary [0, {vocab})")
-    ref = Reference(top, (-nll).exp(), logits=z, e=buf, m=m, s=s)
+    ref = Reference(top, (-nll).exp(), logits=z, m=m, s=s)
     return ref, nll.numpy()
 
 
@@ -267,11 +266,11 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
     zero); ``same_top`` (bool); ``delta_p``, the actual next token's probability, candidate minus
     reference. By the C kernel where the reference was made by it (one pass a row: see ``ple_eval.c``),
     else by PyTorch, a chunk at a time."""
-    if ref.e is None:
+    if ref.logits is None:
         return _compare_torch(ref, logits, targets)
     from ._native import library, threads_for
 
-    assert ref.logits is not None and ref.m is not None and ref.s is not None
+    assert ref.m is not None and ref.s is not None
     if logits.shape != ref.logits.shape:
         raise InvalidArgumentError(
             f"candidate logits of shape {tuple(logits.shape)}, the reference's {tuple(ref.logits.shape)}"
@@ -283,8 +282,8 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
     nll = torch.empty(n, dtype=torch.float64)
     kld = torch.empty(n, dtype=torch.float64)
     rc = library().ple_eval_compare(
-        int(ref.logits.dtype == torch.bfloat16), _ptr(ref.logits), bf, _ptr(z), n, vocab, _ptr(t), _ptr(ref.e),
-        _ptr(ref.m), _ptr(ref.s), _ptr(top), _ptr(nll), _ptr(kld), threads_for(n, 1, started_per_call=True),
+        int(ref.logits.dtype == torch.bfloat16), _ptr(ref.logits), bf, _ptr(z), n, vocab, _ptr(t), _ptr(ref.m),
+        _ptr(ref.s), _ptr(top), _ptr(nll), _ptr(kld), threads_for(n, 1, started_per_call=True),
     )  # fmt: skip
     if rc != 0:
         raise InvalidArgumentError(f"a target token is outside the vocabulary [0, {vocab})")
@@ -440,8 +439,8 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
     """Run every window through every variant (``variants[0]``: the reference), keeping per-token
     statistics in the variants; returns the number of windows. The model is left serving the reference."""
     count = 0
-    buf: torch.Tensor | None = None  # the reference's [P, V] values, window after window
-    _native_lib()  # built or loaded before the first window, not within its timing
+    buf: torch.Tensor | None = None  # the PyTorch path's log-probabilities, window after window
+    native = _native_lib() is not None  # built or loaded before the first window, not within its timing
     try:
         with torch.inference_mode():
             for win in windows:
@@ -454,7 +453,7 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
                     logits = model(input_ids=ids).logits[0, :-1]
                     t1 = time.perf_counter()
                     if ref is None:
-                        if buf is None or buf.shape != logits.shape:
+                        if not native and (buf is None or buf.shape != logits.shape):
                             buf = torch.empty(logits.shape, dtype=torch.float32)
                         ref, nll = reference_of(logits, targets, buf)
                         v.nll.append(nll)

@@ -467,12 +467,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     enc.argtypes = [i32, ptr, i64, i64, i64, i32, ptr, f32, i32, f32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr]
     lib.ple_first_nonfinite.restype = i64
     lib.ple_first_nonfinite.argtypes = [i32, ptr, i64, i64, i64, ptr]  # kind, rows, stride, n, D, column out
-    # ple eval (ple_eval.c): bf16?, logits, rows, vocab, targets, e, m, s, top, nll, threads
+    # ple eval (ple_eval.c): bf16?, logits, rows, vocab, targets, m, s, top, nll, threads
     lib.ple_eval_reference.restype = i32
-    lib.ple_eval_reference.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
-    # reference bf16?, its logits, candidate bf16?, its logits, rows, vocab, targets, e, m, s, top, nll, kld, threads
+    lib.ple_eval_reference.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
+    # reference bf16?, its logits, candidate bf16?, its logits, rows, vocab, targets, m, s, top, nll, kld, threads
     lib.ple_eval_compare.restype = i32
-    lib.ple_eval_compare.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.ple_eval_compare.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
 
 
 def library() -> ctypes.CDLL:

@@ -3,10 +3,11 @@
  * passes over each row (the row held in cache) instead of a log-softmax and its separate passes.
  *
  * Reference row z_r [V] (bf16 or float32, as the model returns it): pass 1 its maximum m_r and top
- * token (the first index of the maximum, as torch.argmax), pass 2 e_r[v] = exp(z_r[v] - m_r) written
- * to the caller's buffer and s_r = sum e_r (float sums over blocks of EVAL_BLOCK values, blocks added
- * in double). The reference distribution is p_r = e_r / s_r: the rounded e_r define it, so every sum
- * below is of one distribution. lse_r = m_r + log s_r.
+ * token (the first index of the maximum, as torch.argmax), pass 2 s_r = sum e_r, e_r[v] = exp(z_r[v] -
+ * m_r) (float sums over blocks of EVAL_BLOCK values, blocks added in double). The reference distribution
+ * is p_r = e_r / s_r: the rounded e_r define it, and a candidate's pass computes the same e_r again
+ * (the same bits: an exponential costs less than reading a stored one from memory), so every sum below
+ * is of one distribution. lse_r = m_r + log s_r. The reference keeps its logits, m_r and s_r.
  *
  * Candidate row z_c: pass 1 its maximum and top token; pass 2, with d = z_c - z_r (exact in float32
  * for logits of similar magnitude) and the reference's shift m_r,
@@ -121,7 +122,6 @@ typedef struct {
     int64_t rows, V;
     const void *zr, *zc;    /* [rows, V] each (zc null: the reference pass) */
     const int64_t *targets; /* [rows] */
-    float *e;               /* [rows, V]: written by the reference pass, read by the candidate's */
     float *m;               /* [rows] the reference's maxima */
     double *s;              /* [rows] the reference's sums */
     int64_t *top;           /* [rows] out */
@@ -133,7 +133,6 @@ typedef struct {
 EVAL_INLINE void reference_row(eval_job *J, int64_t row, int bf) {
     const int64_t V = J->V;
     const void *z = (const char *)J->zr + row * V * (bf ? 2 : 4);
-    float *e = J->e + row * V;
     int64_t top;
     const float m = row_max(z, V, bf, &top);
     double s = 0.0;
@@ -142,9 +141,7 @@ EVAL_INLINE void reference_row(eval_job *J, int64_t row, int bf) {
         float bs = 0.0f;
 #pragma omp simd reduction(+ : bs)
         for (int64_t i = a; i < b; i++) {
-            const float x = fexp(load(z, i, bf) - m);
-            e[i] = x;
-            bs += x;
+            bs += fexp(load(z, i, bf) - m);
         }
         s += bs;
     }
@@ -158,7 +155,6 @@ EVAL_INLINE void candidate_row(eval_job *J, int64_t row, int bf_r, int bf_c) {
     const int64_t V = J->V;
     const void *zr = (const char *)J->zr + row * V * (bf_r ? 2 : 4);
     const void *zc = (const char *)J->zc + row * V * (bf_c ? 2 : 4);
-    const float *e = J->e + row * V;
     const float mr = J->m[row];
     const double sr = J->s[row], lse_r = (double)mr + log(sr);
     int64_t top;
@@ -171,7 +167,8 @@ EVAL_INLINE void candidate_row(eval_job *J, int64_t row, int bf_r, int bf_c) {
         float bt = 0.0f, bs = 0.0f, br = 0.0f;
 #pragma omp simd reduction(+ : bt, bs, br)
         for (int64_t i = a; i < b; i++) {
-            const float r = load(zr, i, bf_r), c = load(zc, i, bf_c), er = e[i];
+            const float r = load(zr, i, bf_r), c = load(zc, i, bf_c);
+            const float er = fexp(r - mr); /* the reference pass's bits */
             const float d = c - r;
             const float x = fexp(c - shift);
             const float small = er * (d * d * fphi_small(d));
@@ -251,26 +248,25 @@ static int targets_in_range(const int64_t *t, int64_t n, int64_t V) {
     return 1;
 }
 
-/* The reference pass over logits zr [rows, V] (contiguous; bf16 when bf, else float32): e [rows, V],
- * m [rows], s [rows], top [rows], nll [rows] (of targets [rows]) written. Returns 0, or -1 when a target
- * is outside [0, V) (nothing written). */
-int ple_eval_reference(int bf, const void *zr, int64_t rows, int64_t V, const int64_t *targets, float *e, float *m,
-                       double *s, int64_t *top, double *nll, int threads) {
+/* The reference pass over logits zr [rows, V] (contiguous; bf16 when bf, else float32): m [rows], s [rows],
+ * top [rows], nll [rows] (of targets [rows]) written. Returns 0, or -1 when a target is outside [0, V)
+ * (nothing written). */
+int ple_eval_reference(int bf, const void *zr, int64_t rows, int64_t V, const int64_t *targets, float *m, double *s,
+                       int64_t *top, double *nll, int threads) {
     if (!targets_in_range(targets, rows, V)) return -1;
-    eval_job J = {bf != 0, 0, rows, V, zr, 0, targets, e, m, s, top, nll, 0, 0};
+    eval_job J = {bf != 0, 0, rows, V, zr, 0, targets, m, s, top, nll, 0, 0};
     ple_team_run(threads < (int)rows ? threads : (int)(rows > 0 ? rows : 1), eval_worker, &J);
     return 0;
 }
 
-/* A candidate's pass over its logits zc [rows, V] against the reference of ple_eval_reference (zr, e,
+/* A candidate's pass over its logits zc [rows, V] against the reference of ple_eval_reference (zr, and
  * m, s as it left them): top [rows], nll [rows], kld [rows] (rounding may leave a KL a little below 0)
  * written. Returns 0, or -1 when a target is outside [0, V) (nothing written). */
 int ple_eval_compare(int bf_r, const void *zr, int bf_c, const void *zc, int64_t rows, int64_t V,
-                     const int64_t *targets, const float *e, const float *m, const double *s, int64_t *top,
-                     double *nll, double *kld, int threads) {
+                     const int64_t *targets, const float *m, const double *s, int64_t *top, double *nll,
+                     double *kld, int threads) {
     if (!targets_in_range(targets, rows, V)) return -1;
-    eval_job J = {bf_r != 0, bf_c != 0, rows, V, zr, zc, targets, (float *)e, (float *)m, (double *)s,
-                  top, nll, kld, 0};
+    eval_job J = {bf_r != 0, bf_c != 0, rows, V, zr, zc, targets, (float *)m, (double *)s, top, nll, kld, 0};
     ple_team_run(threads < (int)rows ? threads : (int)(rows > 0 ? rows : 1), eval_worker, &J);
     return 0;
 }
