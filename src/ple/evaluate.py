@@ -156,8 +156,8 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 # ---------------------------------------------------------------------------------------------- comparison
 
 _CHUNK_VALUES = 1 << 20
-"""Values of the logits handled at a time (4 MiB in float32; four predictions of a 248,320-id
-vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the reference's
+"""Values of the logits the PyTorch path handles at a time (4 MiB in float32; four predictions of a
+248,320-id vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the reference's
 log-probabilities are written into the window's array as they are made, a candidate's never leave
 the chunk."""
 

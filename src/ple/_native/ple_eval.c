@@ -19,11 +19,12 @@
  *   KL(p_r || p_c) = lse_c - lse_r - u,
  * where an error in u cancels to first order. A candidate equal to the reference gives d = 0
  * everywhere: T = R = 0 and KL exactly 0; a close one (a q8_0 table) a KL of 1e-5 nats carried by its
- * changed values alone, without the cancellation of two log-sum-exps of size 10 in float32. A candidate whose maximum is more than EVAL_FAR from the
- * reference's takes S with its own shift (exp(z_c - m_r) would leave float32's range).
+ * changed values alone, without the cancellation of two log-sum-exps of size 10 in float32. A
+ * candidate whose maximum is more than EVAL_FAR from the reference's takes S with its own shift
+ * (exp(z_c - m_r) would leave float32's range).
  *
  * The exponential is a polynomial the compiler vectorizes (Cody-Waite reduction to |r| <= ln2/2, a
- * degree-7 Taylor polynomial, relative error below 2e-7), without fused multiply-adds (the pragma):
+ * degree-7 Taylor polynomial: its error a few float32 roundings), without fused multiply-adds (the pragma):
  * the same value gives the same bits in every loop of an instruction set. Rows are split over
  * `threads` threads (ple_team_run, ple_cpu.c); each row is one thread's, so results do not depend on
  * the number of threads. Compiled once per instruction set (function target attributes), as the
