@@ -117,3 +117,15 @@ def test_pytorch_path_where_the_kernels_are_off(dtype, monkeypatch):
             assert (got["kld"] == 0).all() and got["same_top"].all()
         else:
             np.testing.assert_allclose(got["kld"], kl, rtol=1e-2, atol=1e-5, err_msg=name)
+
+
+@needs_native
+def test_kernel_refuses_a_target_outside_the_vocabulary():
+    from ple.errors import InvalidArgumentError
+
+    z = torch.randn(3, 100).bfloat16()
+    with pytest.raises(InvalidArgumentError, match="target token id 100 is outside"):
+        reference_of(z, torch.tensor([0, 100, 5]), native=True)
+    ref, _ = reference_of(z, torch.tensor([0, 1, 5]), native=True)
+    with pytest.raises(InvalidArgumentError, match="target token id -1 is outside"):
+        compare_logits(ref, z, torch.tensor([0, -1, 5]))

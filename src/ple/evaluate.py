@@ -157,9 +157,9 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 
 _CHUNK_VALUES = 1 << 20
 """Values of the logits the PyTorch path handles at a time (4 MiB in float32; four predictions of a
-248,320-id vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the reference's
-log-probabilities are written into the window's array as they are made, a candidate's never leave
-the chunk."""
+248,320-id vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the
+reference's log-probabilities are written into the window's array as they are made, a candidate's
+never leave the chunk."""
 
 
 def _rows(vocab: int) -> int:
@@ -206,6 +206,13 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _bad_target(t: torch.Tensor, vocab: int) -> InvalidArgumentError:
+    bad = int(t[(t < 0) | (t >= vocab)][0])
+    return InvalidArgumentError(
+        f"target token id {bad} is outside the logits' vocabulary [0, {vocab}): give ids of the model's vocabulary"
+    )
+
+
 def reference_of(
     logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor | None = None, *, native: bool | None = None
 ) -> tuple[Reference, np.ndarray]:
@@ -243,7 +250,7 @@ def reference_of(
         threads_for(n, 1, started_per_call=True),
     )
     if rc != 0:
-        raise InvalidArgumentError(f"a target token is outside the vocabulary [0, {vocab})")
+        raise _bad_target(t, vocab)
     ref = Reference(top, (-nll).exp(), logits=z, m=m, s=s)
     return ref, nll.numpy()
 
@@ -264,7 +271,7 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
     """Per prediction of a candidate's ``logits [P, V]`` against the reference: ``nll``; ``kld``,
     KL(reference || candidate) of the next-token distributions (float64; rounding below zero counted as
     zero); ``same_top`` (bool); ``delta_p``, the actual next token's probability, candidate minus
-    reference. By the C kernel where the reference was made by it (one pass a row: see ``ple_eval.c``),
+    reference. By the C kernel where the reference was made by it (two passes a row: see ``ple_eval.c``),
     else by PyTorch, a chunk at a time."""
     if ref.logits is None:
         return _compare_torch(ref, logits, targets)
@@ -286,7 +293,7 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
         _ptr(ref.s), _ptr(top), _ptr(nll), _ptr(kld), threads_for(n, 1, started_per_call=True),
     )  # fmt: skip
     if rc != 0:
-        raise InvalidArgumentError(f"a target token is outside the vocabulary [0, {vocab})")
+        raise _bad_target(t, vocab)
     return {
         "nll": nll.numpy(),
         "kld": kld.clamp_min(0).numpy(),
