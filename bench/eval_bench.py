@@ -1,6 +1,7 @@
 """``ple eval``'s own cost at the published geometry of one PLE layer, beside the forward it wraps.
 
     PYTHONPATH=src python bench/eval_bench.py [--windows 3] [--ctx 512] [--rows 1000000] [--json out.json]
+    PYTHONPATH=src python bench/eval_bench.py --passes [--ctx 512]
 
 A random-weight ``qwen4_exp`` model of two decoder layers: the first (linear attention) carries a
 PLE layer at the published geometry (hidden 2560, HC 4, E 2560, 16 heads of 160, conv kernel 4),
@@ -15,6 +16,10 @@ the same ``--windows`` windows of ``--ctx`` random tokens:
 
 Reported: seconds a window of the forward and of the eval's own work (log-probabilities, KL, top
 token, per-token statistics), their ratio, predictions/s (all variants together) and peak RSS.
+
+``--passes``: the eval's own work alone, without a model: a window's reference pass and one
+candidate's comparison on random bf16 logits of the published vocabulary (``ctx - 1`` rows), by the C
+kernels and by the PyTorch path (``PLE_NATIVE=0``), the best of three each.
 """
 
 from __future__ import annotations
@@ -93,16 +98,43 @@ def _eval(ckpt: Path, tokens: Path, ctx: int, table_dir: Path, *extra: str) -> d
     return json.loads(out.stdout)
 
 
+def passes(ctx: int) -> None:
+    from ple.evaluate import compare_logits, reference_of
+
+    g = torch.Generator().manual_seed(0)
+    zr = (torch.randn(ctx - 1, VOCAB, generator=g) * 3).bfloat16()
+    zc = (zr.float() + 0.05 * torch.randn(ctx - 1, VOCAB, generator=g)).bfloat16()
+    targets = torch.randint(0, VOCAB, (ctx - 1,), generator=g)
+    buf = torch.empty(zr.shape)
+    print(
+        f"| passes over {ctx - 1} x {VOCAB:,} bf16 logits, {torch.get_num_threads()} threads | reference s | candidate s |"
+    )
+    print("|---|---|---|")
+    for native in (True, False):
+        best = [float("inf"), float("inf")]
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ref, _ = reference_of(zr, targets, buf, native=native)
+            t1 = time.perf_counter()
+            compare_logits(ref, zc, targets)
+            best = [min(best[0], t1 - t0), min(best[1], time.perf_counter() - t1)]
+        print(f"| {'C kernels' if native else 'PyTorch'} | {best[0]:.3f} | {best[1]:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--json")
+    ap.add_argument("--passes", action="store_true", help="time the eval's passes over the logits alone")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(plain(args.child[0], args.child[1], int(args.child[2]), args.child[3])))
+        return
+    if args.passes:
+        passes(args.ctx)
         return
     from ple.bench.runner import machine_info
 

@@ -166,6 +166,31 @@ def test_every_tier_gives_the_same_numbers(demo, capsys):
     assert runs["cached"] == runs["mmap"] and runs["direct"] == runs["mmap"]
 
 
+def test_the_pytorch_passes_give_the_c_kernels_numbers(demo, capsys, monkeypatch):
+    """Where the C kernels are unavailable the PyTorch passes run (the same forwards): the same
+    perplexities and tops, KL within float32 log-softmax rounding, the checkpoint's own format 0."""
+    import ple.evaluate
+    from ple import _native
+
+    if not _native.available():
+        pytest.skip("the C kernels do not build here")
+    runs = {}
+    for path in ("c", "pytorch"):
+        if path == "pytorch":
+            monkeypatch.setattr(ple.evaluate, "_native_lib", lambda: None)
+        runs[path] = run_eval(demo, capsys, "--formats", "fp8,q4_0")
+    c, t = runs["c"], runs["pytorch"]
+    assert t["reference"]["nll"] == pytest.approx(c["reference"]["nll"], rel=1e-6)
+    for name in ("fp8", "q4_0"):
+        a, b = c["variants"][name], t["variants"][name]
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-6)
+        assert b["kld_mean"] == pytest.approx(a["kld_mean"], rel=1e-3, abs=1e-9)
+        assert abs(b["same_top"] - a["same_top"]) <= 2 / c["predictions"]
+        assert b["delta_p_mean"] == pytest.approx(a["delta_p_mean"], abs=1e-6)
+    assert c["variants"]["fp8"]["kld_max"] == 0 and t["variants"]["fp8"]["kld_max"] == 0
+    assert c["variants"]["q4_0"]["kld_mean"] > 1e-5
+
+
 def test_json_document_shape(demo, capsys, tmp_path):
     out = tmp_path / "eval.json"
     doc = run_eval(demo, capsys, "--formats", "q8_0", "--output", str(out))

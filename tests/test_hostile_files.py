@@ -191,6 +191,9 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     # the table conversion kernels
     "int ple_encode_rows(void) { return 0; }\n"
     "long long ple_first_nonfinite(void) { return 0; }\n"
+    # ple eval's passes
+    "int ple_eval_reference(void) { return 0; }\n"
+    "int ple_eval_compare(void) { return 0; }\n"
 )
 
 

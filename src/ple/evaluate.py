@@ -10,8 +10,9 @@ once: every candidate swaps only the PLE layers' tables (``PLELayer.set_table``)
 
 The token stream is cut into non-overlapping windows of ``--ctx`` tokens (the last incomplete window
 dropped); in each window every position but the last predicts the next token. Windows run one after
-the other: for each window the reference's next-token log-probabilities are computed, then each
-candidate's, compared row by row, and dropped; only per-token scalars are kept (negative
+the other: for each window the reference's next-token distributions are computed, then each
+candidate's logits are compared with them row by row (two passes a row in C, ``_native/ple_eval.c``;
+PyTorch log-softmaxes where the kernels are off), and dropped; only per-token scalars are kept (negative
 log-likelihood of the actual next token, KL divergence of the full distributions to the reference's,
 whether the top-1 token is the reference's, the change of the actual token's probability). The
 summaries are those ``llama-perplexity --kl-divergence`` gives: perplexity, KL mean / median /
@@ -155,10 +156,10 @@ def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray
 # ---------------------------------------------------------------------------------------------- comparison
 
 _CHUNK_VALUES = 1 << 20
-"""Values of the logits handled at a time (4 MiB in float32; four predictions of a 248,320-id
-vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the reference's
-log-probabilities are written into the window's array as they are made, a candidate's never leave
-the chunk."""
+"""Values of the logits the PyTorch path handles at a time (4 MiB in float32; four predictions of a
+248,320-id vocabulary): the passes over a chunk (log-softmax, top token, KL terms) run in cache; the
+reference's log-probabilities are written into the window's array as they are made, a candidate's
+never leave the chunk."""
 
 
 def _rows(vocab: int) -> int:
@@ -167,22 +168,95 @@ def _rows(vocab: int) -> int:
 
 @dataclasses.dataclass
 class Reference:
-    """One window's reference: next-token log-probabilities, top tokens and the actual tokens'
-    probabilities of its predictions (dropped with the window)."""
+    """One window's reference, dropped with the window: its predictions' top tokens and actual tokens'
+    probabilities, and what a candidate is compared with. The C kernel (``ple_eval.c``) keeps the
+    logits themselves, their rows' maxima ``m`` and sums ``s`` of ``exp(logits - m)`` (float64): the
+    distribution is ``exp(logits - m) / s``. The PyTorch path keeps the log-probabilities ``logp``."""
 
-    logp: torch.Tensor  # [P, V] float32
     top: torch.Tensor  # [P] int64
-    p_actual: torch.Tensor  # [P] float32
+    p_actual: torch.Tensor  # [P] float64
+    logp: torch.Tensor | None = None  # [P, V] float32 (PyTorch path)
+    logits: torch.Tensor | None = None  # [P, V] as the model returned them (C kernel)
+    m: torch.Tensor | None = None  # [P] float32
+    s: torch.Tensor | None = None  # [P] float64
+
+
+def _native_lib():
+    """The C kernels' library, or None where they are off or unavailable (the PyTorch path then)."""
+    from . import _native
+
+    return _native.library() if _native.available() else None
+
+
+def _kernel_input(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``logits`` as the C kernel reads them: (1 for bf16 else 0, contiguous bf16 or float32 rows)."""
+    if logits.dtype not in (torch.bfloat16, torch.float32):
+        logits = logits.float()
+    return int(logits.dtype == torch.bfloat16), logits.contiguous()
+
+
+def _checked_targets(targets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    t = targets.to(torch.int64).contiguous()
+    if t.shape != (logits.shape[0],):
+        raise InvalidArgumentError(f"targets of shape {tuple(t.shape)} for logits of shape {tuple(logits.shape)}")
+    return t
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _bad_target(t: torch.Tensor, vocab: int) -> InvalidArgumentError:
+    bad = int(t[(t < 0) | (t >= vocab)][0])
+    return InvalidArgumentError(
+        f"target token id {bad} is outside the logits' vocabulary [0, {vocab}): give ids of the model's vocabulary"
+    )
 
 
 def reference_of(
-    logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor | None = None
+    logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor | None = None, *, native: bool | None = None
 ) -> tuple[Reference, np.ndarray]:
     """The reference of a window's ``logits [P, V]`` and its per-prediction NLL (float64).
-    ``out``: a float32 tensor of the logits' shape to hold the log-probabilities (one allocation
-    reused window after window: a fresh one would be faulted in page by page each time)."""
+    ``native``: the C kernel (default: where the library is available; the reference then keeps
+    ``logits``), or the PyTorch path (False). ``out``: for the PyTorch path, a float32 tensor of the
+    logits' shape for the log-probabilities (one allocation reused window after window: a fresh one
+    would be faulted in page by page each time)."""
+    lib = _native_lib() if native is not False else None
+    if native and lib is None:
+        from ._native import library
+
+        library()  # raises NativeUnavailable with the reason
+    n, vocab = logits.shape
+    if lib is None:
+        return _reference_torch(logits, targets, torch.empty(logits.shape, dtype=torch.float32) if out is None else out)
+    from ._native import threads_for
+
+    bf, z = _kernel_input(logits)
+    t = _checked_targets(targets, z)
+    m = torch.empty(n, dtype=torch.float32)
+    s = torch.empty(n, dtype=torch.float64)
+    top = torch.empty(n, dtype=torch.int64)
+    nll = torch.empty(n, dtype=torch.float64)
+    rc = lib.ple_eval_reference(
+        bf,
+        _ptr(z),
+        n,
+        vocab,
+        _ptr(t),
+        _ptr(m),
+        _ptr(s),
+        _ptr(top),
+        _ptr(nll),
+        threads_for(n, 1, started_per_call=True),
+    )
+    if rc != 0:
+        raise _bad_target(t, vocab)
+    ref = Reference(top, (-nll).exp(), logits=z, m=m, s=s)
+    return ref, nll.numpy()
+
+
+def _reference_torch(logits: torch.Tensor, targets: torch.Tensor, logp: torch.Tensor) -> tuple[Reference, np.ndarray]:
     n = logits.shape[0]
-    logp = torch.empty(logits.shape, dtype=torch.float32) if out is None else out
     top = torch.empty(n, dtype=torch.int64)
     rows = _rows(logits.shape[1])
     for a in range(0, n, rows):
@@ -190,14 +264,46 @@ def reference_of(
         torch.log_softmax(logits[a:b], dim=-1, dtype=torch.float32, out=logp[a:b])
         top[a:b] = logp[a:b].argmax(-1)
     actual = logp.gather(1, targets[:, None])[:, 0]
-    return Reference(logp, top, actual.exp()), (-actual).double().numpy()
+    return Reference(top, actual.double().exp(), logp=logp), (-actual).double().numpy()
 
 
 def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per prediction of a candidate's ``logits [P, V]`` against the reference, a chunk at a time:
-    ``nll``; ``kld``, KL(reference || candidate) of the next-token distributions (float64; rounding
-    below zero counted as zero); ``same_top`` (bool); ``delta_p``, the actual next token's
-    probability, candidate minus reference."""
+    """Per prediction of a candidate's ``logits [P, V]`` against the reference: ``nll``; ``kld``,
+    KL(reference || candidate) of the next-token distributions (float64; rounding below zero counted as
+    zero); ``same_top`` (bool); ``delta_p``, the actual next token's probability, candidate minus
+    reference. By the C kernel where the reference was made by it (two passes a row: see ``ple_eval.c``),
+    else by PyTorch, a chunk at a time."""
+    if ref.logits is None:
+        return _compare_torch(ref, logits, targets)
+    from ._native import library, threads_for
+
+    assert ref.m is not None and ref.s is not None
+    if logits.shape != ref.logits.shape:
+        raise InvalidArgumentError(
+            f"candidate logits of shape {tuple(logits.shape)}, the reference's {tuple(ref.logits.shape)}"
+        )
+    n, vocab = logits.shape
+    bf, z = _kernel_input(logits)
+    t = _checked_targets(targets, z)
+    top = torch.empty(n, dtype=torch.int64)
+    nll = torch.empty(n, dtype=torch.float64)
+    kld = torch.empty(n, dtype=torch.float64)
+    rc = library().ple_eval_compare(
+        int(ref.logits.dtype == torch.bfloat16), _ptr(ref.logits), bf, _ptr(z), n, vocab, _ptr(t), _ptr(ref.m),
+        _ptr(ref.s), _ptr(top), _ptr(nll), _ptr(kld), threads_for(n, 1, started_per_call=True),
+    )  # fmt: skip
+    if rc != 0:
+        raise _bad_target(t, vocab)
+    return {
+        "nll": nll.numpy(),
+        "kld": kld.clamp_min(0).numpy(),
+        "same_top": (top == ref.top).numpy(),
+        "delta_p": ((-nll).exp() - ref.p_actual).numpy(),
+    }
+
+
+def _compare_torch(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
+    assert ref.logp is not None
     n = logits.shape[0]
     kld = torch.empty(n, dtype=torch.float32)
     actual = torch.empty(n, dtype=torch.float32)
@@ -214,7 +320,7 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
         "nll": (-actual).double().numpy(),
         "kld": kld.clamp_min(0).double().numpy(),
         "same_top": (top == ref.top).numpy(),
-        "delta_p": (actual.exp() - ref.p_actual).double().numpy(),
+        "delta_p": (actual.double().exp() - ref.p_actual).numpy(),
     }
 
 
@@ -340,7 +446,8 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
     """Run every window through every variant (``variants[0]``: the reference), keeping per-token
     statistics in the variants; returns the number of windows. The model is left serving the reference."""
     count = 0
-    buf: torch.Tensor | None = None  # the reference's log-probabilities, window after window
+    buf: torch.Tensor | None = None  # the PyTorch path's log-probabilities, window after window
+    native = _native_lib() is not None  # built or loaded before the first window, not within its timing
     try:
         with torch.inference_mode():
             for win in windows:
@@ -353,7 +460,7 @@ def evaluate(model, variants: list[Variant], windows: Iterable[np.ndarray], *, b
                     logits = model(input_ids=ids).logits[0, :-1]
                     t1 = time.perf_counter()
                     if ref is None:
-                        if buf is None or buf.shape != logits.shape:
+                        if not native and (buf is None or buf.shape != logits.shape):
                             buf = torch.empty(logits.shape, dtype=torch.float32)
                         ref, nll = reference_of(logits, targets, buf)
                         v.nll.append(nll)

@@ -1,6 +1,6 @@
 """The CPU kernels of ``ple_cpu.c`` (the fused gate + conv step, n-gram ids), ``ple_quant.c`` (table
-row gathers), ``ple_direct.c`` (the direct tier's reader) and ``ple_encode.c`` (table conversion),
-compiled on first use.
+row gathers), ``ple_direct.c`` (the direct tier's reader), ``ple_encode.c`` (table conversion) and
+``ple_eval.c`` (``ple eval``'s passes over the logits), compiled on first use.
 
 The shared library is built with ``$CC`` (default ``cc``) as ``-O3``: on x86-64 for the baseline
 instruction set, with AVX2 and AVX-512 variants of the step's kernel inside, the best one the CPU runs
@@ -70,10 +70,11 @@ _SOURCES = (
     Path(__file__).with_name("ple_quant.c"),
     Path(__file__).with_name("ple_direct.c"),
     Path(__file__).with_name("ple_encode.c"),
+    Path(__file__).with_name("ple_eval.c"),
 )
 """Every C file of the library: the fused step and ids (``ple_cpu.c``), the block-format lookup
 (``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``), the table conversion kernels
-(``ple_encode.c``)."""
+(``ple_encode.c``), ``ple eval``'s log-sum-exp, KL and top-token passes (``ple_eval.c``)."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -365,6 +366,8 @@ _SYMBOLS = (
     "ple_reader_free",
     "ple_encode_rows",
     "ple_first_nonfinite",
+    "ple_eval_reference",
+    "ple_eval_compare",
 )
 """The functions the library must export (what :func:`_declare` declares)."""
 
@@ -464,6 +467,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     enc.argtypes = [i32, ptr, i64, i64, i64, i32, ptr, f32, i32, f32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr]
     lib.ple_first_nonfinite.restype = i64
     lib.ple_first_nonfinite.argtypes = [i32, ptr, i64, i64, i64, ptr]  # kind, rows, stride, n, D, column out
+    # ple eval (ple_eval.c): bf16?, logits, rows, vocab, targets, m, s, top, nll, threads
+    lib.ple_eval_reference.restype = i32
+    lib.ple_eval_reference.argtypes = [i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
+    # reference bf16?, its logits, candidate bf16?, its logits, rows, vocab, targets, m, s, top, nll, kld, threads
+    lib.ple_eval_compare.restype = i32
+    lib.ple_eval_compare.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32]
 
 
 def library() -> ctypes.CDLL:
