@@ -41,7 +41,8 @@ _KILLED_CHILD = textwrap.dedent(
         orig(self, k, *a, **kw)
         done.append(k)
         if len(done) == 3:
-            Path(sys.argv[3]).write_text(",".join(map(str, done)))
+            Path(sys.argv[3] + ".tmp").write_text(",".join(map(str, done)))
+            os.replace(sys.argv[3] + ".tmp", sys.argv[3])  # whole when the parent sees it
             time.sleep(300)
 
     f.TableFileWriter.commit = slow
