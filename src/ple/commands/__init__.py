@@ -1,0 +1,1 @@
+"""The ``ple`` command: the parser and exit conventions (:mod:`ple.commands.cli`) and one module or package per subcommand (inspect, ids, convert, verify and stats in :mod:`ple.commands.tables`; ``eval``, ``train``, ``demo``, ``bench``)."""
