@@ -86,9 +86,10 @@ _EPILOG = (
 
 def build_parser() -> argparse.ArgumentParser:
     # imported here, not at the top: ``ple --version`` answers without importing torch
+    from ple.table.formats import accepted_names, format_argument
+
     from . import argtypes, commands, demo
     from .bench import runner
-    from .table.convert import TARGET_NAMES
 
     ap = argparse.ArgumentParser(prog="ple", description="PLE layer tools", epilog=_EPILOG)
     ap.add_argument("--version", action="version", version=f"ple {__version__}")
@@ -136,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
     p.add_argument(
         "--to",
-        choices=TARGET_NAMES,
-        help="fp8/int8: one scale per row; q8_0 q5_1 q5_0 q4_1 q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 "
-        "(blocks of 16, E4M3 scales): block formats. The format the source already has is copied exactly",
+        type=format_argument,
+        metavar="FORMAT",
+        help=f"the format to write: {accepted_names()}. fp8_row/int8_row (int8): one scale per row; fp8: the "
+        "source copied when it is fp8 already, else fp8_row; bf16/fp16/fp32: the values cast; q8_0 q5_1 q5_0 q4_1 "
+        "q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 (blocks of 16, E4M3 scales): block formats. The format the "
+        "source already has is copied exactly",
     )
     p.add_argument("--layers", help="PLE layer indexes (positions in ple_layer_ids), e.g. 0,1 (default: all)")
     p.add_argument("--force", action="store_true", help="replace existing table files")

@@ -37,7 +37,7 @@ from .files import PARTIAL_SUFFIX, open_regular, pread_exact
 from .integrations.table_folder import made_from, record_table, source_identity
 from .table import FORMATS, format_info, read_table_header, verify_table_file
 from .table.blocks import nvfp4_global_scale
-from .table.convert import TARGET_NAMES, compare_with_source, convert_layer, table_amax, target_format
+from .table.convert import compare_with_source, convert_layer, table_amax, target_format
 from .table.gguf import (
     PLE_KEYS,
     GGUFError,
@@ -502,7 +502,7 @@ def _check_target_fits(to: str | None, head_dim: int) -> None:
         return
     block = format_info(target).block
     if head_dim % block:
-        fits = [f for f in TARGET_NAMES if head_dim % format_info(target_format(f, "") or f).block == 0]
+        fits = [f for f in FORMATS if head_dim % format_info(target_format(f, "") or f).block == 0]
         raise CommandLineError(
             f"--to {to}: the checkpoint's rows are {head_dim} values (head_dim), not whole {target} blocks of "
             f"{block} values; formats these rows fit: {', '.join(fits)}"

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ple.table.formats import accepted_names, format_argument
+
 from ..argtypes import byte_size, int_between, non_negative_int
 from ..errors import CommandLineError, InvalidArgumentError
-from ..table.convert import TARGET_NAMES
 from . import parallel
 from .model import MODEL_DIRECT_BUDGET, MODEL_SIZES
 from .serving import DEMO_CONFIG, check_real_text, print_serving, run_serving, serve, synthesize_checkpoint
@@ -60,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument(
         "--table-format",
-        choices=TARGET_NAMES,
-        help="serve the serving layer's table from a copy in this format (e.g. q4_0, iq4_nl, nvfp4; made once "
+        type=format_argument,
+        metavar="FORMAT",
+        help=f"serve the serving layer's table from a copy in this format ({accepted_names()}; made once "
         "like from_pretrained(table_format=) makes it; docs/FORMATS.md); mmap and cached tiers",
     )
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")

@@ -66,6 +66,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ple.table.formats import resolve_format
+
 from ..checkpoint import (
     CheckpointError,
     PreadReader,
@@ -82,7 +84,6 @@ from ..layer import PLELayer
 from ..runtime.batch import PREFILL, Batch
 from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
 from ..table.adapted import AdaptedTable
-from ..table.convert import TARGET_NAMES
 from ..train.attach import default_spill_dir
 from .dequantized_copy import dequantize_checkpoint
 from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
@@ -826,8 +827,8 @@ def from_pretrained(
         raise InvalidArgumentError(
             "table_format is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
         )
-    if table_format is not None and table_format not in TARGET_NAMES:
-        raise InvalidArgumentError(f"table_format must be one of {list(TARGET_NAMES)}, got {table_format!r}")
+    if table_format is not None:
+        table_format = resolve_format(table_format, "table_format")
     for name, value, tier, least, unit, hint in (
         ("memory_budget", memory_budget, "direct", 0, "bytes", ""),
         (
