@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import InvalidArgumentError, UsageError
-from ..blocks import code_values
-from ..formats import check_activation_dtype, check_ids, format_info
+from ple.errors import InvalidArgumentError, UsageError
+from ple.table.formats.blocks import code_values
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
 
 try:
     import triton
@@ -129,7 +129,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # FMT: the format's kernel_code (ple.table.formats): 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0,
+        # FMT: the format's kernel_code (ple.table.formats.catalog): 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0,
         # 5 iq4_nl, 6 mxfp4, 7 nvfp4
         pid_n = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
