@@ -183,7 +183,7 @@ def test_a_to_format_the_rows_cannot_hold_is_a_command_line_error(tmp_path, caps
         assert (code, out) == (EXIT_USAGE, "")
         assert err.startswith("usage: ple convert ")
         assert f"ple convert: error: --to {fmt}: the checkpoint's rows are 8 values (head_dim), not whole" in err
-        assert f"blocks of {block} values; formats these rows fit: fp8, int8\n" in err
+        assert f"blocks of {block} values; formats these rows fit: bf16, fp16, fp32, fp8, fp8_row, int8_row\n" in err
         assert not (tmp_path / "out").exists()
     assert run(capsys, "convert", ckpt, tmp_path / "out", "--to", "int8")[0] == EXIT_OK
     # a GGUF's table is copied in its own type: --to another, or a layer it does not have, is exit 2

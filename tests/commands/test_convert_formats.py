@@ -86,7 +86,7 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: ple convert ")
     assert "error: --to q4_0: the checkpoint's rows are 8 values (head_dim), not whole q4_0 blocks of 32" in err
-    assert "formats these rows fit: fp8, int8\n" in err
+    assert "formats these rows fit: bf16, fp16, fp32, fp8, fp8_row, int8_row\n" in err
     assert not (tmp_path / "out").exists()
     assert dataclasses.asdict(cfg)["ple_embed_dim"] == 32
 

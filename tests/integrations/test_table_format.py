@@ -65,7 +65,9 @@ def test_save_pretrained_writes_dequantized_rows(wide, tmp_path):
 
 def test_bad_table_formats_are_refused(wide, tmp_path):
     path, _ = wide
-    with pytest.raises(InvalidArgumentError, match="table_format must be one of"):
+    with pytest.raises(
+        InvalidArgumentError, match="table_format: 'q3_k' is not a table format; accepted names: bf16, "
+    ):
         from_pretrained(path, table_dir=tmp_path / "t", table_format="q3_k")
     with pytest.raises(InvalidArgumentError, match=r"table-file tiers \(mmap, cached, direct\)"):
         from_pretrained(path, table_tier="memory", table_format="q4_0")

@@ -39,7 +39,7 @@ import torch
 from ple.common.files import file_identity, open_regular, pread_exact
 from ple.config import LIMITS, MAX_HEADS
 from ple.errors import PLEError
-from ple.table.formats.catalog import format_info
+from ple.table.formats.catalog import FORMATS, format_info
 
 __all__ = [
     "ARCHITECTURES",
@@ -77,18 +77,7 @@ PLE_KEYS = (
 )
 """The PLE metadata keys (each prefixed by ``<general.architecture>.``)."""
 
-GGML_FORMATS = {
-    0: "fp32",
-    1: "fp16",
-    30: "bf16",
-    8: "q8_0",
-    7: "q5_1",
-    6: "q5_0",
-    3: "q4_1",
-    2: "q4_0",
-    20: "iq4_nl",
-    39: "mxfp4",
-}
+GGML_FORMATS: dict[int, str] = {t: f for f in FORMATS if (t := format_info(f).ggml_type) is not None}
 """GGML type number -> the table format that stores it byte for byte."""
 
 _GGML_TYPES = {

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ple.commands import tables as commands
     from ple.commands.bench import runner
     from ple.common import argtypes
-    from ple.table.files.transcode import TARGET_NAMES
+    from ple.table.formats.catalog import accepted_names, format_argument
 
     ap = argparse.ArgumentParser(prog="ple", description="PLE layer tools", epilog=_EPILOG)
     ap.add_argument("--version", action="version", version=f"ple {__version__}")
@@ -138,9 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
     p.add_argument(
         "--to",
-        choices=TARGET_NAMES,
-        help="fp8/int8: one scale per row; q8_0 q5_1 q5_0 q4_1 q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 "
-        "(blocks of 16, E4M3 scales): block formats. The format the source already has is copied exactly",
+        type=format_argument,
+        metavar="FORMAT",
+        help=f"the format to write: {accepted_names()}. fp8_row/int8_row (int8): one scale per row; fp8: the "
+        "source copied when it is fp8 already, else fp8_row; bf16/fp16/fp32: the values cast; q8_0 q5_1 q5_0 q4_1 "
+        "q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 (blocks of 16, E4M3 scales): block formats. The format the "
+        "source already has is copied exactly",
     )
     p.add_argument("--layers", help="PLE layer indexes (positions in ple_layer_ids), e.g. 0,1 (default: all)")
     p.add_argument("--force", action="store_true", help="replace existing table files")

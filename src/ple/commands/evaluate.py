@@ -56,15 +56,16 @@ of the actual next token's probability (dp); table bytes on disk, tokens/s and p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ple.table.files.transcode import TARGET_NAMES
+    from ple.table.formats.catalog import accepted_names
 
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("checkpoint", help="a qwen4_exp model folder (config.json + safetensors)")
     p.add_argument(
         "--formats",
-        help=f"table formats to compare with the reference, separated by commas ({','.join(TARGET_NAMES)}; "
-        "'fp8' on an fp8 checkpoint is the checkpoint's own format)",
+        metavar="FORMATS",
+        help=f"table formats to compare with the reference, separated by commas ({accepted_names()}; "
+        "'fp8' on an fp8 checkpoint is the checkpoint's own format, on another fp8_row)",
     )
     p.add_argument("--adapter", metavar="FILE", help="an adapter file (ple train): the reference with its rows on top")
     src = p.add_mutually_exclusive_group(required=True)
@@ -93,21 +94,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_formats(text: str | None) -> list[str]:
-    """``--formats`` as a list of names ``from_pretrained(table_format=)`` takes (each once)."""
-    from ple.table.files.transcode import TARGET_NAMES
+    """``--formats`` as a list of formats (canonical names, :func:`~ple.table.formats.catalog.resolve_format`:
+    "int8" is int8_row), each once."""
+    from ple.table.formats.catalog import resolve_format
 
     if text is None:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise CommandLineError(f"--formats {text!r}: no format names (expected e.g. q8_0,q4_0)")
-    for n in names:
-        if n not in TARGET_NAMES:
-            raise CommandLineError(f"--formats: {n!r} is not a table format; choose from {','.join(TARGET_NAMES)}")
-    dup = sorted({n for n in names if names.count(n) > 1})
+    try:
+        formats = [resolve_format(n, "--formats") for n in names]
+    except InvalidArgumentError as e:
+        raise CommandLineError(str(e)) from None
+    dup = sorted({f for f in formats if formats.count(f) > 1})
     if dup:
-        raise CommandLineError(f"--formats: {', '.join(dup)} named more than once")
-    return names
+        said = {f: [n for n in names if resolve_format(n) == f] for f in dup}
+        shown = "; ".join(f"{f} ({', '.join(dict.fromkeys(said[f]))})" for f in dup)
+        raise CommandLineError(f"--formats: {shown} named more than once")
+    return formats
 
 
 def _checked(chunks: Iterable[np.ndarray], vocab_size: int, what: str) -> Iterator[np.ndarray]:

@@ -47,7 +47,7 @@ from ple.convert.folder import made_from, record_table, source_identity
 from ple.errors import CommandLineError, InvalidArgumentError, PLEError
 from ple.table import FORMATS, format_info, read_table_header, verify_table_file
 from ple.table.files.table_file import TABLE_SUFFIX, TableFileError, hash_layout
-from ple.table.files.transcode import TARGET_NAMES, compare_with_source, convert_layer, table_amax, target_format
+from ple.table.files.transcode import compare_with_source, convert_layer, table_amax, target_format
 from ple.table.formats.blocks import nvfp4_global_scale
 
 __all__ = ["inspect", "ids", "convert", "verify", "stats", "parse_tokens", "show_progress"]
@@ -502,7 +502,7 @@ def _check_target_fits(to: str | None, head_dim: int) -> None:
         return
     block = format_info(target).block
     if head_dim % block:
-        fits = [f for f in TARGET_NAMES if head_dim % format_info(target_format(f, "") or f).block == 0]
+        fits = [f for f in FORMATS if head_dim % format_info(target_format(f, "") or f).block == 0]
         raise CommandLineError(
             f"--to {to}: the checkpoint's rows are {head_dim} values (head_dim), not whole {target} blocks of "
             f"{block} values; formats these rows fit: {', '.join(fits)}"

@@ -76,7 +76,7 @@ from ple.config import PLEConfig
 from ple.errors import InvalidArgumentError, PLEError
 from ple.kernels.native import cache_dir
 from ple.table import MmapTable, TableFileError, format_info, read_table_header
-from ple.table.files.transcode import TARGET_NAMES, compare_with_source, table_amax, target_format
+from ple.table.files.transcode import compare_with_source, table_amax, target_format
 from ple.table.formats.blocks import nvfp4_global_scale
 
 __all__ = [
@@ -308,11 +308,12 @@ def _table_nbytes(config: PLEConfig, index: int, fmt: str) -> int:
 def served_format(entry: LayerEntry, config: PLEConfig, table_format: str | None = None) -> str:
     """The format :func:`prepare_table` serves PLE layer ``entry``'s table in: the checkpoint's own
     (``table_format`` None, or a name that covers it: "fp8" for an fp8 table) or the one
-    ``table_format`` names, as ``ple convert --to`` reads it ("fp8" -> "fp8_row", "q4_0" -> "q4_0").
+    ``table_format`` names, as ``ple convert --to`` reads it (:func:`~ple.table.files.transcode.target_format`:
+    "fp8" of a bf16 table -> "fp8_row", "int8" -> "int8_row", "q4_0" -> "q4_0").
 
     Raises:
-        InvalidArgumentError: ``table_format`` is not a name ``ple convert --to`` takes, or is a
-            block format whose blocks do not divide the layer's rows (``head_dim``).
+        InvalidArgumentError: ``table_format`` is not a format's name or alias, or is a block format
+            whose blocks do not divide the layer's rows (``head_dim``).
     """
     assert entry.table_format is not None  # a scan without problems found it
     want = target_format(table_format, entry.table_format) or entry.table_format
@@ -527,10 +528,9 @@ def _refused_format(
         asked = f"the checkpoint's table is {want} (no table_format asked for another)"
     else:
         asked = f"table_format={table_format!r} asks for {want}"
-    name = {"fp8_row": "fp8", "int8_row": "int8"}.get(have, have)
     hint = ""
-    if name in TARGET_NAMES and target_format(name, entry.table_format or "") == have:
-        hint = f"pass table_format={name!r} to serve it, or "
+    if target_format(have, entry.table_format or "") == have:  # what table_format=have serves
+        hint = f"pass table_format={have!r} to serve it, or "
     raise InvalidArgumentError(
         f"PLE layer {entry.ple_layer_index}: table file {path} holds {have} rows, but {asked}; it is neither served "
         f"nor replaced: {hint}move it out of {path.parent}, or pass another table_dir"

@@ -98,7 +98,7 @@ from ple.integrations.table_state import (
 from ple.layer import PLELayer
 from ple.runtime.batch import PREFILL, Batch
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
-from ple.table.files.transcode import TARGET_NAMES
+from ple.table.formats.catalog import resolve_format
 from ple.table.tiers.adapted import AdaptedTable
 from ple.train.attach import default_spill_dir
 
@@ -839,8 +839,8 @@ def from_pretrained(
         raise InvalidArgumentError(
             "table_format is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
         )
-    if table_format is not None and table_format not in TARGET_NAMES:
-        raise InvalidArgumentError(f"table_format must be one of {list(TARGET_NAMES)}, got {table_format!r}")
+    if table_format is not None:
+        table_format = resolve_format(table_format, "table_format")
     for name, value, tier, least, unit, hint in (
         ("memory_budget", memory_budget, "direct", 0, "bytes", ""),
         (

@@ -37,7 +37,7 @@ from ple.commands.demo.serving import (
 from ple.common.argtypes import byte_size, int_between, non_negative_int
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.integrations.demo_model import MODEL_DIRECT_BUDGET, MODEL_SIZES
-from ple.table.files.transcode import TARGET_NAMES
+from ple.table.formats.catalog import accepted_names, format_argument
 
 __all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
 
@@ -67,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument(
         "--table-format",
-        choices=TARGET_NAMES,
-        help="serve the serving layer's table from a copy in this format (e.g. q4_0, iq4_nl, nvfp4; made once "
+        type=format_argument,
+        metavar="FORMAT",
+        help=f"serve the serving layer's table from a copy in this format ({accepted_names()}; made once "
         "like from_pretrained(table_format=) makes it; docs/FORMATS.md); mmap and cached tiers",
     )
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")

@@ -52,7 +52,7 @@ table_adapter=WORKDIR/adapter.safetensors), or write it into a table file with -
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ple.commands.train.loop import OPTIMIZERS
-    from ple.table.files.transcode import TARGET_NAMES
+    from ple.table.formats.catalog import accepted_names, format_argument
 
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -65,7 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tier", choices=["mmap", "cached", "direct"], default="mmap", help="where the tables are served from (mmap)"
     )
     p.add_argument(
-        "--table-format", choices=TARGET_NAMES, help="train over a copy of the tables in this format (default: fp8)"
+        "--table-format",
+        type=format_argument,
+        metavar="FORMAT",
+        help=f"train over a copy of the tables in this format ({accepted_names()}; default: the checkpoint's, fp8)",
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sparse_adam", help="the tables' optimizer (sparse_adam)")
     p.add_argument("--lr", type=positive_float, default=0.05, help="the tables' learning rate (0.05)")

@@ -13,10 +13,13 @@ must be positive finite numbers (:func:`~ple.table.formats.catalog.check_scale_v
 finite (an fp8 NaN byte, a NaN or infinite block scale, is refused too, naming its shard, row and
 column: :func:`nonfinite_problem`).
 
-Targets: the source's own format (an exact copy, whatever ``to`` says), one scale per row
-("fp8_row", "int8_row"), or a block format (:mod:`ple.table.formats.blocks`; nvfp4 also needs the table's
+Targets (any format of :mod:`ple.table.formats.catalog` but fp8 with its global scale, which is only
+copied; :func:`target_format` reads the names ``ple convert --to`` takes): the source's own format (an
+exact copy, whatever ``to`` says), a plain format (bf16, fp16, fp32: the values cast), one scale per
+row ("fp8_row", "int8_row"), or a block format (:mod:`ple.table.formats.blocks`; nvfp4 also needs the table's
 global scale, from :func:`table_amax` through :func:`~ple.table.formats.blocks.nvfp4_global_scale`), encoded by
-:mod:`ple.table.formats.encode` (a block whose fp16 scale would overflow is refused, naming row and value).
+:mod:`ple.table.formats.encode` (a block whose fp16 scale would overflow, a value past fp16's range, is
+refused, naming row and value).
 
 Speed and memory: shards are converted side by side, one per thread (``torch.get_num_threads()``; a
 copy, which waits on the disk more than it computes, two per thread), each in pieces of at most 16
@@ -60,8 +63,16 @@ from ple.table.files.table_file import (
     tensor_bytes,
 )
 from ple.table.formats.blocks import ScaleOverflowError
-from ple.table.formats.catalog import BLOCK_FORMATS, check_scale_values, format_info, infer_format
-from ple.table.formats.encode import RowFailure, encode_rows, first_nonfinite, rows_amax
+from ple.table.formats.catalog import (
+    BLOCK_FORMATS,
+    FORMAT_NAMES,
+    FORMATS,
+    check_scale_values,
+    format_info,
+    infer_format,
+    resolve_format,
+)
+from ple.table.formats.encode import RowFailure, encode_rows, first_nonfinite, plain_range_problem, rows_amax
 from ple.table.formats.quantize import QuantStats, RowStats
 
 __all__ = [
@@ -74,26 +85,33 @@ __all__ = [
     "TARGET_NAMES",
 ]
 
-TARGET_NAMES = ("fp8", "int8", *BLOCK_FORMATS)
-"""What ``ple convert --to`` and ``from_pretrained(table_format=)`` accept."""
+TARGET_NAMES = FORMAT_NAMES
+"""What ``ple convert --to`` and ``from_pretrained(table_format=)`` accept: every format's name and
+alias (:data:`ple.table.formats.catalog.FORMAT_NAMES`)."""
 
 _ENCODER = 2  # 2: q4_0/q5_0 zero blocks' -0 scale and 4/5-bit codes of an overflowing 1/d as GGML
 """Bumped when an encoder's bytes change: a temporary file an older one left is not continued."""
 
 
 def target_format(to: str | None, source: str) -> str | None:
-    """The format a table in format ``source`` is converted to when ``to`` is asked for: None (an
-    exact copy) when the source already has it ("fp8" covers both fp8 formats); otherwise "fp8" and
-    "int8" mean one scale per row ("fp8_row", "int8_row") and a block format means itself."""
-    if to is not None and to not in TARGET_NAMES:
-        raise InvalidArgumentError(f"table format must be one of {list(TARGET_NAMES)}, got {to!r}")
-    family = {"fp8": ("fp8", "fp8_row"), "int8": ("int8_row",)}.get(to or "", (to,))
-    if to is None or source in family:
+    """The format a table in format ``source`` is converted to when ``to`` (any name or alias
+    :func:`~ple.table.formats.catalog.resolve_format` takes) is asked for: None (an exact copy) when the
+    source already has it; otherwise the format ``to`` names ("int8" is int8_row), but for "fp8",
+    which a conversion writes only as a copy: from another format it writes "fp8_row" (one scale
+    per row; a source in fp8_row is copied).
+
+    Raises:
+        InvalidArgumentError: ``to`` names no format (the message lists the accepted names).
+    """
+    if to is None:
         return None
-    return {"fp8": "fp8_row", "int8": "int8_row"}.get(to, to)
+    info = format_info(resolve_format(to))
+    if source in (info.name, info.converted_as):
+        return None
+    return info.converted_as or info.name
 
 
-_TARGETS = (None, "fp8_row", "int8_row", *BLOCK_FORMATS)
+_TARGETS = (None, *(f for f in FORMATS if format_info(f).converted_as is None))
 _CHUNK_BYTES = 16 << 20
 """Source bytes a shard is read and converted in at a time."""
 
@@ -115,9 +133,6 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
     return None if hit is None else hit[0]
 
 
-_GGML_FP16 = {"q8_0": "scale", "q5_0": "scale", "q4_0": "scale", "iq4_nl": "scale", "q4_1": "scale", "q5_1": "scale"}
-
-
 def _what_nonfinite(row: torch.Tensor, col: int, format: str | None) -> str:
     """The stored value that makes column ``col`` of ``row`` (stored bytes or values) not finite."""
     if format == "nvfp4":
@@ -125,12 +140,12 @@ def _what_nonfinite(row: torch.Tensor, col: int, format: str | None) -> str:
         return f"byte 0x{int(row[D // 2 + col // 16]):02x} (a NaN E4M3 block scale of nvfp4)"
     if format in BLOCK_FORMATS:
         info = format_info(format)
-        block = row[col // 32 * info.block_nbytes :][: info.block_nbytes]
-        if format == "mxfp4":
+        block = row[col // info.block * info.block_nbytes :][: info.block_nbytes]
+        if not info.fp16_fields:  # mxfp4: an E8M0 exponent
             return f"a value of its mxfp4 block (E8M0 exponent byte 0x{int(block[0]):02x}) that overflows float32"
-        d, m = block[0:2].view(torch.float16), block[2:4].view(torch.float16)
-        if format in ("q4_1", "q5_1") and not bool(torch.isfinite(m).all()):
-            return f"the {format} block minimum {float(m[0])}"
+        d, *m = (block[at : at + 2].view(torch.float16) for at in info.fp16_fields)
+        if m and not bool(torch.isfinite(m[0]).all()):
+            return f"the {format} block minimum {float(m[0][0])}"
         return f"the {format} block scale {float(d[0])}"
     if row.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return f"byte 0x{int(row.view(torch.uint8)[col]):02x} (NaN in {row.dtype})"
@@ -332,7 +347,9 @@ def convert_layer(
             ``[k*shard_rows, min((k+1)*shard_rows, rows))``.
         to: None, or the source's own format, copies the source exactly; "fp8_row" / "int8_row"
             dequantize each row (fp32, with the source's global or per-row scale) and requantize it
-            with its own scale; a block format quantizes the fp32 rows into its blocks.
+            with its own scale; a block format quantizes the fp32 rows into its blocks; a plain
+            format casts them. (A canonical format name: see :func:`target_format` for the names
+            ``ple convert --to`` takes.)
         force: replace an existing file.
         progress: show a tqdm progress bar (rows written, rows/s, time left).
         head_ranges: row ranges ``(start, stop)`` of the hash heads for per-head error statistics.
@@ -527,9 +544,11 @@ class _ShardConverter:
                     f"source shard {k}: table row {at + f.row}, column {f.column} is {f.value} once scaled "
                     "(its stored value times its scale), not a finite value"
                 ) from None
-            raise InvalidArgumentError(
-                f"source shard {k}: {ScaleOverflowError(self.to, at + f.row, f.column, f.value, 'table row')}"
-            ) from None
+            if f.kind == "range":
+                problem_text = plain_range_problem(self.to, at + f.row, f.column, f.value, "table row")
+            else:
+                problem_text = str(ScaleOverflowError(self.to, at + f.row, f.column, f.value, "table row"))
+            raise InvalidArgumentError(f"source shard {k}: {problem_text}") from None
         part.write(enc.data, enc.scale)
         assert enc.stats is not None
         return enc.stats

@@ -347,17 +347,13 @@ class ScaleOverflowError(InvalidArgumentError):
         )
 
 
-_FP16_FIELDS = {"q8_0": (0,), "q5_1": (0, 2), "q5_0": (0,), "q4_1": (0, 2), "q4_0": (0,), "iq4_nl": (0,)}
-"""Byte offsets of the fp16 scale (and minimum) in each block of the GGML formats that have them."""
-
-
 def overflowing_block(rows: np.ndarray, format: str) -> tuple[int, int] | None:
     """``(row, block)`` of the first block of stored rows ``[N, row_nbytes]`` whose fp16 scale or
     minimum is not finite, None when every one is (and for formats without an fp16 scale)."""
-    fields = _FP16_FIELDS.get(format)
-    if fields is None or rows.shape[0] == 0:
-        return None
     info = format_info(format)
+    fields = info.fp16_fields  # byte offsets of the fp16 scale (and minimum) in each block
+    if not fields or rows.shape[0] == 0:
+        return None
     blocks = rows.reshape(rows.shape[0], -1, info.block_nbytes)
     bad = np.zeros(blocks.shape[:2], dtype=bool)
     for at in fields:

@@ -3,22 +3,15 @@
 A table is ``data [rows, head_dim]`` in a storage dtype plus, for quantized formats, a float
 scale: one global value (``[1]``) or one value per row (``[rows, 1]``).
 
-| format     | storage dtype         | scale        |
-|------------|-----------------------|--------------|
-| "bf16"     | torch.bfloat16        | none         |
-| "fp16"     | torch.float16         | none         |
-| "fp32"     | torch.float32         | none         |
-| "fp8"      | torch.float8_e4m3fn   | global, [1]  |
-| "fp8_row"  | torch.float8_e4m3fn   | per row, [rows, 1] |
-| "int8_row" | torch.int8            | per row, [rows, 1] |
-| "q8_0"     | torch.uint8 (blocks)  | none (in the blocks) |
-| "q5_1"     | torch.uint8 (blocks)  | none (in the blocks) |
-| "q5_0"     | torch.uint8 (blocks)  | none (in the blocks) |
-| "q4_1"     | torch.uint8 (blocks)  | none (in the blocks) |
-| "q4_0"     | torch.uint8 (blocks)  | none (in the blocks) |
-| "iq4_nl"   | torch.uint8 (blocks)  | none (in the blocks) |
-| "mxfp4"    | torch.uint8 (blocks)  | none (in the blocks) |
-| "nvfp4"    | torch.uint8 (blocks)  | global, [1] (and E4M3 ones in the rows) |
+The formats are listed once, in ``_TABLE`` below (:class:`FormatInfo`: name, aliases, storage dtype,
+scale kind, block, bytes a block, kernel code, GGML type, fp16 fields): plain bf16/fp16/fp32; fp8
+with one global scale (the published format); fp8_row and int8_row (alias int8) with a scale per
+row; the GGML block formats q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, mxfp4 (blocks of 32); nvfp4
+(blocks of 16 with E4M3 scales, and one global scale). Every other module reads what it needs about
+a format from there (:func:`format_info`); a name given by a user (``ple convert --to``, ``ple eval
+--formats``, ``--table-format``, ``from_pretrained(table_format=)``) goes through
+:func:`resolve_format`, which takes every name ple prints and the aliases (:data:`FORMAT_NAMES`).
+Adding a format is one entry there plus its codec (:mod:`ple.table.formats.blocks`, the kernels).
 
 Block formats (:mod:`ple.table.formats.blocks`) store a row of ``head_dim`` values as
 ``head_dim / block`` whole blocks, so ``data`` is ``[rows, row_nbytes]`` bytes, each row's values
@@ -33,6 +26,7 @@ checkpoint loading).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -45,7 +39,11 @@ __all__ = [
     "ACTIVATION_DTYPES",
     "FormatInfo",
     "BLOCK_FORMATS",
+    "FORMAT_NAMES",
     "format_info",
+    "resolve_format",
+    "accepted_names",
+    "format_argument",
     "infer_format",
     "check_table_tensors",
     "check_scale_values",
@@ -57,7 +55,10 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class FormatInfo:
-    """What a format name means: storage dtype and scale kind ("none", "global" or "row")."""
+    """One table format: its name (the one ple prints) and what it means.
+
+    ``storage_dtype`` and ``scale_kind`` ("none", "global" or "row") say how its rows are stored;
+    the other fields say what other places need to know about it, so that none spells them again."""
 
     name: str
     storage_dtype: torch.dtype
@@ -66,6 +67,19 @@ class FormatInfo:
     """Values per block (1 for the element formats)."""
     block_nbytes: int = 0
     """Bytes per block (values and block scales); the element size for element formats."""
+    aliases: tuple[str, ...] = ()
+    """Other names accepted for it wherever a format is given (:func:`resolve_format`)."""
+    kernel_code: int | None = None
+    """The number the C kernels (``ple_quant.c``'s lookup, ``ple_encode.c``'s targets) and the Triton
+    lookup give this format; None for the formats they do not take by number."""
+    ggml_type: int | None = None
+    """The GGML type number that stores it byte for byte (a GGUF tensor of that type is a table in
+    this format); None when GGML has none (GGML's own NVFP4 has blocks of 64)."""
+    fp16_fields: tuple[int, ...] = ()
+    """Byte offsets in each block of its fp16 scale (and minimum): the GGML formats that have them."""
+    converted_as: str | None = None
+    """What a conversion to this format writes from a source in another format (None: this format);
+    a source already in ``converted_as`` is copied as it is."""
 
     @property
     def itemsize(self) -> int:
@@ -90,7 +104,7 @@ class FormatInfo:
         return head_dim // self.block * self.block_nbytes if self.blocked else head_dim
 
     def row_nbytes(self, head_dim: int) -> int:
-        """Bytes of one stored row of ``head_dim`` values (block scales included)."""
+        """Bytes of one stored row of ``head_dim`` values (block scales included; a per-row scale not)."""
         return self.width(head_dim) * self.itemsize
 
     def head_dim_of(self, width: int) -> int:
@@ -104,46 +118,89 @@ class FormatInfo:
         return width // self.block_nbytes * self.block
 
 
-_INFOS = {
-    "bf16": FormatInfo("bf16", torch.bfloat16, "none"),
-    "fp16": FormatInfo("fp16", torch.float16, "none"),
-    "fp32": FormatInfo("fp32", torch.float32, "none"),
-    "fp8": FormatInfo("fp8", torch.float8_e4m3fn, "global"),
-    "fp8_row": FormatInfo("fp8_row", torch.float8_e4m3fn, "row"),
-    "int8_row": FormatInfo("int8_row", torch.int8, "row"),
+_U8 = torch.uint8
+_TABLE = (
+    FormatInfo("bf16", torch.bfloat16, "none", ggml_type=30),
+    FormatInfo("fp16", torch.float16, "none", ggml_type=1),
+    FormatInfo("fp32", torch.float32, "none", ggml_type=0),
+    # the published format: written only as a copy (from another format, "fp8" writes fp8_row)
+    FormatInfo("fp8", torch.float8_e4m3fn, "global", converted_as="fp8_row"),
+    FormatInfo("fp8_row", torch.float8_e4m3fn, "row", kernel_code=8),
+    FormatInfo("int8_row", torch.int8, "row", aliases=("int8",), kernel_code=9),
     # GGML block layouts (bit-compatible with GGUF files): 32 values a block.
-    "q8_0": FormatInfo("q8_0", torch.uint8, "none", 32, 34),
-    "q5_1": FormatInfo("q5_1", torch.uint8, "none", 32, 24),
-    "q5_0": FormatInfo("q5_0", torch.uint8, "none", 32, 22),
-    "q4_1": FormatInfo("q4_1", torch.uint8, "none", 32, 20),
-    "q4_0": FormatInfo("q4_0", torch.uint8, "none", 32, 18),
-    "iq4_nl": FormatInfo("iq4_nl", torch.uint8, "none", 32, 18),
-    "mxfp4": FormatInfo("mxfp4", torch.uint8, "none", 32, 17),
+    FormatInfo("q8_0", _U8, "none", 32, 34, kernel_code=0, ggml_type=8, fp16_fields=(0,)),
+    FormatInfo("q5_1", _U8, "none", 32, 24, kernel_code=1, ggml_type=7, fp16_fields=(0, 2)),
+    FormatInfo("q5_0", _U8, "none", 32, 22, kernel_code=2, ggml_type=6, fp16_fields=(0,)),
+    FormatInfo("q4_1", _U8, "none", 32, 20, kernel_code=3, ggml_type=3, fp16_fields=(0, 2)),
+    FormatInfo("q4_0", _U8, "none", 32, 18, kernel_code=4, ggml_type=2, fp16_fields=(0,)),
+    FormatInfo("iq4_nl", _U8, "none", 32, 18, kernel_code=5, ggml_type=20, fp16_fields=(0,)),
+    FormatInfo("mxfp4", _U8, "none", 32, 17, kernel_code=6, ggml_type=39),
     # NVFP4 as engines store it: 16 E2M1 values a block with one E4M3 scale, one fp32 scale a table.
-    "nvfp4": FormatInfo("nvfp4", torch.uint8, "global", 16, 9),
-}
-for _k, _v in list(_INFOS.items()):
-    if not _v.blocked:
-        _INFOS[_k] = dataclasses.replace(_v, block_nbytes=_v.itemsize)
+    FormatInfo("nvfp4", _U8, "global", 16, 9, kernel_code=7),
+)
+"""THE table of formats: adding a format is one entry here plus its codec (:mod:`ple.table.formats.blocks`,
+the kernels)."""
+
+_INFOS = {f.name: f if f.blocked else dataclasses.replace(f, block_nbytes=f.itemsize) for f in _TABLE}
 
 BLOCK_FORMATS: tuple[str, ...] = tuple(k for k, v in _INFOS.items() if v.blocked)
 """The block formats (rows stored as whole blocks of bytes)."""
 
 FORMATS: tuple[str, ...] = tuple(_INFOS)
-"""Every table format name."""
+"""Every table format's name: the names ple prints (table headers, ``ple inspect``, ``ple eval``)."""
+
+_BY_NAME = {name: f.name for f in _INFOS.values() for name in (f.name, *f.aliases)}
+if len(_BY_NAME) != sum(1 + len(f.aliases) for f in _TABLE):  # pragma: no cover - a mistake in the table
+    raise AssertionError("a format name or alias is listed twice")
+
+FORMAT_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+"""Every name accepted where a format is given (``ple convert --to``, ``ple eval --formats``, ``ple
+demo``/``ple train --table-format``, ``from_pretrained(table_format=)``): the formats and their aliases."""
 
 ACTIVATION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes a lookup may return."""
 
-_PLAIN_BY_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_PLAIN_BY_DTYPE = {f.storage_dtype: f.name for f in _TABLE if f.scale_kind == "none" and not f.blocked}
 
 
 def format_info(format: str) -> FormatInfo:
-    """The :class:`FormatInfo` of a format name; unknown names raise ``ValueError``."""
+    """The :class:`FormatInfo` of a format's name (as a table stores it: an alias is refused, see
+    :func:`resolve_format`); unknown names raise :class:`~ple.errors.InvalidArgumentError`."""
     try:
         return _INFOS[format]
     except (KeyError, TypeError):
         raise InvalidArgumentError(f"unknown table format {format!r}: expected one of {list(FORMATS)}") from None
+
+
+def accepted_names() -> str:
+    """The accepted names as help and errors show them: ``"bf16, ..., int8_row (or int8), ..."``."""
+    return ", ".join(f.name + (f" (or {', '.join(f.aliases)})" if f.aliases else "") for f in _TABLE)
+
+
+def resolve_format(name: str, what: str | None = None) -> str:
+    """The format (its canonical name, as tables store it) that ``name``, any name or alias of
+    :data:`FORMAT_NAMES`, names: ``resolve_format("int8") == "int8_row"``.
+
+    Raises:
+        InvalidArgumentError: ``name`` names no format; the message (after ``what: `` when given)
+            names ``name`` and lists every accepted name.
+    """
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        where = f"{what}: " if what else ""
+        raise InvalidArgumentError(
+            f"{where}{name!r} is not a table format; accepted names: {accepted_names()}"
+        ) from None
+
+
+def format_argument(text: str) -> str:
+    """An argparse ``type``: a format's name or alias (:func:`resolve_format`) as its canonical name; any
+    other value a usage error naming it and the accepted names."""
+    try:
+        return resolve_format(text)
+    except InvalidArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
@@ -157,16 +214,16 @@ def infer_format(data: torch.Tensor, scale: torch.Tensor | None) -> str:
         raise InvalidArgumentError(
             f"table data of dtype {data.dtype} needs a scale: plain tables are one of {list(_PLAIN_BY_DTYPE)}"
         )
-    per_row = scale.dim() == 2
-    if data.dtype == torch.uint8 and not per_row:
-        return "nvfp4"  # the one block format with a global scale
-    if data.dtype == torch.float8_e4m3fn:
-        return "fp8_row" if per_row else "fp8"
-    if data.dtype == torch.int8 and per_row:
-        return "int8_row"
+    kind = "row" if scale.dim() == 2 else "global"
+    found = [f.name for f in _TABLE if f.storage_dtype == data.dtype and f.scale_kind == kind]
+    if len(found) == 1:
+        return found[0]
+    scaled = [
+        (f.storage_dtype, "[rows, 1]" if f.scale_kind == "row" else "[1]") for f in _TABLE if f.scale_kind != "none"
+    ]
     raise InvalidArgumentError(
         f"no table format stores data of dtype {data.dtype} with a scale of shape {tuple(scale.shape)}: "
-        f"expected float8_e4m3fn with [1] or [rows, 1], or int8 with [rows, 1]"
+        f"expected one of {', '.join(f'{d} with {s}' for d, s in scaled)}"
     )
 
 

@@ -5,14 +5,15 @@ checked for values that are not finite.
 int8 with per-row scales, nvfp4 bytes with the table's scale), decodes them to float32 exactly as
 :func:`dequantized` does, refuses a value that is not finite, and encodes them into a per-row format
 ("fp8_row", "int8_row": what :func:`ple.table.formats.quantize.quantize_rows` gives) or a block format (what
-:func:`ple.table.formats.blocks.quantize_blocks` gives, a block whose fp16 scale would overflow refused), with
-the error statistics of :class:`ple.table.formats.quantize.RowStats` on request. :func:`rows_amax` is the
+:func:`ple.table.formats.blocks.quantize_blocks` gives, a block whose fp16 scale would overflow refused) or a
+plain format (bf16, fp16, fp32: the float32 values cast, rounding to nearest even; a value past the
+format's range refused), with the error statistics of :class:`ple.table.formats.quantize.RowStats` on request. :func:`rows_amax` is the
 largest magnitude of the decoded rows (an nvfp4 table's global scale comes from it).
 :func:`first_nonfinite` finds the first stored value that is NaN or infinite: plain and fp8 values by
 their bits, a GGML block by its fp16 scale (and minimum; mxfp4 by its decoded values), nvfp4 by its
 E4M3 block scales.
 
-They run in C (``ple_encode.c``; a call's rows split over ``threads`` threads), or, where the C
+They run in C (``ple_encode.c``, but for the plain formats' casts, in torch; a call's rows split over ``threads`` threads), or, where the C
 kernels are unavailable (``PLE_NATIVE=0``, no compiler), through the numpy and torch references:
 the same bytes and the same failures either way (the tests compare them); the statistics agree to
 rounding (their sums are added in another order).
@@ -29,10 +30,19 @@ import torch
 from ple.errors import InvalidArgumentError
 from ple.kernels import native as _native
 from ple.table.formats.blocks import ScaleOverflowError, dequantize_blocks, quantize_blocks
-from ple.table.formats.catalog import format_info
+from ple.table.formats.catalog import FORMATS, format_info
 from ple.table.formats.quantize import RowStats, dequantize, quantize_rows
 
-__all__ = ["Encoded", "RowFailure", "dequantized", "encode_rows", "first_nonfinite", "rows_amax", "native_encoder"]
+__all__ = [
+    "Encoded",
+    "RowFailure",
+    "dequantized",
+    "encode_rows",
+    "first_nonfinite",
+    "plain_range_problem",
+    "rows_amax",
+    "native_encoder",
+]
 
 _SOURCE_KINDS = {
     torch.float32: 0,
@@ -43,33 +53,29 @@ _SOURCE_KINDS = {
     torch.int8: 5,
     torch.uint8: 6,  # nvfp4 rows: codes, then E4M3 block scales
 }
-_TARGETS = {
-    "q8_0": 0,
-    "q5_1": 1,
-    "q5_0": 2,
-    "q4_1": 3,
-    "q4_0": 4,
-    "iq4_nl": 5,
-    "mxfp4": 6,
-    "nvfp4": 7,
-    "fp8_row": 8,
-    "int8_row": 9,
-}
-_GGML_KINDS = {fmt: 10 + code for fmt, code in _TARGETS.items() if code <= 6}
+_TARGETS: dict[str, int] = {f: c for f in FORMATS if (c := format_info(f).kernel_code) is not None}
+"""The formats ``ple_encode_rows`` writes, by its target number (the format's kernel code)."""
+_PLAIN = tuple(f for f in FORMATS if format_info(f).scale_kind == "none" and not format_info(f).blocked)
+"""The plain formats: rows cast from their float32 values (in torch, not in C)."""
+_K_BLOCKS = 10  # ple_encode.c's K_BLOCKS: ple_first_nonfinite's kind of a GGML format is this plus its code
+_GGML_KINDS = {f: _K_BLOCKS + c for f, c in _TARGETS.items() if format_info(f).ggml_type is not None}
 # bits that make a NaN (and, for e5m2, an infinity) of each fp8 storage dtype, sign excluded
 _FP8_SPECIAL = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
 
 
 class RowFailure(InvalidArgumentError):
     """A row that cannot be encoded: ``kind`` is ``"nonfinite"`` (a decoded source value is NaN or
-    infinite) or ``"overflow"`` (a block's fp16 scale or minimum would be infinite); ``row`` (of the
-    rows given), ``column`` (the value's, or the block's first) and ``value`` (the value, or the
-    block's value of largest magnitude) say where."""
+    infinite), ``"overflow"`` (a block's fp16 scale or minimum would be infinite) or ``"range"`` (a
+    value past the largest finite value of a plain format: fp16's 65504); ``row`` (of the rows
+    given), ``column`` (the value's, or the block's first) and ``value`` (the value, or the block's
+    value of largest magnitude) say where."""
 
     def __init__(self, kind: str, row: int, column: int, value: float, format: str) -> None:
         self.kind, self.row, self.column, self.value, self.format = kind, row, column, value, format
         if kind == "overflow":
             msg = str(ScaleOverflowError(format, row, column, value))
+        elif kind == "range":
+            msg = plain_range_problem(format, row, column, value)
         else:
             msg = f"cannot quantize a non-finite value {value} at row {row}, column {column}"
         super().__init__(msg)
@@ -97,6 +103,15 @@ def dequantized(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     if rows.dtype == torch.uint8:
         return dequantize_blocks(rows, "nvfp4", scale)
     return dequantize(rows, None if scale is None else scale.float(), torch.float32)
+
+
+def plain_range_problem(format: str, row: int, column: int, value: float, what: str = "row") -> str:
+    """Why ``value`` (column ``column`` of ``row``) cannot be stored in the plain format ``format``."""
+    top = torch.finfo(format_info(format).storage_dtype).max
+    return (
+        f"cannot convert {what} {row} to {format}: column {column} holds {value:.7g}, past {format}'s largest "
+        f"finite value {top:.7g}: choose a format with a scale (fp8, int8, a block format) or a wider one"
+    )
 
 
 def _source(rows: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -173,14 +188,18 @@ def encode_rows(
     threads: int = 1,
     native: bool | None = None,
 ) -> Encoded:
-    """Source rows ``[n, width]`` (see :func:`dequantized`) -> ``to`` ("fp8_row", "int8_row" or a block
-    format; nvfp4 needs the table's ``global_scale``).
+    """Source rows ``[n, width]`` (see :func:`dequantized`) -> ``to`` ("fp8_row", "int8_row", a block
+    format, nvfp4 with the table's ``global_scale``, or a plain format: the float32 values cast, in
+    torch whatever ``native`` says).
 
     Raises :class:`RowFailure` for the first row (lowest index) holding a decoded value that is not
-    finite or a block whose fp16 scale would overflow. ``native``: True insists on the C kernels,
-    False runs the references, None (default) the C kernels where they run."""
+    finite, a block whose fp16 scale would overflow, or a value past a plain format's range.
+    ``native``: True insists on the C kernels, False runs the references, None (default) the C
+    kernels where they run."""
+    if to in _PLAIN:
+        return _encode_plain(_source(rows)[0], scale, to, stats)
     if to not in _TARGETS:
-        raise InvalidArgumentError(f"cannot encode into {to!r}: one of {list(_TARGETS)}")
+        raise InvalidArgumentError(f"cannot encode into {to!r}: one of {[*_PLAIN, *_TARGETS]}")
     if to == "nvfp4" and global_scale is None:
         raise InvalidArgumentError("encoding nvfp4 rows needs the table's global scale")
     src, kind, D = _source(rows)
@@ -200,6 +219,19 @@ def encode_rows(
     if sums is not None:
         row_stats = RowStats(*(torch.from_numpy(a) for a in sums))
     return Encoded(out, out_scale, row_stats)
+
+
+def _encode_plain(src, scale, to, stats) -> Encoded:
+    x = dequantized(src, scale)
+    bad = _first_nonfinite_value(x)
+    if bad is not None:
+        raise RowFailure("nonfinite", bad[0], bad[1], float(x[bad]), to)
+    y = x.to(format_info(to).storage_dtype)
+    past = _first_nonfinite_value(y)  # a finite value rounded past the format's largest
+    if past is not None:
+        raise RowFailure("range", past[0], past[1], float(x[past]), to)
+    data = y.contiguous().view(torch.uint8).numpy()
+    return Encoded(data, None, RowStats.of(x, y.float()) if stats else None)
 
 
 def _encode_reference(src, scale, to, global_scale, stats) -> Encoded:

@@ -12,7 +12,6 @@ from ple.table.formats.catalog import check_activation_dtype, check_ids, format_
 
 __all__ = ["gather_dequant_blocks_native", "native_available"]
 
-_FORMAT_CODE = {"q8_0": 0, "q5_1": 1, "q5_0": 2, "q4_1": 3, "q4_0": 4, "iq4_nl": 5, "mxfp4": 6, "nvfp4": 7}
 _OUT_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -63,7 +62,7 @@ def gather_dequant_blocks_native(
     if format == "nvfp4" and scale is None:
         raise InvalidArgumentError("nvfp4 rows need the table's global scale")
     rc = _native.library().ple_quant_lookup(
-        _FORMAT_CODE[format],
+        info.kernel_code,
         data.data_ptr(),
         data.shape[0],
         data.shape[1],

@@ -129,7 +129,8 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # FMT: 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0, 5 iq4_nl, 6 mxfp4, 7 nvfp4
+        # FMT: the format's kernel_code (ple.table.formats.catalog): 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0,
+        # 5 iq4_nl, 6 mxfp4, 7 nvfp4
         pid_n = tl.program_id(0).to(tl.int64)
         pid_d = tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -265,7 +266,6 @@ def gather_dequant_triton(data, scale, ids, dtype, *, out=None, check=True, form
     return out
 
 
-_BLOCK_CODE = {"q8_0": 0, "q5_1": 1, "q5_0": 2, "q4_1": 3, "q4_0": 4, "iq4_nl": 5, "mxfp4": 6, "nvfp4": 7}
 _LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -325,7 +325,7 @@ def _gather_blocks(
         R,
         D,
         W,
-        FMT=_BLOCK_CODE[format],
+        FMT=info.kernel_code,
         BLOCK_NBYTES=info.block_nbytes,
         OUT_KIND=_OUT_KIND[dtype],
         BLOCK_N=block_n,
