@@ -1,5 +1,6 @@
 """``open_table``: a table file opened as each tier by name, with the one set of defaults; the
-errors for a bad tier or option."""
+errors for a bad tier or option; and ``from_pretrained``, ``ple eval`` and ``ple demo``'s serving
+path getting the same tier objects for the same options (they all open their tables through it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pytest
 import torch
 
+import ple.table.open as opener
 from ple.errors import ArgumentTypeError, InvalidArgumentError, PLEError
 from ple.table import (
     DEFAULT_CACHE_ROWS,
@@ -52,6 +54,10 @@ def test_the_tier_names_and_defaults():
     assert DEFAULT_TIER == "mmap"
     assert DEFAULT_CACHE_ROWS == 1 << 20
     assert DEFAULT_MEMORY_BUDGET == 64 << 20
+    from ple.integrations.transformers import DEFAULT_CACHE_ROWS as loader_rows
+    from ple.integrations.transformers import LOAD_TIERS
+
+    assert loader_rows is DEFAULT_CACHE_ROWS and LOAD_TIERS == MODEL_TIERS
 
 
 @pytest.mark.parametrize("tier", ["mmap", "cached", "memory", "direct"])
@@ -225,3 +231,96 @@ def test_the_sharded_tier_in_a_one_rank_group(table_file, tmp_path):
         table.close()
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------- one opener for from_pretrained, eval, demo
+def _describe(table) -> tuple:
+    """What a tier object is, as the options made it."""
+    if isinstance(table, CachedTable):
+        return ("cached", table.capacity_rows, table.policy, table.refresh_every, table.decay, _describe(table.backing))
+    if isinstance(table, DirectTable):
+        return ("direct", table.memory_budget, table.queue_depth)  # its slots: the budget over the format's rows
+    assert type(table) is MmapTable
+    return ("mmap", table.rows, table.head_dim)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Every ``open_table`` call of the loader, ``ple eval`` and the demo's serving path:
+    ``(caller, tier, table_cache_rows, memory_budget, description of the table made)``."""
+    import ple.demo.serving
+    import ple.integrations.transformers
+
+    calls: list[tuple] = []
+    real = opener.open_table
+
+    def recording(caller):
+        def call(path, table_tier=DEFAULT_TIER, **options):
+            table = real(path, table_tier, **options)
+            calls.append(
+                (caller, table_tier, options.get("table_cache_rows"), options.get("memory_budget"), _describe(table))
+            )
+            return table
+
+        return call
+
+    monkeypatch.setattr(ple.integrations.transformers, "open_table", recording("from_pretrained"))
+    monkeypatch.setattr(opener, "open_table", recording("eval"))  # ple eval imports it when it runs
+    monkeypatch.setattr(ple.demo.serving, "open_table", recording("demo"))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny fp32 qwen4_exp checkpoint (two PLE layers)."""
+    pytest.importorskip("transformers")
+    from ..integrations.helpers import tiny_config, tiny_model
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    tiny_model(tiny_config(split_ngram_parts=4), seed=5).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "tier, budget",
+    [("mmap", None), ("cached", None), ("direct", None), ("direct", 1 << 14)],
+    ids=["mmap", "cached", "direct", "direct-16KiB"],
+)
+def test_from_pretrained_eval_and_demo_get_the_same_tier_objects(spy, checkpoint, tmp_path, monkeypatch, tier, budget):
+    """The same ``--tier``/``--memory-budget`` give the same tier object in each command: the same
+    opener, called with the same options (none of them supplies a default of its own)."""
+    from ple.cli import main
+    from ple.evaluate import format_variant
+    from ple.integrations.table_folder import default_table_dir
+    from ple.integrations.transformers import from_pretrained, patched_layers
+
+    monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
+    model = from_pretrained(checkpoint, table_tier=tier, memory_budget=budget, progress=False)
+    # ple eval: its reference is from_pretrained's model; each format's copy is opened for the same tier
+    variant = format_variant(model, checkpoint, "fp8", default_table_dir(checkpoint), tier, budget, False)
+    argv = ["demo", "--checkpoint", str(checkpoint), "--tier", tier, "--synthetic-tokens", "--json"]
+    argv += ["--requests", "2", "--slots", "2", "--num-spec", "1", "--new-tokens", "2", "--no-progress"]
+    if budget is not None:
+        argv += ["--memory-budget", f"{budget}B"]
+    assert main(argv) == 0
+    by_caller: dict[str, list] = {}
+    for caller, *made in spy:  # in the order of the PLE layers
+        by_caller.setdefault(caller, []).append(tuple(made))
+    assert sorted(by_caller) == ["demo", "eval", "from_pretrained"]
+    # the two PLE layers loaded and in ple eval's copy, the demo's layer 0: the same tier objects
+    assert by_caller["from_pretrained"] == by_caller["eval"] and len(by_caller["eval"]) == 2
+    assert by_caller["demo"] == by_caller["eval"][:1]
+    (description,) = by_caller["demo"]
+    assert description[:3] == (tier, None, budget)  # the tier, and no option but the one given
+    first = patched_layers(model)[0].layer.table
+    mapped = ("mmap", first.rows, first.head_dim)
+    made = description[3]
+    if tier == "mmap":
+        assert made == mapped
+    if tier == "cached":
+        assert made == ("cached", min(first.rows, DEFAULT_CACHE_ROWS), "lfu", 64, 0.5, mapped)
+    if tier == "direct":
+        assert made == ("direct", DEFAULT_MEMORY_BUDGET if budget is None else budget, 32)
+    for t in variant.owned:
+        t.close()
