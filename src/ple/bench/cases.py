@@ -321,6 +321,8 @@ class Fixture:
         import tempfile
         from pathlib import Path
 
+        from ple.table.open import open_table
+
         from ..table import DirectTable
         from ..table.table_file import TABLE_SUFFIX, TableFileWriter
 
@@ -340,7 +342,8 @@ class Fixture:
             finally:
                 os.close(fd)
             assert self.memory_budget is not None
-            table = DirectTable(path, fields, memory_budget=self.memory_budget)
+            table = open_table(path, "direct", memory_budget=self.memory_budget, expected_layout_hash=fields)
+            assert isinstance(table, DirectTable)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         geo = self.geometry

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ple.table.open import open_table
+
 from ..argtypes import positive_int
 from ..config import PLEConfig
 from ..errors import CommandLineError, InvalidArgumentError, PLEError
@@ -56,7 +58,7 @@ from ..parallel.launch import check_timeout
 from ..runtime import Batch
 from ..table import MemoryTable, Table
 from ..table.quantize import quantize_global
-from ..table.sharded import METHODS, ShardedTable, load_sharded
+from ..table.sharded import METHODS, ShardedTable
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -414,16 +416,17 @@ def _tables(
 ) -> tuple[Table, Table]:
     """``(reference table, this rank's table)``: a memory tier lives on the rank's device, a table
     file stays mapped (lookups return rows on the ids' device)."""
-    from ..checkpoint import open_layer_table, table_file_name
+    from ..checkpoint import table_file_name
 
     ids = "replicated" if opts.mode == "etp" else "per_rank"
     dev = ctx.device
     if opts.tier == "mmap":
         path = _table_file(full, config, opts.layer, work / table_file_name(f"ple_layer_{opts.layer}.rank{ctx.rank}"))
-        ref = open_layer_table(path, config, opts.layer)
+        fields = config.layout_fields(opts.layer)
+        ref = open_table(path, "mmap", expected_layout_hash=fields)
         if opts.split == "sharded":
-            return ref, load_sharded(path, None, opts.lookup_method, ids=ids)
-        return ref, open_layer_table(path, config, opts.layer)
+            return ref, open_table(path, "sharded", expected_layout_hash=fields, method=opts.lookup_method, ids=ids)
+        return ref, open_table(path, "mmap", expected_layout_hash=fields)
     if dev.type != "cpu":
         full = MemoryTable(full.data.to(dev), None if full.scale is None else full.scale.to(dev), full.format)
     if opts.split == "sharded":

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ple.table.open import DEFAULT_TIER
+
 from ..errors import InvalidArgumentError
 
 __all__ = [
@@ -49,7 +51,7 @@ class Options:
     steps: int = 40
     batch: int = 4
     length: int = 32
-    tier: str = "mmap"
+    tier: str = DEFAULT_TIER
     table_format: str | None = None
     optimizer: str = "sparse_adam"
     lr: float = 0.05
@@ -157,12 +159,13 @@ def finetune(
     )
     files = _table_files(model)
     if sharded:
-        from ..table.sharded import load_sharded
+        from ple.table.open import open_table
 
         for w in patched_layers(model):
             old = w.layer.table
             assert w.table_path is not None and old is not None
-            w.layer.set_table(load_sharded(w.table_path, ids="replicated"))
+            fields = w.layer.config.layout_fields(w.layer.ple_layer_index)
+            w.layer.set_table(open_table(w.table_path, "sharded", expected_layout_hash=fields, ids="replicated"))
             old.close()
     before = _sha(files)
     cfg = model.config
