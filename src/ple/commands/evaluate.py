@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ple.common.argtypes import byte_size, int_between, positive_int
+from ple.common.argtypes import byte_size, int_between, positive_int, shown_size
 from ple.errors import CommandLineError, InvalidArgumentError
+from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, FILE_TIERS
 
 __all__ = ["add_arguments", "run", "token_windows", "compare_logits", "evaluate", "summarize"]
 
@@ -76,13 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ctx", type=int_between(2, 1 << 20), default=512, help="tokens a window (512): ctx - 1 predictions each"
     )
     p.add_argument(
-        "--tier", choices=["mmap", "cached", "direct"], default="mmap", help="where the tables are served from (mmap)"
+        "--tier",
+        choices=FILE_TIERS,
+        default=DEFAULT_TIER,
+        help=f"where the tables are served from ({DEFAULT_TIER})",
     )
     p.add_argument(
         "--memory-budget",
         type=byte_size,
         metavar="SIZE",
-        help="--tier direct: memory for each table's rows, with its unit: 64MiB, 1GiB (default 64MiB)",
+        help="--tier direct: memory for each table's rows, with its unit: 64MiB, 1GiB "
+        f"(default {shown_size(DEFAULT_MEMORY_BUDGET)})",
     )
     p.add_argument("--table-dir", help="where the table files and format copies live (default: from_pretrained's)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the report")
@@ -358,21 +363,6 @@ def _row_bytes(fmt: str, head_dim: int) -> int:
     return info.row_nbytes(head_dim) + (4 if info.scale_kind == "row" else 0)
 
 
-def _serve(mapped, path: Path, tier: str, budget: int | None):
-    """``mapped`` (an open table file) served from ``tier``, as ``from_pretrained`` serves it."""
-    from ple.table import CachedTable, DirectTable
-
-    if tier == "cached":
-        from ple.integrations.transformers import DEFAULT_CACHE_ROWS
-
-        return CachedTable(mapped, DEFAULT_CACHE_ROWS)
-    if tier == "direct":
-        direct = DirectTable(path, mapped.layout_hash, memory_budget=64 << 20 if budget is None else budget)
-        mapped.close()
-        return direct
-    return mapped
-
-
 def reference_variant(model) -> Variant:
     from ple.integrations.transformers import patched_layers
 
@@ -393,6 +383,7 @@ def format_variant(model, checkpoint: Path, fmt: str, table_dir: Path, tier: str
     from ple.config import PLEConfig
     from ple.convert.folder import prepare_table, served_format
     from ple.integrations.transformers import patched_layers
+    from ple.table.tiers.open import open_table
 
     config = PLEConfig.from_pretrained(checkpoint)
     entries = {e.ple_layer_index: e for e in scan_checkpoint(checkpoint, config).layers}
@@ -408,7 +399,9 @@ def format_variant(model, checkpoint: Path, fmt: str, table_dir: Path, tier: str
             i = w.layer.ple_layer_index
             prepared = prepare_table(entries[i], config, table_dir, progress=show, table_format=fmt)
             assert prepared.table is not None
-            table = _serve(prepared.table, prepared.path, tier, budget)
+            # served as from_pretrained serves the reference's tables: the same opener, options and device
+            device = w.layer.key_proj.device
+            table = open_table(prepared.table, tier, memory_budget=budget, device=device)
             v.owned.append(table)
             v.tables[i] = table
             v.table_bytes += prepared.path.stat().st_size

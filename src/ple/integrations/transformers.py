@@ -97,9 +97,10 @@ from ple.integrations.table_state import (
 )
 from ple.layer import PLELayer
 from ple.runtime.batch import PREFILL, Batch
-from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
+from ple.table import CachedTable, MemoryTable, MmapTable, StoredTable, Table, format_info
 from ple.table.formats.catalog import resolve_format
 from ple.table.tiers.adapted import AdaptedTable
+from ple.table.tiers.open import DEFAULT_CACHE_ROWS, MODEL_TIERS, check_tier_options, open_table
 from ple.train.attach import default_spill_dir
 
 __all__ = [
@@ -120,10 +121,9 @@ __all__ = [
 
 TABLE_TIERS = ("memory", "mmap")
 """The tiers :func:`patch` builds by name (any other through a table factory)."""
-LOAD_TIERS = ("mmap", "cached", "memory", "direct")
-"""The tiers :func:`from_pretrained` serves tables from."""
-DEFAULT_CACHE_ROWS = 1 << 20
-"""Rows a ``"cached"`` table keeps in memory by default (160 MB of fp8 rows at the published width)."""
+LOAD_TIERS = MODEL_TIERS
+"""The tiers :func:`from_pretrained` serves tables from (:data:`ple.table.MODEL_TIERS`; their defaults,
+:data:`DEFAULT_CACHE_ROWS` among them, are :mod:`ple.table.tiers.open`'s)."""
 
 #: A table factory: ``(weight [R_pad, head_dim] (the module's table), layer) -> Table``.
 TableFactory = Callable[[torch.Tensor, PLELayer], Table]
@@ -802,11 +802,12 @@ def from_pretrained(
         table_tier: ``"mmap"`` (rows read from the page cache on demand), ``"cached"`` (the hottest
             ``table_cache_rows`` rows kept in memory on the model's device, in front of the map) or
             ``"memory"`` (the table read into memory in the checkpoint's format; no table files).
-        table_cache_rows: rows of the ``"cached"`` tier, an int >= 1 (default :data:`DEFAULT_CACHE_ROWS`);
-            checked before anything is converted or loaded.
+            The table-file tiers are opened by :func:`ple.table.open_table`, with its defaults.
+        table_cache_rows: rows of the ``"cached"`` tier, an int >= 1 (default
+            :data:`ple.table.DEFAULT_CACHE_ROWS`); checked before anything is converted or loaded.
         memory_budget: ``table_tier="direct"`` (rows read from the table files with ``pread``,
             bypassing the page cache, :class:`ple.table.DirectTable`): bytes of rows each table keeps
-            in memory, an int >= 0 (default 64 MiB). A direct table cannot give its rows back to
+            in memory, an int >= 0 (default :data:`ple.table.DEFAULT_MEMORY_BUDGET`, 64 MiB). A direct table cannot give its rows back to
             transformers (``unpatch``, ``save_pretrained``).
         progress: progress bars while converting (default: when stderr is a terminal).
         table_format: serve a copy of each table in this format ("q4_0", "q5_1", "iq4_nl", "nvfp4",
@@ -829,8 +830,7 @@ def from_pretrained(
         TransformersVersionError: transformers is missing, too old, or built the model unexpectedly.
     """
     mq = require_transformers()
-    if table_tier not in LOAD_TIERS:
-        raise InvalidArgumentError(f"table_tier must be one of {list(LOAD_TIERS)}, got {table_tier!r}")
+    check_tier_options(table_tier, table_cache_rows=table_cache_rows, memory_budget=memory_budget, tiers=LOAD_TIERS)
     if table_tier == "memory" and table_dir is not None:
         raise InvalidArgumentError(
             "table_dir is for the table-file tiers (mmap, cached, direct); 'memory' reads the checkpoint"
@@ -841,25 +841,6 @@ def from_pretrained(
         )
     if table_format is not None:
         table_format = resolve_format(table_format, "table_format")
-    for name, value, tier, least, unit, hint in (
-        ("memory_budget", memory_budget, "direct", 0, "bytes", ""),
-        (
-            "table_cache_rows",
-            table_cache_rows,
-            "cached",
-            1,
-            "rows kept in memory",
-            "; for no cache use table_tier='mmap'",
-        ),
-    ):
-        if value is None:
-            continue
-        if table_tier != tier:
-            raise InvalidArgumentError(f"{name} is for table_tier={tier!r}, got table_tier={table_tier!r}")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ArgumentTypeError(f"{name} must be an int ({unit}), got {value!r}")
-        if value < least:
-            raise InvalidArgumentError(f"{name} must be >= {least}, got {value}{hint}")
     refused = sorted(k for k in ("state_dict", "gguf_file", "from_tf", "from_flax", "key_mapping") if k in kwargs)
     if refused:
         raise InvalidArgumentError(f"from_pretrained: {refused} cannot be combined with ple's table loading")
@@ -909,20 +890,9 @@ def from_pretrained(
                     return load_table(entries[idx], reader, device=device)
             mapped = prepared[idx].table
             assert mapped is not None
-            if table_tier == "cached":
-                rows = DEFAULT_CACHE_ROWS if table_cache_rows is None else table_cache_rows
-                return CachedTable(mapped, rows, device=device)
-            if table_tier == "direct":
-                path = prepared[idx].path
-                direct = DirectTable(
-                    path, mapped.layout_hash, memory_budget=64 << 20 if memory_budget is None else memory_budget
-                )
-                if not mapped.same_file(path):  # the file checked is the file served
-                    direct.close()
-                    raise InvalidArgumentError(f"{path} was replaced while it was opened: load again")
-                mapped.close()
-                return direct
-            return mapped
+            return open_table(
+                mapped, table_tier, table_cache_rows=table_cache_rows, memory_budget=memory_budget, device=device
+            )
 
         patch(model, factory)
         if adapter is not None:

@@ -13,6 +13,9 @@ are :class:`StoredTable` (their whole ``data``/``scale`` are readable here):
 - :class:`ShardedTable` — rows split across the ranks of a ``torch.distributed`` group (see
   :mod:`ple.table.tiers.sharded`).
 
+:func:`open_table` opens a table file as any of these tiers by name, with the one set of tier
+defaults (:mod:`ple.table.tiers.open`).
+
 The names below are what a user of the tiers needs; the rest (lookup twins, prefetch, conversion,
 the table file writer, quantizers) is imported from its module.
 """
@@ -27,13 +30,27 @@ from ple.table.tiers.cache import CachedTable
 from ple.table.tiers.direct import DirectTable, UringUnavailable
 from ple.table.tiers.memory import MemoryTable, PinnedHostTable
 from ple.table.tiers.mmap import MmapTable
+from ple.table.tiers.open import (
+    DEFAULT_CACHE_ROWS,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_TIER,
+    FILE_TIERS,
+    MODEL_TIERS,
+    TIERS,
+    open_table,
+)
 from ple.table.tiers.sharded import ShardedLookupError, ShardedTable, ShardGeometryError
 
 __all__ = [
     "CachedTable",
+    "DEFAULT_CACHE_ROWS",
+    "DEFAULT_MEMORY_BUDGET",
+    "DEFAULT_TIER",
     "DirectTable",
+    "FILE_TIERS",
     "FORMATS",
     "IdOutOfRangeError",
+    "MODEL_TIERS",
     "MemoryTable",
     "MmapTable",
     "PinnedHostTable",
@@ -43,11 +60,13 @@ __all__ = [
     "ShardedTable",
     "StoredTable",
     "TABLE_SUFFIX",
+    "TIERS",
     "Table",
     "TableFileError",
     "UringUnavailable",
     "dequantize",
     "format_info",
+    "open_table",
     "quantize_rows",
     "read_table_header",
     "verify_table_file",

@@ -119,6 +119,10 @@ def test_bad_arguments_are_one_line_errors(small_config, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--tier", "disk"])
     assert e.value.code == 2
+    # a budget is for the direct tier, as from_pretrained and ple eval say: refused before anything runs
+    assert main(["demo", "--tier", "cached", "--memory-budget", "1MiB", "--workdir", str(tmp_path / "w")]) == 2
+    assert "ple demo: error: --memory-budget is for --tier direct, not --tier cached" in capsys.readouterr().err
+    assert list((tmp_path / "w").iterdir()) == []
 
 
 def test_a_reused_workdir_is_refused_before_anything_runs(tmp_path, capsys):

@@ -323,6 +323,7 @@ class Fixture:
 
         from ple.table import DirectTable
         from ple.table.files.table_file import TABLE_SUFFIX, TableFileWriter
+        from ple.table.tiers.open import open_table
 
         mem = layer.table
         lay = layer.layout
@@ -340,7 +341,8 @@ class Fixture:
             finally:
                 os.close(fd)
             assert self.memory_budget is not None
-            table = DirectTable(path, fields, memory_budget=self.memory_budget)
+            table = open_table(path, "direct", memory_budget=self.memory_budget, expected_layout_hash=fields)
+            assert isinstance(table, DirectTable)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         geo = self.geometry

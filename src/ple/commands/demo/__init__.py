@@ -34,10 +34,11 @@ from ple.commands.demo.serving import (
     serve,
     synthesize_checkpoint,
 )
-from ple.common.argtypes import byte_size, int_between, non_negative_int
+from ple.common.argtypes import byte_size, int_between, non_negative_int, shown_size
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.integrations.demo_model import MODEL_DIRECT_BUDGET, MODEL_SIZES
 from ple.table.formats.catalog import accepted_names, format_argument
+from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, MODEL_TIERS
 
 __all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
 
@@ -51,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", choices=["model", "serving"], help="run one part only")
     p.add_argument(
         "--tier",
-        choices=["mmap", "cached", "memory", "direct"],
-        default="mmap",
+        choices=MODEL_TIERS,
+        default=DEFAULT_TIER,
         help="where ple serves the tables from",
     )
     p.add_argument(
@@ -61,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="--tier direct: hot rows each table keeps in memory, a size with its unit (64MiB, 1GiB, 512KiB; the "
-        "rest read from disk; default 64MiB for the serving layer, 1MiB for each of the model's two small tables)",
+        f"rest read from disk; default {shown_size(DEFAULT_MEMORY_BUDGET)} for the serving layer, "
+        f"{shown_size(MODEL_DIRECT_BUDGET)} for each of the model's two small tables)",
     )
     p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
@@ -207,6 +209,8 @@ def run(args) -> int:
     """``ple demo``: both parts (or ``--only`` one); returns the exit status. With ``--ranks N
     --parallel MODE``, the serving workload on several processes instead (:mod:`.parallel`)."""
     check_output(getattr(args, "output", None))
+    if getattr(args, "memory_budget", None) is not None and args.tier != "direct":
+        raise CommandLineError(f"--memory-budget is for --tier direct, not --tier {args.tier}")
     table_format = getattr(args, "table_format", None)
     if table_format is not None and (parallel.requested(args) or args.tier == "memory" or args.only == "model"):
         raise CommandLineError(

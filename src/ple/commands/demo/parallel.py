@@ -56,7 +56,8 @@ from ple.parallel.launch import check_timeout
 from ple.runtime import Batch
 from ple.table import MemoryTable, Table
 from ple.table.formats.quantize import quantize_global
-from ple.table.tiers.sharded import METHODS, ShardedTable, load_sharded
+from ple.table.tiers.open import open_table
+from ple.table.tiers.sharded import METHODS, ShardedTable
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -414,16 +415,17 @@ def _tables(
 ) -> tuple[Table, Table]:
     """``(reference table, this rank's table)``: a memory tier lives on the rank's device, a table
     file stays mapped (lookups return rows on the ids' device)."""
-    from ple.checkpoint import open_layer_table, table_file_name
+    from ple.checkpoint import table_file_name
 
     ids = "replicated" if opts.mode == "etp" else "per_rank"
     dev = ctx.device
     if opts.tier == "mmap":
         path = _table_file(full, config, opts.layer, work / table_file_name(f"ple_layer_{opts.layer}.rank{ctx.rank}"))
-        ref = open_layer_table(path, config, opts.layer)
+        fields = config.layout_fields(opts.layer)
+        ref = open_table(path, "mmap", expected_layout_hash=fields)
         if opts.split == "sharded":
-            return ref, load_sharded(path, None, opts.lookup_method, ids=ids)
-        return ref, open_layer_table(path, config, opts.layer)
+            return ref, open_table(path, "sharded", expected_layout_hash=fields, method=opts.lookup_method, ids=ids)
+        return ref, open_table(path, "mmap", expected_layout_hash=fields)
     if dev.type != "cpu":
         full = MemoryTable(full.data.to(dev), None if full.scale is None else full.scale.to(dev), full.format)
     if opts.split == "sharded":

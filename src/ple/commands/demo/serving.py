@@ -25,6 +25,7 @@ import torch
 from ple.config import PLEConfig
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.table import CachedTable, DirectTable, Table, format_info
+from ple.table.tiers.open import FILE_TIERS, open_table
 
 __all__ = ["DEMO_CONFIG", "SERVING_BASES", "synthesize_checkpoint", "serve", "run_serving", "print_serving"]
 
@@ -279,7 +280,7 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     table: Table | None = None
     prepared = None
-    if args.tier in ("mmap", "cached", "direct"):
+    if args.tier in FILE_TIERS:
         scan = scan_checkpoint(ckpt, config)
         if scan.all_problems:
             raise CheckpointError(scan.all_problems)
@@ -289,16 +290,9 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         prepared = prepare_table(
             entry, config, folder, progress=progress, table_format=getattr(args, "table_format", None)
         )
-        mapped = prepared.table  # opened while checked: the file served is the file checked
-        assert mapped is not None
-        table = CachedTable(mapped, min(mapped.rows, 1 << 18)) if args.tier == "cached" else mapped
-        if args.tier == "direct":
-            budget = 64 << 20 if getattr(args, "memory_budget", None) is None else args.memory_budget
-            table = DirectTable(prepared.path, mapped.layout_hash, memory_budget=budget)
-            if not mapped.same_file(prepared.path):
-                table.close()
-                raise InvalidArgumentError(f"{prepared.path} was replaced while it was opened: run again")
-            mapped.close()
+        assert prepared.table is not None  # opened while checked: the file served is the file checked
+        # served as from_pretrained serves a table file: the same opener and defaults
+        table = open_table(prepared.table, args.tier, memory_budget=getattr(args, "memory_budget", None))
     layer = PLELayer.from_checkpoint(ckpt, config, ple_layer_index=args.layer, progress=progress, table=table)
     load_s = time.perf_counter() - t0
     t = layer.table

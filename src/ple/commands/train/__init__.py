@@ -53,6 +53,7 @@ table_adapter=WORKDIR/adapter.safetensors), or write it into a table file with -
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ple.commands.train.loop import OPTIMIZERS
     from ple.table.formats.catalog import accepted_names, format_argument
+    from ple.table.tiers.open import DEFAULT_TIER, FILE_TIERS
 
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int_between(1, 4096), default=4, help="sequences a step (4)")
     p.add_argument("--length", type=int_between(4, 1 << 16), default=32, help="tokens a sequence (32)")
     p.add_argument(
-        "--tier", choices=["mmap", "cached", "direct"], default="mmap", help="where the tables are served from (mmap)"
+        "--tier", choices=FILE_TIERS, default=DEFAULT_TIER, help=f"where the tables are served from ({DEFAULT_TIER})"
     )
     p.add_argument(
         "--table-format",

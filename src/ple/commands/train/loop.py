@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ple.errors import InvalidArgumentError
+from ple.table.tiers.open import DEFAULT_TIER
 
 __all__ = [
     "Options",
@@ -49,7 +50,7 @@ class Options:
     steps: int = 40
     batch: int = 4
     length: int = 32
-    tier: str = "mmap"
+    tier: str = DEFAULT_TIER
     table_format: str | None = None
     optimizer: str = "sparse_adam"
     lr: float = 0.05
@@ -157,12 +158,13 @@ def finetune(
     )
     files = _table_files(model)
     if sharded:
-        from ple.table.tiers.sharded import load_sharded
+        from ple.table.tiers.open import open_table
 
         for w in patched_layers(model):
             old = w.layer.table
             assert w.table_path is not None and old is not None
-            w.layer.set_table(load_sharded(w.table_path, ids="replicated"))
+            fields = w.layer.config.layout_fields(w.layer.ple_layer_index)
+            w.layer.set_table(open_table(w.table_path, "sharded", expected_layout_hash=fields, ids="replicated"))
             old.close()
     before = _sha(files)
     cfg = model.config
