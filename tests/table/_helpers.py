@@ -14,7 +14,7 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.table import format_info, quantize_rows
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats.catalog import BLOCK_FORMATS, FORMATS
 from ple.table.formats.quantize import quantize_global

@@ -25,7 +25,8 @@ from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.runtime import Batch
 from ple.table import MemoryTable, MmapTable, PrefetchError
-from ple.table.files.table_file import TableFileWriter, hash_layout
+from ple.table.files.table_file import hash_layout
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats.quantize import quantize_global, quantize_rows
 from ple.table.tiers.sharded import (
