@@ -29,14 +29,13 @@ from ple.table.files.table_file import hash_layout
 from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats.quantize import quantize_global, quantize_rows
+from ple.table.tiers.shard_checks import Fingerprint, check_fingerprints
 from ple.table.tiers.sharded import (
     DEFAULT_METHODS,
     IDS_MODES,
     METHODS,
-    Fingerprint,
     ShardedTable,
     ShardGeometryError,
-    check_fingerprints,
     load_sharded,
     shard_rows,
 )
