@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/dense_bench.py [--dir /tmp] [--rows 320001536] [--format q4_0] [--out dense.json]
 
 1. **Write.** A dense table file of ``--rows`` rows (default the published 320,001,536 x 160; q4_0: 90
-   bytes a row, 26.8 GiB) through :class:`ple.table.files.table_file.TableFileWriter`, shard by shard (the
+   bytes a row, 26.8 GiB) through :class:`ple.table.files.writer.TableFileWriter`, shard by shard (the
    published layout's 128 shards of 2,500,012 rows), every block's bytes from a deterministic
    counter-based generator (Philox keyed by ``--seed``, counter = the row: any row can be recomputed
    alone): random 4-bit codes and a finite positive fp16 block scale in ``[2^-8, 2^-6)`` (fp8: random
@@ -86,7 +86,8 @@ import torch
 from ple import PLEConfig, Session
 from ple.data import realtext
 from ple.table import DirectTable, MmapTable
-from ple.table.files.table_file import TableFileWriter, read_table_header
+from ple.table.files.table_file import read_table_header
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.catalog import format_info
 from ple.table.lookup import gather_dequant_reference
 from ple.table.tiers.direct import UringUnavailable

@@ -57,7 +57,7 @@ import torch
 from ple import PLEConfig, PLELayer, Session
 from ple.data import realtext
 from ple.table import DirectTable, MemoryTable, MmapTable
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from ple.table.tiers.direct import BLOCK
 
 _REPO = Path(__file__).resolve().parents[1]

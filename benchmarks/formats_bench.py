@@ -35,7 +35,7 @@ import torch
 from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.table import MemoryTable, MmapTable, format_info
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import dequantize_blocks, nvfp4_global_scale, quantize_blocks
 from ple.table.formats.catalog import BLOCK_FORMATS
 from ple.table.formats.quantize import QuantStats, RowStats, quantize_global, quantize_rows

@@ -27,7 +27,7 @@ import torch
 
 from ple.commands.bench.runner import machine_info, versions
 from ple.table import MemoryTable, MmapTable
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from ple.table.lookup import gather_dequant_reference
 
 HEAD_DIM, HEADS, E, HCH = 160, 16, 2560, 10240

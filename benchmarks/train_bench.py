@@ -53,7 +53,8 @@ from ple.commands.bench.runner import machine_info, versions
 from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.table import DirectTable, MmapTable
-from ple.table.files.table_file import TableFileWriter, hash_layout
+from ple.table.files.table_file import hash_layout
+from ple.table.files.writer import TableFileWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "examples" / "published-config.json"

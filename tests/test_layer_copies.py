@@ -160,7 +160,7 @@ def test_pickles_leave_out_what_is_derived_and_a_compiled_call():
 
 def test_a_layer_over_a_table_file_pickles_the_file_not_its_rows(tmp_path):
     from ple.table import MmapTable
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
 
     layer = PLELayer.from_transformers(_module(torch.bfloat16))
     rows = layer.table.data

@@ -18,7 +18,7 @@ from ple.checkpoint.gguf import TABLE_TENSOR, GGUFError, read_gguf
 from ple.commands.cli import main
 from ple.config import PLEConfig
 from ple.table import MmapTable
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from tests.conftest import SMALL
 
 WIDE = {**SMALL, "ple_embed_dim": 128, "ple_layer_ids": (2,)}  # one PLE layer, head_dim 32

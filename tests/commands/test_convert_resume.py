@@ -22,7 +22,8 @@ from ple.commands.cli import main
 from ple.commands.demo import synthesize_checkpoint
 from ple.config import PLEConfig
 from ple.table import MmapTable
-from ple.table.files.table_file import TableFileWriter, read_table_header
+from ple.table.files.table_file import read_table_header
+from ple.table.files.writer import TableFileWriter
 from tests.conftest import SMALL
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -216,13 +217,13 @@ def test_a_writer_interrupted_before_its_first_shard_leaves_nothing(tmp_path):
 def _rewrite_header(partial: Path, edit) -> None:
     """Edit the temporary file's header (``edit(header)`` in place), its header checksum recomputed as a
     writer would: a header that checks out, saying what the edit says."""
-    from ple.table.files.table_file import _header_digest
+    from ple.table.files.table_file import header_digest
 
     raw = partial.read_bytes()
     n = int.from_bytes(raw[8:16], "little")
     header = json.loads(raw[16 : 16 + n])
     edit(header)
-    header["header_checksum"] = _header_digest(header)
+    header["header_checksum"] = header_digest(header)
     blob = json.dumps(header, indent=1).encode()
     room = header["data_offset"] - 16
     assert len(blob) <= room

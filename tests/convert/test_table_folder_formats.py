@@ -151,7 +151,7 @@ def test_a_table_file_of_other_rows_with_a_record_is_not_served(wide, tmp_path):
     from ple.checkpoint import scan_checkpoint
     from ple.config import PLEConfig
     from ple.convert.folder import record_table
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
 
     config = PLEConfig.from_pretrained(wide)
     entry = scan_checkpoint(wide, config).layers[0]
@@ -240,7 +240,8 @@ def test_an_interrupted_copy_continues_only_with_the_shards_that_check_out(wide,
     """A ``table_format="q4_0"`` start interrupted after two shards of its first table, then a byte of
     a finished shard flipped in the kept ``.partial``: the next start converts that shard again and
     serves the rows a start that was never interrupted serves."""
-    from ple.table.files.table_file import TableFileWriter, read_table_header
+    from ple.table.files.table_file import read_table_header
+    from ple.table.files.writer import TableFileWriter
 
     folder = tmp_path / "tables"
     orig = TableFileWriter.commit

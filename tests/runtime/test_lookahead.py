@@ -155,7 +155,7 @@ def test_prefetch_refuses_what_it_cannot_foresee():
 def test_direct_tables_with_lookahead_equal_memory(tmp_path):
     """Layers whose tables are files read by DirectTable, lookahead on: outputs equal the in-memory run."""
     from ple.table import DirectTable
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
 
     mem_layers = _layers()
     disk_layers = _layers()

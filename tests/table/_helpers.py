@@ -14,7 +14,7 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.table import format_info, quantize_rows
-from ple.table.files.table_file import TableFileWriter
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats.catalog import BLOCK_FORMATS, FORMATS
 from ple.table.formats.quantize import quantize_global
@@ -169,9 +169,9 @@ def run_forked(body, out_path, deadline: float = FORK_DEADLINE_S):
 def uring_unavailable() -> str | None:
     """None where the direct tier's io_uring reader starts here, else the reason (for skips)."""
     from ple.kernels import native as _native
-    from ple.table.tiers.direct import URING_SWITCH, UringUnavailable, _uring_off, _UringReader
+    from ple.table.tiers.readers import URING_SWITCH, UringReader, UringUnavailable, uring_off
 
-    if _uring_off():
+    if uring_off():
         return f"turned off: {URING_SWITCH}={os.environ[URING_SWITCH]}"
     try:
         _native.library()
@@ -179,7 +179,7 @@ def uring_unavailable() -> str | None:
         return f"no C kernels: {e}"
     fd = os.open(__file__, os.O_RDONLY)
     try:
-        _UringReader(fd, 2, False, os.fstat(fd).st_size, Path(__file__)).close()
+        UringReader(fd, 2, False, os.fstat(fd).st_size, Path(__file__)).close()
     except UringUnavailable as e:
         return str(e)
     finally:

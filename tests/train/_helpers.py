@@ -9,7 +9,8 @@ import torch
 from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable
-from ple.table.files.table_file import TableFileWriter, hash_layout
+from ple.table.files.table_file import hash_layout
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.catalog import FORMATS
 from tests.table._helpers import make_table
 

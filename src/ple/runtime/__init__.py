@@ -2,7 +2,8 @@
 
 from ple.runtime.batch import DECODE, PREFILL, VERIFY, Batch, BatchError
 from ple.runtime.host import tune_host_allocator
-from ple.runtime.session import PrefixState, Session, SessionError, SessionStep
+from ple.runtime.requests import PrefixState, SessionError, SessionStep
+from ple.runtime.session import Session
 
 __all__ = [
     "Batch",

@@ -25,13 +25,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from ple.errors import PLEError
 from ple.kernels import native as _native
 from ple.ngram import first_out_of_range, next_ngram_context, ngram_ids
 from ple.ops.library import named_range
-from ple.ops.state import ring_to_engine, ring_window
+from ple.ops.state import ring_to_engine
 from ple.runtime.batch import DECODE, PREFILL, VERIFY, Batch, is_int
-from ple.runtime.slots import SlotArrays, SlotField
+from ple.runtime.requests import (
+    Pending,
+    PrefixKeeping,
+    PrefixState,
+    Request,
+    SessionError,
+    SessionStep,
+    positive_int,
+)
+from ple.runtime.slots import SlotArrays
 
 __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 
@@ -44,94 +52,7 @@ _slot, _pending, _wanted = (attrgetter(f) for f in ("slot", "pending", "wanted")
 _first, _second = itemgetter(0), itemgetter(1)
 
 
-class SessionError(PLEError, ValueError):
-    """A request id, chunk or acceptance the session cannot take; nothing was changed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixState:
-    """A request's state after ``length`` tokens: enough to resume it exactly.
-
-    ``conv_window`` the last conv inputs (zeros before the start): ``[HC*H, (K-1)*N]`` for a session
-    of one layer, ``[layers, HC*H, (K-1)*N]`` for several; ``ngram_context [N-1]`` int64 (the last N-1
-    tokens, EOS-filled).
-    """
-
-    conv_window: torch.Tensor
-    ngram_context: torch.Tensor
-    length: int
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A speculative chunk waiting for :meth:`Session.accept`."""
-
-    tokens: torch.Tensor
-    prev_context: torch.Tensor
-    prev_length: int
-    prev_window: torch.Tensor | None  # only kept when prefix states may fall inside the chunk
-    conv_input: torch.Tensor | None  # [layers, n, C]
-
-
-class _Request:
-    """A live request: its slot, a pending speculative chunk, prefix states; its length, whether its
-    slot holds state and how many of its last columns were rejected live in the session's
-    :class:`~ple.runtime.slots.SlotArrays` (read and written here as attributes)."""
-
-    __slots__ = ("slot", "pending", "prefix_states", "wanted", "_arrays")
-
-    def __init__(self, slot: int, arrays: SlotArrays):
-        self.slot = slot
-        self.pending: _Pending | None = None
-        self.prefix_states: dict[int, PrefixState] = {}
-        self.wanted: set[int] = set()  # positions the caller named
-        self._arrays = arrays
-        arrays.length[slot] = 0
-        arrays.has_state[slot] = False
-        arrays.rejected[slot] = 0
-
-    length = SlotField(int)
-    has_state = SlotField(bool)
-    rejected = SlotField(int)
-
-
-@dataclasses.dataclass
-class SessionStep:
-    """One packed step between :meth:`Session.begin` and :meth:`Session.end`.
-
-    Attributes:
-        request_ids: the requests in packing order.
-        lens: their token counts; ``query_start_loc`` / ``tokens`` / ``batch`` as the layers see them.
-        num_tokens: T.
-    """
-
-    request_ids: list[Hashable]
-    lens: list[int]
-    tokens: torch.Tensor
-    batch: Batch
-    num_tokens: int
-    speculative: frozenset
-    prefix_rows: dict[Hashable, int]  # request -> index, for requests whose chunk holds wanted positions
-    prev_windows: dict[Hashable, torch.Tensor]
-    conv_inputs: list[torch.Tensor | None]
-    done: list[bool]
-    ended: bool = False
-    lookups: list | None = None  # per layer, a prefetch handle started at begin() (lookahead)
-    slots: np.ndarray | None = None  # the requests' slots, int64 [R]
-    slot_tensor: torch.Tensor | None = None  # the same in a host tensor
-
-    def split(self, packed: torch.Tensor) -> dict[Hashable, torch.Tensor]:
-        """``{request: rows}`` views of a packed ``[T, ...]`` tensor."""
-        return dict(zip(self.request_ids, packed.split(self.lens)))
-
-
-def _positive_int(name: str, v, minimum: int) -> int:
-    if not is_int(v) or v < minimum:
-        raise SessionError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return int(v)
-
-
-class Session:
+class Session(PrefixKeeping):
     """Streams requests through the PLE layers of one model.
 
     Args:
@@ -159,10 +80,10 @@ class Session:
         state_layout: str = "auto",
         lookahead: bool = False,
     ):
-        max_requests = _positive_int("max_requests", max_requests, 1)
-        num_spec = _positive_int("num_spec", num_spec, 0)
+        max_requests = positive_int("max_requests", max_requests, 1)
+        num_spec = positive_int("num_spec", num_spec, 0)
         if prefix_every is not None:
-            prefix_every = _positive_int("prefix_every", prefix_every, 1)
+            prefix_every = positive_int("prefix_every", prefix_every, 1)
         group = (layers,) if isinstance(layers, torch.nn.Module) else tuple(layers)
         if not group or not all(hasattr(x, "config") and hasattr(x, "key_proj") for x in group):
             raise SessionError(f"layers must be a PLELayer or a non-empty sequence of them, got {layers!r}")
@@ -216,7 +137,7 @@ class Session:
         self._free = list(range(max_requests - 1, -1, -1))
         self._arrays = SlotArrays(max_requests, self._ctx_len, self._eos)
         self._pending_count = 0  # requests with a speculative chunk awaiting accept()
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests: dict[Hashable, Request] = {}
         self._open: SessionStep | None = None
         self.lookahead = bool(lookahead)
         self._ahead: list | None = None  # (ids, handle) per layer, from prefetch()
@@ -251,7 +172,7 @@ class Session:
             return ring_to_engine(self._pools[layer], self._offsets[layer])
         return self._pools[layer]
 
-    def _get(self, request_id) -> _Request:
+    def _get(self, request_id) -> Request:
         try:
             return self._requests[request_id]
         except (KeyError, TypeError):
@@ -275,7 +196,7 @@ class Session:
         if from_state is not None:
             window, ctx = self._check_state(from_state)
         slot = self._free.pop()
-        req = _Request(slot, self._arrays)
+        req = Request(slot, self._arrays)
         self._arrays.contexts[slot] = self._eos
         if from_state is not None:
             for k in range(len(self.layers)):
@@ -337,7 +258,7 @@ class Session:
         """Make room for ``max_requests`` requests (at least the current number); live requests keep
         their slots and states."""
         self._check_idle("grow()")
-        max_requests = _positive_int("max_requests", max_requests, self.max_requests)
+        max_requests = positive_int("max_requests", max_requests, self.max_requests)
         extra = max_requests - self.max_requests
         if extra == 0:
             return
@@ -355,120 +276,6 @@ class Session:
             self._arrays.grow(extra)
         self._free = list(range(max_requests - 1, self.max_requests - 1, -1)) + self._free
         self.max_requests = max_requests
-
-    def keep_prefix_at(self, request_id: Hashable, positions: Iterable[int]) -> None:
-        """Also keep a :class:`PrefixState` when the request's kept history reaches each of ``positions``
-        (token counts, e.g. an engine's block boundaries); the current length is taken at once.
-
-        While the request is in an open step (between :meth:`begin` and :meth:`end`) only positions
-        after its chunk are taken: the others are refused (its state is then half updated)."""
-        req = self._get(request_id)
-        if req.pending is not None:
-            raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
-        if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
-            raise SessionError(
-                f"request {request_id!r}: positions must be a collection of ints (e.g. [{positions!r}]), "
-                f"got {positions!r}"
-            )
-        wanted = list(positions)
-        first = req.length
-        open_end = self._open_chunk_end(request_id, req)
-        for p in wanted:
-            if not is_int(p) or p < first:
-                raise SessionError(
-                    f"request {request_id!r}: prefix position {p!r} must be an int >= its length {req.length}"
-                )
-            if open_end is not None and p <= open_end:
-                raise SessionError(
-                    f"request {request_id!r}: prefix position {p} is inside its chunk of the open step "
-                    f"(positions {req.length}..{open_end}); name it before begin() or after end()"
-                )
-        for p in wanted:
-            if p == req.length:
-                if p > 0:
-                    req.prefix_states[p] = self._state_now(req)
-            else:
-                req.wanted.add(int(p))
-
-    # ------------------------------------------------------------------ state views
-    def _window_of(self, req: _Request) -> torch.Tensor:
-        """The conv windows of the request's kept history, ``[layers, C, W]`` (a copy)."""
-        if not req.has_state:
-            return torch.zeros(len(self.layers), self._channels, self._window, dtype=self._dtype)
-        end = self._width - req.rejected
-        out = []
-        for k, pool in enumerate(self._pools):
-            if self._ring:
-                out.append(ring_window(pool, self._offsets[k], req.slot, end - self._window, end))
-            else:
-                out.append(pool[req.slot, :, end - self._window : end].clone())
-        return torch.stack(out).cpu()
-
-    def _state(self, windows: torch.Tensor, ctx: torch.Tensor, length: int) -> PrefixState:
-        w = windows[0] if len(self.layers) == 1 else windows
-        return PrefixState(w.contiguous(), ctx, length)
-
-    def _state_now(self, req: _Request) -> PrefixState:
-        return self._state(self._window_of(req), self._arrays.contexts[req.slot].clone(), req.length)
-
-    def _open_chunk_end(self, request_id: Hashable, req: _Request) -> int | None:
-        """The request's length after its chunk in the open step, or None when it is not in one."""
-        step = self._open
-        if step is None or step.ended:
-            return None
-        for rid, n in zip(step.request_ids, step.lens):
-            if rid == request_id:
-                return req.length + n
-        return None
-
-    def prefix_state(self, request_id: Hashable) -> PrefixState:
-        """The request's current state (after its kept history). Refused for a request in the open
-        step (between :meth:`begin` and :meth:`end`, its state is half updated)."""
-        req = self._get(request_id)
-        if req.pending is not None:
-            raise SessionError(f"request {request_id!r} has a speculative chunk awaiting accept()")
-        if self._open_chunk_end(request_id, req) is not None:
-            raise SessionError(f"request {request_id!r} is in the open step: call end() before prefix_state()")
-        return self._state_now(req)
-
-    def prefix_states(self, request_id: Hashable) -> dict[int, PrefixState]:
-        """``{position: PrefixState}`` at every multiple of ``prefix_every`` and every position named
-        with :meth:`keep_prefix_at`, reached so far."""
-        return dict(self._get(request_id).prefix_states)
-
-    def _maybe_keep(self, req: _Request, st: PrefixState) -> None:
-        b = self.prefix_every
-        if st.length > 0 and ((b and st.length % b == 0) or st.length in req.wanted):
-            req.prefix_states[st.length] = st
-            req.wanted.discard(st.length)
-
-    def _positions_in(self, req: _Request, start: int, n: int) -> list[int]:
-        """Positions in ``(start, start + n]`` where the request keeps a prefix state."""
-        b = self.prefix_every
-        found: set[int] = set()
-        if b:
-            found.update(range((start // b + 1) * b, start + n + 1, b))
-        found.update(p for p in req.wanted if start < p <= start + n)
-        return sorted(found)
-
-    def _states_inside(
-        self,
-        req: _Request,
-        start: int,
-        n: int,
-        prev_window: torch.Tensor,
-        prev_ctx: torch.Tensor,
-        tokens: torch.Tensor,
-        c: torch.Tensor,
-    ) -> None:
-        """Keep prefix states at wanted positions in ``(start, start + n]``; ``c [layers, n, C]``."""
-        for pos in self._positions_in(req, start, n):
-            k = pos - start
-            hist = torch.cat([prev_window, c[:, :k].transpose(1, 2).to(prev_window.dtype)], dim=2)
-            window = hist[:, :, hist.shape[2] - self._window :].clone()
-            ctx = next_ngram_context(tokens[:k], torch.tensor([0, k]), prev_ctx.view(1, -1))[0]
-            req.prefix_states[pos] = self._state(window, ctx, pos)
-            req.wanted.discard(pos)
 
     # ------------------------------------------------------------------ stepping
     def begin(
@@ -796,7 +603,7 @@ class Session:
                 if rid in step.speculative:
                     # until accept(), the slot holds all n tokens; accept() sets how many are rolled back
                     self._pending_count += 1
-                    req.pending = _Pending(
+                    req.pending = Pending(
                         tokens=tokens[a:e].clone(),
                         prev_context=old_ctx[i].clone(),
                         prev_length=req.length,

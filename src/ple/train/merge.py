@@ -1,7 +1,7 @@
 """Merging an adapter into a table: the trained rows written into a table file of the base's format.
 
 :func:`merge_table_file` streams a table file shard by shard into a new table file (written and
-published atomically by :class:`~ple.table.files.table_file.TableFileWriter`), each trained row requantized
+published atomically by :class:`~ple.table.files.writer.TableFileWriter`), each trained row requantized
 to the table's format (:func:`requantize`): plain formats are cast; "fp8" keeps the table's global
 scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row" get a new per-row
 scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
@@ -31,7 +31,8 @@ from torch import nn
 from ple.errors import InvalidArgumentError, PLEError, UsageError
 from ple.layer import PLELayer
 from ple.table import MmapTable, format_info
-from ple.table.files.table_file import TableFileWriter, read_table_header
+from ple.table.files.table_file import read_table_header
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import quantize_blocks
 from ple.table.tiers.adapted import AdaptedTable
 from ple.train.adapter import AdapterFile, AdapterLayer, as_adapter, layout_hash_of, read_adapter

@@ -317,7 +317,7 @@ def test_other_float_scales_are_kept_as_float32():
 
 
 def _row_scale_file(path: Path, rows: int = 10, sparse: bool = False) -> Path:
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
     from tests.table._helpers import write_sparse_table_file
 
     data = torch.randint(-127, 128, (rows, 4), dtype=torch.int8)
@@ -394,7 +394,7 @@ def one_rank_group(tmp_path):
 
 
 def _fp32_table_file(path: Path, rows: int = 12) -> tuple[Path, torch.Tensor]:
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
 
     data = torch.randn(rows, 4)
     with TableFileWriter(path, rows, 4, "fp32", rows, "h") as w:

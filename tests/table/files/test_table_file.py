@@ -20,7 +20,8 @@ import torch
 import ple.table
 from ple.errors import UsageError
 from ple.table import MemoryTable, MmapTable, TableFileError, format_info, read_table_header, verify_table_file
-from ple.table.files.table_file import PARTIAL_SUFFIX, TableFileWriter, _header_digest, hash_layout
+from ple.table.files.table_file import PARTIAL_SUFFIX, hash_layout, header_digest
+from ple.table.files.writer import TableFileWriter
 from ple.table.lookup import gather_dequant_reference
 from tests.table._helpers import (
     DTYPES,
@@ -156,7 +157,7 @@ def test_global_scale_must_agree(tmp_path):
 _CRASH_CHILD = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
     path = sys.argv[1]
     w = TableFileWriter(path, 4000, 64, "bf16", 1000, "layout-h")
     w.write_shard(2, torch.ones(1000, 64, dtype=torch.bfloat16))
@@ -327,7 +328,7 @@ def test_second_writer_without_force_cannot_publish(tmp_path):
 _HOLDING_CHILD = textwrap.dedent(
     """
     import signal, sys, torch
-    from ple.table.files.table_file import TableFileWriter
+    from ple.table.files.writer import TableFileWriter
     w = TableFileWriter(sys.argv[1], 6, 2, "fp32", 6, "layout-h")
     print("holding", flush=True)
     signal.pause()
@@ -424,7 +425,7 @@ def edit_header(path: Path, mutate, *, fix_checksum: bool = True) -> None:
     room = header["data_offset"] - 16
     mutate(header)
     if fix_checksum:
-        header["header_checksum"] = _header_digest(header)
+        header["header_checksum"] = header_digest(header)
     blob = json.dumps(header, indent=1).encode()
     assert len(blob) <= room
     raw[8:16] = len(blob).to_bytes(8, "little")

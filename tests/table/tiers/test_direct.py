@@ -18,7 +18,9 @@ from ple.table import FORMATS, MemoryTable, TableFileError
 from ple.table.base import TableRef, lookup_through
 from ple.table.formats.catalog import BLOCK_FORMATS
 from ple.table.tiers import direct as direct_module
-from ple.table.tiers.direct import SLOT_OVERHEAD, DirectTable, _NativeReader, _spans
+from ple.table.tiers.direct import SLOT_OVERHEAD, DirectTable
+from ple.table.tiers.readers import NativeReader
+from ple.table.tiers.readers import spans as covering_spans
 from tests.table._helpers import assert_same, make_table, random_ids, write_file
 
 ROWS, HD = 5000, 40  # 40-byte fp8 rows and 160-byte fp32 rows straddle 4 KiB blocks
@@ -174,7 +176,7 @@ def test_changed_file_and_bad_arguments(tmp_path):
 
 def test_spans_cover_every_piece_aligned():
     offsets = np.array([4096 + 40 * r for r in (0, 1, 101, 102, 5000, 90000)], dtype=np.int64)
-    spans, span_of, at = _spans(offsets, 40, 4096)
+    spans, span_of, at = covering_spans(offsets, 40, 4096)
     assert (spans[:, 0] % 4096 == 0).all() and (spans[:, 1] % 4096 == 0).all()
     for j, off in enumerate(offsets):
         s0, n = spans[span_of[j]]
@@ -211,7 +213,7 @@ def test_native_reader_errors_name_the_file_and_offset(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         # told the file is longer than it is: the read past its end comes back short
-        r = _NativeReader(fd, 4, False, 20_000, path)
+        r = NativeReader(fd, 4, False, 20_000, path)
         try:
             dest = np.zeros((2, 16), dtype=np.uint8)
             r.read([(np.array([100, 5000], dtype=np.int64), 16, dest)])
@@ -234,7 +236,7 @@ def test_native_reader_errors_name_the_file_and_offset(tmp_path):
     # a read the system refuses (EISDIR, as EIO would be): its errno, the file and the offset
     dfd = os.open(tmp_path, os.O_RDONLY)
     try:
-        r = _NativeReader(dfd, 2, False, 8192, tmp_path)
+        r = NativeReader(dfd, 2, False, 8192, tmp_path)
         try:
             with pytest.raises(TableFileError, match=r"reading 4096 bytes at byte 4096 failed: Is a directory"):
                 r.read([(np.array([4100], dtype=np.int64), 4, np.zeros((1, 4), dtype=np.uint8))])
@@ -264,7 +266,7 @@ def test_reader_choice_without_the_native_kernels(tmp_path, monkeypatch):
         t.close()
     # wanted but not built (no compiler, say): the Python threads, with a warning that says why, once
     monkeypatch.delenv("PLE_NATIVE")
-    monkeypatch.setattr(direct_module, "_warned_threads", False)
+    monkeypatch.setattr(direct_module, "warned_threads", False)
 
     def unavailable():
         raise NativeUnavailable("no C compiler: 'cc' is not on PATH")

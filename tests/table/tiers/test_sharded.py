@@ -25,17 +25,17 @@ from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.runtime import Batch
 from ple.table import MemoryTable, MmapTable, PrefetchError
-from ple.table.files.table_file import TableFileWriter, hash_layout
+from ple.table.files.table_file import hash_layout
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 from ple.table.formats.quantize import quantize_global, quantize_rows
+from ple.table.tiers.shard_checks import Fingerprint, check_fingerprints
 from ple.table.tiers.sharded import (
     DEFAULT_METHODS,
     IDS_MODES,
     METHODS,
     ShardedTable,
     ShardGeometryError,
-    _check_fingerprints,
-    _Fingerprint,
     load_sharded,
     shard_rows,
 )
@@ -940,7 +940,7 @@ def test_shard_rows_rejects_bad_arguments():
 
 
 def _fp(a, b, total=100, head_dim=8, fmt=0, local_rows=None, **kw):
-    return _Fingerprint(
+    return Fingerprint(
         total_rows=total,
         head_dim=head_dim,
         format=fmt,
@@ -956,24 +956,24 @@ def _fp(a, b, total=100, head_dim=8, fmt=0, local_rows=None, **kw):
 
 
 def test_fingerprint_check_messages():
-    assert _check_fingerprints([_fp(0, 50), _fp(50, 100)]) == []
-    assert _check_fingerprints([_fp(50, 100), _fp(0, 50), _fp(7, 7)]) == []  # any order, empty range
-    assert _check_fingerprints([_fp(0, 40), _fp(50, 100)]) == [
+    assert check_fingerprints([_fp(0, 50), _fp(50, 100)]) == []
+    assert check_fingerprints([_fp(50, 100), _fp(0, 50), _fp(7, 7)]) == []  # any order, empty range
+    assert check_fingerprints([_fp(0, 40), _fp(50, 100)]) == [
         "rows [40, 50) are owned by no rank (a gap between rank 0's [0, 40) and rank 1's [50, 100))"
     ]
-    assert _check_fingerprints([_fp(0, 60), _fp(50, 90)]) == [
+    assert check_fingerprints([_fp(0, 60), _fp(50, 90)]) == [
         "rank 0's rows [0, 60) and rank 1's rows [50, 90) overlap on [50, 60)",
         "rows [90, 100) are owned by no rank (after rank 1's [50, 90))",
     ]
-    assert _check_fingerprints([_fp(0, 50), _fp(50, 100, local_rows=49)]) == [
+    assert check_fingerprints([_fp(0, 50), _fp(50, 100, local_rows=49)]) == [
         "rank 1: its local table has 49 rows but its row range [50, 100) has 50"
     ]
-    assert _check_fingerprints([_fp(0, 50), _fp(50, 120)]) == [
+    assert check_fingerprints([_fp(0, 50), _fp(50, 120)]) == [
         "rank 1: row range [50, 120) is not a range within [0, total_rows=100)"
     ]
     scale_a = int(torch.tensor([0.5]).view(torch.int32))
     scale_b = int(torch.tensor([0.25]).view(torch.int32))
-    msgs = _check_fingerprints([_fp(0, 50, global_scale=scale_a), _fp(50, 100, global_scale=scale_b)])
+    msgs = check_fingerprints([_fp(0, 50, global_scale=scale_a), _fp(50, 100, global_scale=scale_b)])
     assert msgs == ["global_scale differs across ranks (rank 0: 0.5; rank 1: 0.25)"]
 
 

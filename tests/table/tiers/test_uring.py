@@ -27,7 +27,8 @@ from ple.table import FORMATS, MemoryTable, TableFileError
 from ple.table.formats.catalog import BLOCK_FORMATS
 from ple.table.lookup import gather_dequant_reference
 from ple.table.tiers import direct as direct_module
-from ple.table.tiers.direct import URING_SWITCH, DirectTable, UringUnavailable, _UringReader
+from ple.table.tiers.direct import DirectTable
+from ple.table.tiers.readers import URING_SWITCH, UringReader, UringUnavailable
 from tests.table._helpers import assert_same, make_table, random_ids, run_forked, uring_unavailable, write_file
 
 ROWS = 5000
@@ -185,7 +186,7 @@ def test_short_files_and_failed_reads_are_named(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         # told the file is longer than it is: the read past its end comes back short
-        r = _UringReader(fd, 4, False, 20_000, path)
+        r = UringReader(fd, 4, False, 20_000, path)
         try:
             dest = np.zeros((2, 16), dtype=np.uint8)
             r.read([(np.array([100, 5000], dtype=np.int64), 16, dest)])
@@ -207,7 +208,7 @@ def test_short_files_and_failed_reads_are_named(tmp_path):
         finally:
             r.close()
         # told the truth: the file's last bytes, in a block the file ends inside
-        right = _UringReader(fd, 4, False, 10_240, path)
+        right = UringReader(fd, 4, False, 10_240, path)
         try:
             right.read([(np.array([10_224], dtype=np.int64), 16, dest[:1])])
             assert dest[0].tolist() == [(10_224 + i) % 256 for i in range(16)]
@@ -221,7 +222,7 @@ def test_short_files_and_failed_reads_are_named(tmp_path):
     dfd = os.open(tmp_path, os.O_RDONLY)
     try:
         with pytest.raises(UringUnavailable, match=r"io_uring cannot read .* Is a directory \(errno 21\)"):
-            _UringReader(dfd, 2, False, 8192, tmp_path)
+            UringReader(dfd, 2, False, 8192, tmp_path)
     finally:
         os.close(dfd)
 
@@ -266,8 +267,8 @@ def test_forcing_an_unavailable_uring_raises_and_the_default_steps_down_aloud(tm
     monkeypatch.delenv(URING_SWITCH)
     # refused by the kernel (here: rings with a flag it does not know, as a seccomp filter would refuse
     # them with EPERM): forcing it raises the kernel's reason; the default steps down with a warning, once
-    monkeypatch.setattr(direct_module, "_URING_SETUP_FLAGS", BAD_FLAG)
-    monkeypatch.setattr(direct_module, "_warned_uring", False)
+    monkeypatch.setattr(direct_module, "URING_SETUP_FLAGS", BAD_FLAG)
+    monkeypatch.setattr(direct_module, "warned_uring", False)
     with pytest.raises(UringUnavailable, match=r"io_uring cannot read .*t-fp8\.pletable here: .*\(errno \d+\)"):
         DirectTable(path, reader="uring")
     for k in range(2):
@@ -325,7 +326,7 @@ def test_kernel_refusals_carry_a_hint(monkeypatch, tmp_path):
 @needs_uring
 def test_queue_depth_beyond_the_rings_is_refused(tmp_path):
     from ple.errors import InvalidArgumentError
-    from ple.table.tiers.direct import URING_MAX_DEPTH
+    from ple.table.tiers.readers import URING_MAX_DEPTH
 
     path, mem, _ = _table_file(tmp_path, "fp8")
     with pytest.raises(InvalidArgumentError, match=f"queue_depth {URING_MAX_DEPTH + 1} .* at most {URING_MAX_DEPTH}"):

@@ -29,21 +29,24 @@ random tokens with a fraction ``eos_rate`` of EOS (``token_source="synthetic"``,
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ple import ngram as ple_ngram
 from ple.commands.bench.checks import BF16_ATOL, FP32_TOL, CheckResult, compare_outputs, dtype_name
-from ple.config import PLEConfig
+from ple.commands.bench.fixture import (
+    PUBLISHED,
+    QUICK,
+    Case,
+    Fixture,
+    Geometry,
+    Prepared,
+    Targets,
+)
 from ple.errors import InvalidArgumentError
-from ple.kernels import cpu_gemm
 
 __all__ = [
     "CASES",
@@ -69,401 +72,10 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------- geometry
 
 
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Model geometry and the shapes of every case."""
-
-    hidden_size: int = 2560
-    hc_count: int = 4
-    embed_dim: int = 2560
-    ngram_size: int = 3
-    heads_per_ngram: int = 8
-    conv_kernel_size: int = 4
-    vocab_size: int = 248320
-    eos_token_id: int = 248044
-    table_base: int = 300_000
-    table_divisor: int = 128
-    seed: int = 1234
-    eos_rate: float = 0.01  # fraction of EOS tokens in the random streams
-    ids_shape: tuple[int, int] = (64, 1024)  # requests x tokens
-    prefill_long: tuple[int, int] = (1, 2048)
-    prefill_batch: tuple[int, int] = (8, 512)
-    decode_requests: int = 64
-    decode_steps: int = 32
-    history: int = 16  # tokens of history each request has before decode / mixed steps
-    mixed_decode: int = 56
-    mixed_prefill: tuple[int, int] = (8, 256)  # continuation chunks: requests x tokens
-    token_source: str = "real"  # "real" (ple.data.realtext) or "synthetic" (uniform random tokens)
-
-    @property
-    def config(self) -> PLEConfig:
-        """The model's PLE fields as ple reads them (derived sizes: ``hc_hidden_size``, ``num_heads``, ...)."""
-        return PLEConfig(
-            hidden_size=self.hidden_size,
-            hc_count=self.hc_count,
-            ple_layer_ids=(2,),
-            ple_embed_dim=self.embed_dim,
-            ngram_size=self.ngram_size,
-            heads_per_ngram=self.heads_per_ngram,
-            ple_conv_kernel_size=self.conv_kernel_size,
-            ngram_vocab_size_base=self.table_base,
-            make_ngram_vocab_size_divisible_by=self.table_divisor,
-            vocab_size=self.vocab_size,
-            eos_token_id=self.eos_token_id,
-            seed=self.seed,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def describe(self) -> str:
-        """One line naming the geometry (which one ran is part of every report)."""
-        base = dataclasses.replace(self, token_source="real")
-        name = "published" if base == PUBLISHED else "quick" if base == QUICK else "custom"
-        cfg = self.config
-        lay = cfg.layout(0)
-        return (
-            f"geometry: {name} (H {self.hidden_size}, HC {self.hc_count}, E {self.embed_dim}, N {self.ngram_size}, "
-            f"{lay.num_heads} heads of {lay.head_dim}, K {self.conv_kernel_size}; table base {self.table_base:,} = "
-            f"{lay.padded_rows:,} rows); {self.token_source} tokens"
-        )
-
-
-PUBLISHED = Geometry()
-QUICK = Geometry(
-    hidden_size=40,
-    embed_dim=48,
-    table_base=1000,
-    table_divisor=16,
-    eos_rate=0.05,
-    ids_shape=(8, 64),
-    prefill_long=(1, 64),
-    prefill_batch=(4, 16),
-    decode_requests=8,
-    decode_steps=4,
-    history=5,
-    mixed_decode=6,
-    mixed_prefill=(2, 16),
-)
-
-
 # ---------------------------------------------------------------------------------------------- results
 
 
-@dataclasses.dataclass(frozen=True)
-class Targets:
-    """What a case should reach (None: no target). Ratios of medians."""
-
-    speedup_min: float | None = None  # transformers / ple >= this
-    floor_max: float | None = None  # ple / floor <= this
-
-    def describe(self) -> str:
-        parts = []
-        if self.speedup_min is not None:
-            parts.append(f">={self.speedup_min:g}x vs tf")
-        if self.floor_max is not None:
-            parts.append(f"<={self.floor_max:g}x floor")
-        return ", ".join(parts) or "-"
-
-    def met(self, speedup: float | None, over_floor: float | None) -> bool | None:
-        if self.speedup_min is None and self.floor_max is None:
-            return None
-        ok = True
-        if self.speedup_min is not None:
-            ok &= speedup is not None and speedup >= self.speedup_min
-        if self.floor_max is not None:
-            ok &= over_floor is not None and over_floor <= self.floor_max
-        return ok
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A built case: callables over inputs that already exist.
-
-    ``ple`` and ``transformers`` return their outputs (the runner hands them to ``check``);
-    ``reset`` restores the state both read (state pools, caches) and runs untimed before every
-    call; ``aux`` are extra ple-side timings reported beside the main ones (e.g. building the
-    step metadata).
-    """
-
-    shape: str
-    tokens: int
-    ple: Callable[[], Any]
-    transformers: Callable[[], Any]
-    check: Callable[[Any, Any], CheckResult]
-    floor: Callable[[], Any] | None = None
-    reset: Callable[[], None] | None = None
-    aux: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
-    layer: Any = None  # the PLELayer the ple callable runs (for profiling)
-    notes: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    kind: str
-    dtype: torch.dtype | None
-    targets: Targets
-    build: Callable[[Fixture], Prepared]
-    description: str
-
-
 # ---------------------------------------------------------------------------------------------- fixture
-
-
-@contextlib.contextmanager
-def _no_weight_init():
-    """Skip ``nn.Embedding``/``nn.Linear`` random init: the fixture fills every weight itself, and
-    initializing a multi-GB table only to overwrite it costs seconds."""
-    saved = nn.Embedding.reset_parameters, nn.Linear.reset_parameters
-    nn.Embedding.reset_parameters = lambda self: None
-    nn.Linear.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Embedding.reset_parameters, nn.Linear.reset_parameters = saved
-
-
-class _IdsOnly(nn.Module):
-    """Stands in for transformers' ``nn.Embedding`` so its n-gram module returns the row ids.
-
-    ``forward`` receives ``ids [B, S, G]`` and returns ``[B, S, G, 1]``, which the caller flattens
-    to ``[B, S, G]``: everything before the lookup runs unchanged, the lookup costs nothing.
-    """
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.weight = torch.empty(0, device=device)  # the caller reads .weight.device
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids.unsqueeze(-1)
-
-
-class Fixture:
-    """Lazily built models and inputs shared by the cases of one run.
-
-    The transformers module is built once per dtype with the same bf16-representable weights
-    (so fp32 runs on the bf16 weights are exact references for the bf16 check); its table is
-    shared with the ple layer (:meth:`ple.layer.PLELayer.from_transformers`), never copied.
-    """
-
-    def __init__(
-        self,
-        geometry: Geometry,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        memory_budget: int | None = None,
-    ):
-        self.geometry = geometry
-        self.device = torch.device(device)
-        self.seed = seed
-        self.memory_budget = memory_budget
-        self._hf_config = None
-        self._modules: dict[torch.dtype, nn.Module] = {}
-        self._layers: dict[torch.dtype, Any] = {}
-        self.direct_tables: dict[torch.dtype, Any] = {}
-        """With ``memory_budget``: the direct tier serving each dtype's ple layer."""
-
-    # ---------------------------------------------------------------- transformers side
-    @property
-    def hf_config(self):
-        if self._hf_config is None:
-            from transformers import Qwen4ExpTextConfig
-
-            # the same fields under the same names as ple's config (checked in the tests)
-            fields = dataclasses.asdict(self.geometry.config)
-            fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}
-            self._hf_config = Qwen4ExpTextConfig(**fields, num_hidden_layers=2)
-        return self._hf_config
-
-    @property
-    def ple_config(self) -> PLEConfig:
-        return self.geometry.config
-
-    @property
-    def layer_idx(self) -> int:
-        return self.hf_config.ple_layer_ids[0] - 1
-
-    def module(self, dtype: torch.dtype) -> nn.Module:
-        """transformers' ``Qwen4ExpTextPLELayer`` in ``dtype`` on the fixture's device."""
-        if dtype not in self._modules:
-            from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer
-
-            with _no_weight_init(), torch.device(self.device):
-                mod = Qwen4ExpTextPLELayer(self.hf_config, self.layer_idx, 0)
-            with torch.no_grad():
-                for p in mod.parameters():
-                    p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
-                _fill_weights(mod, self.seed)
-            self._modules[dtype] = mod.eval()
-        return self._modules[dtype]
-
-    def layer(self, dtype: torch.dtype):
-        """The ple layer sharing ``module(dtype)``'s weights and table (with ``memory_budget``:
-        its table served by the direct tier instead, see :meth:`direct_table`)."""
-        if dtype not in self._layers:
-            from ple.layer import PLELayer
-
-            layer = PLELayer.from_transformers(self.module(dtype))
-            if self.memory_budget is not None:
-                layer.table = self.direct_table(layer, dtype)
-            self._layers[dtype] = layer
-        return self._layers[dtype]
-
-    def direct_table(self, layer, dtype: torch.dtype):
-        """``layer``'s in-memory table written to a table file in a temporary folder (removed once
-        open: the table keeps its descriptor) and served by :class:`~ple.table.DirectTable` with
-        ``memory_budget`` bytes of rows in memory: half its cache pinned with the rows a warm-up
-        stream reads most (100,000 tokens of the same source, away from the cases' text), the other
-        half a running LRU cache; every other row read from disk (O_DIRECT) when a step needs it."""
-        import os
-        import shutil
-        import tempfile
-        from pathlib import Path
-
-        from ple.table import DirectTable
-        from ple.table.files.table_file import TABLE_SUFFIX, TableFileWriter
-        from ple.table.tiers.open import open_table
-
-        mem = layer.table
-        lay = layer.layout
-        fields = layer.config.layout_fields(layer.ple_layer_index)
-        folder = Path(tempfile.mkdtemp(prefix="ple-bench-table-"))
-        path = folder / ("table" + TABLE_SUFFIX)
-        try:
-            with TableFileWriter(path, mem.rows, mem.head_dim, mem.format, lay.shard_rows, fields, force=True) as w:
-                for k in range(-(-mem.rows // lay.shard_rows)):
-                    lo = k * lay.shard_rows
-                    w.write_shard(k, mem.data[lo : lo + lay.shard_rows].cpu())
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written pages leave the page cache
-            finally:
-                os.close(fd)
-            assert self.memory_budget is not None
-            table = open_table(path, "direct", memory_budget=self.memory_budget, expected_layout_hash=fields)
-            assert isinstance(table, DirectTable)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        geo = self.geometry
-        if geo.token_source == "real":
-            from ple.data.realtext import token_stream
-
-            warm = torch.from_numpy(token_stream(400_000, geo.eos_token_id)[300_000:])
-        else:
-            warm = self.tokens((100_000,), salt=4242).cpu()
-        ids = ple_ngram.ngram_ids(
-            warm,
-            torch.tensor([0, warm.numel()]),
-            ple_ngram.fresh_context(1, lay, geo.eos_token_id),
-            lay,
-            geo.eos_token_id,
-        )
-        table.pin(DirectTable.hot_rows(ids, table.cache_slots // 2))
-        table.hits = table.misses = 0
-        self.direct_tables[dtype] = table
-        return table
-
-    def table_report(self) -> dict[str, Any] | None:
-        """What served ple's tables with ``memory_budget``: the tier, its budget, pinned rows and
-        the hit rate of its cache over the run (per dtype); None for the in-memory table."""
-        if self.memory_budget is None:
-            return None
-        out: dict[str, Any] = {"tier": "direct", "memory_budget_bytes": self.memory_budget}
-        for dtype, t in self.direct_tables.items():
-            seen = t.hits + t.misses
-            out[dtype_name(dtype)] = {
-                "cache_slots": t.cache_slots,
-                "pinned_rows": t.pinned_rows,
-                "hit_rate": t.hits / seen if seen else None,
-                "rows_read": t.misses,
-                "reader": t.reader_kind,
-                "io": t.direct,
-            }
-        return out
-
-    def ngram_module(self) -> nn.Module:
-        """transformers' ``Qwen4ExpTextNGramEmbedding`` whose forward returns ``[B, S, G]`` row ids."""
-        from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
-
-        with _no_weight_init(), torch.device(self.device):
-            emb = Qwen4ExpTextNGramEmbedding(self.hf_config, self.geometry.embed_dim, self.layer_idx, 0)
-        emb.ngram_embedding = _IdsOnly(self.device)  # type: ignore[assignment]  # frees the (never touched) table
-        return emb.eval()
-
-    def new_cache(self):
-        from transformers.cache_utils import DynamicCache
-
-        return DynamicCache(config=self.hf_config)
-
-    # ---------------------------------------------------------------- inputs
-    def _gen(self, salt: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + salt)
-
-    def tokens(self, shape: tuple[int, ...], salt: int) -> torch.Tensor:
-        """int64 tokens ``shape`` on the device: consecutive real text from a place set by ``salt``
-        (``token_source="real"``), or uniform in ``[0, vocab)`` with a fraction ``eos_rate`` of EOS."""
-        geo = self.geometry
-        if geo.token_source == "real":
-            from ple.data.realtext import token_stream
-
-            n = math.prod(shape)
-            skip = (salt * 7919) % 150_000
-            flat = torch.from_numpy(token_stream(skip + n, geo.eos_token_id)[skip:])
-            return flat.reshape(shape).to(self.device)
-        if geo.token_source != "synthetic":
-            raise InvalidArgumentError(f"token_source must be 'real' or 'synthetic', got {geo.token_source!r}")
-        g = self._gen(salt)
-        t = torch.randint(0, geo.vocab_size, shape, generator=g)
-        eos = torch.rand(shape, generator=g) < geo.eos_rate
-        return torch.where(eos, geo.eos_token_id, t).to(self.device)
-
-    def hidden(self, shape: tuple[int, ...], dtype: torch.dtype, salt: int) -> torch.Tensor:
-        """Layer inputs ``N(0, 1)``, bf16-representable, in ``dtype`` on the device."""
-        g = self._gen(salt)
-        return torch.randn(shape, generator=g).bfloat16().to(device=self.device, dtype=dtype)
-
-    def floor(self, rows: list[int], dtype: torch.dtype) -> Callable[[], Any]:
-        """The projections alone: ``[n, E] x [HC*H + H, E]`` for each ``n`` in ``rows``, through the GEMM the
-        layer runs (``F.linear``, or the packed one of :mod:`ple.kernels.cpu_gemm` where the layer takes it)."""
-        geo = self.geometry
-        g = self._gen(99)
-        w = (
-            torch.randn(geo.config.hc_hidden_size + geo.hidden_size, geo.embed_dim, generator=g) / geo.embed_dim**0.5
-        ).to(device=self.device, dtype=dtype)
-        xs = [torch.randn(n, geo.embed_dim, generator=g).to(device=self.device, dtype=dtype) for n in rows]
-        packed = cpu_gemm.PackedWeight(w) if w.device.type == "cpu" and cpu_gemm.packing(dtype) else None
-
-        def run():
-            return [cpu_gemm.linear(x, w, packed) if cpu_gemm.use_packed(x, packed) else F.linear(x, w) for x in xs]
-
-        return run
-
-
-def _fill_weights(mod: nn.Module, seed: int) -> None:
-    """Deterministic bf16-representable weights (the same values in every dtype), non-zero conv."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in mod.named_parameters():
-        if name.endswith("ngram_embedding.weight"):
-            _fill_table(p, g)
-            continue
-        if name.startswith("norm_"):
-            v = 0.3 * torch.randn(p.shape, generator=g)
-        elif name == "conv1d.weight":
-            v = 0.5 * torch.randn(p.shape, generator=g)
-        else:
-            v = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])
-        p.copy_(v.bfloat16())
-
-
-def _fill_table(table: torch.Tensor, g: torch.Generator, block_rows: int = 65537) -> None:
-    """Random rows, tiled from one block of a prime number of rows (filling GBs of fresh normal
-    samples would dominate the setup; a prime period never lines up with a head's offset)."""
-    n = min(block_rows, table.shape[0])
-    block = torch.randn(n, table.shape[1], generator=g).bfloat16().to(device=table.device, dtype=table.dtype)
-    for start in range(0, table.shape[0], n):
-        m = min(n, table.shape[0] - start)
-        table[start : start + m].copy_(block[:m])
 
 
 # ---------------------------------------------------------------------------------------------- builders
@@ -543,6 +155,23 @@ def _decode_references(fx: Fixture, hf, hist_h, hist_t, step_h: torch.Tensor, st
     return transformers, reference
 
 
+def _prefill_prepared(fx: Fixture, mod, hidden, tokens, dtype, ple, layer, notes: str, reset=None) -> Prepared:
+    """A prefill case of ``tokens [r, s]``: ple's callable beside transformers' on the same inputs."""
+    r, s = tokens.shape
+    transformers, reference = _prefill_references(fx, mod, hidden, tokens)
+    return Prepared(
+        shape=f"{r}x{s}",
+        tokens=r * s,
+        ple=ple,
+        transformers=transformers,
+        check=lambda p, t: compare_outputs(p, t, dtype, reference),
+        floor=fx.floor([r * s], dtype),
+        reset=reset,
+        layer=layer,
+        notes=notes,
+    )
+
+
 def _prefill_builder(which: str, dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
     def build(fx: Fixture) -> Prepared:
         from ple.runtime import Batch
@@ -562,18 +191,8 @@ def _prefill_builder(which: str, dtype: torch.dtype) -> Callable[[Fixture], Prep
             with torch.no_grad():
                 return layer(flat_h, flat_t, batch)
 
-        transformers, reference = _prefill_references(fx, mod, hidden, tokens)
-
-        return Prepared(
-            shape=f"{r}x{s}",
-            tokens=r * s,
-            ple=ple,
-            transformers=transformers,
-            check=lambda p, t: compare_outputs(p, t, dtype, reference),
-            floor=fx.floor([r * s], dtype),
-            layer=layer,
-            notes="ple: one packed batch of fresh requests; transformers: hidden + module(hidden [B, S, HC*H], ids, None)",
-        )
+        notes = "ple: one packed batch of fresh requests; transformers: hidden + module(hidden [B, S, HC*H], ids, None)"
+        return _prefill_prepared(fx, mod, hidden, tokens, dtype, ple, layer, notes)
 
     return build
 
@@ -621,17 +240,43 @@ def _warm_ple(fx: Fixture, layer, hist_hidden: torch.Tensor, hist_tokens: torch.
     return pool, ple_ngram.next_ngram_context(flat_t, batch.query_start_loc, ctx)
 
 
+def _decode_inputs(fx: Fixture, dtype: torch.dtype):
+    """A decode case's inputs: ``(geometry, requests, steps, layer, module, history tokens [r, p],
+    history hidden [r, p, c], step tokens [steps, r], step hidden [steps, r, c])``."""
+    geo = fx.geometry
+    r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.config.hc_hidden_size
+    layer, mod = fx.layer(dtype), fx.module(dtype)
+    hist_t = fx.tokens((r, p), salt=30)
+    hist_h = fx.hidden((r, p, c), dtype, salt=31)
+    step_t = fx.tokens((steps, r), salt=32)
+    step_h = fx.hidden((steps, r, c), dtype, salt=33)
+    return geo, r, steps, layer, mod, hist_t, hist_h, step_t, step_h
+
+
+def _decode_prepared(fx: Fixture, hf, inputs, dtype, ple, join, reset, fields: dict) -> Prepared:
+    """A decode case: ple's callable (its outputs joined by ``join`` into one tensor a step) beside
+    transformers' on ``inputs`` = (history hidden [r, p, c], history tokens [r, p], step hidden
+    [steps, r, c], step tokens [steps, r])."""
+    hist_h, hist_t, step_h, step_t = inputs
+    steps, r = step_t.shape
+    transformers, reference = _decode_references(fx, hf, hist_h, hist_t, step_h, step_t)
+    return Prepared(
+        shape=f"{r}x1 x{steps} steps",
+        tokens=r * steps,
+        ple=ple,
+        transformers=transformers,
+        check=lambda a, b: compare_outputs(join(a), b, dtype, reference),
+        floor=fx.floor([r] * steps, dtype),
+        reset=reset,
+        **fields,
+    )
+
+
 def _decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
     def build(fx: Fixture) -> Prepared:
         from ple.runtime import Batch
 
-        geo = fx.geometry
-        r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.config.hc_hidden_size
-        layer, mod = fx.layer(dtype), fx.module(dtype)
-        hist_t = fx.tokens((r, p), salt=30)
-        hist_h = fx.hidden((r, p, c), dtype, salt=31)
-        step_t = fx.tokens((steps, r), salt=32)
-        step_h = fx.hidden((steps, r, c), dtype, salt=33)
+        geo, r, steps, layer, mod, hist_t, hist_h, step_t, step_h = _decode_inputs(fx, dtype)
         window = layer.config.conv_window
 
         pool, ctx0 = _warm_ple(fx, layer, hist_h, hist_t)
@@ -656,23 +301,15 @@ def _decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]:
             with torch.no_grad():
                 return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
 
-        transformers, reference = _decode_references(fx, hf, hist_h, hist_t, step_h, step_t)
-
-        return Prepared(
-            shape=f"{r}x1 x{steps} steps",
-            tokens=r * steps,
-            ple=ple,
-            transformers=transformers,
-            check=lambda a, b: compare_outputs(a, b, dtype, reference),
-            floor=fx.floor([r] * steps, dtype),
-            reset=reset,
+        fields = dict(
             aux={"ple_step_metadata": build_batches},
             layer=layer,
-            notes=f"{r} requests with {p} tokens of history each, then {steps} steps of one token; times are per "
+            notes=f"{r} requests with {geo.history} tokens of history each, then {steps} steps of one token; times are per "
             f"{steps} steps. ple: decode Batch rows + state pool (metadata built outside the timed region; "
             "aux ple_step_metadata = Batch.build + next_ngram_context for all steps); transformers: its module "
             f"with DynamicCache(config) of batch {r}",
         )
+        return _decode_prepared(fx, hf, (hist_h, hist_t, step_h, step_t), dtype, ple, lambda outs: outs, reset, fields)
 
     return build
 
@@ -789,13 +426,7 @@ def _session_decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]
     def build(fx: Fixture) -> Prepared:
         from ple.runtime import Session
 
-        geo = fx.geometry
-        r, steps, p, c = geo.decode_requests, geo.decode_steps, geo.history, geo.config.hc_hidden_size
-        layer, mod = fx.layer(dtype), fx.module(dtype)
-        hist_t = fx.tokens((r, p), salt=30)
-        hist_h = fx.hidden((r, p, c), dtype, salt=31)
-        step_t = fx.tokens((steps, r), salt=32)
-        step_h = fx.hidden((steps, r, c), dtype, salt=33)
+        geo, r, steps, layer, mod, hist_t, hist_h, step_t, step_h = _decode_inputs(fx, dtype)
         session = Session(layer, r)
         for i in range(r):
             session.add(i)
@@ -818,24 +449,16 @@ def _session_decode_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared]
         def joined(outs: list) -> list[torch.Tensor]:
             return [torch.cat(list(out.values())) for out in outs]
 
-        transformers, reference = _decode_references(fx, hf, hist_h, hist_t, step_h, step_t)
-
-        return Prepared(
-            shape=f"{r}x1 x{steps} steps",
-            tokens=r * steps,
-            ple=ple,
-            transformers=transformers,
-            check=lambda a, b: compare_outputs(joined(a), b, dtype, reference),
-            floor=fx.floor([r] * steps, dtype),
-            reset=reset,
+        fields = dict(
             aux={"traffic": lambda: [copy() for _ in range(steps)]},
             layer=layer,
-            notes=f"{r} requests with {p} tokens of history each, then {steps} steps of one token through "
+            notes=f"{r} requests with {geo.history} tokens of history each, then {steps} steps of one token through "
             "ple.Session.step ({request: (hidden, tokens)} in, {request: new hidden} out; the session packs the "
             "batch, keeps contexts and states); times are per "
             f"{steps} steps. transformers: its module with DynamicCache(config) of batch {r}. aux 'traffic': a plain "
             "copy of the bytes the work beside the GEMM must read and write (step_traffic), the traffic floor",
         )
+        return _decode_prepared(fx, hf, (hist_h, hist_t, step_h, step_t), dtype, ple, joined, reset, fields)
 
     return build
 
@@ -862,100 +485,44 @@ def _session_prefill_builder(dtype: torch.dtype) -> Callable[[Fixture], Prepared
             with torch.no_grad():
                 return list(session.step(inputs).values())
 
-        transformers, reference = _prefill_references(fx, mod, hidden, tokens)
-
-        return Prepared(
-            shape=f"{r}x{s}",
-            tokens=r * s,
-            ple=ple,
-            transformers=transformers,
-            check=lambda p, t: compare_outputs(p, t, dtype, reference),
-            floor=fx.floor([r * s], dtype),
-            reset=reset,
-            layer=layer,
-            notes="ple: fresh requests' prompts through ple.Session.step; transformers: hidden + module(hidden, ids, None)",
+        notes = (
+            "ple: fresh requests' prompts through ple.Session.step; transformers: hidden + module(hidden, ids, None)"
         )
+        return _prefill_prepared(fx, mod, hidden, tokens, dtype, ple, layer, notes, reset=reset)
 
     return build
 
 
 # The targets are the goals: what ple adds to the GEMM it cannot avoid (ple / floor, bf16, the dtype
 # served). Speed-ups against transformers are reported, not targeted: they measure transformers.
-CASES: tuple[Case, ...] = (
-    Case("ids", "ids", None, Targets(), _build_ids, "n-gram row ids of a [R, S] token batch"),
-    Case(
-        "prefill-long-bf16",
-        "prefill",
-        torch.bfloat16,
-        Targets(floor_max=1.3),
-        _prefill_builder("long", torch.bfloat16),
-        "one long fresh prompt",
-    ),
-    Case(
-        "prefill-batch-bf16",
-        "prefill",
-        torch.bfloat16,
-        Targets(floor_max=1.3),
-        _prefill_builder("batch", torch.bfloat16),
-        "a batch of fresh prompts",
-    ),
-    Case(
-        "prefill-long-fp32",
-        "prefill",
-        torch.float32,
-        Targets(),
-        _prefill_builder("long", torch.float32),
-        "one long fresh prompt",
-    ),
-    Case(
-        "prefill-batch-fp32",
-        "prefill",
-        torch.float32,
-        Targets(),
-        _prefill_builder("batch", torch.float32),
-        "a batch of fresh prompts",
-    ),
-    Case(
-        "decode-bf16",
-        "decode",
-        torch.bfloat16,
-        Targets(floor_max=1.3),
-        _decode_builder(torch.bfloat16),
-        "decode steps",
-    ),
-    Case("decode-fp32", "decode", torch.float32, Targets(), _decode_builder(torch.float32), "decode steps"),
-    Case(
-        "session-decode-bf16",
-        "decode",
-        torch.bfloat16,
-        Targets(floor_max=1.15),
-        _session_decode_builder(torch.bfloat16),
-        "decode steps through ple.Session",
-    ),
-    Case(
-        "session-decode-fp32",
-        "decode",
-        torch.float32,
-        Targets(floor_max=1.15),
-        _session_decode_builder(torch.float32),
-        "decode steps through ple.Session",
-    ),
-    Case(
-        "session-prefill-bf16",
-        "prefill",
-        torch.bfloat16,
-        Targets(floor_max=1.1),
-        _session_prefill_builder(torch.bfloat16),
-        "one long prompt through ple.Session",
-    ),
-    Case(
-        "mixed-bf16",
-        "mixed",
-        torch.bfloat16,
-        Targets(),
-        _mixed_builder(torch.bfloat16),
-        "decode rows and continuation chunks in one step",
-    ),
+_BF16, _FP32 = torch.bfloat16, torch.float32
+_WHAT = {
+    "long": "one long fresh prompt",
+    "batch": "a batch of fresh prompts",
+    "session-decode": "decode steps through ple.Session",
+}
+CASES: tuple[Case, ...] = tuple(
+    Case(name, kind, dtype, Targets(floor_max=floor_max), builder, what)
+    for name, kind, dtype, floor_max, builder, what in (
+        ("ids", "ids", None, None, _build_ids, "n-gram row ids of a [R, S] token batch"),
+        ("prefill-long-bf16", "prefill", _BF16, 1.3, _prefill_builder("long", _BF16), _WHAT["long"]),
+        ("prefill-batch-bf16", "prefill", _BF16, 1.3, _prefill_builder("batch", _BF16), _WHAT["batch"]),
+        ("prefill-long-fp32", "prefill", _FP32, None, _prefill_builder("long", _FP32), _WHAT["long"]),
+        ("prefill-batch-fp32", "prefill", _FP32, None, _prefill_builder("batch", _FP32), _WHAT["batch"]),
+        ("decode-bf16", "decode", _BF16, 1.3, _decode_builder(_BF16), "decode steps"),
+        ("decode-fp32", "decode", _FP32, None, _decode_builder(_FP32), "decode steps"),
+        ("session-decode-bf16", "decode", _BF16, 1.15, _session_decode_builder(_BF16), _WHAT["session-decode"]),
+        ("session-decode-fp32", "decode", _FP32, 1.15, _session_decode_builder(_FP32), _WHAT["session-decode"]),
+        (
+            "session-prefill-bf16",
+            "prefill",
+            _BF16,
+            1.1,
+            _session_prefill_builder(_BF16),
+            "one long prompt through ple.Session",
+        ),
+        ("mixed-bf16", "mixed", _BF16, None, _mixed_builder(_BF16), "decode rows and continuation chunks in one step"),
+    )
 )
 
 

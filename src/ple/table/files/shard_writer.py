@@ -1,6 +1,6 @@
 """Writing one shard of a table file in order, in parts, at the disk's speed.
 
-A :class:`ShardWriter` (made by :meth:`ple.table.files.table_file.TableFileWriter.shard_writer`) hashes each
+A :class:`ShardWriter` (made by :meth:`ple.table.files.writer.TableFileWriter.shard_writer`) hashes each
 part's bytes as they come (blake2b-128: the shard's checksum covers its row bytes, then its per-row
 scale bytes) and writes them at their place: the whole pages inside the shard with ``O_DIRECT`` from
 a staging buffer of 8 MiB (no copy into the page cache, no dirty pages to write back: about a sixth
@@ -65,7 +65,7 @@ def open_direct(path: Path, ident: os.stat_result | None) -> int:
 
 class ShardWriter:
     """Shard ``k``'s rows ``[start, stop)`` of the writer ``w`` (a
-    :class:`~ple.table.files.table_file.TableFileWriter`), written in order in parts (see the module
+    :class:`~ple.table.files.writer.TableFileWriter`), written in order in parts (see the module
     docstring); :meth:`finish` records the checksum."""
 
     def __init__(self, w: Any, k: int, start: int, stop: int) -> None:
@@ -176,7 +176,7 @@ def _file_digest(fd: int, places: list[tuple[int, int]]) -> str | None:
 
 def matching_shards(w: Any, fd: int, sums: dict[int, str]) -> set[int]:
     """The shards ``k`` of ``sums`` (``{k: checksum}``) whose bytes in ``fd``, the temporary file of
-    the writer ``w`` (a :class:`~ple.table.files.table_file.TableFileWriter`), give their checksum (rows, then
+    the writer ``w`` (a :class:`~ple.table.files.writer.TableFileWriter`), give their checksum (rows, then
     per-row scales); shards are read and hashed side by side, two a thread (``torch.get_num_threads()``,
     as ``ple verify`` does: one is read while the other is hashed; the hash releases the GIL).
 

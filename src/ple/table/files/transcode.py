@@ -54,14 +54,8 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.layout import shard_bounds
-from ple.table.files.table_file import (
-    TableFileError,
-    TableFileWriter,
-    hash_layout,
-    open_table,
-    read_global_scale,
-    tensor_bytes,
-)
+from ple.table.files.table_file import TableFileError, hash_layout, open_table, read_global_scale, tensor_bytes
+from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import ScaleOverflowError
 from ple.table.formats.catalog import (
     BLOCK_FORMATS,

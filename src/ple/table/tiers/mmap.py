@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError, UsageError
+from ple.layout import shard_bounds
 from ple.table.base import StoredTable
-from ple.table.files.table_file import TableFileError, open_table, shard_bounds
+from ple.table.files.table_file import TableFileError, open_table
 from ple.table.formats.catalog import format_info
 
 __all__ = ["MmapTable"]
@@ -55,7 +56,29 @@ def _view(buf: mmap.mmap, np_dtype, offset: int, shape: tuple[int, ...]) -> torc
         return torch.from_numpy(arr)
 
 
-class MmapTable(StoredTable):
+class MappedRows(StoredTable):
+    """Rows (and scales) of a memory-mapped table file, on the CPU; ``None`` once closed."""
+
+    path: Path
+    _data: torch.Tensor | None
+    _scale: torch.Tensor | None
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            raise UsageError(f"table file {self.path} was closed")
+        return self._data
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self._scale
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class MmapTable(MappedRows):
     """A table backed by a read-only memory map of a table file (CPU).
 
     Lookups gather only the addressed rows (the OS pages them in on demand); for ids on an
@@ -136,20 +159,6 @@ class MmapTable(StoredTable):
         serves no others (a rank's shard, :func:`ple.table.tiers.sharded.load_sharded`); rows outside the range
         are served unchecked."""
         return cls(path, expected_layout_hash, random_access=random_access, scale_rows=scale_rows)
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self._data is None:
-            raise UsageError(f"table file {self.path} was closed")
-        return self._data
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self._scale
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     def check_file(self) -> None:
         """Raise :class:`TableFileError` if the mapped file was changed in place since it was opened

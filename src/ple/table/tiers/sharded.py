@@ -48,23 +48,36 @@ whose fingerprints differ in length, i.e. run other ple versions, raise
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ple.common.collective import collective_device, differing, exchange_records, hash60, rank_list
+from ple.common.collective import collective_device, exchange_records, rank_list
 from ple.errors import InvalidArgumentError, PLEError, UsageError
-from ple.table.base import StoredTable, Table, require_stored
+from ple.table.base import Table, require_stored
 from ple.table.files.table_file import TableFileError, hash_layout, read_table_header
-from ple.table.formats.catalog import ACTIVATION_DTYPES, FORMATS, check_ids, table_device
+from ple.table.formats.catalog import ACTIVATION_DTYPES, check_ids, table_device
 from ple.table.lookup.prefetch import PrefetchHandle
 from ple.table.tiers.memory import MemoryTable
-from ple.table.tiers.mmap import MmapTable
+from ple.table.tiers.mmap import MappedRows, MmapTable
+from ple.table.tiers.shard_checks import (
+    IDS_MODES,
+    METHODS,
+    Header,
+    ShardGeometryError,
+    bit_view,
+    check_fingerprints,
+    digest,
+    dtype_code,
+    exchange_fingerprints,
+    fail_with_peers,
+    local_fingerprint,
+    lookup_problem,
+)
 
 __all__ = [
     "METHODS",
@@ -78,31 +91,10 @@ __all__ = [
     "shard_rows",
 ]
 
-METHODS: tuple[str, ...] = ("allreduce", "alltoall")
-"""Ways of combining the ranks' rows (see the module docstring)."""
-
-IDS_MODES: tuple[str, ...] = ("replicated", "per_rank")
-"""Whether every rank looks up the same ids or its own (see the module docstring)."""
 
 DEFAULT_METHODS: dict[str, str] = {"replicated": "allreduce", "per_rank": "alltoall"}
 """The method :class:`ShardedTable` uses unless told otherwise, per ids mode: the faster where measured
 (gloo on CPUs, docs/DISTRIBUTED.md)."""
-
-
-class ShardGeometryError(PLEError, ValueError):
-    """The ranks of a :class:`ShardedTable` disagree on the table, or their row ranges do not tile it.
-
-    Raised on every rank, with the same list of problems (``problems``), each naming ranks and values.
-    """
-
-    def __init__(self, problems: Sequence[str], rank: int, world_size: int) -> None:
-        self.problems = list(problems)
-        self.rank = rank
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            f"ShardedTable: the {world_size} ranks of the process group disagree on the sharded table "
-            f"(raised on every rank; this is rank {rank}):\n{lines}"
-        )
 
 
 class ShardedLookupError(InvalidArgumentError):
@@ -129,232 +121,6 @@ def shard_rows(total_rows: int, world_size: int, rank: int, *, align: int = 1) -
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
     return min(start * align, total_rows), min(stop * align, total_rows)
-
-
-# ---------------------------------------------------------------------- fingerprints
-# Fixed-size int64 record exchanged at construction; -1 marks "absent / invalid".
-_FIELDS = (
-    "total_rows",
-    "head_dim",
-    "format",
-    "layout_hash",
-    "global_scale",
-    "method",
-    "ids_mode",
-    "row_start",
-    "row_stop",
-    "local_rows",
-    "local_errors",
-)
-_HASH_HEX = 15  # layout hashes are compared on their first 60 bits (hash60: a digest's own prefix)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fingerprint:
-    total_rows: int
-    head_dim: int
-    format: int
-    layout_hash: int
-    global_scale: int
-    method: int
-    ids_mode: int
-    row_start: int
-    row_stop: int
-    local_rows: int
-    local_errors: int
-
-    def as_list(self) -> list[int]:
-        return [getattr(self, f) for f in _FIELDS]
-
-    @classmethod
-    def from_list(cls, values: Sequence[int]) -> _Fingerprint:
-        return cls(*(int(v) for v in values))
-
-
-def _nonneg_int(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
-
-
-def _local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash, ids_mode):
-    """``(fingerprint, problems)`` of this rank. Never raises: invalid arguments become -1 fields
-    and local problems, reported collectively so every rank fails together."""
-    problems: list[str] = []
-    head_dim = fmt = scale_bits = local_rows = -1
-    if not isinstance(local_table, Table):
-        problems.append(f"local_table must be a ple.table.Table, got {type(local_table).__name__}")
-    else:
-        try:
-            head_dim, fmt, local_rows = local_table.head_dim, FORMATS.index(local_table.format), local_table.rows
-            scale = local_table.global_scale  # any tier, rows held here or not (a DirectTable's are not)
-            if scale is not None:
-                scale_bits = int(scale.detach().reshape(1).float().cpu().view(torch.int32)[0])
-        except Exception as e:  # a table that cannot describe itself
-            problems.append(f"local_table could not be inspected: {type(e).__name__}: {e}")
-    if method not in METHODS:
-        problems.append(f"method {method!r} is unknown; expected one of {list(METHODS)}")
-    if ids_mode not in IDS_MODES:
-        problems.append(f"ids {ids_mode!r} is unknown; expected one of {list(IDS_MODES)}")
-    for name, v in (("row_start", row_start), ("row_stop", row_stop), ("total_rows", total_rows)):
-        if _nonneg_int(v) < 0:
-            problems.append(f"{name} must be a non-negative integer, got {v!r}")
-    hbits = -1
-    if layout_hash is not None:
-        if isinstance(layout_hash, str) and layout_hash:
-            hbits = hash60(layout_hash)
-        else:
-            problems.append(f"layout_hash must be a non-empty str or a dict, got {layout_hash!r}")
-    fp = _Fingerprint(
-        total_rows=_nonneg_int(total_rows),
-        head_dim=head_dim,
-        format=fmt,
-        layout_hash=hbits,
-        global_scale=scale_bits,
-        method=METHODS.index(method) if method in METHODS else -1,
-        ids_mode=IDS_MODES.index(ids_mode) if ids_mode in IDS_MODES else -1,
-        row_start=_nonneg_int(row_start),
-        row_stop=_nonneg_int(row_stop),
-        local_rows=local_rows,
-        local_errors=len(problems),
-    )
-    return fp, problems
-
-
-def _render(field: str, v: int) -> str:
-    if field == "format":
-        return repr(FORMATS[v]) if 0 <= v < len(FORMATS) else "no usable table"
-    if field == "method":
-        return repr(METHODS[v]) if 0 <= v < len(METHODS) else "an unknown method"
-    if field == "ids_mode":
-        return repr(IDS_MODES[v]) if 0 <= v < len(IDS_MODES) else "an unknown ids mode"
-    if field == "layout_hash":
-        return "none given" if v < 0 else f"{v:0{_HASH_HEX}x}..."
-    if field == "global_scale":
-        return "none" if v == -1 else repr(float(torch.tensor([v], dtype=torch.int32).view(torch.float32)[0]))
-    return "invalid" if v < 0 else str(v)
-
-
-def _check_fingerprints(fps: Sequence[_Fingerprint]) -> list[str]:
-    """Problems with the ranks' fingerprints; empty when they describe one table tiled by the ranges."""
-    problems: list[str] = []
-    failed = [r for r, fp in enumerate(fps) if fp.local_errors]
-    if failed:
-        problems.append(f"{rank_list(failed)} could not describe their shard (invalid arguments, listed on that rank)")
-    live = [(r, fp) for r, fp in enumerate(fps) if not fp.local_errors]
-    for field in ("total_rows", "head_dim", "format", "layout_hash", "global_scale", "method", "ids_mode"):
-        parts = differing({r: getattr(fp, field) for r, fp in live}, functools.partial(_render, field))
-        if parts is not None:
-            problems.append(f"{field} differs across ranks ({parts})")
-    if failed:
-        return problems  # the ranges cannot be judged with a rank missing
-    total = fps[0].total_rows
-    ranges_ok = all(fp.total_rows == total for fp in fps) and total >= 0
-    owned: list[tuple[int, int, int]] = []
-    for r, fp in enumerate(fps):
-        a, b = fp.row_start, fp.row_stop
-        if a < 0 or b < a or (total >= 0 and b > total):
-            problems.append(
-                f"rank {r}: row range [{_render('row_start', a)}, {_render('row_stop', b)}) is not a range within "
-                f"[0, total_rows={_render('total_rows', fp.total_rows)})"
-            )
-            ranges_ok = False
-            continue
-        if fp.local_rows >= 0 and fp.local_rows != b - a:
-            problems.append(
-                f"rank {r}: its local table has {fp.local_rows} rows but its row range [{a}, {b}) has {b - a}"
-            )
-        if b > a:
-            owned.append((a, b, r))
-    if not ranges_ok:
-        return problems
-    owned.sort()
-    cursor = 0
-    prev: tuple[int, int, int] | None = None  # the range reaching furthest so far
-    for a, b, r in owned:
-        if a > cursor:
-            after = "the start of the table" if prev is None else f"rank {prev[2]}'s [{prev[0]}, {prev[1]})"
-            problems.append(
-                f"rows [{cursor}, {a}) are owned by no rank (a gap between {after} and rank {r}'s [{a}, {b}))"
-            )
-        elif a < cursor and prev is not None:
-            problems.append(
-                f"rank {prev[2]}'s rows [{prev[0]}, {prev[1]}) and rank {r}'s rows [{a}, {b}) overlap on "
-                f"[{a}, {min(cursor, b)})"
-            )
-        if b > cursor:
-            cursor, prev = b, (a, b, r)
-    if cursor < total:
-        where = "no rank owns any row" if prev is None else f"after rank {prev[2]}'s [{prev[0]}, {prev[1]})"
-        problems.append(f"rows [{cursor}, {total}) are owned by no rank ({where})")
-    return problems
-
-
-# ---------------------------------------------------------------------- helpers
-def _exchange_fingerprints(group, mine: _Fingerprint, device: torch.device | None) -> list[_Fingerprint]:
-    """Every rank's fingerprint (the same list on every rank: every rank reaches the same verdict)."""
-    records = exchange_records(mine.as_list(), what="ShardedTable: construction", group=group, device=device)
-    return [_Fingerprint.from_list(r) for r in records]
-
-
-def _fail_with_peers(group, problem: str) -> NoReturn:
-    """Take part in the construction exchange with a failed fingerprint, then raise: the peers
-    reach the same exchange and raise too, instead of waiting for this rank forever."""
-    failed = _Fingerprint.from_list([-1] * (len(_FIELDS) - 1) + [1])  # every field invalid, one local error
-    fps = _exchange_fingerprints(group, failed, None)
-    rank = dist.get_rank(group)
-    raise ShardGeometryError([f"rank {rank} (this rank): {problem}"] + _check_fingerprints(fps), rank, len(fps))
-
-
-def _bit_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous ``t`` as int32 (uint8 when their count is not a multiple of 4): an
-    integer SUM over these is a bitwise OR when at most one rank has non-zero bits per position."""
-    flat = t.reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    return flat.view(torch.int32) if nbytes % 4 == 0 else flat.view(torch.uint8)
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return ACTIVATION_DTYPES.index(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Header:
-    """What one rank says about a lookup before any row moves (exchanged as int64; -1 = invalid)."""
-
-    number: int  # how many lookups this rank made on the table before this one
-    table: int  # which table of the group (tables are built collectively, so in one order everywhere)
-    tokens: int
-    heads: int
-    dtype: int  # index into ACTIVATION_DTYPES
-    bad: int  # 1 when an id lies outside the table
-    digest: int  # of replicated ids, with verify_ids
-    stale: int  # 1 when this rank's table file was changed in place (or closed): its rows cannot be served
-    counts: tuple[int, ...]  # alltoall: ids this rank sends to each rank
-
-    @classmethod
-    def from_list(cls, v: Sequence[int]) -> _Header:
-        n, k, t, g, d, b, h, s = (int(x) for x in v[:8])
-        return cls(n, k, t, g, d, b, h, s, tuple(int(x) for x in v[8:]))
-
-
-def _lookup_problem(ids: Any, dtype: Any) -> str | None:
-    """Why ``(ids, dtype)`` cannot be looked up on this rank (None when they can)."""
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.int64:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        return f"row ids must be a 2-D int64 tensor [T, G], got {shape} {getattr(ids, 'dtype', '')}".rstrip()
-    if dtype not in ACTIVATION_DTYPES:
-        return f"lookup dtype must be one of {list(ACTIVATION_DTYPES)}, got {dtype}"
-    return None
-
-
-def _digest(flat: torch.Tensor) -> torch.Tensor:
-    """An order-sensitive int64 digest of ids (wrapping arithmetic): equal ids give equal digests."""
-    if flat.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=flat.device)
-    weights = torch.arange(1, 2 * flat.numel() + 1, 2, dtype=torch.int64, device=flat.device)
-    return ((flat * _GOLDEN + 1) * weights).sum()
-
-
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / phi as a signed int64
 
 
 @dataclasses.dataclass
@@ -457,12 +223,10 @@ class ShardedTable(Table):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        mine, local_problems = _local_fingerprint(
-            local_table, total_rows, row_start, row_stop, method, layout_hash, ids
-        )
+        mine, local_problems = local_fingerprint(local_table, total_rows, row_start, row_stop, method, layout_hash, ids)
         self._exchange_device = collective_device(group, device)
-        fps = _exchange_fingerprints(group, mine, self._exchange_device)
-        problems = [f"rank {self.rank} (this rank): {p}" for p in local_problems] + _check_fingerprints(fps)
+        fps = exchange_fingerprints(group, mine, self._exchange_device)
+        problems = [f"rank {self.rank} (this rank): {p}" for p in local_problems] + check_fingerprints(fps)
         if problems:
             raise ShardGeometryError(problems, self.rank, self.world_size)
 
@@ -510,7 +274,7 @@ class ShardedTable(Table):
             a, b = row_range if row_range is not None else shard_rows(table.rows, world, rank, align=align)
             local = _slice_table(table, a, b, device, copy)
         except Exception as e:
-            _fail_with_peers(group, f"could not build its shard: {type(e).__name__}: {e}")
+            fail_with_peers(group, f"could not build its shard: {type(e).__name__}: {e}")
         if layout_hash is None:
             layout_hash = getattr(table, "layout_hash", None)
         return cls(local, a, b, table.rows, group, method, ids=ids, layout_hash=layout_hash, verify_ids=verify_ids)
@@ -569,7 +333,7 @@ class ShardedTable(Table):
     # ------------------------------------------------------------------ lookup internals
     def _start(self, ids: torch.Tensor, dtype: torch.dtype, check: bool) -> _Pending:
         number = next(self._lookups)
-        problem = _lookup_problem(ids, dtype)
+        problem = lookup_problem(ids, dtype)
         dev = ids.device if problem is None else self._exchange_device
         W = self.world_size
         file_error = self._file_error()
@@ -579,11 +343,11 @@ class ShardedTable(Table):
         if problem is None:
             flat = ids.reshape(-1)
             bad = (flat < 0) | (flat >= self.rows)
-            fields[2:5] = [ids.shape[0], ids.shape[1], _dtype_code(dtype)]
+            fields[2:5] = [ids.shape[0], ids.shape[1], dtype_code(dtype)]
             if check and flat.numel():
                 fields[5] = bad.any().to(torch.int64)
             if self.verify_ids and self.ids == "replicated":
-                fields[6] = _digest(flat)
+                fields[6] = digest(flat)
             if self.method == "alltoall":
                 starts, ranks = self._owner_tables(dev)
                 flat_ok = flat.masked_fill(bad, 0)  # only reached unchecked (check=False) or never sent
@@ -593,7 +357,7 @@ class ShardedTable(Table):
         mine = torch.cat([torch.stack([torch.as_tensor(f, dtype=torch.int64, device=dev) for f in fields]), counts])
         # 8 + W words on every rank of the group: no exchange of lengths
         records = exchange_records(mine, what="ShardedTable: lookup header", group=self.group, same_length=True)
-        headers = [_Header.from_list(r) for r in records]
+        headers = [Header.from_list(r) for r in records]
         self._check_headers(headers, number, problem, ids, file_error)  # raises on every rank alike
         if self.method == "alltoall":
             assert flat_ok is not None and order is not None
@@ -616,7 +380,7 @@ class ShardedTable(Table):
         return None
 
     def _check_headers(
-        self, headers: list[_Header], number: int, problem: str | None, ids, file_error: PLEError | None = None
+        self, headers: list[Header], number: int, problem: str | None, ids, file_error: PLEError | None = None
     ) -> None:
         """Raise the same error on every rank when the ranks' headers disagree (identical decisions
         everywhere, since every rank sees every header)."""
@@ -698,7 +462,7 @@ class ShardedTable(Table):
         out = self._fill_owned(ids.reshape(-1), dtype).view(T, G * self.head_dim)
         if out.numel() == 0:  # every rank has the same T (checked): none calls
             return _Pending(out)
-        work = dist.all_reduce(_bit_view(out), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = dist.all_reduce(bit_view(out), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Pending(out, work)
 
     def _start_reduce_scatter(self, ids: torch.Tensor, dtype: torch.dtype, tokens: list[int]) -> _Pending:
@@ -717,8 +481,8 @@ class ShardedTable(Table):
         rows = self._fill_owned(every.view(-1), dtype).view(W, pad * G * D)
         slot = torch.empty(pad * G * D, dtype=dtype, device=dev)
         work = dist.reduce_scatter(
-            _bit_view(slot),
-            [_bit_view(r) for r in rows.unbind(0)],
+            bit_view(slot),
+            [bit_view(r) for r in rows.unbind(0)],
             op=dist.ReduceOp.SUM,
             group=self.group,
             async_op=True,
@@ -787,7 +551,7 @@ def _slice_table(table: Table, a: int, b: int, device, copy: bool) -> MemoryTabl
     return MemoryTable(data, scale, table.format)
 
 
-class _MappedRows(StoredTable):
+class _MappedRows(MappedRows):
     """Rows ``[a, b)`` of a memory-mapped table file as one rank's local table: views of the file's
     map (nothing copied; a lookup reads only the pages it touches), checked like the full
     :class:`MmapTable`'s: a :class:`ShardedTable` compares the file's size and modification time
@@ -805,22 +569,8 @@ class _MappedRows(StoredTable):
         self.header = full.header
         self._full = full
         scale = full.scale
-        self._rows: torch.Tensor | None = full.data[a:b]
+        self._data: torch.Tensor | None = full.data[a:b]
         self._scale = scale[a:b] if scale is not None and scale.dim() == 2 else scale
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self._rows is None:
-            raise UsageError(f"table file {self.path} was closed")
-        return self._rows
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self._scale
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
 
     @property
     def layout_hash(self) -> str:
@@ -833,7 +583,7 @@ class _MappedRows(StoredTable):
 
     def close(self) -> None:
         super().close()
-        self._rows = self._scale = None
+        self._data = self._scale = None
         self._full.close()
 
 
@@ -876,7 +626,7 @@ def load_sharded(
             local = _slice_table(full, a, b, table_device(device), copy=True)
             full.close()
     except Exception as e:
-        _fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
+        fail_with_peers(group, f"could not open its shard of {os.fspath(path)!r}: {type(e).__name__}: {e}")
     return ShardedTable(
         local, a, b, full.rows, group, method, ids=ids, layout_hash=full.layout_hash, verify_ids=verify_ids
     )
