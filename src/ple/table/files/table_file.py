@@ -91,7 +91,7 @@ __all__ = [
     "ShardWriter",
     "TableFileError",
     "hash_layout",
-    "open_table",
+    "open_table_file",
     "read_table_header",
     "tensor_bytes",
     "read_open_header",
@@ -428,7 +428,7 @@ def _check_row_scales(fd: int, header: dict[str, Any], path: Path, rows: tuple[i
         )
 
 
-def open_table(
+def open_table_file(
     path: str | os.PathLike,
     expected_layout_hash: str | dict | None = None,
     *,

@@ -54,7 +54,7 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.layout import shard_bounds
-from ple.table.files.table_file import TableFileError, hash_layout, open_table, read_global_scale, tensor_bytes
+from ple.table.files.table_file import TableFileError, hash_layout, open_table_file, read_global_scale, tensor_bytes
 from ple.table.files.writer import TableFileWriter
 from ple.table.formats.blocks import ScaleOverflowError
 from ple.table.formats.catalog import (
@@ -627,7 +627,7 @@ def compare_with_source(
     missing from the source, or of the wrong size, are problems too. The file is read with ``pread``
     and the shards are compared side by side; ``progress``: a tqdm bar of the rows compared.
     ``skip_rows``: sorted row ids that may differ (the trained rows of a merged table file)."""
-    fd, header, _ = open_table(path)
+    fd, header, _ = open_table_file(path)
     bar = None
     if progress:
         from tqdm.auto import tqdm

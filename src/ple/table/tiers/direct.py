@@ -67,7 +67,7 @@ import torch
 
 from ple.errors import InvalidArgumentError, UsageError
 from ple.table.base import Table
-from ple.table.files.table_file import TableFileError, open_table
+from ple.table.files.table_file import TableFileError, open_table_file
 from ple.table.formats.catalog import format_info
 from ple.table.lookup import gather_dequant
 from ple.table.tiers.readers import (
@@ -137,7 +137,7 @@ class DirectTable(Table):
         if reader not in (None, "uring", "native", "threads"):
             raise InvalidArgumentError(f"reader must be 'uring', 'native', 'threads' or None, got {reader!r}")
         path = Path(path)
-        fd, header, st = open_table(path, expected_layout_hash)
+        fd, header, st = open_table_file(path, expected_layout_hash)
         super().__init__(header["format"], header["rows"], header["head_dim"])
         self.path = path
         self.header = header

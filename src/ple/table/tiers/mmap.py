@@ -29,7 +29,7 @@ import torch
 from ple.errors import InvalidArgumentError, UsageError
 from ple.layout import shard_bounds
 from ple.table.base import StoredTable
-from ple.table.files.table_file import TableFileError, open_table
+from ple.table.files.table_file import TableFileError, open_table_file
 from ple.table.formats.catalog import format_info
 
 __all__ = ["MmapTable"]
@@ -98,7 +98,7 @@ class MmapTable(MappedRows):
         scale_rows: tuple[int, int] | None = None,
     ) -> None:
         path = Path(path)
-        fd, header, st = open_table(path, expected_layout_hash, scale_rows=scale_rows)
+        fd, header, st = open_table_file(path, expected_layout_hash, scale_rows=scale_rows)
         try:
             super().__init__(header["format"], header["rows"], header["head_dim"])
             self.path = path
