@@ -81,8 +81,10 @@ def world(tmp_path_factory):
     rows = [w.layer.table.overlay.range(0, w.layer.table.rows)[0].numel() for w in patched_layers(model)]
     merge_model(model, root / "merged")
     model.eval()
-    return SimpleNamespace(root=root, ck=ck, other=other, tables=root / "tables", adapter=adapter, model=model, rows=rows,
-                           state=root / "state", merged=root / "merged")  # fmt: skip
+    return SimpleNamespace(
+        root=root, ck=ck, other=other, tables=root / "tables", adapter=adapter, model=model, rows=rows,
+        state=root / "state", merged=root / "merged",
+    )  # fmt: skip
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -134,7 +136,7 @@ def test_each_kind_of_path(world, tmp_path):
     assert folder.kind == paths.TABLE_FOLDER and [p.name for p in folder.tables] == [P0, P1]
     assert any(p.name.endswith(".source.json") for p in world.tables.iterdir())
     listed = paths.folder_tables(paths.classify(world.merged))
-    assert [(t["file"], t["kind"], t["format"]) for t in listed] == [(P0, "merged table", "fp8"), (P1, "merged table", "fp8")]  # fmt: skip
+    assert [(t["file"], t["kind"], t["format"]) for t in listed] == [(name, "merged table", "fp8") for name in (P0, P1)]
 
     adapter = paths.classify(world.adapter)
     assert adapter.kind == paths.ADAPTER and adapter.adapter is not None and adapter.adapter["optimizer"] is False

@@ -418,8 +418,8 @@ def classify(path: str | os.PathLike, *, also: str = "") -> PathInfo:
     if folder and not os.path.lexists(p / "config.json"):
         tables = tuple(sorted(q for q in p.iterdir() if q.name.endswith(TABLE_SUFFIX) and q.is_file()))
         if tables:
-            n = len(tables)
-            return PathInfo(p, TABLE_FOLDER, f"a table folder ({n} table file{'s' * (n != 1)}, no config.json)", tables=tables)  # fmt: skip
+            what = f"a table folder ({len(tables)} table file{'s' * (len(tables) != 1)}, no config.json)"
+            return PathInfo(p, TABLE_FOLDER, what, tables=tables)
     if p.name.endswith(".safetensors") and p.is_file():
         adapter = _adapter(p)
         if adapter is not None:
@@ -435,7 +435,8 @@ def classify(path: str | os.PathLike, *, also: str = "") -> PathInfo:
     except (PLEError, OSError):
         trained = ()  # files the scan refuses (pickled, missing): it says why
     if not trained:
-        return PathInfo(p, CHECKPOINT, "a checkpoint (config.json and safetensors weights)", config=config, weights=weights)  # fmt: skip
+        what = "a checkpoint (config.json and safetensors weights)"
+        return PathInfo(p, CHECKPOINT, what, config=config, weights=weights)
     step = _trainer_step(weights if weights.is_dir() else weights.parent)
     by = f"transformers Trainer's, at step {step}" if step is not None else "saved while its tables were trained"
     rows = ", ".join(f"{t.trained_rows:,}" for t in trained)
