@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from ple.checkpoint import classify as paths
-from ple.cli import main
+from ple.commands.cli import main
 from ple.config import PLEConfig
-from ple.demo.model import save_published
 from ple.errors import InvalidArgumentError, UsageError
+from ple.integrations.demo_model import save_published
 from ple.integrations.transformers import from_pretrained, patched_layers
 from ple.table import MmapTable, read_table_header
 from ple.train import (
@@ -44,10 +44,9 @@ from ple.train import (
     trainable,
 )
 from ple.train.merge import requantize
-
-from ..integrations.conftest import _one_thread  # noqa: F401 (autouse: one torch thread, as the tiny models want)
-from ..integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
-from ..test_gguf_hostile import WIDE, write_gguf
+from tests.checkpoint.test_gguf_hostile import WIDE, write_gguf
+from tests.integrations.conftest import _one_thread  # noqa: F401 (autouse: one torch thread, as the tiny models want)
+from tests.integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
 
 CFG = tiny_config(ple_embed_dim=128)  # head_dim 32: whole q4_0 blocks
 P0, P1 = "model.layers.0.ple.pletable", "model.layers.1.ple.pletable"

@@ -20,7 +20,7 @@
 **Table identity.** A table is what it was made from (:func:`table_identity`). A table file converted
 from a checkpoint, in any format, by ``ple convert`` or a table folder, has a conversion record
 beside it (``<file>.source.json``, :func:`read_record`; written by
-:mod:`ple.integrations.table_folder`): its identity is that source, the checkpoint's layer prefix and
+:mod:`ple.convert.folder`): its identity is that source, the checkpoint's layer prefix and
 table format and, for each safetensors file holding the table, its name, size, modification time and
 header digest (what a copy of the same files keeps; change times and inodes are left out). A merged
 table's header records the identity of the table merged into plus the adapter rows merged (digests
@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from ple.checkpoint.scan import LayerEntry, checkpoint_files, resolve_model
+from ple.common.files import PARTIAL_SUFFIX, parse_json, read_json
+from ple.common.safetensors import CheckpointError, read_header, read_safetensors_header
 from ple.config import PLEConfig
 from ple.errors import InvalidArgumentError, PLEError, UsageError
-from ple.files import PARTIAL_SUFFIX, parse_json, read_json
-from ple.safetensors_file import CheckpointError, read_header, read_safetensors_header
-from ple.table.table_file import TABLE_SUFFIX, TableFileError, read_table_header
+from ple.table.files.table_file import TABLE_SUFFIX, TableFileError, read_table_header
 
 __all__ = [
     "ADAPTER",
@@ -109,7 +109,7 @@ _TRAINED_RE = re.compile(
 
 RECORD_SUFFIX = ".source.json"
 """Suffix of the conversion record beside a table file: ``<table file name>.source.json``."""
-RECORD_VERSION = 4  # 4: the file identities carry change times and inodes (ple.files.file_identity)
+RECORD_VERSION = 4  # 4: the file identities carry change times and inodes (ple.common.files.file_identity)
 _MAX_RECORD_BYTES = 1 << 20
 
 
@@ -158,7 +158,7 @@ def _canon(doc: Any) -> str:
 
 def source_origin(source: dict[str, Any]) -> dict[str, Any]:
     """The identity origin of a table made from a checkpoint whose table is ``source`` (a record's, or
-    :func:`ple.integrations.table_folder.source_identity` of the checkpoint's layer now)."""
+    :func:`ple.convert.folder.source_identity` of the checkpoint's layer now)."""
     return {"source": without_copy_fields(source)}
 
 
