@@ -105,13 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "inspect",
-        "layout per PLE layer; for a checkpoint, a check of its headers and small tensors; for a GGUF model, "
-        "its PLE metadata and table tensor; for a table file, its header",
+        "what a path is and holds: layout per PLE layer; for a checkpoint, a check of its headers and small "
+        "tensors; for a training checkpoint, its trained rows; for a GGUF model, its PLE metadata and table "
+        "tensor; for a table file, its header and what it was made from; for a table folder, its table files; "
+        "for an adapter, its layers",
     )
     p.add_argument(
         "path",
-        help="config.json, model directory, model.safetensors.index.json, a GGUF file (model.gguf, or any part "
-        "of a -0000k-of-0000N.gguf split set) or a .pletable table file",
+        help="config.json, model directory (a Trainer checkpoint-N folder too), model.safetensors.index.json, a "
+        "GGUF file (model.gguf, or any part of a -0000k-of-0000N.gguf split set), a .pletable table file, a "
+        "folder of table files or an adapter file",
     )
     p.add_argument("--json", action="store_true", help=json_help)
     p.set_defaults(fn=commands.inspect)
@@ -163,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         "files",
         nargs="+",
         metavar="file",
-        help="one or more .pletable files (with --json: one file's {file, ok, problems}; for several, "
-        "{ok, files: [...]})",
+        help="one or more .pletable files or folders of them (with --json: one file's {file, ok, problems}; "
+        "for several, {ok, files: [...]})",
     )
     p.add_argument(
         "--checkpoint", help="the model directory they were converted from (each file matched to its PLE layer)"

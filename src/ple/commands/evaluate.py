@@ -527,7 +527,7 @@ def _peak_rss() -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``ple eval``; returns the exit status."""
-    from ple.checkpoint import resolve_model
+    from ple.checkpoint.classify import ADAPTER, CHECKPOINT, OTHER, TRAINING, classify
     from ple.integrations.qwen4_exp import require_transformers
 
     formats = parse_formats(args.formats)
@@ -538,9 +538,16 @@ def run(args: argparse.Namespace) -> int:
     adapter = Path(args.adapter) if args.adapter else None
     if adapter is not None and not adapter.is_file():
         raise CommandLineError(f"--adapter {adapter}: no such file")
-    cfg, ckpt = resolve_model(args.checkpoint)
-    if ckpt is None or not Path(args.checkpoint).is_dir():
-        raise CommandLineError(f"{args.checkpoint}: not a model folder with weights (config.json + safetensors)")
+    if adapter is not None and (given := classify(adapter)).kind != ADAPTER:
+        raise CommandLineError(f"--adapter {adapter}: {given.what}, not an adapter file (ple train writes one)")
+    info = classify(args.checkpoint)
+    if info.kind in (TRAINING, OTHER):  # how to load a training checkpoint; why a path is no model
+        raise info.refusal("a model folder")
+    cfg = info.config
+    if info.kind != CHECKPOINT or cfg is None or not info.path.is_dir():
+        raise CommandLineError(
+            f"{args.checkpoint}: not a model folder with weights (config.json + safetensors): {info.what}"
+        )
     if args.real_text is not None and args.real_text < args.ctx:
         raise CommandLineError(f"--real-text {args.real_text} is fewer tokens than one window (--ctx {args.ctx})")
     require_transformers()

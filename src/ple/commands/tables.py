@@ -30,6 +30,7 @@ from ple.checkpoint import (
     table_shards,
     write_layer_table,
 )
+from ple.checkpoint import classify as paths
 from ple.checkpoint.gguf import (
     PLE_KEYS,
     GGUFError,
@@ -41,7 +42,7 @@ from ple.checkpoint.gguf import (
     read_gguf,
 )
 from ple.common.argtypes import parse_int, shown
-from ple.common.files import PARTIAL_SUFFIX, open_regular, pread_exact
+from ple.common.files import open_regular, pread_exact
 from ple.config import PLEConfig
 from ple.convert.folder import made_from, record_table, source_identity
 from ple.errors import CommandLineError, InvalidArgumentError, PLEError
@@ -95,14 +96,21 @@ def _check_layer_index(cfg: PLEConfig, idx: int) -> None:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Layout of every PLE layer; for a checkpoint, the scan (headers and small tensors, never the
-    table; exit 1 on problems); for a GGUF file, its PLE metadata and table tensor; for a table file,
-    its validated header."""
-    if _is_gguf(args.path):
+    """What the path is (:func:`ple.checkpoint.classify.classify`) and what it holds: the layout of
+    every PLE layer, and for a checkpoint the scan (headers and small tensors, never the table; exit 1
+    on problems), for a training checkpoint its trained rows; for a GGUF file, its PLE metadata and
+    table tensor; for a table file, its validated header and what it was made from; for a table
+    folder, its table files; for an adapter, its layers."""
+    info = paths.classify(args.path, also="a GGUF file or a .pletable table file")
+    if info.kind == paths.GGUF:
         return _inspect_gguf(args)
-    if _is_table_file(args.path):
-        return _inspect_table(args)
-    cfg, ckpt = resolve_model(args.path, also="a GGUF file or a .pletable table file")
+    if info.kind in (paths.TABLE_FILE, paths.MERGED_TABLE):
+        return _inspect_table(args, info)
+    if info.kind in (paths.TABLE_FOLDER, paths.ADAPTER):
+        return _inspect_folder_or_adapter(args, info)
+    cfg, ckpt = info.config, info.weights
+    if cfg is None:  # not ple's: the model reader's reason
+        raise info.refusal("a model")
     if not cfg.ple_layer_ids:
         raise InvalidArgumentError(
             f"{args.path}: the config has no PLE layers (ple_layer_ids is empty or missing); "
@@ -110,10 +118,12 @@ def inspect(args: argparse.Namespace) -> int:
         )
     scan = scan_checkpoint(ckpt, cfg) if ckpt is not None else None
     entries = {e.ple_layer_index: e for e in scan.layers} if scan else {}
+    trained = {t.decoder_layer: t.trained_rows for t in info.trained}  # a training checkpoint's
     layers = []
     for idx in range(cfg.num_ple_layers):
         lay = cfg.layout(idx)
         e = entries.get(idx)
+        explained = paths.explained_by_training(e) if e else []
         layers.append(
             {
                 "ple_layer_index": idx,
@@ -121,19 +131,29 @@ def inspect(args: argparse.Namespace) -> int:
                 "prefix": e.prefix if e else cfg.layer_prefix(idx),
                 **{k: v for k, v in lay.to_dict().items() if k != "ple_layer_index"},
                 "table_format": e.table_format if e else None,
+                "trained_rows": trained.get(cfg.ple_layer_ids[idx] - 1),
                 "bytes": {f: table_bytes(lay, f) for f in FORMATS if lay.head_dim % format_info(f).block == 0},
-                "problems": list(e.problems) if e else [],
+                "problems": [q for q in e.problems if q not in explained] if e else [],
             }
         )
     problems = (scan.problems if scan else []) + [q for d in layers for q in d["problems"]]
     if args.json:
-        _emit_json({"path": str(args.path), "layers": layers, "problems": scan.problems if scan else []})
+        doc: dict[str, Any] = {"path": str(args.path), "kind": info.kind, "layers": layers}
+        doc["problems"] = scan.problems if scan else []
+        if info.kind == paths.TRAINING:
+            doc.update(what=info.what, trainer_step=info.trainer_step)
+        _emit_json(doc)
         return 1 if problems else 0
     print(
         f"config: {args.path}   hidden {cfg.hidden_size} x hc {cfg.hc_count}, E {cfg.ple_embed_dim}, "
         f"N {cfg.ngram_size}, {cfg.num_heads} heads of {cfg.head_dim}, K {cfg.ple_conv_kernel_size}, "
         f"eos {cfg.eos_token_id}, seed {cfg.seed}"
     )
+    if info.kind == paths.TRAINING:
+        print(
+            f"{info.what}: load the base model with from_pretrained, then model.load_state_dict of these weights "
+            "(or resume with Trainer(resume_from_checkpoint=...))"
+        )
     for d in layers:
         print(f"\nPLE layer {d['ple_layer_index']} (decoder layer {d['decoder_layer']})  prefix {d['prefix']}")
         print(f"  multipliers  {d['multipliers']}")
@@ -142,26 +162,15 @@ def inspect(args: argparse.Namespace) -> int:
         print(f"  shards       {d['split_parts']} x {d['shard_rows']:,} rows")
         print("  size         " + ", ".join(f"{f} {_human(b)}" for f, b in d["bytes"].items()))
         if ckpt is not None:
-            print(f"  checkpoint   table {d['table_format'] or '-'}; " + ("OK" if not d["problems"] else "PROBLEMS:"))
+            held = f"table {d['table_format'] or '-'}"
+            if d["trained_rows"] is not None:
+                held = f"{d['trained_rows']:,} trained rows (the table is the base model's)"
+            print(f"  checkpoint   {held}; " + ("OK" if not d["problems"] else "PROBLEMS:"))
             for q in d["problems"]:
                 print(f"    - {q}")
     for q in scan.problems if scan else []:
         print(f"problem: {q}")
     return 1 if problems else 0
-
-
-def _is_table_file(path: str) -> bool:
-    name = Path(path).name
-    partial = name.endswith(PARTIAL_SUFFIX) and TABLE_SUFFIX in name
-    return (name.endswith(TABLE_SUFFIX) or partial) and not Path(path).is_dir()
-
-
-def _table_source(layout: Any) -> str:
-    if isinstance(layout, dict) and isinstance(layout.get("gguf"), dict):
-        return "the PLE metadata of a GGUF model (converted without a config)"
-    if isinstance(layout, dict) and isinstance(layout.get("ple_layer_index"), int):
-        return f"a checkpoint's config, PLE layer {layout['ple_layer_index']}"
-    return "not recorded (the header holds only the layout hash)"
 
 
 def _global_scale(path: str, header: dict[str, Any]) -> float | None:
@@ -175,14 +184,20 @@ def _global_scale(path: str, header: dict[str, Any]) -> float | None:
     return float(struct.unpack("<f", blob)[0])
 
 
-def _inspect_table(args: argparse.Namespace) -> int:
-    """``ple inspect FILE.pletable``: what the file's (validated) header says; its rows are not read
-    (``ple verify`` recomputes their checksums)."""
-    h = read_table_header(args.path)
+def _inspect_table(args: argparse.Namespace, kind: paths.PathInfo) -> int:
+    """``ple inspect FILE.pletable``: what the file's (validated) header says, and what the table was
+    made from; its rows are not read (``ple verify`` recomputes their checksums)."""
+    h = kind.header
+    assert h is not None
+    identity = kind.identity()
+    assert identity is not None
     info = format_info(h["format"])
     layout = h.get("layout")
     doc: dict[str, Any] = {
         "path": str(args.path),
+        "kind": kind.kind,
+        "identity": identity.describe(),
+        "merged": h.get("merged"),
         "format": h["format"],
         "storage_dtype": h["storage_dtype"],
         "block": info.block,
@@ -193,7 +208,7 @@ def _inspect_table(args: argparse.Namespace) -> int:
         "complete": h["complete"],
         "sparse": h["sparse"],
         "scale": {"kind": h["scale"]["kind"], "value": _global_scale(args.path, h)},
-        "source": _table_source(layout),
+        "source": paths.layout_source(layout),
         "layout_hash": h["layout_hash"],
         "layout": layout,
         "shard_rows": h["shard_rows"],
@@ -217,6 +232,9 @@ def _inspect_table(args: argparse.Namespace) -> int:
         f"file {_human(h['file_nbytes'])}"
     )
     print(f"  source    {doc['source']}")
+    print(f"  identity  {identity.describe()}")
+    if kind.kind == paths.MERGED_TABLE:
+        print(f"  merged    {paths.merge_phrase(h['merged'])}")
     print(f"  layout    hash {h['layout_hash']}")
     fields = layout.get("gguf", layout) if isinstance(layout, dict) else {}
     for k, v in fields.items():
@@ -234,6 +252,16 @@ def _inspect_table(args: argparse.Namespace) -> int:
     if h["checksum"]["scale"] is not None:
         print(f"            scale {h['checksum']['scale']}")
     return 0
+
+
+def _inspect_folder_or_adapter(args: argparse.Namespace, info: paths.PathInfo) -> int:
+    """``ple inspect`` of a table folder or an adapter file (:func:`ple.checkpoint.classify.report`)."""
+    doc, lines = paths.report(info)
+    if args.json:
+        _emit_json(doc)
+    else:
+        print("\n".join(lines))
+    return 1 if doc.get("problems") else 0
 
 
 # ---------------------------------------------------------------------------------------------- ids
@@ -324,10 +352,6 @@ def _parse_layers(text: str | None, cfg: PLEConfig) -> list[int] | None:
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
-
-
-def _is_gguf(path: str) -> bool:
-    return str(path).endswith(".gguf") and not Path(path).is_dir()
 
 
 def _short(v: Any) -> str:
@@ -462,9 +486,14 @@ def convert(args: argparse.Namespace) -> int:
     The checkpoint passes the loader's validation first (:func:`ple.checkpoint.check_checkpoint`, dense
     weights included): what the loader refuses is never converted. A GGUF model (one file or a split
     set) gives its table in its own type, bytes copied."""
-    if _is_gguf(args.checkpoint):
+    info = paths.classify(args.checkpoint)
+    if info.kind == paths.GGUF:
         return _convert_gguf(args)
-    cfg, ckpt = resolve_model(args.checkpoint)
+    info.require(
+        paths.CHECKPOINT, paths.CONFIG, wanted="a checkpoint (a model folder) or a GGUF model, what ple convert reads"
+    )
+    cfg, ckpt = info.config, info.weights
+    assert cfg is not None
     if args.config:
         cfg = PLEConfig.from_pretrained(args.config)
     if ckpt is None:
@@ -476,6 +505,13 @@ def convert(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"output {out} exists and is not a folder")
     entries = [e for e in scan.layers if wanted is None or e.ple_layer_index in wanted]
+    for e in entries:  # a merged table is never converted over, --force or not
+        merged = paths.merged_table(out / table_file_name(e.prefix))
+        if merged is not None:
+            raise InvalidArgumentError(
+                f"table file {merged.path} is {merged.what}: ple convert never writes over a merged table; "
+                "convert into another folder, or move it out of this one"
+            )
     done: set[int] = set()  # layers whose file an earlier run of this conversion finished: kept
     for e in entries if not args.force else []:
         path = out / table_file_name(e.prefix)
@@ -593,11 +629,17 @@ def verify(args: argparse.Namespace) -> int:
 
     A file that cannot be read at all (missing, no permission) is one line on stderr before anything is
     verified, as for every command; what is wrong inside a file it can read is listed on stdout."""
-    files = list(args.files)
-    for f in files:
+    files: list[str] = []
+    for f in args.files:
         os.stat(f)  # FileNotFoundError, NotADirectoryError, PermissionError: ple.commands.cli's one line
         if not os.access(f, os.R_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(f))
+        folder = paths.classify(f) if os.path.isdir(f) else None
+        files += [str(t) for t in folder.tables] if folder is not None and folder.kind == paths.TABLE_FOLDER else [f]
+    if args.checkpoint:  # a training checkpoint is said so, as every command says it
+        paths.classify(args.checkpoint).require(
+            paths.CHECKPOINT, paths.CONFIG, wanted="a checkpoint to compare table files with"
+        )
     results: list[dict[str, Any]] = []
     for f in files:
         problems = verify_table_file(f, progress=show_progress())

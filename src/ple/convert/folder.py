@@ -18,6 +18,12 @@ another format (``table_format=``) is ``<prefix>.<format>.pletable``, or the fil
   elsewhere) is compared with the checkpoint again. Both identities are
   :func:`ple.common.files.file_identity`, the one a conversion's resume key is made of.
 
+A merged table (:func:`ple.train.merge_model` writes one: its header records the merge) is served
+as it is when it was merged into a table made from the layer's table as the checkpoint holds it now
+(:func:`ple.checkpoint.classify.table_identity`), and refused otherwise, naming both: its trained
+rows differ from the checkpoint's by design, so it is never compared row by row, converted over or
+replaced.
+
 A checkpoint file edited in place with its modification time set back still has a new change time
 (no program can set that one): the table file is then compared with the checkpoint row by row before
 it is served, as when only the change time or the inode moved (a ``chmod``, a new hard link, a copy
@@ -71,9 +77,20 @@ from ple.checkpoint import (
     table_shards,
     write_layer_table,
 )
-from ple.common.files import file_identity, read_json, write_atomically
+from ple.checkpoint.classify import (
+    RECORD_SUFFIX,
+    RECORD_VERSION,
+    TableIdentity,
+    read_record,
+    record_path,
+    source_origin,
+    table_fields,
+    table_identity,
+    without_copy_fields,
+)
+from ple.common.files import file_identity, write_atomically
 from ple.config import PLEConfig
-from ple.errors import InvalidArgumentError, PLEError
+from ple.errors import InvalidArgumentError
 from ple.kernels.native import cache_dir
 from ple.table import MmapTable, TableFileError, format_info, read_table_header
 from ple.table.files.transcode import compare_with_source, table_amax, target_format
@@ -89,11 +106,6 @@ __all__ = [
     "PreparedTable",
     "RECORD_SUFFIX",
 ]
-
-RECORD_SUFFIX = ".source.json"
-"""Suffix of the record beside a table file: ``<table file name>.source.json``."""
-_RECORD_VERSION = 4  # 4: the file identities carry change times and inodes (ple.common.files.file_identity)
-_MAX_RECORD_BYTES = 1 << 20
 
 
 def default_table_dir(checkpoint: str | os.PathLike) -> Path:
@@ -123,28 +135,6 @@ def source_identity(entry: LayerEntry) -> dict[str, Any]:
     return {"prefix": entry.prefix, "format": entry.table_format, "files": files}
 
 
-def _without_ctime(source: dict[str, Any]) -> dict[str, Any]:
-    """``source`` without what a copy of the same files changes (change times, inodes)."""
-    files = [{k: v for k, v in f.items() if k not in ("ctime_ns", "inode")} for f in source.get("files", [])]
-    return {**source, "files": files}
-
-
-def _table_identity(header: dict[str, Any]) -> dict[str, Any]:
-    checks = json.dumps(header.get("checksum"), sort_keys=True).encode()
-    return {
-        "format": header["format"],
-        "rows": header["rows"],
-        "head_dim": header["head_dim"],
-        "layout_hash": header["layout_hash"],
-        "file_nbytes": header["file_nbytes"],
-        "checksums_sha256": hashlib.sha256(checks).hexdigest(),
-    }
-
-
-def _record_path(path: Path) -> Path:
-    return path.with_name(path.name + RECORD_SUFFIX)
-
-
 def _checkpoint_folder(entry: LayerEntry) -> str:
     """The absolute path of the folder holding the layer's table (what a record names)."""
     return str(_table_infos(entry)[0].file.parent.resolve())
@@ -153,24 +143,13 @@ def _checkpoint_folder(entry: LayerEntry) -> str:
 def _write_record(path: Path, header: dict[str, Any], source: dict[str, Any], checkpoint: str) -> None:
     record = {
         "record": "ple table source",
-        "version": _RECORD_VERSION,
-        "table": _table_identity(header),
+        "version": RECORD_VERSION,
+        "table": table_fields(header),
         "file": file_identity(path),
         "source": source,
         "checkpoint": checkpoint,
     }
-    write_atomically(_record_path(path), (json.dumps(record, indent=1) + "\n").encode())
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """The record beside table file ``path``, or None (none, unreadable, another version)."""
-    try:
-        record = read_json(_record_path(path), "table record", _MAX_RECORD_BYTES, TableFileError)
-    except (OSError, PLEError):
-        return None
-    if not isinstance(record, dict) or record.get("version") != _RECORD_VERSION:
-        return None
-    return record
+    write_atomically(record_path(path), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def _describe_change(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -199,7 +178,7 @@ def _foreign_owner(path: Path, record: dict[str, Any] | None, source: dict[str, 
     """The other checkpoint folder whose table ``path`` holds, when that table must not be replaced:
     the record vouches for the file there, was made from another source, in a folder other than
     ``home`` that still exists."""
-    if record is None or _without_ctime(record.get("source") or {}) == _without_ctime(source):
+    if record is None or without_copy_fields(record.get("source") or {}) == without_copy_fields(source):
         return None  # the same source, or a copy of it (only change times differ): compared, not refused
     other = record.get("checkpoint")
     if not isinstance(other, str) or other == home or not Path(other).is_dir():
@@ -208,14 +187,15 @@ def _foreign_owner(path: Path, record: dict[str, Any] | None, source: dict[str, 
         header = read_table_header(path)
     except (TableFileError, OSError):
         return None
-    return other if record.get("table") == _table_identity(header) else None
+    return other if record.get("table") == table_fields(header) else None
 
 
 @dataclasses.dataclass
 class PreparedTable:
     """A layer's table file and how it was obtained: ``action`` is "reused" (record matched),
-    "verified" (no record: compared with the checkpoint row by row, then recorded) or "converted"
-    (with ``reason``: why the existing file was not used, or "missing"). ``table``: the file, opened
+    "verified" (no record: compared with the checkpoint row by row, then recorded), "merged" (a
+    merged table of this checkpoint's table, served as it is) or "converted" (with ``reason``: why
+    the existing file was not used, or "missing"). ``table``: the file, opened
     while it was checked (the caller owns it: serve it, or close it)."""
 
     path: Path
@@ -405,7 +385,7 @@ def _prepare(
             if made is not None:
                 held.unused()  # ple convert's file is served: no file is made under this name
                 return made
-        record = _read_record(path)
+        record = read_record(path)
         other = _foreign_owner(path, record, source, home)
         if other is not None:
             raise InvalidArgumentError(
@@ -421,7 +401,7 @@ def _prepare(
                 return prepared
         if reason != "missing":
             warnings.warn(f"PLE table file {path} is not used: {reason}; converting it again", stacklevel=4)
-        _record_path(path).unlink(missing_ok=True)
+        record_path(path).unlink(missing_ok=True)
         need = _table_nbytes(config, index, want)
         # the new file is written beside the old one (a .partial renamed at the end): the old one's
         # space is not free until then
@@ -483,7 +463,7 @@ def _convert_output(
             if header["format"] != want:
                 raise _NotServed  # the checkpoint-format copy, or another format's: not this one
             index = entry.ple_layer_index
-            record = _read_record(path)
+            record = read_record(path)
             other = _foreign_owner(path, record, source, home)
             if other is not None:
                 reason = f"it is PLE layer {index}'s table of checkpoint {other}"
@@ -519,7 +499,7 @@ def _refused_format(
     if (
         want == entry.table_format
         and record is not None
-        and record.get("table") == _table_identity(header)
+        and record.get("table") == table_fields(header)
         and record.get("file") == file_identity(path)
         and (record.get("source") or {}).get("format") == have
     ):
@@ -554,7 +534,8 @@ def _try_existing(
     rows and row width), then its record (or its rows) against the checkpoint."""
     index = entry.ple_layer_index
     try:
-        stale = _refused_format(path, read_table_header(path), want, table_format, record, entry)
+        header = read_table_header(path)
+        stale = _refused_format(path, header, want, table_format, record, entry)
     except (TableFileError, OSError) as e:
         return None, f"it cannot be used ({e})"
     if stale is not None:
@@ -562,6 +543,8 @@ def _try_existing(
     try:
         table = open_layer_table(path, config, index)
     except (TableFileError, OSError, ValueError) as e:
+        if "merged" in header:
+            raise _merged_refusal(path, index, home, f"it cannot serve PLE layer {index} ({e})") from None
         return None, f"it cannot be used ({e})"
     try:
         stale = _refused_format(path, table.header, want, table_format, record, entry)  # the file opened
@@ -571,10 +554,16 @@ def _try_existing(
                 f"it holds {table.rows:,} rows of {table.head_dim} values, PLE layer {index}'s layout "
                 f"{lay.padded_rows:,} of {lay.head_dim}"
             )
+        if stale is not None and "merged" in table.header:
+            raise _merged_refusal(path, index, home, stale)
         if stale is not None:
             table.close()
             return None, stale
-        action, reason = _check_existing(table, path, entry, record, source, home)
+        action: str | None
+        if "merged" in table.header:  # served as it is, or refused: a merge is never converted over
+            action, reason = _check_merged(table, path, entry, source, home), ""
+        else:
+            action, reason = _check_existing(table, path, entry, record, source, home)
     except BaseException:
         table.close()
         raise
@@ -582,6 +571,24 @@ def _try_existing(
         table.close()
         return None, reason
     return PreparedTable(path, action, time.perf_counter() - t0, table=table), ""
+
+
+def _merged_refusal(path: Path, index: int, home: str, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"table folder {path.parent} holds {path.name}, a merged table (an adapter's trained rows merged into a "
+        f"table), that does not serve PLE layer {index} of checkpoint {home}: {why}; a merged table is never "
+        f"converted over: pass another table_dir, or move {path} out of {path.parent}"
+    )
+
+
+def _check_merged(table: MmapTable, path: Path, entry: LayerEntry, source: dict[str, Any], home: str) -> str:
+    """``"merged"`` when the merged table file ``path`` (opened) was merged into a table made from PLE layer
+    ``entry``'s table as the checkpoint holds it now (:func:`ple.checkpoint.classify.table_identity`);
+    else :class:`InvalidArgumentError`: it is neither served nor replaced."""
+    identity = table_identity(path, table.header)
+    if TableIdentity(identity.origin).same(TableIdentity(source_origin(source))):
+        return "merged"
+    raise _merged_refusal(path, entry.ple_layer_index, home, f"it is {identity.describe()}")
 
 
 def record_table(path: str | os.PathLike, entry: LayerEntry, source: dict[str, Any]) -> None:
@@ -599,7 +606,7 @@ def made_from(path: str | os.PathLike, entry: LayerEntry, config: PLEConfig, for
     ``entry`` (change times included), its table and file identities the file's, and the file opens for
     the layer's layout; else why not (what ``ple convert`` run again keeps of an interrupted run)."""
     path = Path(path)
-    record = _read_record(path)
+    record = read_record(path)
     if record is None:
         return "no record beside it says what it was made from"
     try:
@@ -610,7 +617,7 @@ def made_from(path: str | os.PathLike, entry: LayerEntry, config: PLEConfig, for
         header = table.header
         if header["format"] != format:
             return f"it holds {header['format']} rows, not {format}"
-        if record.get("table") != _table_identity(header) or record.get("file") != file_identity(path):
+        if record.get("table") != table_fields(header) or record.get("file") != file_identity(path):
             return "it was changed since its record was written"
     source = source_identity(entry)
     if record.get("source") != source:
@@ -630,12 +637,12 @@ def _check_existing(
     ``(None, why not)``."""
     if (
         record is not None
-        and record.get("table") == _table_identity(table.header)
+        and record.get("table") == table_fields(table.header)
         and record.get("file") == file_identity(path)
     ):
         if record.get("source") == source:
             return "reused", ""
-        if _without_ctime(record.get("source") or {}) != _without_ctime(source):
+        if without_copy_fields(record.get("source") or {}) != without_copy_fields(source):
             return None, _describe_change(record.get("source") or {}, source)
         # only a change time moved: the checkpoint may have been written in place with its
         # modification time set back; compare the rows before serving them

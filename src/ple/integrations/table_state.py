@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ple.checkpoint.classify import TRAINED_KEYS
 from ple.errors import UsageError
 from ple.layer import PLELayer
 from ple.table import CachedTable, DirectTable, MmapTable, ShardedTable, StoredTable, Table, dequantize, format_info
@@ -58,7 +59,6 @@ from ple.train.merge import global_scale_of, merge_rows
 
 __all__ = ["table_state", "trained_state", "load_trained", "weight_from_table", "staging", "STAGE_ROWS", "TRAINED_KEYS"]
 
-TRAINED_KEYS = ("trained_ids", "trained_rows")
 """A trainable table's names in a state dict (after the table's prefix): the trained row ids ``[n]``
 int64 (sorted) and their rows ``[n, head_dim]`` fp32."""
 

@@ -75,6 +75,7 @@ from ple.checkpoint import (
     table_file_name,
     write_layer_table,
 )
+from ple.checkpoint.classify import TABLE_FOLDER, TRAINING, classify
 from ple.common.files import read_json
 from ple.config import ConfigError, PLEConfig, architecture_names
 from ple.convert.dequantized import dequantize_checkpoint
@@ -846,17 +847,13 @@ def from_pretrained(
         raise InvalidArgumentError(f"from_pretrained: {refused} cannot be combined with ple's table loading")
     want_info = bool(kwargs.pop("output_loading_info", False))
     root = _local_checkpoint(path, kwargs)
+    kind = classify(root)  # the judge every command asks: a training checkpoint or a table folder is no model
+    if kind.kind in (TRAINING, TABLE_FOLDER):
+        raise kind.refusal("a model folder (config.json and safetensors weights; a table folder is a table_dir)")
     config = PLEConfig.from_pretrained(root)
     if not config.ple_layer_ids:
         raise InvalidArgumentError(f"{root}: the config has no PLE layers; load it with transformers directly")
     scan = scan_checkpoint(root, config)
-    if any(p.endswith(f".{TRAINED_KEYS[0]}") for p in scan.all_problems):
-        raise UsageError(
-            f"{root} is a training checkpoint (saved while the PLE tables were being trained: their trained rows, "
-            "not the tables): load the base model with from_pretrained, then model.load_state_dict of this "
-            "checkpoint's weights (or resume with Trainer(resume_from_checkpoint=...)); to save the tables "
-            "themselves, call ple.train.freeze(model) before save_pretrained"
-        )
     if scan.all_problems:
         raise CheckpointError(scan.all_problems)
     show = sys.stderr.isatty() if progress is None else bool(progress)

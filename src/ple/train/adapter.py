@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ple.checkpoint.classify import ADAPTER_FORMAT, table_identity
 from ple.common.files import file_kind, parse_json, sweep_partial_files, write_atomically_from
 from ple.common.safetensors import CheckpointError, PreadReader, TensorInfo, read_header
 from ple.errors import ArgumentTypeError, InvalidArgumentError, PLEError, UsageError
@@ -67,7 +68,6 @@ __all__ = [
     "write_adapter_file",
 ]
 
-ADAPTER_FORMAT = "ple-table-adapter"
 _VERSION = "1"
 _CHUNK = 1 << 16  # rows read or written at a time
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
@@ -88,9 +88,10 @@ def base_of(table: Table) -> Table:
 
 
 def base_identity(table: Table) -> dict[str, Any] | None:
-    """The table file under ``table`` (through caches): ``{"file", "format", "header_checksum"}``; the
-    header checksum covers every shard's checksum, so it names the rows exactly. None for a table not
-    read from a table file."""
+    """The table file under ``table`` (through caches): ``{"file", "format", "header_checksum",
+    "identity"}``; the header checksum covers every shard's checksum, so it names the rows exactly, and
+    the identity what the table was made from (:func:`ple.checkpoint.classify.table_identity`: what a
+    merge checks). None for a table not read from a table file."""
     at: Any = base_of(table)
     for _ in range(8):
         path = getattr(at, "path", None)
@@ -104,6 +105,7 @@ def base_identity(table: Table) -> dict[str, Any] | None:
                 "file": str(Path(path).resolve()),
                 "format": header["format"],
                 "header_checksum": header["header_checksum"],
+                "identity": table_identity(path, header).to_json(),
             }
         at = getattr(at, "backing", None)
         if at is None:

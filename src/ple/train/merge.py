@@ -7,11 +7,17 @@ scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row"
 scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
 scale). Every other row keeps its stored bytes exactly. The new file's header records the merge
 (``merged``: the adapter, its layer, the trained rows' count and the digest of their ids, the table
-merged into and the one the adapter was trained over), so that :func:`merged_rows` tells its trained
-rows from the rest (``ple verify FILE --checkpoint DIR`` compares only the rest with the checkpoint,
-and the trained rows with the adapter). An adapter trained over another table than the one it is
-merged into (another checkpoint of the same layout, another format of it) is refused: its untrained
-rows would be another table's.
+merged into and the one the adapter was trained over, and the new table's ``identity``: that of the
+table merged into with this merge on top, :func:`ple.checkpoint.classify.merged_identity`), so that
+:func:`merged_rows` tells its trained rows from the rest (``ple verify FILE --checkpoint DIR``
+compares only the rest with the checkpoint, and the trained rows with the adapter).
+
+An adapter merges into the table it was trained over, or into any table of the same identity
+(:func:`ple.checkpoint.classify.require_trained_over`): a conversion of the same checkpoint table to
+any format (``ple convert CHECKPOINT DIR --to q4_0`` of the checkpoint whose fp8 table it was trained
+over), the trained rows requantized to that format. A table of another identity (another checkpoint
+of the same layout, a table changed since) is refused, naming both: the adapter's untrained rows
+would be another table's.
 
 :func:`merge_model` does it for every adapted layer of a model whose base tables are table files
 (a ``from_pretrained`` model) and serves the merged files instead: ``model.save_pretrained(dst)``
@@ -24,10 +30,12 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from ple.checkpoint.classify import merged_identity, require_trained_over, table_identity
 from ple.errors import InvalidArgumentError, PLEError, UsageError
 from ple.layer import PLELayer
 from ple.table import MmapTable, format_info
@@ -162,14 +170,11 @@ def merge_table_file(
     if out.resolve() == table.resolve():
         raise InvalidArgumentError(f"merge into a new file: {out} is the base table (the base stays untouched)")
     over = entry.base
-    if over is not None and over.get("header_checksum") != header["header_checksum"]:
-        raise InvalidArgumentError(
-            f"{file.path}: PLE layer {entry.ple_layer_index} was trained over the table file {over.get('file')} "
-            f"({over.get('format')}, header checksum {str(over.get('header_checksum'))[:12]}...), not {table} "
-            f"({header['format']}, {header['header_checksum'][:12]}...): the rows it did not train are another "
-            f"table's (another checkpoint, or another format of it); merge it into the table it was trained over"
-        )
-    record = {
+    into = table_identity(table, header)
+    if over is not None:
+        into = require_trained_over(file.path, entry.ple_layer_index, over, table, header)
+    identity = merged_identity(into, "0" * 32, "0" * 32)  # the digests filled in as the rows are read
+    record: dict[str, Any] = {
         "adapter": str(Path(file.path).resolve()),
         "ple_layer_index": entry.ple_layer_index,
         "trained_rows": entry.trained_rows,
@@ -180,8 +185,9 @@ def merge_table_file(
             "header_checksum": header["header_checksum"],
         },
         "trained_over": over,
+        "identity": identity.to_json(),
     }
-    ids_hash = hashlib.blake2b(digest_size=16)
+    ids_hash, rows_hash = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
     fmt, rows, shard_rows = header["format"], int(header["rows"]), int(header["shard_rows"])
     base = MmapTable.open(table, header["layout_hash"], random_access=False)
     try:
@@ -202,11 +208,13 @@ def merge_table_file(
                 srow = scale[a:b].clone() if kind == "row" and scale is not None else None
                 ids, values = take(b)
                 ids_hash.update(ids.numpy().astype("<i8").tobytes())
+                rows_hash.update(values.to(torch.float32).numpy().astype("<f4").tobytes())
                 merge_rows(data, srow, ids - a, values, fmt, global_scale)
                 writer.write_shard(k, data, srow if kind == "row" else (scale if kind == "global" else None))
                 if bar is not None:
                     bar.update(b - a)
             record["ids_digest"] = ids_hash.hexdigest()  # the final header's, written by close()
+            identity.merges[-1].update(ids=record["ids_digest"], rows=rows_hash.hexdigest())  # record["identity"]'s
         if bar is not None:
             bar.close()
     finally:
