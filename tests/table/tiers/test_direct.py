@@ -17,7 +17,7 @@ from ple.kernels.native import NativeUnavailable
 from ple.table import FORMATS, MemoryTable, TableFileError
 from ple.table.base import TableRef, lookup_through
 from ple.table.formats.catalog import BLOCK_FORMATS
-from ple.table.tiers import direct as direct_module
+from ple.table.tiers import readers as readers_module
 from ple.table.tiers.direct import SLOT_OVERHEAD, DirectTable
 from ple.table.tiers.readers import NativeReader
 from ple.table.tiers.readers import spans as covering_spans
@@ -266,12 +266,12 @@ def test_reader_choice_without_the_native_kernels(tmp_path, monkeypatch):
         t.close()
     # wanted but not built (no compiler, say): the Python threads, with a warning that says why, once
     monkeypatch.delenv("PLE_NATIVE")
-    monkeypatch.setattr(direct_module, "warned_threads", False)
+    monkeypatch.setattr(readers_module, "_warned_threads", False)
 
     def unavailable():
         raise NativeUnavailable("no C compiler: 'cc' is not on PATH")
 
-    monkeypatch.setattr(direct_module._native, "library", unavailable)
+    monkeypatch.setattr(readers_module._native, "library", unavailable)
     for k in range(2):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

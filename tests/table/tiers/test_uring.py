@@ -26,7 +26,7 @@ from ple.kernels.native import NativeUnavailable
 from ple.table import FORMATS, MemoryTable, TableFileError
 from ple.table.formats.catalog import BLOCK_FORMATS
 from ple.table.lookup import gather_dequant_reference
-from ple.table.tiers import direct as direct_module
+from ple.table.tiers import readers as readers_module
 from ple.table.tiers.direct import DirectTable
 from ple.table.tiers.readers import URING_SWITCH, UringReader, UringUnavailable
 from tests.table._helpers import assert_same, make_table, random_ids, run_forked, uring_unavailable, write_file
@@ -267,8 +267,8 @@ def test_forcing_an_unavailable_uring_raises_and_the_default_steps_down_aloud(tm
     monkeypatch.delenv(URING_SWITCH)
     # refused by the kernel (here: rings with a flag it does not know, as a seccomp filter would refuse
     # them with EPERM): forcing it raises the kernel's reason; the default steps down with a warning, once
-    monkeypatch.setattr(direct_module, "URING_SETUP_FLAGS", BAD_FLAG)
-    monkeypatch.setattr(direct_module, "warned_uring", False)
+    monkeypatch.setattr(readers_module, "URING_SETUP_FLAGS", BAD_FLAG)
+    monkeypatch.setattr(readers_module, "_warned_uring", False)
     with pytest.raises(UringUnavailable, match=r"io_uring cannot read .*t-fp8\.pletable here: .*\(errno \d+\)"):
         DirectTable(path, reader="uring")
     for k in range(2):
@@ -318,7 +318,7 @@ def test_kernel_refusals_carry_a_hint(monkeypatch, tmp_path):
             return getattr(lib, name)
 
     for err, hint in ((errno.EPERM, "seccomp"), (errno.ENOSYS, "no io_uring"), (errno.ENOMEM, "ulimit -l")):
-        monkeypatch.setattr(direct_module._native, "library", lambda err=err: Refusing(err))
+        monkeypatch.setattr(readers_module._native, "library", lambda err=err: Refusing(err))
         with pytest.raises(UringUnavailable, match=f"\\(errno {err}\\); .*{hint}"):
             DirectTable(path, reader="uring")
 
