@@ -32,7 +32,7 @@ from ple.table.formats.catalog import (
 from ple.table.formats.quantize import quantize_rows
 from tests.conftest import SMALL
 
-NATIVE = Path(__file__).resolve().parents[3] / "src" / "ple" / "_native"
+NATIVE = Path(__file__).resolve().parents[3] / "src" / "ple" / "kernels" / "native"
 WIDE = {**SMALL, "ple_embed_dim": 128}  # head_dim 32: every block format fits
 ACCEPTED = "bf16, fp16, fp32, fp8, fp8_row, int8_row (or int8), q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, mxfp4, nvfp4"
 
