@@ -60,6 +60,23 @@ if HAS_TRITON:
         return tl.where((b & 127) == 127, float("nan"), val)
 
     @triton.jit
+    def _row_tile(ids_ptr, n_out_rows, n_table_rows, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's tile: output rows ``n`` [BLOCK_N] (int64) and columns ``cols`` [BLOCK_D], the
+        table row each output row reads (out-of-range ids, only reachable with check=False, read row 0
+        and are masked off: they give zero rows), and the masks."""
+        pid_n = tl.program_id(0).to(tl.int64)
+        pid_d = tl.program_id(1)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        n_mask = n < n_out_rows
+        row = tl.load(ids_ptr + n, mask=n_mask, other=0).to(tl.int64)
+        valid = n_mask & (row >= 0) & (row < n_table_rows)
+        row = tl.where(valid, row, 0)
+        col_mask = cols < D
+        mask = valid[:, None] & col_mask[None, :]
+        return n, cols, n_mask, row, valid, col_mask, mask
+
+    @triton.jit
     def _gather_dequant_kernel(
         ids_ptr,
         data_ptr,
@@ -77,17 +94,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        pid_n = tl.program_id(0).to(tl.int64)
-        pid_d = tl.program_id(1)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        n_mask = n < n_out_rows
-        row = tl.load(ids_ptr + n, mask=n_mask, other=0).to(tl.int64)
-        # Out-of-range ids (only reachable with check=False) read nothing and give zero rows.
-        valid = n_mask & (row >= 0) & (row < n_table_rows)
-        row = tl.where(valid, row, 0)
-        col_mask = cols < D
-        mask = valid[:, None] & col_mask[None, :]
+        n, cols, n_mask, row, valid, col_mask, mask = _row_tile(ids_ptr, n_out_rows, n_table_rows, D, BLOCK_N, BLOCK_D)
         x = tl.load(data_ptr + row[:, None] * stride_row + cols[None, :] * stride_col, mask=mask, other=0)
         if IS_FP8:
             y = _decode_e4m3(x)
@@ -131,16 +138,7 @@ if HAS_TRITON:
     ):
         # FMT: the format's kernel_code (ple.table.formats.catalog): 0 q8_0, 1 q5_1, 2 q5_0, 3 q4_1, 4 q4_0,
         # 5 iq4_nl, 6 mxfp4, 7 nvfp4
-        pid_n = tl.program_id(0).to(tl.int64)
-        pid_d = tl.program_id(1)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        n_mask = n < n_out_rows
-        row = tl.load(ids_ptr + n, mask=n_mask, other=0).to(tl.int64)
-        valid = n_mask & (row >= 0) & (row < n_table_rows)
-        row = tl.where(valid, row, 0)
-        col_mask = cols < D
-        mask = valid[:, None] & col_mask[None, :]
+        n, cols, n_mask, row, valid, col_mask, mask = _row_tile(ids_ptr, n_out_rows, n_table_rows, D, BLOCK_N, BLOCK_D)
         base = data_ptr + row[:, None] * row_nbytes
         if FMT == 7:
             byte = tl.load(base + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
