@@ -235,12 +235,13 @@ class MmapTable(MappedRows):
         super().close()
         self._data = None
         self._scale = None
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
+        self._close_file()
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", -1)
+        self._close_file()
+
+    def _close_file(self) -> None:
+        fd = getattr(self, "_fd", -1)  # absent when __init__ failed before opening
         if fd >= 0:
             self._fd = -1
             os.close(fd)
