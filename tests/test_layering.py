@@ -34,6 +34,7 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.table", 3, "table"),
     ("ple.ops", 3, "ops"),
     ("ple.checkpoint", 4, "checkpoint"),
+    ("ple.data", 4, "data"),
     ("ple.runtime.batch", 4, "batch"),
     ("ple.runtime.host", 4, "host"),
     ("ple.native_step", 4, "native_step"),
