@@ -86,6 +86,8 @@ _EPILOG = (
 
 def build_parser() -> argparse.ArgumentParser:
     # imported here, not at the top: ``ple --version`` answers without importing torch
+    from ple.data.tokens import add_token_arguments
+
     from . import argtypes, commands, demo
     from .bench import runner
     from .table.convert import TARGET_NAMES
@@ -169,12 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("stats", "row traffic of a token stream: distinct rows, reuse per step/request, cache hit rates")
     p.add_argument("path", help="config.json or model directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="token file: .npy, or text with integers (streamed)")
-    src.add_argument("--text", help="a UTF-8 text file, tokenized with the Qwen BPE vocabulary (streamed)")
-    src.add_argument(
-        "--real-text", type=argtypes.positive_int, metavar="N", help="the first N tokens of the built-in real text"
-    )
+    add_token_arguments(p)
     p.add_argument("--batch", type=argtypes.positive_int, default=64, help="requests decoded side by side (64)")
     p.add_argument("--request-tokens", type=argtypes.positive_int, default=256, help="tokens per request (256)")
     p.add_argument(

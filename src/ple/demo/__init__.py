@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ple.data.tokens import add_token_arguments, given_source
+
 from ..argtypes import byte_size, int_between, non_negative_int
 from ..errors import CommandLineError, InvalidArgumentError
 from ..table.convert import TARGET_NAMES
@@ -56,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--tier direct: hot rows each table keeps in memory, a size with its unit (64MiB, 1GiB, 512KiB; the "
         "rest read from disk; default 64MiB for the serving layer, 1MiB for each of the model's two small tables)",
     )
-    p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
+    tokens = add_token_arguments(p, required=False)  # the serving workload's (default: --real-text 200000)
+    tokens.add_argument(
+        "--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text"
+    )
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument(
         "--table-format",
@@ -205,6 +210,11 @@ def run(args) -> int:
             "--table-format serves the single-process serving workload's table from a table file: "
             "tier mmap or cached, without --ranks and --only model"
         )
+    given = given_source(args)
+    if given is not None and (parallel.requested(args) or args.only == "model"):
+        raise CommandLineError(
+            f"{given}: the token input is the single-process serving workload's: not with --ranks or --only model"
+        )
     if parallel.requested(args):
         return parallel.run(args)
     from ..integrations.qwen4_exp import require_transformers
@@ -216,8 +226,12 @@ def run(args) -> int:
     only = args.only or ("serving" if args.checkpoint or args.config or table_format else None)
     if only in (None, "model"):
         require_transformers(extra="demo")  # before anything runs: the model part needs transformers
-    if only in (None, "serving") and not getattr(args, "synthetic_tokens", False):
-        check_real_text()  # and the serving part real text (ple[demo]), unless told otherwise
+    if (
+        only in (None, "serving")
+        and not getattr(args, "synthetic_tokens", False)
+        and getattr(args, "tokens", None) is None
+    ):
+        check_real_text()  # and the serving part the tokenizer for its text (ple[demo]), unless told otherwise
     t_start = time.perf_counter()
     tmp = None
     if args.workdir:  # a reused --workdir is refused before anything runs
