@@ -46,7 +46,7 @@ SMALL = dict(
     split_ngram_parts=7,
     eos_token_id=2,
 )
-"""PLE fields of a small two-layer model for synthesized checkpoints (``ple.demo.synthesize_checkpoint``)."""
+"""PLE fields of a small two-layer model for synthesized checkpoints (``ple.commands.demo.synthesize_checkpoint``)."""
 
 
 def load_golden(name: str):

@@ -53,7 +53,7 @@ def test_every_file_tier_opens_alike(tmp_path):
     import torch
 
     from ple.table import TableFileError
-    from ple.table.table_file import TableFileWriter
+    from ple.table.files.table_file import TableFileWriter
 
     rows, hd = 3000, 24
     data = torch.randn(rows, hd)

@@ -6,8 +6,7 @@ import torch
 from ple.layer import PLELayer
 from ple.runtime import Batch, BatchError
 from ple.table import MemoryTable
-
-from .conftest import hf_config, hf_ple_layer
+from tests.conftest import hf_config, hf_ple_layer
 
 
 def _random_hf(seed: int, dtype=torch.float32):
@@ -339,8 +338,7 @@ def test_a_table_of_another_layer_is_refused(tmp_path):
     from ple.config import PLEConfig
     from ple.errors import InvalidArgumentError
     from ple.table import CachedTable, MmapTable
-
-    from .table._helpers import write_file
+    from tests.table._helpers import write_file
 
     cfg = PLEConfig(
         hidden_size=8,

@@ -11,8 +11,7 @@ import torch
 from ple import Session
 from ple.errors import UsageError
 from ple.layer import PLELayer
-
-from .conftest import hf_config, hf_ple_layer
+from tests.conftest import hf_config, hf_ple_layer
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -161,7 +160,7 @@ def test_pickles_leave_out_what_is_derived_and_a_compiled_call():
 
 def test_a_layer_over_a_table_file_pickles_the_file_not_its_rows(tmp_path):
     from ple.table import MmapTable
-    from ple.table.table_file import TableFileWriter
+    from ple.table.files.table_file import TableFileWriter
 
     layer = PLELayer.from_transformers(_module(torch.bfloat16))
     rows = layer.table.data

@@ -21,15 +21,15 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ple"
 LEVELS: list[tuple[str, int, str]] = [
     ("ple.errors", 0, "errors"),
     ("ple.layout", 1, "layout"),
-    ("ple._native", 2, "native"),
-    ("ple.argtypes", 1, "argtypes"),
-    ("ple.files", 1, "files"),
-    ("ple.collective", 1, "collective"),
+    ("ple.kernels.native", 2, "native"),
+    ("ple.common.argtypes", 1, "argtypes"),
+    ("ple.common.files", 1, "files"),
+    ("ple.common.collective", 1, "collective"),
     ("ple.config", 2, "config"),
-    ("ple.safetensors_file", 2, "safetensors_file"),
-    ("ple.realtext", 2, "realtext"),
-    ("ple.operators", 2, "operators"),
-    ("ple.cpu_gemm", 2, "cpu_gemm"),
+    ("ple.common.safetensors", 2, "safetensors_file"),
+    ("ple.data.realtext", 2, "realtext"),
+    ("ple.kernels.registry", 2, "operators"),
+    ("ple.kernels.cpu_gemm", 2, "cpu_gemm"),
     ("ple.ngram", 3, "ngram"),
     ("ple.table", 3, "table"),
     ("ple.ops", 3, "ops"),
@@ -37,19 +37,19 @@ LEVELS: list[tuple[str, int, str]] = [
     ("ple.data", 4, "data"),
     ("ple.runtime.batch", 4, "batch"),
     ("ple.runtime.host", 4, "host"),
-    ("ple.native_step", 4, "native_step"),
+    ("ple.runtime.native_step", 4, "native_step"),
     ("ple.layer", 5, "layer"),
     ("ple.runtime", 6, "runtime"),
     ("ple.parallel", 6, "parallel"),
-    ("ple.stats", 6, "stats"),
+    ("ple.data.stats", 6, "stats"),
     ("ple.train", 6, "train"),
     ("ple.integrations", 7, "integrations"),
-    ("ple.bench", 9, "bench"),
-    ("ple.demo", 9, "demo"),
-    ("ple.commands", 10, "commands"),
-    ("ple.finetune", 10, "finetune"),
-    ("ple.evaluate", 10, "evaluate"),
-    ("ple.cli", 11, "cli"),
+    ("ple.commands.bench", 9, "bench"),
+    ("ple.commands.demo", 9, "demo"),
+    ("ple.commands.tables", 10, "commands"),
+    ("ple.commands.train", 10, "finetune"),
+    ("ple.commands.evaluate", 10, "evaluate"),
+    ("ple.commands.cli", 11, "cli"),
     ("ple", 8, "facade"),  # the package's own __init__: the public API, above the library levels
 ]
 
@@ -238,7 +238,7 @@ def test_private_checks_catch_reach_ins():
     assert _private_package_outside("ple.ops.conv._checks", "ple.ops.fused.native") == "ple.ops.conv._checks"
     assert _private_package_outside("ple.ops.fused._compose", "ple.ops.fused.reference") is None
     assert _private_package_outside("ple.ops.fused._compose", "ple.ops.fused") is None
-    assert _private_package_outside("ple._native", "ple.ngram.native") is None
+    assert _private_package_outside("ple.kernels.native", "ple.ngram.native") is None
     assert _private_package_outside("ple.a._b.c", "ple.a.d") is None
     assert _private_package_outside("ple.a._b.c", "ple.x.d") == "ple.a._b"
     src = (
@@ -249,12 +249,12 @@ def test_private_checks_catch_reach_ins():
         "    return bench_cases._dtype_name, fused.native._lib, ple.layout._x, bench_cases.__name__, fused.gate_conv\n"
     )
     tree = ast.parse(src)
-    module = "ple.bench.runner"
+    module = "ple.commands.bench.runner"
     aliases = _module_aliases(module, tree)
-    assert aliases == {"bench_cases": "ple.bench.cases", "fused": "ple.ops.fused", "ple": "ple"}
+    assert aliases == {"bench_cases": "ple.commands.bench.cases", "fused": "ple.ops.fused", "ple": "ple"}
     found = _private_attributes(module, tree)
     assert {(t, n) for t, n, _ in found} == {
-        ("ple.bench.cases", "_dtype_name"),
+        ("ple.commands.bench.cases", "_dtype_name"),
         ("ple.ops.fused.native", "_lib"),
         ("ple.layout", "_x"),
     }
@@ -313,7 +313,7 @@ def test_no_import_cycles():
 def test_table_file_names_come_from_one_place():
     """A table file's name or suffix is spelled in code only where it is defined (``TABLE_SUFFIX``);
     everything else names table files through it or ``checkpoint.table_file_name``."""
-    home = "ple.table.table_file"
+    home = "ple.table.files.table_file"
     spelled = []
     for module, path in MODULES.items():
         if module == home:
@@ -322,7 +322,7 @@ def test_table_file_names_come_from_one_place():
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 if re.fullmatch(r"[\w*./{}-]*\.pletable", node.value):
                     spelled.append(f"{module}:{node.lineno} {node.value!r}")
-    assert not spelled, "table file names spelled outside ple.table.table_file: " + "; ".join(spelled)
+    assert not spelled, "table file names spelled outside ple.table.files.table_file: " + "; ".join(spelled)
 
 
 def test_architecture_map_lists_the_levels():

@@ -5,8 +5,7 @@ import pytest
 
 from ple.config import ConfigError, PLEConfig
 from ple.layout import is_prime, nth_prime_after, splitmix64
-
-from .conftest import load_golden
+from tests.conftest import load_golden
 
 
 def _cfg_from_golden(c: dict) -> tuple[PLEConfig, int]:
@@ -62,7 +61,7 @@ def test_published_layout(published_config):
 def test_layout_matches_transformers_buffers():
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
 
-    from .conftest import hf_config, ple_config_from_hf
+    from tests.conftest import hf_config, ple_config_from_hf
 
     hf = hf_config(ngram_size=4, heads_per_ngram=3, hidden_size=36, ple_layer_ids=[1, 2, 3], seed=99)
     cfg = ple_config_from_hf(hf)

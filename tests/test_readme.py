@@ -19,7 +19,7 @@ def library_snippets() -> list[str]:
 
 
 def test_the_library_snippets_run_as_written(tmp_path, monkeypatch):
-    from .integrations.helpers import tiny_config, tiny_model
+    from tests.integrations.helpers import tiny_config, tiny_model
 
     snippets = library_snippets()
     assert len(snippets) == 2
@@ -56,7 +56,7 @@ def test_the_route_to_a_four_bit_table_runs_as_written(tmp_path, monkeypatch, ca
     every command exits 0, and the model serves the q4_0 files ple convert wrote, unchanged."""
     import shlex
 
-    from ple.cli import main
+    from ple.commands.cli import main
     from ple.integrations.transformers import patched_layers
 
     commands, code = four_bit_route()

@@ -5,7 +5,7 @@ layer and its streaming runtime (:mod:`ple.layer`, :mod:`ple.runtime`).
 
 ``import ple`` itself is light (it does not import torch, so ``ple --version`` answers at once): the
 names below are imported on first use. Using one of them, or importing a submodule, loads what it
-needs; the ``torch.ops.ple`` operators are registered (each once, in :data:`ple.operators.OPERATORS`)
+needs; the ``torch.ops.ple`` operators are registered (each once, in :data:`ple.kernels.registry.OPERATORS`)
 by the modules that define them (:mod:`ple.ngram`, :mod:`ple.table`, :mod:`ple.ops`), which ``ple.PLELayer``, ``ple.Session``,
 ``ple.ngram_ids`` and the tables import: an engine that calls the operators directly imports those
 (or uses one of these names) first.
@@ -17,14 +17,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
-    from .config import ConfigError, PLEConfig
-    from .errors import PLEError
-    from .layer import PLELayer
-    from .layout import Layout
-    from .ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
-    from .runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
-    from .table import (
+    from ple.checkpoint import CheckpointError, PLEWeights, load_ple_weights, scan_checkpoint
+    from ple.config import ConfigError, PLEConfig
+    from ple.errors import PLEError
+    from ple.layer import PLELayer
+    from ple.layout import Layout
+    from ple.ngram import NgramInputError, fresh_context, next_ngram_context, ngram_ids
+    from ple.runtime import Batch, BatchError, PrefixState, Session, SessionError, tune_host_allocator
+    from ple.table import (
         CachedTable,
         DirectTable,
         MemoryTable,

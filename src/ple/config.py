@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import PLEError
-from .files import read_json
-from .layout import Layout, compute_layout
+from ple.common.files import read_json
+from ple.errors import PLEError
+from ple.layout import Layout, compute_layout
 
 __all__ = ["PLEConfig", "ConfigError", "MODEL_TYPES", "LIMITS", "MAX_HEADS", "MAX_HEAD_PRIMES", "architecture_names"]
 
@@ -239,7 +239,7 @@ class PLEConfig:
 
     def layout_fields(self, ple_layer_index: int) -> dict[str, Any]:
         """What identifies the table of PLE layer ``ple_layer_index``: :meth:`layout_key` plus the
-        index. A table file records these fields and their hash (:func:`ple.table.table_file.hash_layout`)."""
+        index. A table file records these fields and their hash (:func:`ple.table.files.table_file.hash_layout`)."""
         self.layout(ple_layer_index)  # validates the index
         return {**self.layout_key(), "ple_layer_index": ple_layer_index}
 

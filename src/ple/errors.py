@@ -4,7 +4,7 @@ command) can tell a refused input from a bug.
 Every class also derives from the built-in exception it refines (``ValueError``, ``TypeError``,
 ``IndexError``, ``RuntimeError``), so ``except ValueError`` keeps working. The specific errors live
 beside the code that raises them (``ConfigError`` in :mod:`ple.config`, ``TableFileError`` in
-:mod:`ple.table.table_file`, ...) and derive from one of these.
+:mod:`ple.table.files.table_file`, ...) and derive from one of these.
 """
 
 from __future__ import annotations

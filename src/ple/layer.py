@@ -24,21 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemm
-from .config import PLEConfig
-from .errors import InvalidArgumentError, UsageError
-from .native_step import NativeStep
-from .ngram import layout_tensors, ngram_ids
-from .operators import OPERATORS
-from .ops import library as ops_library
-from .ops.gate import reference as gate_reference
-from .ops.padded_grad import gate_conv_padded
-from .ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
-from .runtime.batch import Batch
-from .table import StoredTable
-from .table.base import TableRef, lookup_built, lookup_through
-from .table.sparse_grad import lookup_with_grad
-from .table.table_file import hash_layout
+from ple.config import PLEConfig
+from ple.errors import InvalidArgumentError, UsageError
+from ple.kernels import cpu_gemm
+from ple.kernels.registry import OPERATORS
+from ple.ngram import layout_tensors, ngram_ids
+from ple.ops import library as ops_library
+from ple.ops.gate import reference as gate_reference
+from ple.ops.padded_grad import gate_conv_padded
+from ple.ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
+from ple.runtime.batch import Batch
+from ple.runtime.native_step import NativeStep
+from ple.table import StoredTable
+from ple.table.base import TableRef, lookup_built, lookup_through
+from ple.table.files.table_file import hash_layout
+from ple.table.grad import lookup_with_grad
 
 __all__ = ["PLELayer"]
 
@@ -178,7 +178,7 @@ class PLELayer(nn.Module):
         """The table's gradient handle (None: the table is frozen, the default).
 
         An ``nn.Parameter`` of the table's shape ``[rows, head_dim]`` fp32 holding one stored zero
-        (:func:`ple.table.sparse_grad.table_parameter`), kept out of :meth:`parameters` and the state
+        (:func:`ple.table.grad.table_parameter`), kept out of :meth:`parameters` and the state
         dict. While it requires a gradient, :meth:`forward_padded` records the lookup for autograd and
         ``backward()`` gives it the row-sparse gradient (a sparse COO tensor: the distinct rows read and
         their summed gradients) on every tier and format; the engine call never reads it.
@@ -228,7 +228,7 @@ class PLELayer(nn.Module):
         memory (e.g. ``MmapTable.open(...)`` of a file made by ``ple convert``); checked as
         :meth:`set_table` checks it.
         """
-        from .checkpoint import load_ple_weights
+        from ple.checkpoint import load_ple_weights
 
         if config is None:
             config = PLEConfig.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
@@ -247,7 +247,7 @@ class PLELayer(nn.Module):
 
         The table is shared with the module (no copy) as a plain in-memory table.
         """
-        from .table import MemoryTable
+        from ple.table import MemoryTable
 
         emb = module.ple_embedding
         if config is None:
@@ -375,7 +375,7 @@ class PLELayer(nn.Module):
         )
         derived = (self.kv_weight, self.ngram_multipliers, self.ngram_head_sizes, self.ngram_head_offsets)
         self._on_cpu = all(t.device.type == "cpu" for t in (*self._fused_args[:5], *self._fused_args[7:9], *derived))
-        # the projections' weight packed for the CPU's GEMM (ple.cpu_gemm), or None (F.linear)
+        # the projections' weight packed for the CPU's GEMM (ple.kernels.cpu_gemm), or None (F.linear)
         kv_packed: cpu_gemm.PackedWeight | None = None
         if self.kv_weight.device.type == "cpu" and cpu_gemm.packing(self.kv_weight.dtype):
             kv_packed = getattr(self, "_kv_packed", None) or cpu_gemm.PackedWeight()
@@ -466,7 +466,7 @@ class PLELayer(nn.Module):
         whole batch's GEMM; on an Intel Xeon with AMX, GEMMs of a few rows (fp32 on one thread, bf16 on
         one or four) are blocked otherwise and can differ from it in the last bit.
 
-        A bf16 GEMM on the CPU of at most :func:`ple.cpu_gemm.max_rows` rows (any number with AVX-512
+        A bf16 GEMM on the CPU of at most :func:`ple.kernels.cpu_gemm.max_rows` rows (any number with AVX-512
         BF16 and no AMX, else 255) multiplies with a copy of the weight packed once for oneDNN where
         ``PLE_PACKED_GEMM`` has it on (by default on CPUs with AMX or AVX-512 BF16): 1.25-1.8 x faster
         with AMX, 1.04-1.3 x with AVX-512 BF16 alone, with ``F.linear``'s bits.
@@ -732,9 +732,9 @@ def _operators_for(eager_cpu: bool, checked: bool = True) -> tuple:
 
     Eagerly with every operand on the CPU (``eager_cpu``, see :func:`_eager_on_cpu`; the CPU functions'
     checks skip the devices): the functions the dispatcher would run for CPU tensors
-    (:meth:`ple.operators.Operator.on`: the same checks and kernels, without the dispatcher's few
+    (:meth:`ple.kernels.registry.Operator.on`: the same checks and kernels, without the dispatcher's few
     microseconds per call), or with ``checked=False`` the kernels alone
-    (:meth:`~ple.operators.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
+    (:meth:`~ple.kernels.registry.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
     ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
     subclasses, profiles that show each operator)."""
     if not eager_cpu:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from .errors import InvalidArgumentError
+from ple.errors import InvalidArgumentError
 
 __all__ = [
     "Layout",

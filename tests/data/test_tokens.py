@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ple.argtypes import positive_int
-from ple.cli import build_parser, main
+from ple.commands.cli import build_parser, main
+from ple.common.argtypes import positive_int
 from ple.data import tokens as tk
 from ple.errors import CommandLineError, InvalidArgumentError
 
-realtext = pytest.importorskip("ple.realtext")
+realtext = pytest.importorskip("ple.data.realtext")
 pytest.importorskip("tiktoken")
 QWEN_EOT = realtext.QWEN_ENDOFTEXT
 OPTIONS = ("tokens", "text", "real_text")
@@ -148,7 +148,7 @@ def test_real_text_reaches_a_small_vocabulary_as_ple_train_mapped_it(key):
 
 
 def test_ple_train_reads_its_default_stream_as_before():
-    from ple.finetune.loop import Options, default_tokens, token_streams
+    from ple.commands.train.loop import Options, default_tokens, token_streams
 
     opts = Options(steps=3, batch=2, length=16)
     assert default_tokens(opts) == 3 * 2 * 16 + 8 * 16
@@ -193,7 +193,7 @@ def test_a_text_file_is_mapped_from_all_of_it_streamed_in_blocks(tmp_path, monke
 def demo(tmp_path_factory):
     """The demo's model as ``ple demo --only model --quick`` writes it (1,024 token ids)."""
     pytest.importorskip("transformers")
-    from ple.demo.model import MODEL_SIZES, write_checkpoints
+    from ple.integrations.demo_model import MODEL_SIZES, write_checkpoints
 
     root = tmp_path_factory.mktemp("tokens")
     before = torch.get_num_threads()
@@ -279,8 +279,8 @@ def test_train_takes_the_same_token_input(tmp_path, capsys):
 def test_demo_serves_the_same_token_input(tmp_path, capsys):
     """The serving workload's stream is ``read_tokens``'s (a small vocabulary's text mapped, not
     folded); too short a stream is refused; the options are the serving workload's only."""
+    from ple.commands.demo.serving import token_label, token_stream
     from ple.config import PLEConfig
-    from ple.demo.serving import token_label, token_stream
 
     cfg = PLEConfig(
         hidden_size=16, hc_count=2, ple_layer_ids=(1,), ple_embed_dim=16, ngram_size=3, heads_per_ngram=2,

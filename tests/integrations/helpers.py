@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 
-from ple.demo.model import randomize_ple_weights
+from ple.integrations.demo_model import randomize_ple_weights
 
 EOS = 5
 VOCAB = 97

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ple.demo.model import build_model, measure, prompts
+from ple.integrations.demo_model import build_model, measure, prompts
 
 
 @pytest.mark.perf

@@ -20,8 +20,8 @@ from transformers.monkey_patching import get_patch_mapping
 
 from ple.checkpoint import CheckpointError
 from ple.config import PLEConfig
+from ple.convert.folder import RECORD_SUFFIX, default_table_dir
 from ple.errors import InvalidArgumentError
-from ple.integrations.table_folder import RECORD_SUFFIX, default_table_dir
 from ple.integrations.transformers import (
     ScaledTableWarning,
     TableStub,
@@ -31,9 +31,8 @@ from ple.integrations.transformers import (
     patched_layers,
 )
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, quantize_rows
-from ple.table.quantize import quantize_global
-
-from .helpers import (
+from ple.table.formats.quantize import quantize_global
+from tests.integrations.helpers import (
     LOGIT_ATOL,
     assert_same_generation,
     generate,
@@ -230,7 +229,7 @@ def test_a_foreign_table_file_is_never_used(checkpoint, tmp_path):
     another checkpoint folder that still exists is refused, like a folder's own (one folder serves
     one checkpoint). Files without a record (copied in) are compared row by row: one of this
     checkpoint is adopted, one of another checkpoint with the same geometry is not used and replaced."""
-    from ple.cli import main
+    from ple.commands.cli import main
 
     path, _, reference = checkpoint
     other = _save(tiny_model(tiny_config(split_ngram_parts=4), seed=23), tmp_path / "other")
@@ -269,7 +268,7 @@ def test_a_table_file_changed_in_place_is_compared_again(checkpoint, tmp_path):
     later: a file touched or edited in place (header and checksums kept) is compared with the
     checkpoint row by row before it serves again. (An edit that also puts the old modification time
     back is what ``ple verify`` is for: it checks every shard's checksum.)"""
-    from ple.table.table_file import read_table_header
+    from ple.table.files.table_file import read_table_header
 
     path, _, reference = checkpoint
     tables = tmp_path / "tables"
@@ -301,7 +300,7 @@ def test_a_table_dir_that_cannot_be_a_folder_is_named(checkpoint, tmp_path):
 
 
 def test_a_table_file_of_another_layout_is_refused(checkpoint, tmp_path):
-    from ple.cli import main
+    from ple.commands.cli import main
 
     path, _, reference = checkpoint
     other = _save(tiny_model(tiny_config(split_ngram_parts=4, seed=99), seed=21), tmp_path / "other")  # other hash seed
@@ -421,7 +420,7 @@ def test_the_memory_tier_refuses_a_checkpoint_changed_since_the_scan(checkpoint,
 
 def test_the_free_space_check_does_not_count_the_file_being_replaced(checkpoint, tmp_path, monkeypatch):
     """The new table file is written beside the stale one: only the disk's free space counts."""
-    import ple.integrations.table_folder as tables_mod
+    import ple.convert.folder as tables_mod
 
     path, _, _ = checkpoint
     copy = tmp_path / "copy"

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from ple.checkpoint import CheckpointError, checkpoint_files, load_ple_weights, read_header
-from ple.cli import main
+from ple.commands.cli import main
 from ple.config import ConfigError, PLEConfig, architecture_names
 from ple.errors import ArgumentTypeError
 from ple.integrations.transformers import from_pretrained, patch, patched_layers, unpatch
 from ple.table import read_table_header
-
-from .helpers import tiny_config, tiny_model
+from tests.integrations.helpers import tiny_config, tiny_model
 
 TABLE = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"
 

@@ -21,9 +21,8 @@ from ple.integrations.transformers import (
     unpatch,
 )
 from ple.table import MemoryTable, Table
-from ple.table.quantize import quantize_global
-
-from .helpers import LOGIT_ATOL, generate, prompts, tiny_config, tiny_model
+from ple.table.formats.quantize import quantize_global
+from tests.integrations.helpers import LOGIT_ATOL, generate, prompts, tiny_config, tiny_model
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:

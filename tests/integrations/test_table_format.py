@@ -13,8 +13,7 @@ from transformers import Qwen4ExpForCausalLM
 from ple.errors import InvalidArgumentError
 from ple.integrations.transformers import from_pretrained, patched_layers, unpatch
 from ple.table import MemoryTable
-
-from .helpers import prompts, tiny_config, tiny_model
+from tests.integrations.helpers import prompts, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +90,7 @@ def _nvfp4_copy(src, dst):
 
     from safetensors.torch import load_file, save_file
 
-    from ple.table.blocks import nvfp4_global_scale, quantize_blocks
+    from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
 
     shutil.copytree(src, dst)
     (f,) = dst.glob("*.safetensors")

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from ple.integrations.transformers import from_pretrained, patch, patched_layers, unpatch
-
-from .helpers import prompts, tiny_config, tiny_model
+from tests.integrations.helpers import prompts, tiny_config, tiny_model
 
 
 def _loss(model, ids, mask):

@@ -14,9 +14,8 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 from ple.config import PLEConfig
 from ple.integrations.transformers import PatchedPLELayer, patch, patched_layers, unpatch
 from ple.table import MemoryTable, MmapTable, read_table_header, verify_table_file
-from ple.table.table_file import hash_layout
-
-from .helpers import (
+from ple.table.files.table_file import hash_layout
+from tests.integrations.helpers import (
     EOS,
     LOGIT_ATOL,
     VOCAB,

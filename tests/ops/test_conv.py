@@ -4,9 +4,16 @@ import torch
 import ple.ops
 from ple.errors import InvalidArgumentError
 from ple.ops.conv import reference, torch_impl
-
-from ..conftest import hf_config, hf_ple_layer
-from ._helpers import DTYPE_TOL, FP32_TOL, flat_conv, one_shot_conv, random_conv_batch, run_conv, simulate_streaming
+from tests.conftest import hf_config, hf_ple_layer
+from tests.ops._helpers import (
+    DTYPE_TOL,
+    FP32_TOL,
+    flat_conv,
+    one_shot_conv,
+    random_conv_batch,
+    run_conv,
+    simulate_streaming,
+)
 
 # the twins and the operator, called with the conv's tensors
 reference_conv, torch_conv, operator_conv = map(

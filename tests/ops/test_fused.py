@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple._native as native_build
+import ple.kernels.native as native_build
 import ple.ops
 from ple.ops.conv import reference as conv_reference
 from ple.ops.fused import native, reference
 from ple.ops.fused.composed import TORCH
 from ple.ops.records import ConvWeights, GateWeights, StepMeta
-
-from ._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
+from tests.ops._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

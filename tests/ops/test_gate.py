@@ -6,9 +6,8 @@ from torch import nn
 
 import ple.ops
 from ple.ops.gate import reference, torch_impl
-
-from ..conftest import hf_config, hf_ple_layer
-from ._helpers import assert_no_worse_than_reference, flat_gate
+from tests.conftest import hf_config, hf_ple_layer
+from tests.ops._helpers import assert_no_worse_than_reference, flat_gate
 
 # the twins and the operator, called with the gate's tensors
 reference_gate, torch_gate, operator_gate = map(

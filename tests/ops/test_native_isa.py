@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple._native as native_build
+import ple.kernels.native as native_build
 from ple.ops.conv import reference as conv_reference
 from ple.ops.fused import native, reference
 from ple.ops.fused.composed import TORCH
 from ple.ops.state import engine_to_ring, ring_to_engine
-
-from ._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
+from tests.ops._helpers import DTYPE_TOL, random_fused_step, run_fused, with_state
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -117,7 +116,7 @@ def test_unknown_isa_names_are_refused():
 
 def _child(env_isa: str) -> subprocess.CompletedProcess:
     code = (
-        "import ple._native as n\n"
+        "import ple.kernels.native as n\n"
         "try:\n"
         "    print('runs', n.current_isa())\n"
         "except n.NativeISAError as e:\n"

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple._native as native_build
+import ple.kernels.native as native_build
 from ple.errors import InvalidArgumentError
 from ple.ops.fused import native
 from ple.ops.state import engine_to_ring
-
-from ._helpers import random_fused_step, with_state
+from tests.ops._helpers import random_fused_step, with_state
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -92,7 +91,7 @@ def test_bad_depths_are_refused_by_name(bad, restore_prefetch):
 
 def _child(value: str) -> str:
     code = (
-        "import ple._native as n\n"
+        "import ple.kernels.native as n\n"
         "try:\n"
         "    print('plan', n.prefetch_lines())\n"
         "except ValueError as e:\n"

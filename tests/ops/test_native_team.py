@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import ple._native as native_build
+import ple.kernels.native as native_build
 from ple.ops.fused import native
 from ple.table.lookup.torch_impl import gather_rows
-
-from ._helpers import random_fused_step, run_fused
+from tests.ops._helpers import random_fused_step, run_fused
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -110,7 +109,7 @@ _CHILD = textwrap.dedent(
     import hashlib, pickle, sys, torch
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
-    import ple._native as native_build
+    import ple.kernels.native as native_build
     from ple.ops.fused import native
     from ops._helpers import random_fused_step, run_fused
     from ops.test_native_team import _digest, _gather_inputs, _lib_gather, _lib_gather_lut

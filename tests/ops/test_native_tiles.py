@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-import ple._native as native_build
+import ple.kernels.native as native_build
 from ple.ops.fused import native
 from ple.ops.records import ConvWeights, GateWeights, StepMeta
 from ple.ops.state import engine_to_ring, ring_to_engine

@@ -3,8 +3,7 @@ import torch
 
 from ple.ops import grouped_rms_norm
 from ple.ops.norm import reference, torch_impl
-
-from ._helpers import assert_no_worse_than_reference
+from tests.ops._helpers import assert_no_worse_than_reference
 
 
 def _hf_norm(weight: torch.Tensor, group_size: int, eps: float):

@@ -14,8 +14,7 @@ from ple.ops.fused import native, reference
 from ple.ops.fused.composed import TORCH
 from ple.ops.records import StepMeta
 from ple.ops.state import engine_to_ring, ring_to_engine, ring_window
-
-from ._helpers import random_fused_step, run_fused, run_stages, with_state
+from tests.ops._helpers import random_fused_step, run_fused, run_stages, with_state
 
 BACKENDS = {"native": native, "torch": TORCH, "reference": reference, "operators": ple.ops}
 

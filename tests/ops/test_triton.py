@@ -14,9 +14,8 @@ from ple.ops.gate import reference as gate_ref  # noqa: E402
 from ple.ops.gate import triton_impl as gate_triton  # noqa: E402
 from ple.ops.norm import reference as norm_ref  # noqa: E402
 from ple.ops.norm import triton_impl as norm_triton  # noqa: E402
-
-from ..conftest import TRITON_DEVICE, TRITON_INTERPRETED  # noqa: E402
-from ._helpers import (  # noqa: E402
+from tests.conftest import TRITON_DEVICE, TRITON_INTERPRETED  # noqa: E402
+from tests.ops._helpers import (
     DTYPE_TOL,
     FP32_TOL,
     assert_no_worse_than_reference,

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-import ple.demo.parallel as demo_parallel
-from ple.cli import main
+import ple.commands.demo.parallel as demo_parallel
+from ple.commands.cli import main
 from ple.errors import InvalidArgumentError
 
 KINDS = ("die", "stall", "raise")

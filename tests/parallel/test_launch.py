@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_modes import TINY
+from tests.parallel.test_modes import TINY
 
 HARD_TIMEOUT_S = 240
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -46,7 +46,7 @@ def _demo(
 ) -> subprocess.CompletedProcess:
     """Run ``ple demo`` with ``tmp`` as its temporary folder; fail when a ``ple-parallel`` folder is left there.
     ``fault``: ``KIND:RANK:STEP``, run through the test launcher ``fault_drill.py`` that makes that rank fail."""
-    entry = ["-m", "ple.cli"] if fault is None else [DRILL, fault]
+    entry = ["-m", "ple.commands.cli"] if fault is None else [DRILL, fault]
     cmd = (launcher or [sys.executable]) + entry + ["demo", "--config", config, "--requests", "5"]
     cmd += ["--slots", "3", "--chunk", "9", *argv]
     out = subprocess.run(cmd, env=_env(tmp), capture_output=True, text=True, timeout=HARD_TIMEOUT_S)

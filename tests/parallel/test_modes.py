@@ -73,7 +73,7 @@ def _runs(world: int, name: str) -> bool:
 
 # ---------------------------------------------------------------------- worker side
 def _options(world: int, seed: int, **kw):
-    from ple.demo.parallel import Options
+    from ple.commands.demo.parallel import Options
 
     base = dict(mode="sp", ranks=world, seed=seed, requests=6, slots=3, num_spec=2, chunk=11)
     base.update(kw)
@@ -82,7 +82,7 @@ def _options(world: int, seed: int, **kw):
 
 def _scenarios(ctx, tmp: Path):
     """(key, thunk) in one fixed order; every rank runs them all."""
-    from ple.demo.parallel import serve_rank
+    from ple.commands.demo.parallel import serve_rank
 
     world, rank, last = ctx.world_size, ctx.rank, ctx.world_size - 1
     config = str(tmp / "config.json")
@@ -135,8 +135,8 @@ def _agree(fields):
 
 def _library_differ(ctx, weights_seed=0, batch_seed=0, extra_row=False, check_batches=True):
     """ParallelLayer directly: weights, settings, or one step's batch, differ on the last rank."""
+    from ple.commands.demo.parallel import Workload, build_layer
     from ple.config import PLEConfig
-    from ple.demo.parallel import Workload, build_layer
     from ple.parallel import ParallelLayer, shard_of
 
     config = PLEConfig.from_dict(TINY)

@@ -1,5 +1,5 @@
 """ple.parallel pieces that need no process group: token shards, ids of a shard, the agreement
-encoding and ple.collective's helpers, the launcher's environment, the local launcher, the demo's
+encoding and ple.common.collective's helpers, the launcher's environment, the local launcher, the demo's
 options and workload."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from ple.collective import differing, exchange_records, hash60, rank_list
+from ple.commands.demo import parallel as demo_parallel
+from ple.common.collective import differing, exchange_records, hash60, rank_list
 from ple.config import PLEConfig
-from ple.demo import parallel as demo_parallel
 from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from ple.layer import PLELayer
 from ple.parallel import (
@@ -147,7 +147,7 @@ def test_spawn_local_deadline():
 
 
 def _demo_args(*argv: str) -> argparse.Namespace:
-    from ple.cli import build_parser
+    from ple.commands.cli import build_parser
 
     return build_parser().parse_args(["demo", *argv])
 
@@ -170,7 +170,7 @@ def test_demo_refuses_what_cannot_run_before_spawning():
 
 def test_demo_refuses_ranks_without_a_mode():
     out = subprocess.run(
-        [sys.executable, "-m", "ple.cli", "demo", "--ranks", "2"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ple.commands.cli", "demo", "--ranks", "2"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 2 and "--parallel" in out.stderr and "Traceback" not in out.stderr
 

@@ -11,8 +11,7 @@ import torch
 from ple.layer import PLELayer
 from ple.runtime import Session, SessionError
 from ple.table import MemoryTable
-
-from ..conftest import hf_config, hf_ple_layer
+from tests.conftest import hf_config, hf_ple_layer
 
 
 class _Counting(MemoryTable):
@@ -156,7 +155,7 @@ def test_prefetch_refuses_what_it_cannot_foresee():
 def test_direct_tables_with_lookahead_equal_memory(tmp_path):
     """Layers whose tables are files read by DirectTable, lookahead on: outputs equal the in-memory run."""
     from ple.table import DirectTable
-    from ple.table.table_file import TableFileWriter
+    from ple.table.files.table_file import TableFileWriter
 
     mem_layers = _layers()
     disk_layers = _layers()

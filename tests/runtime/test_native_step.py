@@ -7,12 +7,11 @@ import random
 import pytest
 import torch
 
-from ple import _native
-from ple.native_step import NativeStep
+from ple.kernels import native as _native
 from ple.runtime import Session
+from ple.runtime.native_step import NativeStep
 from ple.table import MemoryTable
-
-from .test_session import _layer, _schedule
+from tests.runtime.test_session import _layer, _schedule
 
 pytestmark = pytest.mark.skipif(not _native.available(), reason="the C kernels do not build here")
 

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 
 from ple.layer import PLELayer
 from ple.runtime import PrefixState, Session, SessionError
-
-from ..conftest import hf_config, hf_ple_layer
+from tests.conftest import hf_config, hf_ple_layer
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ple import _native
+from ple.kernels import native as _native
 from ple.runtime.slots import SlotArrays
 
 needs_native = pytest.mark.skipif(not _native.available(), reason="the C kernels do not build here")
@@ -83,8 +83,7 @@ def test_growing_keeps_values_and_the_c_pass_follows_the_new_arrays(native):
 
 def test_sessions_with_either_pass_step_alike_and_name_a_bad_token():
     from ple.runtime import Session, SessionError
-
-    from .test_session import _layer
+    from tests.runtime.test_session import _layer
 
     layer = _layer(0)
     width = layer.config.hc_hidden_size

@@ -14,10 +14,10 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.table import format_info, quantize_rows
-from ple.table.blocks import nvfp4_global_scale, quantize_blocks
-from ple.table.formats import BLOCK_FORMATS, FORMATS
-from ple.table.quantize import quantize_global
-from ple.table.table_file import TableFileWriter
+from ple.table.files.table_file import TableFileWriter
+from ple.table.formats.blocks import nvfp4_global_scale, quantize_blocks
+from ple.table.formats.catalog import BLOCK_FORMATS, FORMATS
+from ple.table.formats.quantize import quantize_global
 
 PLAIN = ("bf16", "fp16", "fp32")
 ELEMENT = tuple(f for f in FORMATS if f not in BLOCK_FORMATS)
@@ -168,8 +168,8 @@ def run_forked(body, out_path, deadline: float = FORK_DEADLINE_S):
 
 def uring_unavailable() -> str | None:
     """None where the direct tier's io_uring reader starts here, else the reason (for skips)."""
-    from ple import _native
-    from ple.table.direct import URING_SWITCH, UringUnavailable, _uring_off, _UringReader
+    from ple.kernels import native as _native
+    from ple.table.tiers.direct import URING_SWITCH, UringUnavailable, _uring_off, _UringReader
 
     if _uring_off():
         return f"turned off: {URING_SWITCH}={os.environ[URING_SWITCH]}"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ._helpers import ELEMENT
+from tests.table._helpers import ELEMENT
 
 
 @pytest.fixture(params=ELEMENT)

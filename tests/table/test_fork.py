@@ -23,9 +23,15 @@ import torch
 
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, PrefetchError
 from ple.table.lookup import gather_dequant_reference
-
-from ._helpers import FORK_DEADLINE_S, check_direct_cache, make_table, random_ids, uring_unavailable, write_file
-from ._helpers import run_forked as _run_forked
+from tests.table._helpers import (
+    FORK_DEADLINE_S,
+    check_direct_cache,
+    make_table,
+    random_ids,
+    uring_unavailable,
+    write_file,
+)
+from tests.table._helpers import run_forked as _run_forked
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
 

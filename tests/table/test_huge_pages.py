@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ple.table import MemoryTable
-from ple.table.memory import advise_huge_pages
+from ple.table.tiers.memory import advise_huge_pages
 
 
 def _vm_flags(address: int) -> list[str]:

@@ -11,9 +11,8 @@ import torch
 
 from ple.errors import UsageError
 from ple.table import CachedTable, MemoryTable, MmapTable, TableFileError
-from ple.table.direct import DirectTable
-
-from ._helpers import assert_same, make_table, random_ids, write_file
+from ple.table.tiers.direct import DirectTable
+from tests.table._helpers import assert_same, make_table, random_ids, write_file
 
 ROWS, HD = 3000, 40
 

@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ple.table import FORMATS, CachedTable, DirectTable, MemoryTable, MmapTable, PinnedHostTable
-from ple.table.direct import SLOT_OVERHEAD
 from ple.table.lookup import gather_dequant_reference
-
-from ._helpers import check_direct_cache, make_table, uring_unavailable, write_file
+from ple.table.tiers.direct import SLOT_OVERHEAD
+from tests.table._helpers import check_direct_cache, make_table, uring_unavailable, write_file
 
 ROWS, HD = 2048, 64  # 64 values: whole blocks of every block format
 HOT = 48  # rows most lookups read

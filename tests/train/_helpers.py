@@ -9,10 +9,9 @@ import torch
 from ple.config import PLEConfig
 from ple.layer import PLELayer
 from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable
-from ple.table.formats import FORMATS
-from ple.table.table_file import TableFileWriter, hash_layout
-
-from ..table._helpers import make_table
+from ple.table.files.table_file import TableFileWriter, hash_layout
+from ple.table.formats.catalog import FORMATS
+from tests.table._helpers import make_table
 
 CFG = PLEConfig(
     hidden_size=16,

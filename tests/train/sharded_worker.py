@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ple.parallel import init_from_env  # noqa: E402
-from ple.table.sharded import load_sharded  # noqa: E402
+from ple.table.tiers.sharded import load_sharded  # noqa: E402
 from ple.train import SGD, SparseAdam, save_sharded_adapter, trainable  # noqa: E402
 from tests.train._helpers import batch, new_layer  # noqa: E402
 

@@ -19,8 +19,8 @@ import torch
 
 from ple.runtime import Batch
 from ple.table import MmapTable, format_info, verify_table_file
-from ple.table.adapted import AdaptedTable
-from ple.table.formats import FORMATS
+from ple.table.formats.catalog import FORMATS
+from ple.table.tiers.adapted import AdaptedTable
 from ple.train import (
     AdamW,
     AdapterFileError,
@@ -34,8 +34,7 @@ from ple.train import (
     trainable,
 )
 from ple.train.merge import requantize
-
-from ._helpers import CFG, TIERS, batch, dequantized, make_tier, new_layer, write_table_file
+from tests.train._helpers import CFG, TIERS, batch, dequantized, make_tier, new_layer, write_table_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

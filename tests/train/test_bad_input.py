@@ -32,8 +32,7 @@ from ple.train import (
     save_adapter,
     trainable,
 )
-
-from ._helpers import batch, new_layer, write_table_file
+from tests.train._helpers import batch, new_layer, write_table_file
 
 NAN, INF = float("nan"), float("inf")
 TORCH = {

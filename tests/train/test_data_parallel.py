@@ -20,10 +20,9 @@ import torch
 
 from ple.parallel import spawn_local
 from ple.train import read_adapter, save_adapter
-
-from ..integrations.helpers import tiny_config, tiny_model
-from . import trainer_worker
-from .ddp_worker import CASES, LR_REST, LR_TABLE, load, rank_batch
+from tests.integrations.helpers import tiny_config, tiny_model
+from tests.train import trainer_worker
+from tests.train.ddp_worker import CASES, LR_REST, LR_TABLE, load, rank_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,8 +202,7 @@ def test_the_data_parallel_setting_is_checked_and_kept_by_the_handles():
     from ple.errors import InvalidArgumentError
     from ple.train import trainable
     from ple.train.data_parallel import group_of
-
-    from ._helpers import make_tier, new_layer
+    from tests.train._helpers import make_tier, new_layer
 
     layer = new_layer(seed=3, table=make_tier("memory", "bf16", None, seed=4))
     for bad in ("yes", None, True, 2):

@@ -34,11 +34,10 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.table import MmapTable
-from ple.table.rowstore import SpillFileError
+from ple.table.tiers.rowstore import SpillFileError
 from ple.train import SparseAdam, read_adapter, save_adapter, trainable
-
-from ..table._helpers import FORK_DEADLINE_S, run_forked
-from ._helpers import batch, new_layer, write_table_file
+from tests.table._helpers import FORK_DEADLINE_S, run_forked
+from tests.train._helpers import batch, new_layer, write_table_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
 

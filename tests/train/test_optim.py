@@ -15,8 +15,7 @@ from torch import nn
 
 from ple.errors import InvalidArgumentError
 from ple.train import SGD, Adagrad, Adam, AdamW, RowWiseAdagrad, SparseAdam, trainable
-
-from ._helpers import batch, dequantized, make_tier, new_layer
+from tests.train._helpers import batch, dequantized, make_tier, new_layer
 
 STEPS = 40
 
@@ -243,8 +242,7 @@ def test_rows_and_states_spill_beside_the_table_file_by_default(tmp_path, monkey
     import tempfile
 
     from ple.table import MmapTable
-
-    from ._helpers import write_table_file
+    from tests.train._helpers import write_table_file
 
     folder = tmp_path / "tables"
     folder.mkdir()

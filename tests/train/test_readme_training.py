@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ple.table.adapted import AdaptedTable
+from ple.table.tiers.adapted import AdaptedTable
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -25,7 +25,7 @@ def _section() -> str:
 
 
 def test_the_training_snippet_runs_as_written(tmp_path, monkeypatch):
-    from ..integrations.helpers import tiny_config, tiny_model
+    from tests.integrations.helpers import tiny_config, tiny_model
 
     (code,) = re.findall(r"```python\n(.*?)```", _section(), flags=re.S)
     tiny_model(tiny_config(split_ngram_parts=4), seed=61).save_pretrained(tmp_path / "path" / "to" / "model")
@@ -46,7 +46,7 @@ def test_the_training_snippet_runs_as_written(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_training_commands_run_as_written(tmp_path, monkeypatch, capsys):
-    from ple.cli import main
+    from ple.commands.cli import main
     from ple.table import verify_table_file
 
     block = re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)[0]
@@ -77,8 +77,7 @@ def test_the_multi_process_command_runs_as_written(tmp_path):
     from safetensors import safe_open
 
     from ple.train import read_adapter
-
-    from ..integrations.helpers import tiny_config, tiny_model
+    from tests.integrations.helpers import tiny_config, tiny_model
 
     blocks = re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)
     (line,) = [x for x in blocks[1].splitlines() if x.strip()]

@@ -1,4 +1,4 @@
-"""The store under overlays and optimizer states (:class:`ple.table.rowstore.SlotStore`): what it reads
+"""The store under overlays and optimizer states (:class:`ple.table.tiers.rowstore.SlotStore`): what it reads
 back is what was written, wherever a record lives, and memory holds the records used last."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ple.table.rowstore import SlotStore
+from ple.table.tiers.rowstore import SlotStore
 
 
 @pytest.mark.parametrize("recency", [True, False])
@@ -99,7 +99,7 @@ def test_a_spill_file_without_room_raises_and_the_store_stays_as_it_was(tmp_path
     (an OSError naming the folder) and the store keeps its records and slots; with room it goes on."""
     import errno
 
-    from ple.table.rowstore import SpillFileError
+    from ple.table.tiers.rowstore import SpillFileError
 
     store = SlotStore(4, memory_budget=2 * 4 * 4, spill_dir=tmp_path)  # two records in memory
     first = torch.randn(2, 4)

@@ -10,11 +10,10 @@ import torch
 
 import ple.integrations.table_state as table_state
 from ple.integrations.transformers import from_pretrained, patched_layers, unpatch
-from ple.table.adapted import AdaptedTable
+from ple.table.tiers.adapted import AdaptedTable
 from ple.train import SparseAdam, freeze, merge_model, save_adapter, trainable
-
-from ..integrations.helpers import EOS, VOCAB, tiny_config, tiny_model
-from ..integrations.test_save import assert_same_checkpoint
+from tests.integrations.helpers import EOS, VOCAB, tiny_config, tiny_model
+from tests.integrations.test_save import assert_same_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +82,7 @@ def test_save_pretrained_writes_the_merged_tables_and_keeps_the_adapter(tmp_path
     assert saved == sorted(p.name for p in (tmp_path / "reference").iterdir())  # nothing staged left behind
     plain = _load(tmp_path, ckpt, fmt, tier)
     plain.save_pretrained(tmp_path / "untrained")
-    from ..integrations.test_save import tensors
+    from tests.integrations.test_save import tensors
 
     a, b = tensors(tmp_path / "saved"), tensors(tmp_path / "untrained")
     changed = [

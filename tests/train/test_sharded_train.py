@@ -21,9 +21,8 @@ import torch
 from ple.parallel import spawn_local
 from ple.table import MmapTable
 from ple.train import SGD, SparseAdam, read_adapter, save_adapter, trainable
-
-from ._helpers import new_layer, write_table_file
-from .sharded_worker import RUNS, loss_of, rank_batch
+from tests.train._helpers import new_layer, write_table_file
+from tests.train.sharded_worker import RUNS, loss_of, rank_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 RANKS = 2

@@ -13,11 +13,10 @@ import ple.layer
 from ple.ngram import ngram_ids
 from ple.runtime import Batch
 from ple.table import MemoryTable
-from ple.table.adapted import AdaptedTable, RowOverlay
-from ple.table.formats import FORMATS
+from ple.table.formats.catalog import FORMATS
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.train import freeze, table_parameters, trainable
-
-from ._helpers import CFG, TIERS, batch, dequantized, make_tier, new_layer
+from tests.train._helpers import CFG, TIERS, batch, dequantized, make_tier, new_layer
 
 
 def _ids_read(layer, ids, attn):
@@ -92,7 +91,7 @@ def test_sums_are_taken_in_position_order_and_accumulate_over_backward_calls():
 
 
 def test_row_sums_are_the_position_ordered_sum():
-    from ple.table.sparse_grad import row_sums
+    from ple.table.grad import row_sums
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 7, (50, 3), generator=g)

@@ -10,8 +10,7 @@ import torch
 
 from ple.layer import PLELayer
 from ple.train import trainable
-
-from ._helpers import CFG, batch, make_tier, new_layer
+from tests.train._helpers import CFG, batch, make_tier, new_layer
 
 
 def _run(layer, hidden, ids, mask, use_c, seed):

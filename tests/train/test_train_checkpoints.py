@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from ple.errors import UsageError
 from ple.integrations.transformers import from_pretrained, patched_layers
-from ple.table.adapted import AdaptedTable
+from ple.table.tiers.adapted import AdaptedTable
 from ple.train import (
     CombinedOptimizer,
     SparseAdam,
@@ -33,8 +33,7 @@ from ple.train import (
     save_adapter,
     trainable,
 )
-
-from ..integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
+from tests.integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
 
 
 @pytest.fixture(autouse=True)

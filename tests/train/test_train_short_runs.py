@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ple.cli import main
+from ple.commands.cli import main
 from ple.config import PLEConfig
 from ple.data.tokens import vocabulary_map
 from ple.table import read_table_header
@@ -121,8 +121,7 @@ def test_the_trained_rows_of_a_merged_file_are_checked_against_the_adapter(tmp_p
     from ple.table import MmapTable
     from ple.train import SparseAdam, merge_table_file, save_adapter, trainable
     from ple.train.merge import check_merged_rows, merged_rows
-
-    from ._helpers import batch, new_layer, write_table_file
+    from tests.train._helpers import batch, new_layer, write_table_file
 
     table = write_table_file(tmp_path / "t.pletable", "int8_row", seed=2)
     layer = new_layer(seed=1, table=MmapTable.open(table))

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from ple.integrations.transformers import from_pretrained, patched_layers
-from ple.table.adapted import AdaptedTable
+from ple.table.tiers.adapted import AdaptedTable
 from ple.train import SparseAdam, merge_model, save_adapter, table_parameters, trainable
-
-from ..integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
+from tests.integrations.helpers import EOS, VOCAB, generate, tiny_config, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -2,20 +2,10 @@
 
 :mod:`ple.checkpoint.scan` lists a checkpoint's files and layers and every problem they have
 (headers and small tensors only); :mod:`ple.checkpoint.load` reads what a clean scan found (weights,
-tables, table files). The safetensors files themselves are read by :mod:`ple.safetensors_file`.
+tables, table files). The safetensors files themselves are read by :mod:`ple.common.safetensors`.
 """
 
-from ..safetensors_file import (
-    SAFETENSORS_DTYPES,
-    CheckpointError,
-    PreadReader,
-    SafetensorsHeader,
-    TensorInfo,
-    TensorReader,
-    read_header,
-    read_safetensors_header,
-)
-from .load import (
+from ple.checkpoint.load import (
     PLEWeights,
     iter_table_shards,
     load_ple_weights,
@@ -25,7 +15,7 @@ from .load import (
     table_shards,
     write_layer_table,
 )
-from .scan import (
+from ple.checkpoint.scan import (
     INDEX_NAME,
     CheckpointScan,
     LayerEntry,
@@ -33,6 +23,16 @@ from .scan import (
     checkpoint_files,
     resolve_model,
     scan_checkpoint,
+)
+from ple.common.safetensors import (
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    PreadReader,
+    SafetensorsHeader,
+    TensorInfo,
+    TensorReader,
+    read_header,
+    read_safetensors_header,
 )
 
 __all__ = [

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import PLEConfig
-from ..errors import InvalidArgumentError
-from ..files import file_identity
-from ..layout import Layout
-from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, TensorReader, read_checked
-from ..table import TABLE_SUFFIX, MemoryTable, MmapTable
-from ..table.convert import convert_layer, nonfinite_problem
-from ..table.formats import check_scale_values
-from .scan import TABLE_SCALE, TABLE_SCALE2, TABLE_WEIGHT, LayerEntry, check_checkpoint
+from ple.checkpoint.scan import TABLE_SCALE, TABLE_SCALE2, TABLE_WEIGHT, LayerEntry, check_checkpoint
+from ple.common.files import file_identity
+from ple.common.safetensors import CheckpointError, PreadReader, TensorInfo, TensorReader, read_checked
+from ple.config import PLEConfig
+from ple.errors import InvalidArgumentError
+from ple.layout import Layout
+from ple.table import TABLE_SUFFIX, MemoryTable, MmapTable
+from ple.table.files.transcode import convert_layer, nonfinite_problem
+from ple.table.formats.catalog import check_scale_values
 
 __all__ = [
     "PLEWeights",
@@ -211,14 +211,14 @@ def load_ple_weights(
 
 
 class TableShards:
-    """A layer's table as :func:`ple.table.convert.convert_layer` takes it (:func:`table_shards`).
+    """A layer's table as :func:`ple.table.files.transcode.convert_layer` takes it (:func:`table_shards`).
 
     Iterated, it yields ``(k, rows [n_k, width], scale)`` shard by shard, in order, where ``scale`` is
     the shard's per-row scale or, for an fp8 or nvfp4 table, the global scale ``[1]`` (None for plain
     tables). As a shard source (``num_shards``, ``shard_rows``, ``format``, ``identity``, ``chunks``)
     it reads pieces of a shard with ``pread`` (a :class:`PreadReader` per shard: nothing mapped, so
     memory stays at a piece, from any thread), and names its bytes by the files' paths and identities
-    (:func:`ple.files.file_identity`: size, modification and change times, inode) and the tensors'
+    (:func:`ple.common.files.file_identity`: size, modification and change times, inode) and the tensors'
     places in them (a conversion it feeds can resume).
     """
 
@@ -303,7 +303,7 @@ class TableShards:
 
 
 def table_shards(entry: LayerEntry, reader: TensorReader | None = None) -> TableShards:
-    """A layer's table shard by shard as :func:`ple.table.convert.convert_layer` takes it (see
+    """A layer's table shard by shard as :func:`ple.table.files.transcode.convert_layer` takes it (see
     :class:`TableShards`): iterated, ``(k, rows [n_k, head_dim], scale)`` where ``scale`` is the shard's
     per-row scale or, for an fp8 table, the global scale ``[1]`` (None for plain tables)."""
     return TableShards(entry, reader)
@@ -330,7 +330,7 @@ def write_layer_table(
     """Write PLE layer ``ple_layer_index``'s table, from ``(k, rows, scale)`` shards (any source: a
     checkpoint's :func:`table_shards`, slices of an in-memory weight), as a table file carrying the
     layer's layout fields. ``to="nvfp4"`` needs ``global_scale``. Returns
-    :func:`ple.table.convert.convert_layer`'s statistics."""
+    :func:`ple.table.files.transcode.convert_layer`'s statistics."""
     lay = config.layout(ple_layer_index)
     return convert_layer(
         shards,

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, PLEConfig
-from ..files import file_kind, read_json
-from ..layout import Layout
-from ..safetensors_file import (
+from ple.common.files import file_kind, read_json
+from ple.common.safetensors import (
     CheckpointError,
     TensorInfo,
     TensorReader,
@@ -33,6 +31,8 @@ from ..safetensors_file import (
     read_small,
     shown_name,
 )
+from ple.config import ConfigError, PLEConfig
+from ple.layout import Layout
 
 __all__ = [
     "CheckpointScan",

@@ -8,8 +8,8 @@ same in each:
   order) or a text file of integers separated by spaces, commas or newlines (:func:`iter_token_file`,
   streamed); every id is checked against the model's vocabulary and never changed;
 - ``--text FILE``: a UTF-8 text file tokenized with Qwen's BPE vocabulary
-  (:func:`ple.realtext.tokenize_file`, streamed); a NUL byte or a form feed ends a document;
-- ``--real-text N``: the first N tokens of the built-in real text (:mod:`ple.realtext`: Python's
+  (:func:`ple.data.realtext.tokenize_file`, streamed); a NUL byte or a form feed ends a document;
+- ``--real-text N``: the first N tokens of the built-in real text (:mod:`ple.data.realtext`: Python's
   documentation, one document after another).
 
 How text reaches the model. A model whose vocabulary holds the tokenizer's 151,644 ids (Qwen's
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 from numpy.lib import format as npy_format
 
-from ple.argtypes import parse_int, positive_int, shown
+from ple.common.argtypes import parse_int, positive_int, shown
+from ple.common.files import open_regular
+from ple.data.realtext import QWEN_ENDOFTEXT
 from ple.errors import CommandLineError, InvalidArgumentError
-from ple.files import open_regular
-from ple.realtext import QWEN_ENDOFTEXT
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +168,7 @@ def read_tokens(
 
 def _text_chunks(source: TokenSource, eos: int) -> Iterator[np.ndarray]:
     """The tokenizer's ids of ``--text`` / ``--real-text``, documents ended by ``eos``."""
-    from ple.realtext import token_stream, tokenize_file
+    from ple.data.realtext import token_stream, tokenize_file
 
     if source.option == "text":
         return tokenize_file(str(source.value), eos)
@@ -233,7 +233,7 @@ def apply_map(tokens: np.ndarray, mapping: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- token files
 
 CHUNK_TOKENS = 1 << 18
-"""Tokens per chunk that :func:`iter_token_file` yields (and :func:`ple.stats.row_traffic` processes at once)."""
+"""Tokens per chunk that :func:`iter_token_file` yields (and :func:`ple.data.stats.row_traffic` processes at once)."""
 
 _TEXT_BLOCK = 1 << 20  # bytes read at a time from a text token file (~300k numbers as Python strings)
 _MAX_WORD = 1 << 20  # a "word" longer than this (no separator in sight) is not a token id
@@ -259,7 +259,7 @@ def iter_token_file(
     Refuses, naming the file and the first offending entry (its index in the whole stream): a path
     that is not a regular file, an empty stream, a ``.npy`` file that is truncated, pickled, not of an
     integer dtype or whose header does not match its size, text that is not an integer in ASCII
-    digits (:func:`ple.argtypes.parse_int`), negative ids, and (given ``vocab_size``) ids outside
+    digits (:func:`ple.common.argtypes.parse_int`), negative ids, and (given ``vocab_size``) ids outside
     ``[0, vocab_size)``. Chunks before the offending one have been yielded by then.
     """
     p = Path(path)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import PLEError, UsageError
+from ple.errors import PLEError, UsageError
 
 __all__ = [
     "TABLE_KEYS",

@@ -3,7 +3,7 @@
 What ``save_pretrained`` writes for a table (:func:`table_state`) and what :func:`unpatch
 <ple.integrations.transformers.unpatch>` gives the original module back (:func:`weight_from_table`),
 for every tier ple serves from (memory, memory map, row cache, direct reads) and with or without an
-adapter (:class:`~ple.table.adapted.AdaptedTable`, the rows ``ple.train`` trained):
+adapter (:class:`~ple.table.tiers.adapted.AdaptedTable`, the rows ``ple.train`` trained):
 
 - A table with an adapter is handed over *merged*: the base table's rows with the trained rows in
   place, requantized to the base's format exactly as :func:`ple.train.merge_model` writes them
@@ -47,14 +47,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from ..layer import PLELayer
-from ..table import CachedTable, DirectTable, MmapTable, ShardedTable, StoredTable, Table, dequantize, format_info
-from ..table.adapted import AdaptedTable, RowOverlay
-from ..table.blocks import dequantize_blocks
-from ..table.rowstore import unnamed_file
-from ..table.table_file import TableFileError
-from ..train.merge import global_scale_of, merge_rows
+from ple.errors import UsageError
+from ple.layer import PLELayer
+from ple.table import CachedTable, DirectTable, MmapTable, ShardedTable, StoredTable, Table, dequantize, format_info
+from ple.table.files.table_file import TableFileError
+from ple.table.formats.blocks import dequantize_blocks
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
+from ple.table.tiers.rowstore import unnamed_file
+from ple.train.merge import global_scale_of, merge_rows
 
 __all__ = ["table_state", "trained_state", "load_trained", "weight_from_table", "staging", "STAGE_ROWS", "TRAINED_KEYS"]
 

@@ -3,7 +3,7 @@
 :func:`from_pretrained` is the user's path: it loads a ``qwen4_exp`` checkpoint with transformers
 (the class its config names) while the n-gram tables are never materialized in memory (see
 :mod:`ple.integrations.qwen4_exp`), then patches the model with tables from disk: table files made
-once from the checkpoint and reused on every later start (see :mod:`ple.integrations.table_folder`),
+once from the checkpoint and reused on every later start (see :mod:`ple.convert.folder`),
 served memory-mapped (``"mmap"``), behind a cache of hot rows (``"cached"``) or read into memory
 (``"memory"``, in the checkpoint's format: an fp8 table stays fp8).
 
@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import (
+from ple.checkpoint import (
     CheckpointError,
     PreadReader,
     load_table,
@@ -75,19 +75,32 @@ from ..checkpoint import (
     table_file_name,
     write_layer_table,
 )
-from ..config import ConfigError, PLEConfig, architecture_names
-from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from ..files import read_json
-from ..layer import PLELayer
-from ..runtime.batch import PREFILL, Batch
-from ..table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
-from ..table.adapted import AdaptedTable
-from ..table.convert import TARGET_NAMES
-from ..train.attach import default_spill_dir
-from .dequantized_copy import dequantize_checkpoint
-from .qwen4_exp import TableStub, TransformersVersionError, hf_ple_class, require_transformers, tableless_load
-from .table_folder import PreparedTable, default_table_dir, prepare_table, served_format
-from .table_state import TRAINED_KEYS, load_trained, staging, table_state, trained_state, weight_from_table
+from ple.common.files import read_json
+from ple.config import ConfigError, PLEConfig, architecture_names
+from ple.convert.dequantized import dequantize_checkpoint
+from ple.convert.folder import PreparedTable, default_table_dir, prepare_table, served_format
+from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ple.integrations.qwen4_exp import (
+    TableStub,
+    TransformersVersionError,
+    hf_ple_class,
+    require_transformers,
+    tableless_load,
+)
+from ple.integrations.table_state import (
+    TRAINED_KEYS,
+    load_trained,
+    staging,
+    table_state,
+    trained_state,
+    weight_from_table,
+)
+from ple.layer import PLELayer
+from ple.runtime.batch import PREFILL, Batch
+from ple.table import CachedTable, DirectTable, MemoryTable, MmapTable, StoredTable, Table, format_info
+from ple.table.files.transcode import TARGET_NAMES
+from ple.table.tiers.adapted import AdaptedTable
+from ple.train.attach import default_spill_dir
 
 __all__ = [
     "from_pretrained",
@@ -781,7 +794,7 @@ def from_pretrained(
     Args:
         path: a local model folder, or a Hub id (fetched with ``huggingface_hub.snapshot_download``;
             the Hub arguments in ``kwargs`` apply).
-        table_dir: where the table files live (see :mod:`ple.integrations.table_folder`): made once,
+        table_dir: where the table files live (see :mod:`ple.convert.folder`): made once,
             streamed shard by shard from the checkpoint, reused while the checkpoint is unchanged.
             One folder per checkpoint (a table of another checkpoint folder is never replaced:
             :class:`InvalidArgumentError`). Default: ``$PLE_CACHE_DIR/tables/<folder name>-<hash of
@@ -868,7 +881,7 @@ def from_pretrained(
     show = sys.stderr.isatty() if progress is None else bool(progress)
     adapter = None
     if table_adapter is not None:
-        from ..train.adapter import read_adapter
+        from ple.train.adapter import read_adapter
 
         adapter = read_adapter(table_adapter)  # checked before any table is made
     cls = _model_class(root, mq)
@@ -913,7 +926,7 @@ def from_pretrained(
 
         patch(model, factory)
         if adapter is not None:
-            from ..train.adapter import load_adapter
+            from ple.train.adapter import load_adapter
 
             load_adapter(model, adapter)
     except BaseException:

@@ -3,7 +3,7 @@
 The computation is the operator ``torch.ops.ple.ngram_ids(input_ids, query_start_loc,
 ngram_context, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id, vocab_size=-1)``
 (the layout as its tensors, see :func:`layout_tensors`), registered once here
-(:data:`ple.operators.OPERATORS`): its reference is :func:`.reference.ids_from_tensors` (the literal
+(:data:`ple.kernels.registry.OPERATORS`): its reference is :func:`.reference.ids_from_tensors` (the literal
 definition), its kernels the C kernel of :mod:`.native` on the CPU where it builds (else the
 vectorized :mod:`.torch_impl`) and :mod:`.triton_impl` on CUDA, and a fake implementation, so
 compiled and exported programs hold it as one node. ``ngram_ids`` is the checked entry point: it
@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import _native
-from ..errors import PLEError
-from ..layout import Layout
-from ..operators import Kernel, register
-from . import native, reference, torch_impl
-from .tensors import layout_tensors
+from ple.errors import PLEError
+from ple.kernels import native as _native
+from ple.kernels.registry import Kernel, register
+from ple.layout import Layout
+from ple.ngram import native, reference, torch_impl
+from ple.ngram.tensors import layout_tensors
 
 __all__ = [
     "ngram_ids",
@@ -298,7 +298,7 @@ def _check_ids(input_ids, query_start_loc, ngram_context, mult, sizes, offs, hpn
 
 
 def _triton_ids(*args):
-    from . import triton_impl
+    from ple.ngram import triton_impl
 
     return triton_impl.ids_from_tensors(*args[:8])
 

@@ -1,4 +1,4 @@
-"""N-gram ids on the CPU with the C kernel of :mod:`ple._native`: one pass over the tokens, threads
+"""N-gram ids on the CPU with the C kernel of :mod:`ple.kernels.native`: one pass over the tokens, threads
 over token ranges, and the per-head modulo as a multiplication by a precomputed 128-bit reciprocal
 (exact for every 64-bit hash) instead of a hardware division."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _native
-from ..errors import InvalidArgumentError
-from .tensors import with_layout
+from ple.errors import InvalidArgumentError
+from ple.kernels import native as _native
+from ple.ngram.tensors import with_layout
 
 __all__ = ["ids_from_tensors", "ngram_ids"]
 
@@ -18,7 +18,7 @@ def ids_from_tensors(
 ) -> torch.Tensor:
     """The ids ``[T, G]`` int64 on the CPU (the contract of :func:`ple.ngram.reference.ngram_ids`, inputs
     already checked) with the layout given as its int64 CPU tensors (``mult``: the multipliers ``[N]``;
-    ``sizes``, ``offs``: the head sizes and offsets ``[G]``). Raises :class:`ple._native.NativeUnavailable` when the kernel cannot
+    ``sizes``, ``offs``: the head sizes and offsets ``[G]``). Raises :class:`ple.kernels.native.NativeUnavailable` when the kernel cannot
     be built."""
     if input_ids.device.type != "cpu":
         raise InvalidArgumentError(

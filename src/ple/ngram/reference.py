@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import Layout
-from .tensors import layout_tensors
+from ple.layout import Layout
+from ple.ngram.tensors import layout_tensors
 
 _MASK64 = (1 << 64) - 1
 

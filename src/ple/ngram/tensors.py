@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..layout import Layout
+from ple.layout import Layout
 
 __all__ = ["layout_tensors", "with_layout"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .tensors import with_layout
+from ple.ngram.tensors import with_layout
 
 
 def _extended(

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import InvalidArgumentError
-from .tensors import with_layout
+from ple.errors import InvalidArgumentError
+from ple.ngram.tensors import with_layout
 
 __all__ = ["ngram_ids", "next_ngram_context"]
 

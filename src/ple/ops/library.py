@@ -1,8 +1,8 @@
-"""The layer's operations as ``torch.ops.ple`` operators, each registered once in :data:`ple.operators.OPERATORS`.
+"""The layer's operations as ``torch.ops.ple`` operators, each registered once in :data:`ple.kernels.registry.OPERATORS`.
 
 ``grouped_rms_norm``, ``ngram_gate``, ``dilated_conv`` and the fused step ``gate_conv`` with its two
 halves ``gate_stage`` and ``conv_stage``: each is one operator with its reference, its kernel per device
-and a fake implementation (:func:`ple.operators.register`). The kernels are the twins of
+and a fake implementation (:func:`ple.kernels.registry.register`). The kernels are the twins of
 :mod:`.norm`, :mod:`.gate`, :mod:`.conv` and :mod:`.fused`, which take the records
 (:class:`GateWeights`, :class:`ConvWeights`, :class:`StepMeta`); an operator takes their tensors
 and numbers as its schema lists them, and this module turns one into the other. On the CPU the fused
@@ -32,21 +32,21 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _native
-from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..operators import Kernel, register
-from .conv import reference as conv_reference
-from .conv import torch_impl as conv_torch
-from .conv.checks import check_conv_args
-from .fused import composed, native
-from .fused import reference as fused_reference
-from .gate import reference as gate_reference
-from .gate import torch_impl as gate_torch
-from .gate.checks import check_gate_args
-from .norm import reference as norm_reference
-from .norm import torch_impl as norm_torch
-from .records import ConvWeights, GateWeights, StepMeta
-from .state import check_ring, engine_view
+from ple.errors import ArgumentTypeError, InvalidArgumentError
+from ple.kernels import native as _native
+from ple.kernels.registry import Kernel, register
+from ple.ops.conv import reference as conv_reference
+from ple.ops.conv import torch_impl as conv_torch
+from ple.ops.conv.checks import check_conv_args
+from ple.ops.fused import composed, native
+from ple.ops.fused import reference as fused_reference
+from ple.ops.gate import reference as gate_reference
+from ple.ops.gate import torch_impl as gate_torch
+from ple.ops.gate.checks import check_gate_args
+from ple.ops.norm import reference as norm_reference
+from ple.ops.norm import torch_impl as norm_torch
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
+from ple.ops.state import check_ring, engine_view
 
 __all__ = [
     "check_conv_operator",
@@ -315,19 +315,19 @@ def _fused_kernels(twins):
 
 
 def _triton_gate():
-    from .gate import triton_impl
+    from ple.ops.gate import triton_impl
 
     return triton_impl.ngram_gate
 
 
 def _triton_conv():
-    from .conv import triton_impl
+    from ple.ops.conv import triton_impl
 
     return triton_impl.dilated_conv
 
 
 def _triton_norm(x, weight, group_size, eps):
-    from .norm import triton_impl
+    from ple.ops.norm import triton_impl
 
     return triton_impl.grouped_rms_norm(x, weight, group_size, eps)
 

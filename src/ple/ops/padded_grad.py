@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .records import GateWeights
+from ple.ops.records import GateWeights
 
 __all__ = ["gate_conv_padded"]
 

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ple.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["ConvWeights", "GateWeights", "StepMeta"]
 

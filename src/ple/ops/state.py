@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import InvalidArgumentError
-from .records import StepMeta
+from ple.errors import InvalidArgumentError
+from ple.ops.records import StepMeta
 
 __all__ = ["check_ring", "engine_to_ring", "engine_view", "ring_to_engine", "ring_window", "via_engine_layout"]
 

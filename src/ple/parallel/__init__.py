@@ -11,17 +11,17 @@
 - Failing together (:mod:`.guard`): ranks that disagree on configuration, mode, geometry or the
   step's batch raise :class:`RankMismatchError` on every rank before any data collective; a rank
   that dies or stalls makes the others raise :class:`PeerFailureError` within the timeout. The
-  exchange under every agreement check is :func:`ple.collective.exchange_records`.
+  exchange under every agreement check is :func:`ple.common.collective.exchange_records`.
 
-The table side lives in :mod:`ple.table.sharded` (:class:`~ple.table.ShardedTable`). Costs per mode:
+The table side lives in :mod:`ple.table.tiers.sharded` (:class:`~ple.table.ShardedTable`). Costs per mode:
 docs/DISTRIBUTED.md.
 """
 
 from __future__ import annotations
 
-from .groups import Groups, build_groups
-from .guard import PeerFailureError, RankMismatchError, agree, collective_failures, report_failure
-from .launch import (
+from ple.parallel.groups import Groups, build_groups
+from ple.parallel.guard import PeerFailureError, RankMismatchError, agree, collective_failures, report_failure
+from ple.parallel.launch import (
     BACKENDS,
     LaunchEnv,
     LaunchResult,
@@ -31,8 +31,8 @@ from .launch import (
     spawn_local,
     under_launcher,
 )
-from .modes import MODES, ParallelLayer, batch_digest
-from .sequence import local_ngram_ids, sequence_parallel_forward, shard_of, token_shard
+from ple.parallel.modes import MODES, ParallelLayer, batch_digest
+from ple.parallel.sequence import local_ngram_ids, sequence_parallel_forward, shard_of, token_shard
 
 __all__ = [
     "BACKENDS",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import InvalidArgumentError, UsageError
+from ple.errors import InvalidArgumentError, UsageError
 
 __all__ = ["Groups", "build_groups"]
 

@@ -4,7 +4,7 @@
   :class:`RankMismatchError` on *every* rank when they differ, naming each field and each rank's
   value. It runs before any collective whose shapes depend on those values, so disagreeing ranks
   never reach a collective that would abort or hang; the exchange is
-  :func:`ple.collective.exchange_records` (a small all-gather of the lengths, then of the values).
+  :func:`ple.common.collective.exchange_records` (a small all-gather of the lengths, then of the values).
 - :func:`collective_failures` turns a failed collective (a peer that died closes its connections; a
   peer that stalls past the group's timeout makes the wait time out) into a
   :class:`PeerFailureError` saying what this rank was doing, how long it waited, and, through the
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collective import RankMismatchError, differing, exchange_records, hash60, rank_list
-from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError
-from .launch import ProcessContext
+from ple.common.collective import RankMismatchError, differing, exchange_records, hash60, rank_list
+from ple.errors import ArgumentTypeError, InvalidArgumentError, PLEError
+from ple.parallel.launch import ProcessContext
 
 __all__ = ["PeerFailureError", "RankMismatchError", "agree", "collective_failures", "report_failure"]
 
@@ -79,7 +79,7 @@ def agree(
     ``device``: where the exchange runs (CPU for gloo, the rank's GPU for an NCCL-only group).
     ``same_fields=True``: every rank is known to check the same field names (fixed by code and
     settings the ranks already agreed on), which spares the exchange of record lengths
-    (:func:`ple.collective.exchange_records`): one collective instead of two.
+    (:func:`ple.common.collective.exchange_records`): one collective instead of two.
     """
     names = list(fields)
     width = 2 + _STR_WORDS

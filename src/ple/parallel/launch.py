@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..argtypes import parse_int, shown
-from ..errors import InvalidArgumentError, UsageError
+from ple.common.argtypes import parse_int, shown
+from ple.errors import InvalidArgumentError, UsageError
 
 __all__ = [
     "BACKENDS",

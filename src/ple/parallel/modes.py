@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collective import collective_device
-from ..errors import InvalidArgumentError, UsageError
-from ..layer import PLELayer
-from ..runtime.batch import Batch
-from ..table.sharded import ShardedTable
-from .guard import agree, collective_failures
-from .launch import ProcessContext
-from .sequence import sequence_parallel_forward, token_shard
+from ple.common.collective import collective_device
+from ple.errors import InvalidArgumentError, UsageError
+from ple.layer import PLELayer
+from ple.parallel.guard import agree, collective_failures
+from ple.parallel.launch import ProcessContext
+from ple.parallel.sequence import sequence_parallel_forward, token_shard
+from ple.runtime.batch import Batch
+from ple.table.tiers.sharded import ShardedTable
 
 __all__ = ["MODES", "ParallelLayer", "batch_digest"]
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from ..errors import InvalidArgumentError, UsageError
-from ..layer import PLELayer
-from ..ngram import next_ngram_context, ngram_ids
-from ..runtime.batch import Batch
+from ple import ops
+from ple.errors import InvalidArgumentError, UsageError
+from ple.layer import PLELayer
+from ple.ngram import next_ngram_context, ngram_ids
+from ple.runtime.batch import Batch
 
 __all__ = ["local_ngram_ids", "sequence_parallel_forward", "shard_of", "token_shard"]
 

@@ -1,8 +1,8 @@
 """The streaming runtime: packed step metadata (:class:`Batch`) and per-request state (:class:`Session`)."""
 
-from .batch import DECODE, PREFILL, VERIFY, Batch, BatchError
-from .host import tune_host_allocator
-from .session import PrefixState, Session, SessionError, SessionStep
+from ple.runtime.batch import DECODE, PREFILL, VERIFY, Batch, BatchError
+from ple.runtime.host import tune_host_allocator
+from ple.runtime.session import PrefixState, Session, SessionError, SessionStep
 
 __all__ = [
     "Batch",

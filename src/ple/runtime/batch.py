@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import PLEError
-from ..ngram import first_out_of_range
-from ..ops.records import StepMeta
+from ple.errors import PLEError
+from ple.ngram import first_out_of_range
+from ple.ops.records import StepMeta
 
 __all__ = ["Batch", "BatchError", "PREFILL", "DECODE", "VERIFY"]
 

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _native
-from ..errors import PLEError
-from ..ngram import first_out_of_range, next_ngram_context, ngram_ids
-from ..ops.library import named_range
-from ..ops.state import ring_to_engine, ring_window
-from .batch import DECODE, PREFILL, VERIFY, Batch, is_int
-from .slots import SlotArrays, SlotField
+from ple.errors import PLEError
+from ple.kernels import native as _native
+from ple.ngram import first_out_of_range, next_ngram_context, ngram_ids
+from ple.ops.library import named_range
+from ple.ops.state import ring_to_engine, ring_window
+from ple.runtime.batch import DECODE, PREFILL, VERIFY, Batch, is_int
+from ple.runtime.slots import SlotArrays, SlotField
 
 __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _native
+from ple.kernels import native as _native
 
 __all__ = ["SlotArrays", "SlotField"]
 

@@ -2,7 +2,7 @@
 
 A table maps int64 row ids to rows: ``lookup(ids [T, G], dtype) -> [T, G*head_dim]`` on the ids'
 device, bit-exact with :func:`~ple.table.lookup.gather_dequant_reference` whatever the tier, and
-``start_prefetch`` starts the same lookup early (see :mod:`ple.table.prefetch` for the handles).
+``start_prefetch`` starts the same lookup early (see :mod:`ple.table.lookup.prefetch` for the handles).
 
 Two levels of the contract:
 
@@ -14,7 +14,7 @@ Two levels of the contract:
   :func:`require_stored`.
 
 The lookup is also the operator ``torch.ops.ple.table_lookup(ids, table, head_dim, dtype)`` (registered
-in :data:`ple.operators.OPERATORS`: the table's own lookup on every device, the reference
+in :data:`ple.kernels.registry.OPERATORS`: the table's own lookup on every device, the reference
 :func:`~ple.table.lookup.gather_dequant_reference` of its rows), where
 ``table`` is a :class:`TableRef`: an opaque reference that compiled and exported programs take as
 an input and pass to the operator untouched, so the table (any tier, dequantization inside) is never
@@ -29,13 +29,13 @@ import threading
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from ..operators import Kernel, register
-from .forks import track
-from .formats import check_activation_dtype, check_ids, format_info
-from .lookup import dequantize_rows_into, gather_dequant, gather_dequant_reference
-from .lookup.torch_impl import gather_rows
-from .prefetch import PrefetchEngine, PrefetchHandle
+from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ple.kernels.registry import Kernel, register
+from ple.table.forks import track
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
+from ple.table.lookup import dequantize_rows_into, gather_dequant, gather_dequant_reference
+from ple.table.lookup.prefetch import PrefetchEngine, PrefetchHandle
+from ple.table.lookup.torch_impl import gather_rows
 
 __all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through"]
 
@@ -155,7 +155,7 @@ class Table(abc.ABC):
     def start_prefetch(self, ids: torch.Tensor, dtype: torch.dtype, *, check: bool = True) -> PrefetchHandle:
         """Start ``lookup(ids, dtype)`` in the background; ``handle.wait()`` returns its rows.
 
-        Bad ids raise here, at the start. See :mod:`ple.table.prefetch` for the buffer rules.
+        Bad ids raise here, at the start. See :mod:`ple.table.lookup.prefetch` for the buffer rules.
         """
         self._check_call(ids, dtype, check)
         with self._engine_lock:
@@ -196,7 +196,7 @@ class Table(abc.ABC):
 class StoredTable(Table):
     """A table whose rows are all readable here: ``data [rows, head_dim]`` in the storage dtype and
     ``scale`` (None, ``[1]`` or ``[rows, 1]`` fp32). Lookups gather from them. For a block format
-    ``data`` is ``[rows, row_nbytes]`` bytes (see :mod:`ple.table.blocks`)."""
+    ``data`` is ``[rows, row_nbytes]`` bytes (see :mod:`ple.table.formats.blocks`)."""
 
     @property
     @abc.abstractmethod

@@ -11,7 +11,7 @@ for good. Objects that hold threads or locks register here (:func:`track`) and s
 - ``_after_fork_in_child()``: drop the threads' handles (never joined or freed: they belong to the
   parent), to be started again on first use;
 - optionally ``_after_fork_in_parent()``: what the parent does about what it now shares with the
-  child (a spill file mapped shared: :class:`~ple.table.rowstore.SlotStore` copies it before its
+  child (a spill file mapped shared: :class:`~ple.table.tiers.rowstore.SlotStore` copies it before its
   next write), run before the locks are released.
 
 A fork waits at most for the bookkeeping in progress (the locks are held for that only, never across

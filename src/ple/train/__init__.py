@@ -6,7 +6,7 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
 - :func:`trainable` puts an overlay on each layer's table (any tier and format: memory, memory map,
   direct reads, a row cache, sharded across ranks) and gives it a gradient handle
   (``layer.table_weight``); ``loss.backward()`` then gives the handle a row-sparse gradient
-  (:mod:`ple.table.sparse_grad`): the distinct rows read and their summed gradients.
+  (:mod:`ple.table.grad`): the distinct rows read and their summed gradients.
 - The optimizers (:mod:`.optim`: :class:`SGD`, :class:`Adagrad`, :class:`RowWiseAdagrad`,
   :class:`SparseAdam`, :class:`Adam`, :class:`AdamW`) update those rows in the overlay, with state
   for the rows ever touched only, in memory up to a budget and spilled to a file beyond it;
@@ -24,7 +24,7 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
 
 from __future__ import annotations
 
-from .adapter import (
+from ple.train.adapter import (
     AdapterFile,
     AdapterFileError,
     load_adapter,
@@ -34,9 +34,18 @@ from .adapter import (
     save_adapter,
     save_sharded_adapter,
 )
-from .attach import Part, TableTarget, freeze, ple_layers, table_parameters, trainable
-from .merge import merge_model, merge_table_file
-from .optim import SGD, Adagrad, Adam, AdamW, CombinedOptimizer, RowSparseOptimizer, RowWiseAdagrad, SparseAdam
+from ple.train.attach import Part, TableTarget, freeze, ple_layers, table_parameters, trainable
+from ple.train.merge import merge_model, merge_table_file
+from ple.train.optim import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    CombinedOptimizer,
+    RowSparseOptimizer,
+    RowWiseAdagrad,
+    SparseAdam,
+)
 
 __all__ = [
     "AdapterFile",

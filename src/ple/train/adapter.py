@@ -9,17 +9,17 @@ An adapter file is a safetensors file (``.safetensors``; any name) holding, per 
 
 and in its ``__metadata__``: ``format`` = ``"ple-table-adapter"``, ``version`` = ``"1"``, ``layers``
 (JSON: per layer its ``ple_layer_index``, ``rows``, ``head_dim``, ``layout_hash`` (the layer's
-layout, :func:`ple.table.table_file.hash_layout`), the base table's ``format``, the row count and
+layout, :func:`ple.table.files.table_file.hash_layout`), the base table's ``format``, the row count and
 ``base``: the table file the rows were trained over, :func:`base_identity`, absent or null where
 the base is not a table file),
 ``optimizer`` (JSON, checkpoints only: class, hyperparameters and step count per layer) and
 ``user`` (JSON: what the caller passed as ``meta``).
 
 An adapter is served on top of any base table, tier and format (:func:`load_adapter`: each layer's
-table becomes an :class:`~ple.table.adapted.AdaptedTable`, the base untouched and shared); loading
+table becomes an :class:`~ple.table.tiers.adapted.AdaptedTable`, the base untouched and shared); loading
 another adapter swaps it, on a running model (the layer's ``TableRef`` switches, compiled programs
 included), and :func:`remove_adapter` serves the bases again. Files are written atomically
-(:func:`ple.files.write_atomically_from`, streamed), so a process killed while saving leaves the last
+(:func:`ple.common.files.write_atomically_from`, streamed), so a process killed while saving leaves the last
 saved file whole; :func:`save_adapter` first removes temporary files that dead writers of the same
 path left.
 """
@@ -39,16 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ArgumentTypeError, InvalidArgumentError, PLEError, UsageError
-from ..files import file_kind, parse_json, sweep_partial_files, write_atomically_from
-from ..layer import PLELayer
-from ..safetensors_file import CheckpointError, PreadReader, TensorInfo, read_header
-from ..table import ShardedTable, Table
-from ..table.adapted import AdaptedTable, RowOverlay
-from ..table.table_file import hash_layout, read_table_header
-from .attach import TableTarget, ple_layers
-from .optim import RowSparseOptimizer, check_step, short_repr
-from .sharded import all_gather_rows
+from ple.common.files import file_kind, parse_json, sweep_partial_files, write_atomically_from
+from ple.common.safetensors import CheckpointError, PreadReader, TensorInfo, read_header
+from ple.errors import ArgumentTypeError, InvalidArgumentError, PLEError, UsageError
+from ple.layer import PLELayer
+from ple.table import ShardedTable, Table
+from ple.table.files.table_file import hash_layout, read_table_header
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
+from ple.train.attach import TableTarget, ple_layers
+from ple.train.optim import RowSparseOptimizer, check_step, short_repr
+from ple.train.sharded import all_gather_rows
 
 __all__ = [
     "ADAPTER_FORMAT",

@@ -3,11 +3,11 @@
 :func:`trainable` takes a :class:`ple.PLELayer` or any module holding them (a model patched by
 ``ple.integrations.transformers``, a ``from_pretrained`` model) and, for each layer:
 
-- puts a :class:`~ple.table.adapted.RowOverlay` on its table (an
-  :class:`~ple.table.adapted.AdaptedTable`; a table that already is one keeps its overlay, so
+- puts a :class:`~ple.table.tiers.adapted.RowOverlay` on its table (an
+  :class:`~ple.table.tiers.adapted.AdaptedTable`; a table that already is one keeps its overlay, so
   training continues an adapter that was loaded; a :class:`~ple.table.ShardedTable` gets one on its
   local table, so each rank keeps the rows it owns);
-- gives it a gradient handle (``layer.table_weight``, :func:`ple.table.sparse_grad.table_parameter`)
+- gives it a gradient handle (``layer.table_weight``, :func:`ple.table.grad.table_parameter`)
   that remembers its layer (:class:`TableTarget`, the handle's ``ple_target``).
 
 The handles are what a row-sparse optimizer of :mod:`ple.train.optim` takes. The base table is
@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, UsageError
-from ..layer import PLELayer
-from ..table import ShardedTable, Table
-from ..table.adapted import AdaptedTable, RowOverlay
-from ..table.sparse_grad import table_parameter
-from .data_parallel import check_setting, refuse_fused
-from .sharded import owned_gradient
+from ple.errors import InvalidArgumentError, UsageError
+from ple.layer import PLELayer
+from ple.table import ShardedTable, Table
+from ple.table.grad import table_parameter
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
+from ple.train.data_parallel import check_setting, refuse_fused
+from ple.train.sharded import owned_gradient
 
 __all__ = [
     "trainable",

@@ -23,7 +23,7 @@ A table sharded across ranks (:class:`~ple.table.ShardedTable`) is never average
 exchange what they own (:mod:`ple.train.sharded`).
 
 The exchange, per step and process group, for all its tables at once, three all-gathers: each rank's
-record (:func:`ple.collective.exchange_records`: its length, then the record: per table its layer,
+record (:func:`ple.common.collective.exchange_records`: its length, then the record: per table its layer,
 shape, step count, trained rows and gradient rows, 48 bytes a table), then each rank's rows and values
 as bytes (per table ``k`` gradient rows of ``8 + 4 * head_dim`` bytes, each rank's buffer padded to
 the largest). A rank receives ``(world - 1) * (8 + record + largest buffer)`` bytes
@@ -31,7 +31,7 @@ the largest). A rank receives ``(world - 1) * (8 + record + largest buffer)`` by
 4.6 MB.
 The records are checked first: ranks whose tables disagree (another layer, shape, step count or
 number of trained rows: a rank that resumed from another checkpoint, a rank that stepped alone)
-raise :class:`~ple.collective.RankMismatchError` on every rank, before any row moves.
+raise :class:`~ple.common.collective.RankMismatchError` on every rank, before any row moves.
 
 ``fused=True`` (the update inside the backward) cannot wait for the other ranks' gradients: a
 fused optimizer on a table under data parallelism is refused (:func:`refuse_fused`).
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collective import RankMismatchError, collective_device, differing, exchange_records
-from ..errors import InvalidArgumentError, UsageError
+from ple.common.collective import RankMismatchError, collective_device, differing, exchange_records
+from ple.errors import InvalidArgumentError, UsageError
 
 __all__ = ["group_of", "check_setting", "mean_gradients", "refuse_fused", "Exchange", "RECORD_FIELDS"]
 
@@ -70,7 +70,7 @@ def check_setting(value: Any) -> Any:
 def group_of(target: Any) -> Any:
     """The process group whose ranks' gradients the table of ``target`` (a
     :class:`~ple.train.attach.TableTarget`) averages, or None (see the module docstring)."""
-    from ..table import ShardedTable
+    from ple.table import ShardedTable
 
     setting = target.data_parallel
     if setting is False or isinstance(target.layer.table, ShardedTable):

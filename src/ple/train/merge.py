@@ -1,7 +1,7 @@
 """Merging an adapter into a table: the trained rows written into a table file of the base's format.
 
 :func:`merge_table_file` streams a table file shard by shard into a new table file (written and
-published atomically by :class:`~ple.table.table_file.TableFileWriter`), each trained row requantized
+published atomically by :class:`~ple.table.files.table_file.TableFileWriter`), each trained row requantized
 to the table's format (:func:`requantize`): plain formats are cast; "fp8" keeps the table's global
 scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row" get a new per-row
 scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, PLEError, UsageError
-from ..layer import PLELayer
-from ..table import MmapTable, format_info
-from ..table.adapted import AdaptedTable
-from ..table.blocks import quantize_blocks
-from ..table.table_file import TableFileWriter, read_table_header
-from .adapter import AdapterFile, AdapterLayer, as_adapter, layout_hash_of, read_adapter
-from .attach import ple_layers
+from ple.errors import InvalidArgumentError, PLEError, UsageError
+from ple.layer import PLELayer
+from ple.table import MmapTable, format_info
+from ple.table.files.table_file import TableFileWriter, read_table_header
+from ple.table.formats.blocks import quantize_blocks
+from ple.table.tiers.adapted import AdaptedTable
+from ple.train.adapter import AdapterFile, AdapterLayer, as_adapter, layout_hash_of, read_adapter
+from ple.train.attach import ple_layers
 
 __all__ = [
     "requantize",
@@ -63,7 +63,7 @@ def requantize(values: torch.Tensor, format: str, global_scale: float | None = N
         if global_scale is None:
             raise InvalidArgumentError(f"merging into an {format!r} table needs its global scale")
         return (values / global_scale).clamp(-448.0, 448.0).to(info.storage_dtype), None
-    from ..table import quantize_rows
+    from ple.table import quantize_rows
 
     return quantize_rows(values, format)
 
@@ -279,7 +279,7 @@ def merge_model(
     is dropped). The bases must be table files (a ``from_pretrained`` model's tiers). With ``adapter``
     (a file) its rows are merged instead of the layers' own. Returns the new files in layer order;
     ``model.save_pretrained(dst)`` then writes the published layout with the merged rows."""
-    from .adapter import save_adapter
+    from ple.train.adapter import save_adapter
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -24,9 +24,9 @@ over steps), as FBGEMM's exact row-wise Adagrad does.
 State memory: ``memory_budget`` bytes of states per table in memory (None: all), those of the rows
 used most recently; the others spill to an unnamed file in ``spill_dir`` (default: the folder of the
 table's file) and come back when their rows are in a step again
-(:class:`~ple.table.rowstore.SlotStore`). Where a state lives never changes its value. The spill
+(:class:`~ple.table.tiers.rowstore.SlotStore`). Where a state lives never changes its value. The spill
 files' space is allocated before a step changes anything: a step that finds no room raises
-:class:`~ple.table.rowstore.SpillFileError` (naming the folder) with every row, state and step count
+:class:`~ple.table.tiers.rowstore.SpillFileError` (naming the folder) with every row, state and step count
 as before it and its gradient still on the handle, so once there is room ``step()`` runs again.
 
 Fused: ``fused=True`` applies each table's update inside ``backward()`` as its gradient is
@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..table.rowstore import RowMap, SlotStore
-from .attach import default_spill_dir, target_of
-from .data_parallel import group_of, mean_gradients
+from ple.errors import ArgumentTypeError, InvalidArgumentError
+from ple.table.tiers.rowstore import RowMap, SlotStore
+from ple.train.attach import default_spill_dir, target_of
+from ple.train.data_parallel import group_of, mean_gradients
 
 __all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW", "CombinedOptimizer"]
 
@@ -168,7 +168,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Apply each table's gradient (and clear it: the gradient is used up). Fused tables were
         updated in their backward already. A step that raises (a full spill disk:
-        :class:`~ple.table.rowstore.SpillFileError`, raised before the table's rows or states change)
+        :class:`~ple.table.tiers.rowstore.SpillFileError`, raised before the table's rows or states change)
         leaves the gradients of the tables it did not update on their handles: make room and call
         ``step()`` again."""
         loss = None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..table import ShardedTable
+from ple.table import ShardedTable
 
 __all__ = ["owned_gradient", "all_gather_rows"]
 

@@ -9,6 +9,6 @@ the operator ``torch.ops.ple.dilated_conv`` (:mod:`ple.ops.library`), which :fun
 
 from __future__ import annotations
 
-from . import reference, torch_impl
+from ple.ops.conv import reference, torch_impl
 
 __all__ = ["reference", "torch_impl"]

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from ...errors import ArgumentTypeError, InvalidArgumentError
-from ..records import ConvWeights, StepMeta
+from ple.errors import ArgumentTypeError, InvalidArgumentError
+from ple.ops.records import ConvWeights, StepMeta
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)

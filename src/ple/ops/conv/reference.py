@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..records import ConvWeights, StepMeta
-from .checks import check_conv_args
+from ple.ops.conv.checks import check_conv_args
+from ple.ops.records import ConvWeights, StepMeta
 
 __all__ = ["dilated_conv"]
 

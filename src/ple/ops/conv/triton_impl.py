@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..records import ConvWeights, StepMeta
-from .checks import check_conv_args
+from ple.ops.conv.checks import check_conv_args
+from ple.ops.records import ConvWeights, StepMeta
 
 __all__ = ["dilated_conv"]
 

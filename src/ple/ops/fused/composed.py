@@ -11,11 +11,11 @@ import functools
 
 import torch
 
-from ...errors import InvalidArgumentError
-from ..conv import torch_impl as conv_torch
-from ..gate import torch_impl as gate_torch
-from ..records import ConvWeights, GateWeights, StepMeta
-from ..state import via_engine_layout
+from ple.errors import InvalidArgumentError
+from ple.ops.conv import torch_impl as conv_torch
+from ple.ops.gate import torch_impl as gate_torch
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
+from ple.ops.state import via_engine_layout
 
 
 def gate_stage(gate_fn, key, value, hidden, gate: GateWeights, *, token_mask=None, add_hidden=True):
@@ -87,8 +87,8 @@ TORCH = Composed(gate_torch.ngram_gate, conv_torch.dilated_conv)
 @functools.cache
 def triton() -> Composed:
     """The Triton kernels of the gate and the conv, composed (imports Triton on first use)."""
-    from ..conv import triton_impl as conv_triton
-    from ..gate import triton_impl as gate_triton
+    from ple.ops.conv import triton_impl as conv_triton
+    from ple.ops.gate import triton_impl as gate_triton
 
     return Composed(gate_triton.ngram_gate, conv_triton.dilated_conv)
 

@@ -1,11 +1,11 @@
-"""The fused step on the CPU in one pass per token row: the C kernel of :mod:`ple._native`.
+"""The fused step on the CPU in one pass per token row: the C kernel of :mod:`ple.kernels.native`.
 
 Gate, mask, conv taps (from the request's earlier rows or, before its chunk, straight from its state
 slot), SiLU, residual and the state write-back run row by row with fp32 arithmetic, so each input
 is read from memory once and the output written once (the PyTorch path makes about six passes).
 Rounding points are those of the PyTorch fast path. Work is split into token ranges of requests
 run by up to ``torch.get_num_threads()`` threads (PyTorch's own OpenMP threads where the library shares
-its OpenMP runtime, see :func:`ple._native.team`; one per 2^13 row elements then, per 2^18 with threads
+its OpenMP runtime, see :func:`ple.kernels.native.team`; one per 2^13 row elements then, per 2^18 with threads
 started per call); results do not depend on the split.
 
 The two stages run the same kernel: :func:`gate_stage` is the gate over rows without state (its
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ... import _native
-from ...errors import InvalidArgumentError
-from ..conv.checks import check_conv_args
-from ..gate.checks import check_gate_args
-from ..records import ConvWeights, GateWeights, StepMeta
-from ..state import check_ring, engine_view
-from .composed import check_stage_inputs, check_token_mask
+from ple.errors import InvalidArgumentError
+from ple.kernels import native as _native
+from ple.ops.conv.checks import check_conv_args
+from ple.ops.fused.composed import check_stage_inputs, check_token_mask
+from ple.ops.gate.checks import check_gate_args
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
+from ple.ops.state import check_ring, engine_view
 
 __all__ = ["MAX_TAPS", "conv_stage", "gate_conv", "gate_stage", "launch", "raise_for_code", "unsupported_reason"]
 
@@ -68,7 +68,7 @@ def _unit_tokens(tokens: int, nthreads: int) -> int:
 def launch(tokens: int, channels: int, threads: int, team: str) -> tuple[int, int]:
     """``(tokens per work unit, threads)`` of a kernel call over ``[tokens, channels]`` rows when
     ``threads`` (``torch.get_num_threads()``) may run and the kernels' threads are ``team``
-    (:func:`ple._native.team`): what :func:`gate_conv` passes when its ``threads`` is None."""
+    (:func:`ple.kernels.native.team`): what :func:`gate_conv` passes when its ``threads`` is None."""
     nthreads = max(1, min(threads, tokens * channels // _MIN_THREAD_ELEMENTS[team]))
     return _unit_tokens(tokens, nthreads), nthreads
 
@@ -224,7 +224,7 @@ def gate_conv(
     the kernel (memory safety), but two requests sharing a slot give undefined results. Also takes
     the ring state layout (``step.state_offsets``).
 
-    Raises :class:`ple._native.NativeUnavailable` when the kernel cannot be built, and ``ValueError``
+    Raises :class:`ple.kernels.native.NativeUnavailable` when the kernel cannot be built, and ``ValueError``
     for tensors it does not take (see :func:`unsupported_reason`).
     """
     tokens, hidden_size = check_gate_args(key, value, hidden, gate)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..conv import reference as conv_reference
-from ..gate import reference as gate_reference
-from ..records import ConvWeights, GateWeights, StepMeta
-from . import composed
+from ple.ops.conv import reference as conv_reference
+from ple.ops.fused import composed
+from ple.ops.gate import reference as gate_reference
+from ple.ops.records import ConvWeights, GateWeights, StepMeta
 
 __all__ = ["conv_stage", "gate_conv", "gate_stage"]
 

@@ -9,6 +9,6 @@ path; :mod:`.triton_impl` the CUDA kernel. They are the kernels of the operator
 
 from __future__ import annotations
 
-from . import reference, torch_impl
+from ple.ops.gate import reference, torch_impl
 
 __all__ = ["reference", "torch_impl"]

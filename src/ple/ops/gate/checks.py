@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ArgumentTypeError, InvalidArgumentError
-from ..records import GateWeights
+from ple.errors import ArgumentTypeError, InvalidArgumentError
+from ple.ops.records import GateWeights
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from ..norm.reference import grouped_rms_norm
-from ..records import GateWeights
-from .checks import check_gate_args
+from ple.ops.gate.checks import check_gate_args
+from ple.ops.norm.reference import grouped_rms_norm
+from ple.ops.records import GateWeights
 
 __all__ = ["ngram_gate"]
 

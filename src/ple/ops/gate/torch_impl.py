@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from ..records import GateWeights
-from .checks import check_gate_args
+from ple.ops.gate.checks import check_gate_args
+from ple.ops.records import GateWeights
 
 __all__ = ["ngram_gate"]
 

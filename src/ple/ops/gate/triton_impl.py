@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..records import GateWeights
-from .checks import check_gate_args
+from ple.ops.gate.checks import check_gate_args
+from ple.ops.records import GateWeights
 
 __all__ = ["ngram_gate"]
 

@@ -8,6 +8,6 @@ are the kernels of the operator ``torch.ops.ple.grouped_rms_norm`` (:mod:`ple.op
 
 from __future__ import annotations
 
-from . import reference, torch_impl
+from ple.ops.norm import reference, torch_impl
 
 __all__ = ["reference", "torch_impl"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ArgumentTypeError, InvalidArgumentError
+from ple.errors import ArgumentTypeError, InvalidArgumentError
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_norm_args
+from ple.ops.norm.checks import check_norm_args
 
 __all__ = ["grouped_rms_norm"]
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_norm_args
+from ple.ops.norm.checks import check_norm_args
 
 __all__ = ["grouped_rms_norm"]
 

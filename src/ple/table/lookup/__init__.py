@@ -1,7 +1,7 @@
 """Table lookup of stored rows: gather rows by id and dequantize.
 
 The operator ``torch.ops.ple.gather_dequant(data, scale, ids, dtype, out, check, format)`` writes
-``[T, G*D]`` rows into ``out``; it is registered once here (:data:`ple.operators.OPERATORS`), its
+``[T, G*D]`` rows into ``out``; it is registered once here (:data:`ple.kernels.registry.OPERATORS`), its
 kernels sharing one signature ``(data, scale, ids, dtype, *, out=None, check=True, format=None)``:
 
 - :func:`gather_dequant_reference` — literal advanced indexing + ``row.to(dtype) * scale.to(dtype)``
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from ... import _native
-from ...errors import InvalidArgumentError
-from ...operators import Kernel, register
-from ..formats import check_activation_dtype, format_info
-from . import native
-from .reference import gather_dequant_reference
-from .torch_impl import dequantize_rows_into, gather_dequant_torch
+from ple.errors import InvalidArgumentError
+from ple.kernels import native as _native
+from ple.kernels.registry import Kernel, register
+from ple.table.formats.catalog import check_activation_dtype, format_info
+from ple.table.lookup import native
+from ple.table.lookup.reference import gather_dequant_reference
+from ple.table.lookup.torch_impl import dequantize_rows_into, gather_dequant_torch
 
 __all__ = ["gather_dequant", "gather_dequant_reference", "gather_dequant_torch", "dequantize_rows_into"]
 
@@ -55,7 +55,7 @@ def _check(data, scale, ids, dtype, out, check, format, devices=True) -> None:
     """The table data where the ids' device reads it (the same device, or pinned host memory for an
     accelerator), its scale beside it, ``out`` on the ids' device, and a scale that fits the data's
     rows. Devices are checked on every device (Python callers reach the CPU kernel with tensors
-    anywhere; the dispatcher's meta tensors are refused by the fake, see :mod:`ple.operators`)."""
+    anywhere; the dispatcher's meta tensors are refused by the fake, see :mod:`ple.kernels.registry`)."""
     dev = ids.device
     if data.device != dev and not (dev.type != "cpu" and data.device.type == "cpu" and data.is_pinned()):
         where = "that device or in pinned host memory" if dev.type != "cpu" else "the CPU"
@@ -93,7 +93,7 @@ def _takes_blocks(data, scale, ids, dtype, out, check, format) -> bool:
 
 
 def _triton(data, scale, ids, dtype, *, out, check, format):
-    from .triton_impl import gather_dequant_triton
+    from ple.table.lookup.triton_impl import gather_dequant_triton
 
     return gather_dequant_triton(data, scale, ids, dtype, out=out, check=check, format=format)
 

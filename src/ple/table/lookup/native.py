@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import _native
-from ...errors import InvalidArgumentError
-from ..formats import check_activation_dtype, check_ids, format_info
+from ple.errors import InvalidArgumentError
+from ple.kernels import native as _native
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
 
 __all__ = ["gather_dequant_blocks_native", "native_available"]
 
@@ -17,7 +17,7 @@ _OUT_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def native_available() -> bool:
-    """Whether the C kernel can run here (see :func:`ple._native.available`)."""
+    """Whether the C kernel can run here (see :func:`ple.kernels.native.available`)."""
     return _native.available()
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks import dequantize_blocks
-from ..formats import check_activation_dtype, check_ids, format_info
+from ple.table.formats.blocks import dequantize_blocks
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
 
 __all__ = ["gather_dequant_reference"]
 
@@ -30,7 +30,7 @@ def gather_dequant_reference(
         out: optional ``[T, G*D]`` result tensor.
         check: check the ids' range (always done here; kept for the twin signature).
         format: the table's format; needed for block formats (``data [R, row_nbytes]`` uint8, rows
-            decoded to float32 as :mod:`ple.table.blocks` defines, then rounded once to ``dtype``).
+            decoded to float32 as :mod:`ple.table.formats.blocks` defines, then rounded once to ``dtype``).
 
     Returns:
         ``[T, G*D]`` in ``dtype``: ``row.to(dtype) * scale.to(dtype)``, or ``row.to(dtype)`` when plain.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import _native
-from ...errors import InvalidArgumentError
-from ..blocks import dequantize_blocks
-from ..formats import check_activation_dtype, check_ids, format_info
+from ple.errors import InvalidArgumentError
+from ple.kernels import native as _native
+from ple.table.formats.blocks import dequantize_blocks
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
 
 __all__ = ["gather_dequant_torch", "dequantize_rows_into", "gather_rows"]
 
@@ -35,7 +35,7 @@ def gather_rows(data: torch.Tensor, flat_ids: torch.Tensor, out: torch.Tensor | 
     slower than moving the same bytes as int64 words. Rows are viewed as the widest integer type
     that tiles them (bit-exact), falling back to a plain index_select for odd layouts. On the CPU with
     the C kernels the rows are copied by ``ple_gather_rows`` (rows read ahead while one is copied; on
-    PyTorch's OpenMP threads, see :func:`ple._native.threads_for`).
+    PyTorch's OpenMP threads, see :func:`ple.kernels.native.threads_for`).
     """
     got = _gather_rows_native(data, flat_ids, out)
     if got is not None:
@@ -146,7 +146,7 @@ def dequantize_rows_into(
         rows: ``[N, D]`` gathered rows in the storage dtype (``[N, row_nbytes]`` uint8 for a block format).
         scale_rows: None, ``[1]`` (global) or ``[N, 1]`` (the gathered per-row scales).
         out: ``[N, D]`` contiguous result in the activation dtype, on the rows' device.
-        format: the table's format; needed for block formats (decoded by :mod:`ple.table.blocks`).
+        format: the table's format; needed for block formats (decoded by :mod:`ple.table.formats.blocks`).
     """
     dtype = out.dtype
     if format is not None and format_info(format).blocked:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import InvalidArgumentError, UsageError
-from ..blocks import code_values
-from ..formats import check_activation_dtype, check_ids, format_info
+from ple.errors import InvalidArgumentError, UsageError
+from ple.table.formats.blocks import code_values
+from ple.table.formats.catalog import check_activation_dtype, check_ids, format_info
 
 try:
     import triton

@@ -1,0 +1,15 @@
+"""The integration tests run tiny models: one torch thread each (more threads only add
+synchronization, which on a shared machine can cost seconds per generate()); restored after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
