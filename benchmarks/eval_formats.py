@@ -4,7 +4,7 @@ the run behind docs/FORMATS.md's "Quality: perplexity and KL divergence".
     PYTHONPATH=src python benchmarks/eval_formats.py WORKDIR [--plot docs/formats_eval.png]
 
 1. The demo's model (``ple train``'s: random weights, fp8 tables in the published layout) is trained
-   on real text (:mod:`ple.data.vocab`: Python's documentation through Qwen's BPE, mapped into
+   on real text (:mod:`ple.data.tokens`: Python's documentation through Qwen's BPE, mapped into
    the model's 1,024 ids) as ``ple train`` trains it, every weight: ple's SparseAdam for the tables
    (lr 0.05), AdamW for the rest (lr 0.003), batches of 8 x 64 tokens, ``--steps`` steps (about one
    pass over the training part), both learning rates falling linearly to zero; the validation loss
@@ -47,7 +47,7 @@ def loss_on(model, ids: torch.Tensor) -> float:
 
 def train(model, opt, text: torch.Tensor, val: torch.Tensor, args, max_steps: int) -> list:
     """``max_steps`` steps, the learning rates falling linearly to zero; the validation curve."""
-    from ple.data.vocab import windows
+    from ple.commands.train.batches import windows
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / max_steps)
     model.train()
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     from ple.commands.train.loop import prepare_checkpoint
     from ple.data.realtext import token_documents
-    from ple.data.vocab import real_text
+    from ple.data.tokens import read_tokens
     from ple.integrations.demo_model import save_published
     from ple.integrations.transformers import from_pretrained
     from ple.train import CombinedOptimizer, SparseAdam, save_adapter, trainable
@@ -124,7 +124,9 @@ def main() -> None:
     train_n = total - held_n
     cfg = json.loads((published / "config.json").read_text())
     text = cfg.get("text_config", cfg)
-    train_ids, held = real_text(train_n, held_n, text["vocab_size"], text["eos_token_id"])
+    source = argparse.Namespace(real_text=train_n + held_n)  # as ple train reads it: the map from the training part
+    stream = np.concatenate(list(read_tokens(source, text["vocab_size"], text["eos_token_id"], held_out=held_n)))
+    train_ids, held = torch.from_numpy(stream[:train_n]), torch.from_numpy(stream[train_n:])
     first = train_ids[: train_n - args.adapter_tokens]
     second = train_ids[train_n - args.adapter_tokens :]
     val = held[: args.val_tokens].view(-1, args.length)

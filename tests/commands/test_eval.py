@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,14 +203,15 @@ def test_json_document_shape(demo, capsys, tmp_path):
 
 
 def test_refused_inputs(demo, capsys, tmp_path):
-    """A token id past the vocabulary, an unknown format: exit 2 naming the value; a missing file: 1."""
+    """A token id past the vocabulary in a token file: exit 1 naming it (a bad value inside a file, as
+    every command reads token files); an unknown format: exit 2 naming the value; a missing file: 1."""
     bad = np.arange(200) % 1024
     bad[70] = 1024
     np.save(tmp_path / "bad.npy", bad)
     base = ["eval", str(demo["published"]), "--ctx", str(CTX), "--table-dir", str(demo["tables"])]
-    assert main([*base, "--tokens", str(tmp_path / "bad.npy")]) == 2
+    assert main([*base, "--tokens", str(tmp_path / "bad.npy")]) == 1
     err = capsys.readouterr().err
-    assert "token 70 is id 1024, outside the model's vocabulary [0, 1024)" in err
+    assert err == f"ple eval: token file {tmp_path / 'bad.npy'}: entry 70 is 1024, outside [0, vocab_size=1024)\n"
     assert main([*base, "--tokens", str(demo["tokens"]), "--formats", "q4_0,q3_k"]) == 2
     assert "'q3_k' is not a table format" in capsys.readouterr().err
     assert main([*base, "--tokens", str(tmp_path / "missing.npy")]) == 1
@@ -225,37 +227,42 @@ def test_windows_drop_the_incomplete_tail():
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 
-def readme_command() -> list[str]:
-    """The command line of the README's "Choosing a table format"."""
+def readme_commands() -> list[list[str]]:
+    """The command lines of the README's "Choosing a table format"."""
     import re
     import shlex
-    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("## Choosing a table format") :]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)
     assert block is not None
-    (line,) = [ln for ln in block.group(1).splitlines() if ln.strip()]
-    return shlex.split(line)
+    return [shlex.split(ln) for ln in block.group(1).splitlines() if ln.strip()]
 
 
 @pytest.mark.slow
-def test_the_readme_command_runs_as_written(tmp_path, monkeypatch, capsys):
-    """On a tiny qwen4_exp model with Qwen's vocabulary saved at path/to/model (fp8 tables in the
-    published layout): exit 0, one report row per variant, and the plot written."""
-    from ple.integrations.demo_model import save_published
-    from tests.integrations.helpers import tiny_config, tiny_model
+def test_the_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """On the demo's model at demo/model/published (as ``ple demo --only model --quick --workdir demo``
+    writes it; 1,024 token ids, so the text reaches it through the vocabulary map), from a folder
+    holding the README: each exits 0 with one report row per variant, over the predictions its text
+    gives, and the plot is written."""
+    import shutil
+
+    from ple.integrations.demo_model import MODEL_SIZES, write_checkpoints
 
     pytest.importorskip("matplotlib")
     pytest.importorskip("tiktoken")
-    argv = readme_command()
-    assert argv[:2] == ["ple", "eval"]
-    model = tiny_model(tiny_config(vocab_size=151_936, ple_embed_dim=128, ngram_vocab_size_base=400), seed=5)
-    save_published(model, tmp_path / "path" / "to" / "model")
+    commands = readme_commands()
+    assert [c[:3] for c in commands] == [["ple", "eval", "demo/model/published"]] * 2
+    assert "--real-text" in commands[0] and "--text" in commands[1]
+    write_checkpoints(tmp_path / "demo" / "model", MODEL_SIZES["quick"], seed=0)
+    shutil.copy(Path(__file__).resolve().parents[2] / "README.md", tmp_path / "README.md")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
-    assert main(argv[1:]) == 0
-    out = capsys.readouterr().out.splitlines()
-    formats = argv[argv.index("--formats") + 1].split(",")
-    assert [line.split()[0] for line in out[2:]] == ["reference", *formats]
+    for argv in commands:
+        assert main([*argv[1:], "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        formats = argv[argv.index("--formats") + 1].split(",")
+        assert sorted(doc["variants"]) == sorted(formats) and doc["predictions"] > 0
+        assert doc["reference"]["ppl"] > 1 and all(v["kld_mean"] > 0 for v in doc["variants"].values())
+    assert doc["source"] == {"text": "README.md"}
     assert (tmp_path / "formats.png").stat().st_size > 0

@@ -14,8 +14,9 @@ import torch
 
 from ple.commands.cli import main
 from ple.config import PLEConfig
-from ple.data import stats as stats_mod
-from ple.data.stats import iter_token_file, row_traffic
+from ple.data import tokens as tokens_mod
+from ple.data.stats import row_traffic
+from ple.data.tokens import iter_token_file
 from ple.ngram import fresh_context, reference
 from tests.conftest import SMALL
 
@@ -105,7 +106,7 @@ def test_decode_view_matches_the_reference(chunks):
 
 
 def test_token_files_are_read_in_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(stats_mod, "_TEXT_BLOCK", 64)  # numbers cut across blocks are joined again
+    monkeypatch.setattr(tokens_mod, "_TEXT_BLOCK", 64)  # numbers cut across blocks are joined again
     values = np.random.default_rng(0).integers(0, 100000, 3000)
     p = tmp_path / "t.txt"
     p.write_text("\n".join(", ".join(map(str, values[k : k + 7])) for k in range(0, 3000, 7)))

@@ -51,7 +51,7 @@ def test_the_training_commands_run_as_written(tmp_path, monkeypatch, capsys):
 
     block = re.findall(r"```bash\n(.*?)```", _section(), flags=re.S)[0]
     commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
-    assert [c[:2] for c in commands] == [["ple", "train"]] * 3
+    assert [c[:2] for c in commands] == [["ple", "train"], ["ple", "eval"], ["ple", "train"], ["ple", "train"]]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PLE_CACHE_DIR", str(tmp_path / "cache"))
     before = torch.get_num_threads()
@@ -62,6 +62,11 @@ def test_the_training_commands_run_as_written(tmp_path, monkeypatch, capsys):
         torch.set_num_threads(before)
     out = capsys.readouterr().out
     assert out.count("checks     : all passed") == 2 and "(q4_0), tier direct" in out
+    # ple eval of the first run's adapter, on the text it trained on: its perplexity below the reference's
+    rows = {
+        w[0]: w for w in map(str.split, out.splitlines()) if w[:1] in (["reference"], ["adapter"]) and w[1] == "fp8"
+    }
+    assert float(rows["adapter"][4]) < float(rows["reference"][4])
     work = tmp_path / "train-demo"
     assert {p.name for p in work.iterdir()} >= {"published", "tables", "adapter.safetensors", "loss.png"}
     assert verify_table_file(tmp_path / "merged.pletable") == []

@@ -15,7 +15,7 @@ import torch
 
 from ple.commands.cli import main
 from ple.config import PLEConfig
-from ple.data.vocab import vocabulary_map
+from ple.data.tokens import vocabulary_map
 from ple.table import read_table_header
 
 

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ple.commands import tables as commands
     from ple.commands.bench import runner
     from ple.common import argtypes
+    from ple.data.tokens import add_token_arguments
     from ple.table.formats.catalog import accepted_names, format_argument
 
     ap = argparse.ArgumentParser(prog="ple", description="PLE layer tools", epilog=_EPILOG)
@@ -177,12 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("stats", "row traffic of a token stream: distinct rows, reuse per step/request, cache hit rates")
     p.add_argument("path", help="config.json or model directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="token file: .npy, or text with integers (streamed)")
-    src.add_argument("--text", help="a UTF-8 text file, tokenized with the Qwen BPE vocabulary (streamed)")
-    src.add_argument(
-        "--real-text", type=argtypes.positive_int, metavar="N", help="the first N tokens of the built-in real text"
-    )
+    add_token_arguments(p)
     p.add_argument("--batch", type=argtypes.positive_int, default=64, help="requests decoded side by side (64)")
     p.add_argument("--request-tokens", type=argtypes.positive_int, default=256, help="tokens per request (256)")
     p.add_argument(

@@ -16,7 +16,8 @@ PyTorch log-softmaxes where the kernels are off), and dropped; only per-token sc
 log-likelihood of the actual next token, KL divergence of the full distributions to the reference's,
 whether the top-1 token is the reference's, the change of the actual token's probability). The
 summaries are those ``llama-perplexity --kl-divergence`` gives: perplexity, KL mean / median /
-percentiles / max, "same top", Δp percentiles.
+percentiles / max, "same top", Δp percentiles. The token stream is read by :mod:`ple.data.tokens`,
+as every command reads it (text mapped into a small model's vocabulary).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ple.common.argtypes import byte_size, int_between, positive_int, shown_size
+from ple.common.argtypes import byte_size, int_between, shown_size
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, FILE_TIERS
 
@@ -57,6 +58,7 @@ of the actual next token's probability (dp); table bytes on disk, tokens/s and p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ple.data.tokens import add_token_arguments
     from ple.table.formats.catalog import accepted_names
 
     p.description = DESCRIPTION
@@ -69,10 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'fp8' on an fp8 checkpoint is the checkpoint's own format, on another fp8_row)",
     )
     p.add_argument("--adapter", metavar="FILE", help="an adapter file (ple train): the reference with its rows on top")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="token file: .npy, or text with integers (streamed)")
-    src.add_argument("--text", help="a UTF-8 text file, tokenized with the Qwen BPE vocabulary (streamed)")
-    src.add_argument("--real-text", type=positive_int, metavar="N", help="the first N tokens of the built-in real text")
+    add_token_arguments(p)
     p.add_argument(
         "--ctx", type=int_between(2, 1 << 20), default=512, help="tokens a window (512): ctx - 1 predictions each"
     )
@@ -118,37 +117,6 @@ def parse_formats(text: str | None) -> list[str]:
         shown = "; ".join(f"{f} ({', '.join(dict.fromkeys(said[f]))})" for f in dup)
         raise CommandLineError(f"--formats: {shown} named more than once")
     return formats
-
-
-def _checked(chunks: Iterable[np.ndarray], vocab_size: int, what: str) -> Iterator[np.ndarray]:
-    """``chunks`` with every id in ``[0, vocab_size)``: the first outside is a command-line error
-    naming it, its position in the stream and the vocabulary."""
-    from ple.ngram import first_out_of_range
-
-    seen = 0
-    for arr in chunks:
-        arr = np.asarray(arr, dtype=np.int64).reshape(-1)
-        at = first_out_of_range(arr, vocab_size)
-        if at is not None:
-            raise CommandLineError(
-                f"{what}: token {seen + at} is id {int(arr[at])}, outside the model's vocabulary [0, {vocab_size}); "
-                "give tokens of this model's vocabulary"
-            )
-        seen += arr.size
-        yield arr
-
-
-def token_chunks(args: argparse.Namespace, vocab_size: int, eos: int) -> Iterator[np.ndarray]:
-    """The token stream ``--tokens`` / ``--text`` / ``--real-text`` name, as ``ple stats`` reads it,
-    every id checked against the model's vocabulary."""
-    from ple.data.realtext import token_stream, tokenize_file
-    from ple.data.stats import iter_token_file
-
-    if args.tokens is not None:
-        return _checked(iter_token_file(args.tokens), vocab_size, f"--tokens {args.tokens}")
-    if args.text is not None:
-        return _checked(tokenize_file(args.text, eos), vocab_size, f"--text {args.text}")
-    return _checked([token_stream(args.real_text, eos)], vocab_size, f"--real-text {args.real_text}")
 
 
 def token_windows(chunks: Iterable[np.ndarray], ctx: int) -> Iterator[np.ndarray]:
@@ -528,6 +496,7 @@ def _peak_rss() -> int:
 def run(args: argparse.Namespace) -> int:
     """``ple eval``; returns the exit status."""
     from ple.checkpoint.classify import ADAPTER, CHECKPOINT, OTHER, TRAINING, classify
+    from ple.data.tokens import read_tokens
     from ple.integrations.qwen4_exp import require_transformers
 
     formats = parse_formats(args.formats)
@@ -573,9 +542,8 @@ def run(args: argparse.Namespace) -> int:
             bar = tqdm(unit="window", desc="ple eval", file=sys.stderr)
         t1 = time.perf_counter()
         try:
-            windows = evaluate(
-                model, variants, token_windows(token_chunks(args, cfg.vocab_size, cfg.eos_token_id), args.ctx), bar=bar
-            )
+            chunks = read_tokens(args, cfg.vocab_size, cfg.eos_token_id)
+            windows = evaluate(model, variants, token_windows(chunks, args.ctx), bar=bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -619,13 +587,12 @@ def _load(root: Path, table_dir: Path, tier: str, budget: int | None, show: bool
 
 
 def _document(args, variants: list[Variant], windows: int, load_s: float, eval_s: float) -> dict[str, Any]:
+    from ple.data.tokens import token_source
+
     ref = summarize(variants[0])
-    source = (
-        {"tokens": args.tokens} if args.tokens else {"text": args.text} if args.text else {"real_text": args.real_text}
-    )
     return {
         "checkpoint": str(args.checkpoint),
-        "source": source,
+        "source": token_source(args).describe(),
         "ctx": args.ctx,
         "windows": windows,
         "predictions": windows * (args.ctx - 1),

@@ -740,24 +740,12 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> tuple[list[str], str
 
 def stats(args: argparse.Namespace) -> int:
     """Row traffic of a token stream: distinct rows, reuse, bucket load, decode reuse, cache hit rates."""
-    from ple.data.realtext import QWEN_ENDOFTEXT, token_stream, tokenize_file
-    from ple.data.stats import iter_token_file, row_traffic
+    from ple.data.stats import row_traffic
+    from ple.data.tokens import read_tokens
 
     cfg, _ = resolve_model(args.path)
     _check_layer_index(cfg, args.layer)
-    if args.tokens is None and cfg.vocab_size <= QWEN_ENDOFTEXT:
-        given = f"--real-text {args.real_text}" if args.text is None else f"--text {args.text}"
-        raise CommandLineError(
-            f"{given}: the text is tokenized with Qwen's vocabulary (ids up to {QWEN_ENDOFTEXT:,}), and {args.path}'s "
-            f"model has {cfg.vocab_size:,} token ids: it needs a Qwen-sized vocabulary (at least "
-            f"{QWEN_ENDOFTEXT + 1:,}); give a small model its own tokens with --tokens FILE"
-        )
-    if args.tokens is not None:
-        chunks: Any = iter_token_file(args.tokens, cfg.vocab_size)
-    elif args.text is not None:
-        chunks = tokenize_file(args.text, cfg.eos_token_id, cfg.vocab_size)
-    else:
-        chunks = [token_stream(args.real_text, cfg.eos_token_id)]
+    chunks = read_tokens(args, cfg.vocab_size, cfg.eos_token_id)
     res = row_traffic(
         chunks, cfg, args.layer, batch=args.batch, request_tokens=args.request_tokens, cache_rows=args.cache_rows
     )

@@ -1,7 +1,8 @@
 """Row traffic statistics of a token stream: what a cache of hot rows in a faster tier would save.
 
 Two views of the same stream, both computed chunk by chunk (memory grows with the distinct rows and
-n-grams the stream touches, never with its length; a token file is read in blocks, never whole):
+n-grams the stream touches, never with its length; a token file is read in blocks, never whole, by
+:mod:`ple.data.tokens`):
 
 - per head, the stream as one request (EOS separates documents): distinct rows touched, the share of
   lookups served by the hottest 1% / 10% of touched rows, and bucket load (how many distinct
@@ -17,170 +18,18 @@ n-grams the stream touches, never with its length; a token file is read in block
 from __future__ import annotations
 
 import collections
-import math
-import os
-import re
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
-from numpy.lib import format as npy_format
 
-from ple.common.argtypes import parse_int, shown
-from ple.common.files import open_regular
 from ple.config import PLEConfig
+from ple.data.tokens import CHUNK_TOKENS
 from ple.errors import InvalidArgumentError
-from ple.ngram import first_out_of_range, fresh_context, next_ngram_context, ngram_ids
+from ple.ngram import fresh_context, next_ngram_context, ngram_ids
 from ple.ngram.torch_impl import ngram_windows
 
-__all__ = ["read_token_file", "iter_token_file", "row_traffic", "CHUNK_TOKENS"]
-
-CHUNK_TOKENS = 1 << 18
-"""Tokens per chunk that :func:`iter_token_file` yields and :func:`row_traffic` processes at once."""
-
-_TEXT_BLOCK = 1 << 20  # bytes read at a time from a text token file (~300k numbers as Python strings)
-_MAX_WORD = 1 << 20  # a "word" longer than this (no separator in sight) is not a token id
-_SEPARATORS = (b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b",")
-_PLAIN_DIGITS = re.compile(r"[0-9\s,]*")
-_LONG_NUMBER = re.compile(r"[0-9]{19}")
-
-
-def read_token_file(path: str | os.PathLike, vocab_size: int | None = None) -> torch.Tensor:
-    """Token ids ``[n]`` int64 of a whole token file (see :func:`iter_token_file`, which this joins;
-    use that to stream files larger than memory)."""
-    return torch.from_numpy(np.concatenate(list(iter_token_file(path, vocab_size))))
-
-
-def iter_token_file(
-    path: str | os.PathLike, vocab_size: int | None = None, chunk_tokens: int = CHUNK_TOKENS
-) -> Iterator[np.ndarray]:
-    """Token ids of a ``.npy`` file (integers, any shape) or a text file of integers separated by
-    spaces, commas or newlines, as int64 arrays of at most ``chunk_tokens`` ids, read in blocks.
-
-    Refuses, naming the file and the first offending entry (its index in the whole stream): a path
-    that is not a regular file, an empty stream, a ``.npy`` file that is truncated, pickled, not of an
-    integer dtype or whose header does not match its size, text that is not an integer in ASCII
-    digits (:func:`ple.common.argtypes.parse_int`), negative ids, and (given ``vocab_size``) ids outside
-    ``[0, vocab_size)``. Chunks before the offending one have been yielded by then.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise InvalidArgumentError(f"token file {p} is missing")
-    fd = open_regular(p, "token file")  # a folder, a FIFO or a device is refused, never read
-    seen = 0
-    with os.fdopen(fd, "rb") as f:
-        blocks = _npy_blocks(f, p, chunk_tokens) if p.suffix == ".npy" else _text_blocks(f, p, vocab_size)
-        for block in blocks:
-            for k in range(0, block.size, chunk_tokens):
-                arr = block[k : k + chunk_tokens]
-                _check_range(arr, p, seen, vocab_size)
-                seen += arr.size
-                yield arr
-    if seen == 0:
-        raise InvalidArgumentError(f"token file {p} holds no token ids")
-
-
-def _check_range(arr: np.ndarray, p: Path, first: int, vocab_size: int | None) -> None:
-    at = first_out_of_range(arr, vocab_size)
-    if at is not None:
-        bad, i = int(arr.reshape(-1)[at]), first + at
-        limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else ">= 0"
-        raise InvalidArgumentError(f"token file {p}: entry {i} is {bad}, outside {limit}")
-
-
-def _text_blocks(f: BinaryIO, p: Path, vocab_size: int | None) -> Iterator[np.ndarray]:
-    """Blocks of a text token file cut after a separator, so no number is split."""
-    carry = b""
-    index = 0
-    while True:
-        block = f.read(_TEXT_BLOCK)
-        last = not block
-        data = carry + block
-        if not last:
-            cut = max(data.rfind(s) for s in _SEPARATORS)
-            if cut < 0:
-                carry = data
-                if len(carry) > _MAX_WORD:
-                    word = carry[:64].decode(errors="replace")
-                    raise InvalidArgumentError(
-                        f"token file {p}: entry {index} is {shown(word)}, not an integer token id"
-                    )
-                continue
-            data, carry = data[: cut + 1], data[cut + 1 :]
-        try:
-            text = data.decode()
-        except UnicodeDecodeError:
-            raise InvalidArgumentError(f"token file {p}: not text (use .npy for binary token arrays)") from None
-        words = text.replace(",", " ").split()
-        yield _parse_words(words, text, p, index, vocab_size)
-        index += len(words)
-        if last:
-            return
-
-
-def _parse_words(words: list[str], text: str, p: Path, first: int, vocab_size: int | None) -> np.ndarray:
-    if _PLAIN_DIGITS.fullmatch(text) and not _LONG_NUMBER.search(text):
-        return np.fromiter(map(int, words), dtype=np.int64, count=len(words))  # plain digits: int() agrees
-    top = vocab_size if vocab_size is not None else 1 << 63
-    values = np.empty(len(words), dtype=np.int64)
-    for i, w in enumerate(words):
-        v = parse_int(w)
-        if v is None:
-            raise InvalidArgumentError(f"token file {p}: entry {first + i} is {shown(w)}, not an integer token id")
-        if not 0 <= v < top:
-            limit = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "[0, 2^63)"
-            raise InvalidArgumentError(f"token file {p}: entry {first + i} is {v}, outside {limit}")
-        values[i] = v
-    return values
-
-
-def _npy_blocks(f: BinaryIO, p: Path, chunk_tokens: int) -> Iterator[np.ndarray]:
-    """The integers of an open ``.npy`` file, flattened in C order, ``chunk_tokens`` at a time. The
-    header is read first and checked against the file's size before anything is allocated: a header
-    claiming a shape larger (or smaller) than the data the file holds is refused, as are pickled
-    objects and non-integer dtypes. A Fortran-ordered array of several dimensions is read whole."""
-    try:
-        version = npy_format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran_order, dtype = npy_format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran_order, dtype = npy_format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"format version {version[0]}.{version[1]} (integer arrays are 1.0 or 2.0)")
-    except (ValueError, OSError, EOFError, SyntaxError) as e:
-        raise InvalidArgumentError(f"token file {p}: not a readable .npy array ({e})") from None
-    if dtype.hasobject:
-        raise InvalidArgumentError(f"token file {p}: not a readable .npy array (it holds pickled objects)")
-    if not np.issubdtype(dtype, np.integer):
-        raise InvalidArgumentError(f"token file {p}: dtype {dtype}, expected integer token ids")
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InvalidArgumentError(f"token file {p}: not a readable .npy array (its header says shape {shape})")
-    count = math.prod(shape)
-    need = count * dtype.itemsize
-    have = os.fstat(f.fileno()).st_size - f.tell()
-    if need != have:
-        raise InvalidArgumentError(
-            f"token file {p}: not a readable .npy array (its header says shape {shape} of {dtype}, {need} bytes, "
-            f"but {have} bytes follow the header)"
-        )
-
-    def read(n: int) -> np.ndarray:
-        data = f.read(n * dtype.itemsize)
-        if len(data) != n * dtype.itemsize:
-            raise InvalidArgumentError(f"token file {p}: not a readable .npy array (it shrank while being read)")
-        arr = np.frombuffer(data, dtype=dtype)
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise InvalidArgumentError(f"token file {p}: id {int(arr.max())} does not fit int64")
-        return arr.astype(np.int64)
-
-    if fortran_order and sum(d > 1 for d in shape) > 1:
-        yield np.ascontiguousarray(read(count).reshape(shape, order="F").reshape(-1))
-        return
-    for k in range(0, count, chunk_tokens):
-        yield read(min(chunk_tokens, count - k))
-
+__all__ = ["row_traffic"]
 
 # ---------------------------------------------------------------------------------------------- traffic
 
@@ -400,7 +249,7 @@ def row_traffic(
 ) -> dict:
     """Statistics of the rows a stream of tokens reads (see the module docstring for both views).
 
-    ``tokens``: ``[n]`` ids, or an iterable of such chunks (e.g. :func:`iter_token_file`), consumed once.
+    ``tokens``: ``[n]`` ids, or an iterable of such chunks (e.g. :func:`ple.data.tokens.read_tokens`), consumed once.
 
     Returns ``{"tokens", "lookups", "heads": [{"head", "order", "rows", "distinct_rows",
     "top1_share", "top10_share", "distinct_ngrams", "shared_rows", "max_bucket_load"}], "total": {...},

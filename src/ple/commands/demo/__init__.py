@@ -35,6 +35,7 @@ from ple.commands.demo.serving import (
     synthesize_checkpoint,
 )
 from ple.common.argtypes import byte_size, int_between, non_negative_int, shown_size
+from ple.data.tokens import add_token_arguments, given_source
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.integrations.demo_model import MODEL_DIRECT_BUDGET, MODEL_SIZES
 from ple.table.formats.catalog import accepted_names, format_argument
@@ -65,7 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"rest read from disk; default {shown_size(DEFAULT_MEMORY_BUDGET)} for the serving layer, "
         f"{shown_size(MODEL_DIRECT_BUDGET)} for each of the model's two small tables)",
     )
-    p.add_argument("--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text")
+    tokens = add_token_arguments(p, required=False)  # the serving workload's (default: --real-text 200000)
+    tokens.add_argument(
+        "--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text"
+    )
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
     p.add_argument(
         "--table-format",
@@ -217,6 +221,11 @@ def run(args) -> int:
             "--table-format serves the single-process serving workload's table from a table file: "
             "tier mmap or cached, without --ranks and --only model"
         )
+    given = given_source(args)
+    if given is not None and (parallel.requested(args) or args.only == "model"):
+        raise CommandLineError(
+            f"{given}: the token input is the single-process serving workload's: not with --ranks or --only model"
+        )
     if parallel.requested(args):
         return parallel.run(args)
     from ple.integrations.demo_model import compare, new_workdir
@@ -228,8 +237,12 @@ def run(args) -> int:
     only = args.only or ("serving" if args.checkpoint or args.config or table_format else None)
     if only in (None, "model"):
         require_transformers(extra="demo")  # before anything runs: the model part needs transformers
-    if only in (None, "serving") and not getattr(args, "synthetic_tokens", False):
-        check_real_text()  # and the serving part real text (ple[demo]), unless told otherwise
+    if (
+        only in (None, "serving")
+        and not getattr(args, "synthetic_tokens", False)
+        and getattr(args, "tokens", None) is None
+    ):
+        check_real_text()  # and the serving part the tokenizer for its text (ple[demo]), unless told otherwise
     t_start = time.perf_counter()
     tmp = None
     if args.workdir:  # a reused --workdir is refused before anything runs

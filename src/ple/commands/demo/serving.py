@@ -51,6 +51,9 @@ DEMO_CONFIG = {
         "eos_token_id": 248044,
     },
 }
+REAL_TEXT_TOKENS = 200_000
+"""The serving workload's tokens without a token input: the first this many of the real text."""
+_LONGEST_PROMPT = 96  # a request's prompt holds 8 to this many tokens
 SERVING_BASES = {"quick": 20_000, "default": 200_000}
 """``ngram_vocab_size_base`` of the synthesized table (~51 MB and ~512 MB of fp8 rows)."""
 
@@ -131,7 +134,7 @@ def serve(layer, args, progress: bool = True) -> dict:
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     session = Session(layer, max_requests=args.slots, num_spec=args.num_spec)
-    waiting = [_Request(i, rng.randint(8, 96), rng.randint(16, 48)) for i in range(args.requests)]
+    waiting = [_Request(i, rng.randint(8, _LONGEST_PROMPT), rng.randint(16, 48)) for i in range(args.requests)]
     live: dict[int, _Request] = {}
     phases = {p: {"steps": 0, "tokens": 0, "seconds": 0.0} for p in ("prefill", "decode", "verify")}
     lookups = 0
@@ -139,7 +142,7 @@ def serve(layer, args, progress: bool = True) -> dict:
     checked = 0
     bar = tqdm(total=args.requests, desc="ple demo", unit="req", disable=not progress)
 
-    real = None if getattr(args, "synthetic_tokens", False) else _real_text(cfg)
+    real = None if getattr(args, "synthetic_tokens", False) else token_stream(args, cfg)
 
     def tokens_of(r: _Request, n: int) -> list[int]:
         if real is not None:  # the request's own stretch of real text
@@ -214,13 +217,35 @@ def check_real_text() -> None:
         ) from e
 
 
-def _real_text(cfg):
-    """200k tokens of real text (:mod:`ple.data.realtext`), folded into the model's vocabulary if smaller."""
-    from ple.data.realtext import token_stream
+def token_stream(args, cfg) -> np.ndarray:
+    """The serving workload's tokens: the token input (:mod:`ple.data.tokens`, as every command reads
+    it), by default the first ``REAL_TEXT_TOKENS`` of the real text; refused when shorter than the
+    longest piece a step asks for, plus one."""
+    from ple.data.tokens import read_tokens, token_source
+    from ple.errors import CommandLineError
 
-    check_real_text()
-    stream = token_stream(200_000, cfg.eos_token_id)
-    return stream % cfg.vocab_size if stream.max() >= cfg.vocab_size else stream
+    if getattr(args, "tokens", None) is None:
+        check_real_text()
+    stream = np.concatenate(
+        list(read_tokens(args, cfg.vocab_size, cfg.eos_token_id, real_text_default=REAL_TEXT_TOKENS))
+    )
+    longest = max(min(args.chunk, _LONGEST_PROMPT), 1 + args.num_spec)
+    if stream.size <= longest:
+        raise CommandLineError(
+            f"{token_source(args, REAL_TEXT_TOKENS)}: {stream.size:,} tokens; the serving workload reads pieces "
+            f"of up to {longest} tokens (--chunk, --num-spec) at offsets within them: give at least {longest + 1}"
+        )
+    return stream
+
+
+def token_label(args) -> str:
+    """The serving workload's tokens in a word or two: ``real text``, ``synthetic``, ``--text F``."""
+    from ple.data.tokens import given_source
+
+    if getattr(args, "synthetic_tokens", False):
+        return "synthetic"
+    given = given_source(args)
+    return "real text" if given is None else str(given)
 
 
 RTOL = ATOL = 1e-5
@@ -298,7 +323,7 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
     t = layer.table
     assert t is not None
     res = serve(layer, args, progress)
-    res["tokens"] = "synthetic" if getattr(args, "synthetic_tokens", False) else "real text"
+    res["tokens"] = token_label(args)
     info = format_info(t.format)
     row_bytes = info.row_nbytes(t.head_dim) + (4 if info.scale_kind == "row" else 0)
     lay = config.layout(args.layer)

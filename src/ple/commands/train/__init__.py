@@ -2,8 +2,8 @@
 
 The demo's model (:mod:`ple.integrations.demo_model`: a random-weight ``qwen4_exp`` model whose fp8 tables
 dominate, saved in the published layout) is loaded with ``from_pretrained`` with its tables on disk
-and trained on real text (:mod:`.data`) with ple's row-sparse optimizer for the tables and AdamW for
-the other weights (:mod:`.loop`). The report gives the training and held-out losses, the rows
+and trained on its token input (:mod:`ple.data.tokens`: real text by default) with ple's row-sparse
+optimizer for the tables and AdamW for the other weights (:mod:`.loop`). The report gives the training and held-out losses, the rows
 trained, the adapter file written, whether the table files stayed untouched, peak memory and time;
 ``--plot`` draws the loss curve. ``--ranks N`` also runs the fine-tune on N processes with the
 tables sharded across them and checks the trained rows are bit-identical to one process's.
@@ -32,14 +32,18 @@ fine-tune a model's PLE tables from disk on real text, with its loss curve; merg
 
 Builds the demo's qwen4_exp model (random weights; fp8 tables in the published layout), loads it
 with ple.integrations.transformers.from_pretrained with its tables on disk (--tier, --table-format)
-and trains it on real text: a row-sparse optimizer for the tables (--optimizer), AdamW for the
-other weights. It reports the training and held-out losses, the rows trained, the adapter file
-written (the trained rows and the optimizer's state) and that the table files were never written;
-the exit status is 1 when one of these checks fails. A step's training loss is one batch's: the
-first and the last 5 steps are compared from 10 steps on; the held-out loss, before and after
-training, in every run.
+and trains it: a row-sparse optimizer for the tables (--optimizer), AdamW for the other weights.
+Its text is the token input (--tokens FILE, --text FILE or --real-text N, read as ple eval, ple stats
+and ple demo read them; README 'Token input'), by default --real-text (steps x batch + 8) x length:
+the stream's last 8 x length tokens are held out, the rest cut into windows of --length tokens, a
+batch of them a step (cycling through them); text reaches the demo model's 1,024 ids through a map
+made from the training part. It reports the training and held-out losses, the rows trained, the
+adapter file written (the trained rows and the optimizer's state) and that the table files were
+never written; the exit status is 1 when one of these checks fails. A step's training loss is one
+batch's: the first and the last 5 steps are compared from 10 steps on; the held-out loss, before and
+after training, in every run.
 
-Needs transformers, and tiktoken with dashscope for the real text (the Qwen vocabulary ships in
+Needs transformers, and tiktoken with dashscope for text (the Qwen vocabulary ships in
 dashscope); the loss plot needs matplotlib: pip install 'ple[train]' installs them all (and
 accelerate, which transformers' Trainer needs for your own fine-tunes).
 
@@ -47,11 +51,14 @@ Without --workdir everything goes to a temporary folder, removed at the end. Wit
 new folder: a folder holding anything is refused, nothing is reused), WORKDIR keeps published/
 (the checkpoint), tables/ (one table file per PLE layer), adapter.safetensors and loss.png; serve
 the adapter with from_pretrained(WORKDIR/published, table_dir=WORKDIR/tables,
-table_adapter=WORKDIR/adapter.safetensors), or write it into a table file with --merge."""
+table_adapter=WORKDIR/adapter.safetensors), measure it with ple eval WORKDIR/published --table-dir
+WORKDIR/tables --adapter WORKDIR/adapter.safetensors --real-text N (N: the steps x batch x length
+tokens it trained on, mapped as it mapped them), or write it into a table file with --merge."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ple.commands.train.loop import OPTIMIZERS
+    from ple.data.tokens import add_token_arguments
     from ple.table.formats.catalog import accepted_names, format_argument
     from ple.table.tiers.open import DEFAULT_TIER, FILE_TIERS
 
@@ -62,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int_between(1, 100_000), default=40, help="training steps (40)")
     p.add_argument("--batch", type=int_between(1, 4096), default=4, help="sequences a step (4)")
     p.add_argument("--length", type=int_between(4, 1 << 16), default=32, help="tokens a sequence (32)")
+    add_token_arguments(p, required=False)
     p.add_argument(
         "--tier", choices=FILE_TIERS, default=DEFAULT_TIER, help=f"where the tables are served from ({DEFAULT_TIER})"
     )
@@ -151,6 +159,7 @@ def run(args) -> int:
     from ple.commands.train.loop import (
         LOSS_WINDOW,
         Options,
+        check_stream_length,
         finetune,
         plot_losses,
         prepare_checkpoint,
@@ -161,7 +170,8 @@ def run(args) -> int:
 
     # what the run needs, before anything runs
     require_transformers(extra="train")
-    _check_real_text()
+    if args.tokens is None:
+        _check_real_text()
     if args.plot and not _has_matplotlib():
         raise UsageError(f"--plot {args.plot}: drawing the loss curve needs matplotlib (pip install 'ple[train]')")
     opts = Options(
@@ -179,7 +189,12 @@ def run(args) -> int:
         seed=args.seed,
         memory_budget=args.memory_budget,
         eval_every=max(1, args.steps // 8),
+        tokens=args.tokens,
+        text=args.text,
+        real_text=args.real_text,
     )
+    if args.real_text is not None:
+        check_stream_length(args.real_text, opts)
     import torch
 
     tmp = None
@@ -198,7 +213,7 @@ def run(args) -> int:
         _say("building the demo model in the published layout ...")
         with quiet_transformers(progress):
             published = prepare_checkpoint(work, args.size, args.seed)
-        _say(f"fine-tuning its tables from disk ({args.tier}) on real text, {_steps(args.steps)} ...")
+        _say(f"fine-tuning its tables from disk ({args.tier}) on {_text(opts)}, {_steps(args.steps)} ...")
         _say(
             "(its linear-attention layers run transformers' PyTorch reference code: correct, and slower than "
             "the CUDA kernels transformers uses where they are installed)"
@@ -221,7 +236,9 @@ def run(args) -> int:
         if args.workdir and not plot:
             _say("no loss plot: matplotlib is not installed (pip install 'ple[train]')")
         if plot:
-            title = f"ple train: demo model ({args.size}), tables {report['tables'][0][2]} on {args.tier}, real text"
+            title = (
+                f"ple train: demo model ({args.size}), tables {report['tables'][0][2]} on {args.tier}, {_text(opts)}"
+            )
             report["plot"] = plot if plot_losses(report, Path(plot), title) else None
         report["checks"] = checks
         report["ok"] = all(checks.values())
@@ -279,7 +296,7 @@ def _print(r: dict[str, Any], args) -> None:
     o = r["options"]
     print("== ple train: the demo model's PLE tables fine-tuned from disk ==")
     print(f"model      : qwen4_exp demo ({o['size']}), {_tables(r['tables'])}, tier {o['tier']}")
-    print(f"text       : real text, {_steps(o['steps'])} x {o['batch']} x {o['length']} tokens ({r['tokens']:,})")
+    print(f"text       : {_text(o)}, {_steps(o['steps'])} x {o['batch']} x {o['length']} tokens ({r['tokens']:,})")
     rest = "the rest frozen" if o["tables_only"] else f"AdamW lr {o['rest_lr']} for the other weights"
     print(f"optimizers : {r['table_optimizer']} lr {o['lr']} for the tables{' (fused)' if o['fused'] else ''}; {rest}")
     if r["loss_first"] is not None:
@@ -304,6 +321,16 @@ def _print(r: dict[str, Any], args) -> None:
         print(f"plot       : {r['plot']}")
     failed = [k for k, v in r["checks"].items() if not v]
     print(f"checks     : {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} ({len(r['checks'])} checks)")
+
+
+def _text(o) -> str:
+    """What ``ple train`` trains on: ``real text``, ``the first 4,096 tokens of real text``, ``token file F``."""
+    o = o if isinstance(o, dict) else dataclasses.asdict(o)
+    if o["tokens"] is not None:
+        return f"token file {o['tokens']}"
+    if o["text"] is not None:
+        return f"text file {o['text']}"
+    return "real text" if o["real_text"] is None else f"the first {o['real_text']:,} tokens of real text"
 
 
 def _steps(n: int) -> str:

@@ -3,8 +3,9 @@
 :func:`finetune` loads the model with :func:`ple.integrations.transformers.from_pretrained` (tables
 memory-mapped, read directly or behind a row cache, in the checkpoint's fp8 or another format),
 makes its tables trainable (:func:`ple.train.trainable`), and trains with ple's row-sparse optimizer
-for the tables and ``torch.optim.AdamW`` for the other weights (``CombinedOptimizer``), on real text
-(:mod:`.data`), measuring the held-out loss as it goes. The trained rows are saved as an adapter
+for the tables and ``torch.optim.AdamW`` for the other weights (``CombinedOptimizer``), on its token
+input (:mod:`ple.data.tokens`; by default real text), measuring the held-out loss (the stream's last
+``HELD_OUT_WINDOWS`` windows) as it goes. The trained rows are saved as an adapter
 file; the table files are hashed before and after (they are never written). With a process group
 (``ple train --ranks N``) every rank's tables are sharded (replicated ids: every rank the same
 batches) and the adapter is gathered to rank 0.
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError
@@ -31,6 +33,10 @@ __all__ = [
     "Options",
     "OPTIMIZERS",
     "LOSS_WINDOW",
+    "HELD_OUT_WINDOWS",
+    "default_tokens",
+    "check_stream_length",
+    "token_streams",
     "quiet_transformers",
     "finetune",
     "prepare_checkpoint",
@@ -40,6 +46,8 @@ __all__ = [
 OPTIMIZERS = ("sparse_adam", "adamw", "adagrad", "rowwise_adagrad", "sgd")
 LOSS_WINDOW = 5
 """Steps averaged at each end of the run for the training-loss check (which needs twice as many)."""
+HELD_OUT_WINDOWS = 8
+"""Windows of ``length`` tokens held out: the last tokens of the stream, never trained on."""
 
 
 @dataclasses.dataclass
@@ -60,6 +68,45 @@ class Options:
     eval_every: int = 10
     seed: int = 0
     memory_budget: int | None = None
+    # the token input (ple.data.tokens), at most one; none: --real-text default_tokens(options)
+    tokens: str | None = None
+    text: str | None = None
+    real_text: int | None = None
+
+
+def default_tokens(opts: Options) -> int:
+    """The tokens of real text ``ple train`` reads without a token input: a batch for every step, then
+    the held-out windows (their map is made from the training part, see :mod:`ple.data.tokens`)."""
+    return (opts.steps * opts.batch + HELD_OUT_WINDOWS) * opts.length
+
+
+def check_stream_length(n: int, opts: Options) -> None:
+    """Refuse a token stream of ``n`` tokens too short for ``opts``: the held-out windows, and a batch
+    of windows to train on before them."""
+    from ple.data.tokens import token_source
+    from ple.errors import CommandLineError
+
+    held = HELD_OUT_WINDOWS * opts.length
+    need = held + opts.batch * opts.length
+    if n < need:
+        raise CommandLineError(
+            f"{token_source(opts, default_tokens(opts))}: {n:,} tokens; ple train holds out the last "
+            f"{HELD_OUT_WINDOWS} x --length {opts.length} = {held:,} and trains on the rest, which must hold "
+            f"--batch {opts.batch} windows of --length {opts.length}: give at least {need:,} tokens"
+        )
+
+
+def token_streams(opts: Options, vocab_size: int, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, held_out)`` int64 model ids: the token input less its last ``HELD_OUT_WINDOWS``
+    windows, and those (:func:`ple.data.tokens.read_tokens`; a small vocabulary's map is made from the
+    training part)."""
+    from ple.data.tokens import read_tokens
+
+    held = HELD_OUT_WINDOWS * opts.length
+    chunks = read_tokens(opts, vocab_size, eos, held_out=held, real_text_default=default_tokens(opts))
+    stream = np.concatenate(list(chunks))
+    check_stream_length(stream.size, opts)
+    return torch.from_numpy(stream[:-held]), torch.from_numpy(stream[-held:])
 
 
 @contextlib.contextmanager
@@ -143,7 +190,7 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune the checkpoint ``published`` with its table files in ``table_dir`` (made there once),
     saving the trained rows to ``adapter`` (see the module docstring); returns the report."""
-    from ple.data.vocab import real_text, windows
+    from ple.commands.train.batches import windows
     from ple.integrations.transformers import from_pretrained, patched_layers
     from ple.train import CombinedOptimizer, save_adapter, save_sharded_adapter, trainable
 
@@ -168,10 +215,8 @@ def finetune(
             old.close()
     before = _sha(files)
     cfg = model.config
-    train_ids, held_ids = real_text(
-        opts.steps * opts.batch * opts.length, 8 * opts.length, cfg.vocab_size, cfg.eos_token_id
-    )
-    held = windows(held_ids, 8, opts.length, 0)
+    train_ids, held_ids = token_streams(opts, cfg.vocab_size, cfg.eos_token_id)
+    held = windows(held_ids, HELD_OUT_WINDOWS, opts.length, 0)
     handles = trainable(model, memory_budget=opts.memory_budget)
     table_opt = _table_optimizer(opts.optimizer, handles, opts.lr, fused=opts.fused, memory_budget=opts.memory_budget)
     if opts.tables_only:
