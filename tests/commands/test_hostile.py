@@ -359,7 +359,7 @@ _INTERRUPTED_CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import ple.table.files.table_file as f
+    import ple.table.files.writer as f
     orig = f.TableFileWriter.commit
 
     def slow(self, k, *a, **kw):  # runs in the converting thread once a shard is done

@@ -253,7 +253,7 @@ _DAMAGE_CHILD = textwrap.dedent(
     import os, random, sys
     from pathlib import Path
     import torch
-    from ple import _native
+    from ple.kernels import native as _native
     from ple.config import PLEConfig
     from ple.ngram import fresh_context, reference
     from ple.ngram import native as ngram_native
