@@ -361,3 +361,11 @@ def test_tests_mirror_the_package():
     assert folders - packages - {"benchmarks"} == set()
     top = {name for name in packages if "/" not in name and name != "."}
     assert top - folders == set()
+
+
+def test_architecture_names_every_folder():
+    """docs/ARCHITECTURE.md names every folder of the package (as ``name/``) and those beside it."""
+    doc = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    folders = {p.name for p in SRC.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert {name for name in folders if f"{name}/" not in doc} == set()
+    assert all(f"`{name}/`" in doc for name in ("benchmarks", "examples", "tests"))
