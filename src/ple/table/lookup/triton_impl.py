@@ -205,6 +205,18 @@ def _launch_shape(D: int) -> tuple[int, int]:
     return block_n, block_d
 
 
+def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``out`` checked to be a contiguous ``[rows, cols]`` tensor of ``dtype`` on ``device``, or a new one."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    if tuple(out.shape) != (rows, cols) or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise InvalidArgumentError(
+            f"out must be a contiguous [{rows}, {cols}] {dtype} tensor on {device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    return out
+
+
 def gather_dequant_triton(data, scale, ids, dtype, *, out=None, check=True, format=None) -> torch.Tensor:
     """Twin of :func:`gather_dequant_reference` as one Triton kernel.
 
@@ -223,13 +235,7 @@ def gather_dequant_triton(data, scale, ids, dtype, *, out=None, check=True, form
         return _gather_blocks(data, scale, ids, dtype, format, out)
     R, D = data.shape
     device = ids.device
-    if out is None:
-        out = torch.empty(T, G * D, dtype=dtype, device=device)
-    elif tuple(out.shape) != (T, G * D) or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise InvalidArgumentError(
-            f"out must be a contiguous [{T}, {G * D}] {dtype} tensor on {device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    out = _output(out, T, G * D, dtype, device)
     n = T * G
     if n == 0 or D == 0:
         return out
@@ -291,13 +297,7 @@ def _gather_blocks(
     R, W = data.shape
     D = info.head_dim_of(W)
     device = ids.device
-    if out is None:
-        out = torch.empty(T, G * D, dtype=dtype, device=device)
-    elif tuple(out.shape) != (T, G * D) or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise InvalidArgumentError(
-            f"out must be a contiguous [{T}, {G * D}] {dtype} tensor on {device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    out = _output(out, T, G * D, dtype, device)
     n = T * G
     if n == 0:
         return out
