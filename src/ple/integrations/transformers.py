@@ -145,6 +145,12 @@ def _scaled_formats(model: nn.Module) -> list[str]:
     return out
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args, dequantize=None, **kwargs) -> Any:
     """transformers' ``save_pretrained`` of a patched model, plus ``dequantize``.
 
@@ -163,7 +169,8 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *args,
         if scaled:
             warnings.warn(
                 f"save_pretrained: {len(scaled)} PLE table(s) saved as {'/'.join(sorted(set(scaled)))} with their "
-                "weight_scale; ple loads them back exactly, but plain transformers 5.24 ignores weight_scale and "
+                f"weight_scale; ple loads them back exactly, but plain transformers ({_transformers_version()}) ignores "
+                "weight_scale and "
                 "reads other values. For plain transformers pass dequantize=torch.bfloat16 (or copy the "
                 "checkpoint with ple.integrations.transformers.dequantize_checkpoint)",
                 ScaledTableWarning,
