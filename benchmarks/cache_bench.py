@@ -1,6 +1,6 @@
 """Row cache in front of a memory-mapped table: hit rate and ms/batch on a Zipf token stream.
 
-    PYTHONPATH=src python benchmarks/cache_bench.py [--base 250000] [--warm-tokens 200000] [--batches 32]
+    python benchmarks/cache_bench.py [--base 250000] [--warm-tokens 200000] [--batches 32]
 
 The stream: Zipf tokens (``numpy`` zipf, a = 1.1, over the published vocabulary, ranks mapped to
 token ids by a fixed permutation, a few EOS). Row ids are the real n-gram ids of the published

@@ -1,7 +1,7 @@
 """Training a replicated table with data parallelism: a step at 1 and N processes, and what the ranks
 exchange for the table.
 
-    PYTHONPATH=src python benchmarks/ddp_bench.py [--ranks 1 2] [--tokens 512] [--steps 5] [--threads 1]
+    python benchmarks/ddp_bench.py [--ranks 1 2] [--tokens 512] [--steps 5] [--threads 1]
         [--format fp8] [--dir /tmp] [--out ddp_bench.json]
 
 Each rank: one PLE layer at the published geometry (``train_bench.py``'s: fp32 weights and activations,

@@ -1,6 +1,6 @@
 """A dense table of the published size on this machine's disk: written, verified, served cold through ``Session``.
 
-    PYTHONPATH=src python benchmarks/dense_bench.py [--dir /tmp] [--rows 320001536] [--format q4_0] [--out dense.json]
+    python benchmarks/dense_bench.py [--dir /tmp] [--rows 320001536] [--format q4_0] [--out dense.json]
 
 1. **Write.** A dense table file of ``--rows`` rows (default the published 320,001,536 x 160; q4_0: 90
    bytes a row, 26.8 GiB) through :class:`ple.table.files.writer.TableFileWriter`, shard by shard (the

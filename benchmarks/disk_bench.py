@@ -1,6 +1,6 @@
 """The table on disk, cold, on real text: device IOPS, tiers' rows/s, Session tokens/s, lookahead, budget.
 
-    PYTHONPATH=src python benchmarks/disk_bench.py [--dir /tmp] [--base 500000] [--out disk.json] [--plot disk.png]
+    python benchmarks/disk_bench.py [--dir /tmp] [--base 500000] [--out disk.json] [--plot disk.png]
 
 One PLE layer at the published geometry (H 2560, HC 4, E 2560, N 3, 16 heads of 160 fp8 bytes) with
 a reduced ``ngram_vocab_size_base`` (500,000: 8 M rows, a 1.28 GB table file written to ``--dir``

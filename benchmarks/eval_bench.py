@@ -1,7 +1,7 @@
 """``ple eval``'s own cost at the published geometry of one PLE layer, beside the forward it wraps.
 
-    PYTHONPATH=src python benchmarks/eval_bench.py [--windows 3] [--ctx 512] [--rows 1000000] [--json out.json]
-    PYTHONPATH=src python benchmarks/eval_bench.py --passes [--ctx 512]
+    python benchmarks/eval_bench.py [--windows 3] [--ctx 512] [--rows 1000000] [--json out.json]
+    python benchmarks/eval_bench.py --passes [--ctx 512]
 
 A random-weight ``qwen4_exp`` model of two decoder layers: the first (linear attention) carries a
 PLE layer at the published geometry (hidden 2560, HC 4, E 2560, 16 heads of 160, conv kernel 4),

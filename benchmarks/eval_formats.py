@@ -1,7 +1,7 @@
 """What each table format costs a model that has learned something, and what an adapter buys:
 the run behind docs/FORMATS.md's "Quality: perplexity and KL divergence".
 
-    PYTHONPATH=src python benchmarks/eval_formats.py WORKDIR [--plot docs/formats_eval.png]
+    python benchmarks/eval_formats.py WORKDIR [--plot docs/formats_eval.png]
 
 1. The demo's model (``ple train``'s: random weights, fp8 tables in the published layout) is trained
    on real text (:mod:`ple.data.tokens`: Python's documentation through Qwen's BPE, mapped into

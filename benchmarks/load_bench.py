@@ -1,6 +1,6 @@
 """Loading a qwen4_exp model with its PLE tables on disk: peak memory and load time vs table size.
 
-    PYTHONPATH=src python benchmarks/load_bench.py [--bases 250000,1000000,4000000] [--repeats 3] [--json out/load.json]
+    python benchmarks/load_bench.py [--bases 250000,1000000,4000000] [--repeats 3] [--json out/load.json]
 
 For each ``ngram_vocab_size_base`` a random-weight ``qwen4_exp`` model (hidden 64, 4 decoder layers,
 PLE on two, ``~16 x base`` rows x 4 per table, fp32: its tables are nearly all of it) is saved with

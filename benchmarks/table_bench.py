@@ -1,7 +1,7 @@
 """Table lookup throughput: in memory vs memory-mapped (page-cached and cold), with and without
 prefetch overlapping a simulated projection GEMM.
 
-    PYTHONPATH=src python benchmarks/table_bench.py [--rows 4000000] [--tokens 256] [--out out/table_bench.json]
+    python benchmarks/table_bench.py [--rows 4000000] [--tokens 256] [--out out/table_bench.json]
 
 Builds a dense fp8 table file (random rows, global scale) in a temporary folder, then runs the
 registered cases side by side. "cold" evicts the file from the page cache before every batch with

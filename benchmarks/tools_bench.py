@@ -1,7 +1,7 @@
 """Every table tool on a slice of the published table, beside the disk's limits measured in the same run.
 
-    PYTHONPATH=src python benchmarks/tools_bench.py [--rows 4000000] [--dir /tmp] [--out tools.json]
-    PYTHONPATH=src python benchmarks/tools_bench.py --rows 500000 --compare /path/to/other/checkout/src
+    python benchmarks/tools_bench.py [--rows 4000000] [--dir /tmp] [--out tools.json]
+    python benchmarks/tools_bench.py --rows 500000 --compare /path/to/other/checkout/src
 
 A slice: one PLE layer at the published geometry (16 heads of 160 values, fp8 with a global scale,
 the published config's hashing) with ``ngram_vocab_size_base`` reduced to give about ``--rows`` rows,

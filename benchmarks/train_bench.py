@@ -1,7 +1,7 @@
 """Training a PLE table where it lives: a step's cost, peak memory beside a dense gradient and Adam,
 rows touched per million real-text tokens and the adapter's size.
 
-    PYTHONPATH=src python benchmarks/train_bench.py [--part step rss rows spill] [--tokens 512] [--steps 20]
+    python benchmarks/train_bench.py [--part step rss rows spill] [--tokens 512] [--steps 20]
         [--dir /tmp] [--format fp8] [--million 1] [--spill-steps 200] [--spill-budget 0.25]
         [--out train_bench.json]
 
