@@ -31,6 +31,7 @@ args = TrainingArguments(
     max_steps=4,
     per_device_train_batch_size=4,
     save_steps=2,
+    logging_steps=1,  # the loss of every step, printed by the first process
     report_to=[],
     use_cpu=not torch.cuda.is_available(),
     ddp_find_unused_parameters=True,  # a MoE model leaves some experts out of a batch
