@@ -291,7 +291,8 @@ def _iq4_nl(x: np.ndarray) -> np.ndarray:
     for step in range(-7, 8):
         inv = ((_F32(step) + grid[0]) / safe_big).astype(_F32)
         sqx, sq2 = sums(inv)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        # a block past float32's range (refused later, naming it) overflows to inf here, on purpose
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             better = (sq2 > 0) & (sqx * sqx > best * sq2)
             d = np.where(better, (sqx / sq2).astype(_F32), d)
             best = np.where(better, (d * sqx).astype(_F32), best)
