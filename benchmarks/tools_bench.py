@@ -63,8 +63,8 @@ PLAIN_COPIES = ("copy", "gguf")
 _CHILD = r"""
 import contextlib, io, json, os, resource, sys, time
 tool, paths = sys.argv[1], json.loads(sys.argv[2])
-from ple.commands.cli import main
-import ple.commands.tables, ple.table.files.transcode  # imports done before the clock starts
+from ple.commands.cli import build_parser, main
+build_parser()  # every command's module imported before the clock starts
 
 def drop(path):  # nothing of it in the page cache: it is read from the disk
     files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]

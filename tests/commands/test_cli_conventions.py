@@ -69,6 +69,21 @@ def test_version_imports_no_torch():
     assert proc.stdout == f"ple {ple.__version__}\n[]\n"
 
 
+def test_every_command_is_declared_one_way():
+    """The parser is the registry's: each command module (or package) gives its one-line HELP (help and
+    description), add_arguments and run, and ``ple --help`` lists the commands in the registry's order."""
+    import importlib
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == [name for name, _ in cli.COMMANDS]
+    for name, path in cli.COMMANDS:
+        module = importlib.import_module(path)
+        assert isinstance(module.HELP, str) and "\n" not in module.HELP, name
+        parser = sub.choices[name]
+        assert parser.description.split("\n")[0] == module.HELP, name
+        assert parser.get_default("fn") is module.run and callable(module.add_arguments), name
+
+
 def test_json_is_one_document_on_stdout_for_every_subcommand(model, tmp_path, capsys):
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("5 6 7 2 9 9 9")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ple.commands import tables as commands
 from ple.commands.cli import main
+from ple.commands.ids import hashed_windows
 from ple.errors import InvalidArgumentError
 from ple.ngram import reference
 from ple.parallel import launch
@@ -144,7 +144,7 @@ def test_ids_windows_equal_the_reference(seed):
     rng = random.Random(seed)
     eos, n = 7, rng.choice([2, 3, 5])
     toks = [eos if rng.random() < 0.25 else rng.randrange(20) for _ in range(rng.randrange(1, 60))]
-    assert list(commands.hashed_windows(toks, n, eos)) == reference.ngram_tokens(toks, n, eos)
+    assert list(hashed_windows(toks, n, eos)) == reference.ngram_tokens(toks, n, eos)
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def test_a_failed_convert_leaves_no_folder_it_made(checkpoint, tmp_path, capsys,
     gcfg = PLEConfig(**{**TWO, "ple_layer_ids": (2,)})
     src = tmp_path / "m.gguf"
     write_gguf(src, gcfg, QT.Q8_0)
-    import ple.commands.tables as commands
+    import ple.commands.convert as commands
 
     real = commands.read_gguf
 

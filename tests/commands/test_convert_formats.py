@@ -94,10 +94,10 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused(tmp_path, capsys):
 def test_an_nvfp4_conversion_shows_its_amax_pass(wide_checkpoint, tmp_path, capsys, monkeypatch):
     """nvfp4's global scale needs one pass over the whole table before the conversion: on a terminal
     it has a progress bar of its own, counting every row of the layer."""
-    import ple.commands.tables
+    import ple.commands.convert
 
     cfg, ckpt = wide_checkpoint
-    monkeypatch.setattr(ple.commands.tables, "show_progress", lambda: True)
+    monkeypatch.setattr(ple.commands.convert, "show_progress", lambda: True)
     assert main(["convert", str(ckpt), str(tmp_path / "out"), "--layers", "0", "--to", "nvfp4"]) == 0
     err = capsys.readouterr().err
     amax = [line for line in err.replace("\r", "\n").splitlines() if "amax" in line and "nvfp4 global scale" in line]

@@ -33,7 +33,7 @@ _KILLED_CHILD = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    import ple.table.files.table_file as f
+    import ple.table.files.writer as f
     orig = f.TableFileWriter.commit
     done = []
 

@@ -546,7 +546,7 @@ def test_stats_layer_out_of_range(stats_model, capsys):
         (["bench", "--device", "meta"], "argument --device: 'meta': ple runs on cpu or cuda devices"),
         (["bench", "--seed", "-1"], "argument --seed: -1 is out of range"),
         (["inspect"], "the following arguments are required: path"),
-        (["convert", "a", "b", "--to", "fp4"], "argument --to: invalid choice: 'fp4'"),
+        (["convert", "a", "b", "--to", "fp4"], "argument --to: 'fp4' is not a table format"),
     ],
 )
 def test_wrong_command_lines_exit_2(capsys, argv, message):

@@ -30,6 +30,7 @@ and log lines go to stderr). Progress bars appear only when stderr is a terminal
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import signal
@@ -43,6 +44,7 @@ from ple.common.files import kept_notes
 from ple.errors import CommandLineError, PLEError
 
 __all__ = [
+    "COMMANDS",
     "build_parser",
     "main",
     "EXIT_OK",
@@ -84,133 +86,33 @@ _EPILOG = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # imported here, not at the top: ``ple --version`` answers without importing torch
-    from ple.commands import demo
-    from ple.commands import tables as commands
-    from ple.commands.bench import runner
-    from ple.common import argtypes
-    from ple.data.tokens import add_token_arguments
-    from ple.table.formats.catalog import accepted_names, format_argument
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("inspect", "ple.commands.inspect"),
+    ("ids", "ple.commands.ids"),
+    ("convert", "ple.commands.convert"),
+    ("verify", "ple.commands.verify"),
+    ("stats", "ple.commands.stats"),
+    ("bench", "ple.commands.bench"),
+    ("demo", "ple.commands.demo"),
+    ("train", "ple.commands.train"),
+    ("eval", "ple.commands.evaluate"),
+)
+"""The subcommands, in the order ``ple --help`` lists them: (name, module). Each module (or package)
+declares the command: ``HELP`` (its one-line help and description), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status)."""
 
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ple", description="PLE layer tools", epilog=_EPILOG)
     ap.add_argument("--version", action="version", version=f"ple {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=_EPILOG)
-        p.set_defaults(parser=p)  # for the usage of a value refused once the command runs
-        return p
-
-    json_help = "print one JSON document on stdout instead of the text report"
-
-    p = add(
-        "inspect",
-        "what a path is and holds: layout per PLE layer; for a checkpoint, a check of its headers and small "
-        "tensors; for a training checkpoint, its trained rows; for a GGUF model, its PLE metadata and table "
-        "tensor; for a table file, its header and what it was made from; for a table folder, its table files; "
-        "for an adapter, its layers",
-    )
-    p.add_argument(
-        "path",
-        help="config.json, model directory (a Trainer checkpoint-N folder too), model.safetensors.index.json, a "
-        "GGUF file (model.gguf, or any part of a -0000k-of-0000N.gguf split set), a .pletable table file, a "
-        "folder of table files or an adapter file",
-    )
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(fn=commands.inspect)
-
-    p = add("ids", "the table rows each token of a fresh request reads")
-    p.add_argument("path", help="config.json or model directory")
-    p.add_argument("--tokens", required=True, help="token ids separated by commas or spaces, e.g. 3,17,248044,9")
-    p.add_argument(
-        "--layer", type=argtypes.integer, default=0, help="PLE layer index: position in ple_layer_ids (default 0)"
-    )
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(fn=commands.ids)
-
-    p = add(
-        "convert",
-        "write each PLE layer's table as one memory-mappable table file (from a checkpoint, or from a GGUF "
-        "model's PLE table, its blocks copied)",
-    )
-    p.add_argument(
-        "checkpoint",
-        help="model directory (config.json + safetensors), index file, or a qwen4exp GGUF file (model.gguf, or "
-        "any part of a -0000k-of-0000N.gguf split set)",
-    )
-    p.add_argument("out", help="output folder (one <prefix>.pletable file per PLE layer)")
-    p.add_argument(
-        "--to",
-        type=format_argument,
-        metavar="FORMAT",
-        help=f"the format to write: {accepted_names()}. fp8_row/int8_row (int8): one scale per row; fp8: the "
-        "source copied when it is fp8 already, else fp8_row; bf16/fp16/fp32: the values cast; q8_0 q5_1 q5_0 q4_1 "
-        "q4_0 iq4_nl mxfp4 (GGML blocks of 32) or nvfp4 (blocks of 16, E4M3 scales): block formats. The format the "
-        "source already has is copied exactly",
-    )
-    p.add_argument("--layers", help="PLE layer indexes (positions in ple_layer_ids), e.g. 0,1 (default: all)")
-    p.add_argument("--force", action="store_true", help="replace existing table files")
-    p.add_argument(
-        "--config",
-        help="config.json (default: the checkpoint's; for a GGUF, the config whose layout the table file "
-        "carries, every PLE key of the GGUF checked against it; without it the GGUF's PLE keys are the layout)",
-    )
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(fn=commands.convert)
-
-    p = add(
-        "verify",
-        "recompute table files' checksums (and compare each with its checkpoint); exit 1 if any has a problem",
-    )
-    p.add_argument(
-        "files",
-        nargs="+",
-        metavar="file",
-        help="one or more .pletable files or folders of them (with --json: one file's {file, ok, problems}; "
-        "for several, {ok, files: [...]})",
-    )
-    p.add_argument(
-        "--checkpoint", help="the model directory they were converted from (each file matched to its PLE layer)"
-    )
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(fn=commands.verify)
-
-    p = add("stats", "row traffic of a token stream: distinct rows, reuse per step/request, cache hit rates")
-    p.add_argument("path", help="config.json or model directory")
-    add_token_arguments(p)
-    p.add_argument("--batch", type=argtypes.positive_int, default=64, help="requests decoded side by side (64)")
-    p.add_argument("--request-tokens", type=argtypes.positive_int, default=256, help="tokens per request (256)")
-    p.add_argument(
-        "--cache-rows",
-        type=argtypes.positive_int,
-        nargs="+",
-        default=[1 << 16, 1 << 20],
-        help="sizes of the LRU row caches to simulate (65536 1048576)",
-    )
-    p.add_argument("--layer", type=argtypes.integer, default=0, help="PLE layer index (default 0)")
-    p.add_argument("--json", action="store_true", help=json_help)
-    p.set_defaults(fn=commands.stats)
-
-    p = add("bench", "benchmarks against transformers, side by side")
-    runner.add_arguments(p)
-    p.set_defaults(fn=runner.run)
-
-    p = add("demo", "end-to-end run: synthesize, load, serve, check against the reference")
-    demo.add_arguments(p)
-    p.set_defaults(fn=demo.run)
-
-    from ple.commands import train as finetune
-
-    p = add("train", "fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters")
-    finetune.add_arguments(p)
-    p.set_defaults(fn=finetune.run)
-
-    from ple.commands import evaluate
-
-    p = add("eval", "what a table format or an adapter costs in quality: perplexity and KL divergence, side by side")
-    evaluate.add_arguments(p)
-    p.set_defaults(fn=evaluate.run)
+    for name, path in COMMANDS:
+        # imported here, not at the top: ``ple --version`` answers without importing torch
+        module = importlib.import_module(path)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, epilog=_EPILOG)
+        # the parser: for the usage of a value refused once the command runs
+        p.set_defaults(parser=p, fn=module.run)
+        module.add_arguments(p)
     return ap
 
 

@@ -40,10 +40,12 @@ from ple.common.argtypes import byte_size, int_between, shown_size
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, FILE_TIERS
 
-__all__ = ["add_arguments", "run", "token_windows", "compare_logits", "evaluate", "summarize"]
+__all__ = ["HELP", "add_arguments", "run", "token_windows", "compare_logits", "evaluate", "summarize"]
 
-DESCRIPTION = """\
-what a table format or an adapter costs in quality: perplexity and KL divergence, side by side
+HELP = "what a table format or an adapter costs in quality: perplexity and KL divergence, side by side"
+
+DESCRIPTION = f"""\
+{HELP}
 
 The reference is CHECKPOINT as stored (its PLE tables in their own format, dequantized exactly).
 Each format of --formats is the same model served from a copy of its tables in that format (made

@@ -16,4 +16,6 @@ Run it with ``python -m ple.commands.bench`` (``--help`` for the options), or fr
 from ple.commands.bench.cases import CASES, PUBLISHED, QUICK, Geometry
 from ple.commands.bench.runner import add_arguments, main, run
 
-__all__ = ["CASES", "Geometry", "PUBLISHED", "QUICK", "add_arguments", "main", "run"]
+__all__ = ["CASES", "HELP", "Geometry", "PUBLISHED", "QUICK", "add_arguments", "main", "run"]
+
+HELP = "benchmarks against transformers, side by side"

@@ -65,7 +65,7 @@ QUICK_REPEAT = 2
 # ---------------------------------------------------------------------------------------------- arguments
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser`` (used by ``ple bench`` and ``python -m ple.commands.bench``)."""
     parser.add_argument(
         "--cases",
@@ -117,7 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--profile", default=None, metavar="CASE", help="split ple's time in CASE into stages")
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=0, help="seed of the weights and inputs")
     parser.add_argument("-q", "--quiet", action="store_true", help="only print the table")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

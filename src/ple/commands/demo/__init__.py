@@ -34,14 +34,16 @@ from ple.commands.demo.serving import (
     serve,
     synthesize_checkpoint,
 )
+from ple.commands.report import add_format_argument
 from ple.common.argtypes import byte_size, int_between, non_negative_int, shown_size
 from ple.data.tokens import add_token_arguments, given_source
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.integrations.demo_model import MODEL_DIRECT_BUDGET, MODEL_SIZES
-from ple.table.formats.catalog import accepted_names, format_argument
 from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, MODEL_TIERS
 
-__all__ = ["DEMO_CONFIG", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
+__all__ = ["DEMO_CONFIG", "HELP", "add_arguments", "run", "serve", "synthesize_checkpoint", "MEMORY_CHECK"]
+
+HELP = "end-to-end run: synthesize, load, serve, check against the reference"
 
 MEMORY_CHECK = 0.9
 """ple's peak resident memory must be lower than plain transformers' by this share of the tables' in-memory size."""
@@ -71,11 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--synthetic-tokens", action="store_true", help="serve uniform random tokens instead of real text"
     )
     p.add_argument("--checkpoint", help="serve this qwen4_exp model's PLE layer instead of a synthesized one")
-    p.add_argument(
+    add_format_argument(
+        p,
         "--table-format",
-        type=format_argument,
-        metavar="FORMAT",
-        help=f"serve the serving layer's table from a copy in this format ({accepted_names()}; made once "
+        "serve the serving layer's table from a copy in this format ({names}; made once "
         "like from_pretrained(table_format=) makes it; docs/FORMATS.md); mmap and cached tiers",
     )
     p.add_argument("--config", help="config.json for the synthesized serving layer instead of the embedded one")

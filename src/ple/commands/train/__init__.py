@@ -24,11 +24,12 @@ from typing import Any
 from ple.common.argtypes import byte_size, int_between, non_negative_int, positive_float
 from ple.errors import UsageError
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "run"]
 
+HELP = "fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters"
 
-DESCRIPTION = """\
-fine-tune a model's PLE tables from disk on real text, with its loss curve; merge adapters
+DESCRIPTION = f"""\
+{HELP}
 
 Builds the demo's qwen4_exp model (random weights; fp8 tables in the published layout), loads it
 with ple.integrations.transformers.from_pretrained with its tables on disk (--tier, --table-format)
@@ -57,9 +58,9 @@ tokens it trained on, mapped as it mapped them), or write it into a table file w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ple.commands.report import add_format_argument
     from ple.commands.train.loop import OPTIMIZERS
     from ple.data.tokens import add_token_arguments
-    from ple.table.formats.catalog import accepted_names, format_argument
     from ple.table.tiers.open import DEFAULT_TIER, FILE_TIERS
 
     p.description = DESCRIPTION
@@ -73,11 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tier", choices=FILE_TIERS, default=DEFAULT_TIER, help=f"where the tables are served from ({DEFAULT_TIER})"
     )
-    p.add_argument(
+    add_format_argument(
+        p,
         "--table-format",
-        type=format_argument,
-        metavar="FORMAT",
-        help=f"train over a copy of the tables in this format ({accepted_names()}; default: the checkpoint's, fp8)",
+        "train over a copy of the tables in this format ({names}; default: the checkpoint's, fp8)",
     )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sparse_adam", help="the tables' optimizer (sparse_adam)")
     p.add_argument("--lr", type=positive_float, default=0.05, help="the tables' learning rate (0.05)")
