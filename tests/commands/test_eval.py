@@ -216,7 +216,35 @@ def test_refused_inputs(demo, capsys, tmp_path):
     assert "'q3_k' is not a table format" in capsys.readouterr().err
     assert main([*base, "--tokens", str(tmp_path / "missing.npy")]) == 1
     assert main([*base, "--tokens", str(demo["tokens"]), "--ctx", "100000"]) == 2
-    assert "shorter than one window" in capsys.readouterr().err
+    n = np.load(demo["tokens"]).size
+    assert (
+        f"--ctx 100000: the token stream holds {n} tokens, fewer than one window of 100000" in capsys.readouterr().err
+    )
+
+
+def test_outputs_are_checked_before_the_work_and_never_written_over_an_input(demo, capsys, tmp_path):
+    """--output / --plot over one of the inputs, in a missing folder, on a folder or twice the same file:
+    refused before anything is loaded (exit 1, a path that cannot be written; naming the flag), every
+    input unchanged; a report whose
+    file fails to be written at the end has reached stdout first."""
+    base = ["eval", str(demo["published"]), "--ctx", str(CTX), "--table-dir", str(demo["tables"])]
+    base += ["--tokens", str(demo["tokens"])]
+    weights = sorted(Path(demo["published"]).glob("*.safetensors"))[0]
+    before = weights.read_bytes()
+    cases = [
+        (["--output", str(weights)], f"--output {weights}: one of the command's inputs"),
+        (["--output", str(demo["tokens"])], f"--output {demo['tokens']}: one of the command's inputs"),
+        (["--plot", str(tmp_path / "missing" / "x.png")], f"--plot {tmp_path / 'missing' / 'x.png'}: its folder"),
+        (["--output", str(tmp_path)], f"--output {tmp_path}: is a folder"),
+        (["--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.json")], "the same file as --output"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra]) == 1, extra
+        assert message in capsys.readouterr().err
+    assert weights.read_bytes() == before
+    assert main([*base, "--json", "--output", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out) == json.loads((tmp_path / "report.json").read_text())
 
 
 def test_windows_drop_the_incomplete_tail():

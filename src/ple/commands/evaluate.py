@@ -519,6 +519,10 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError(
             f"{args.checkpoint}: not a model folder with weights (config.json + safetensors): {info.what}"
         )
+    from ple.commands.report import check_destinations
+
+    inputs = [p for p in (args.checkpoint, args.table_dir, args.adapter, args.tokens, args.text) if p is not None]
+    check_destinations([("--output", args.output), ("--plot", args.plot)], inputs)
     if args.real_text is not None and args.real_text < args.ctx:
         raise CommandLineError(f"--real-text {args.real_text} is fewer tokens than one window (--ctx {args.ctx})")
     require_transformers()
@@ -544,29 +548,39 @@ def run(args: argparse.Namespace) -> int:
             bar = tqdm(unit="window", desc="ple eval", file=sys.stderr)
         t1 = time.perf_counter()
         try:
-            chunks = read_tokens(args, cfg.vocab_size, cfg.eos_token_id)
+            read = [0]  # tokens of the stream, for the message when it holds no window
+
+            def counted(chunks):
+                for arr in chunks:
+                    read[0] += len(arr)
+                    yield arr
+
+            chunks = counted(read_tokens(args, cfg.vocab_size, cfg.eos_token_id))
             windows = evaluate(model, variants, token_windows(chunks, args.ctx), bar=bar)
         finally:
             if bar is not None:
                 bar.close()
         if windows == 0:
-            raise CommandLineError(f"--ctx {args.ctx}: the token stream is shorter than one window")
+            raise CommandLineError(
+                f"--ctx {args.ctx}: the token stream holds {read[0]} tokens, fewer than one window of {args.ctx}"
+            )
         doc = _document(args, variants, windows, load_s, time.perf_counter() - t1)
     finally:
         for v in variants[1:]:
             for t in v.owned:
                 t.close()
     text = json.dumps(doc, indent=1)
+    if args.json:  # the report first: a file that fails to be written below loses nothing
+        print(text)
+    else:
+        print_report(doc)
+    sys.stdout.flush()
     if args.output:
         from ple.common.files import write_atomically
 
         write_atomically(args.output, (text + "\n").encode())
     if args.plot:
         plot(doc, Path(args.plot), f"ple eval: {root.name}, {doc['predictions']:,} predictions, ctx {args.ctx}")
-    if args.json:
-        print(text)
-    else:
-        print_report(doc)
     return 0
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from ple.config import PLEConfig
-from ple.errors import CommandLineError
+from ple.errors import CommandLineError, InvalidArgumentError
 from ple.table.formats.catalog import accepted_names, format_argument
 
 __all__ = [
@@ -82,3 +85,33 @@ def check_layer_index(cfg: PLEConfig, idx: int) -> None:
     """``--layer idx`` names a PLE layer of ``cfg``, or the command line is wrong (exit status 2)."""
     if not 0 <= idx < cfg.num_ple_layers:
         raise CommandLineError(f"--layer {idx}: no such PLE layer; {layer_index_help(cfg)}")
+
+
+def check_destinations(
+    outputs: Iterable[tuple[str, str | os.PathLike | None]], inputs: Iterable[str | os.PathLike]
+) -> None:
+    """Refuse, before any work, an output a command could not write at its end or must not write:
+    ``outputs`` as ``(flag, path)`` (None: not given), ``inputs`` the files and folders the command
+    reads. A path is refused (:class:`InvalidArgumentError`, exit 1, naming the flag and the path)
+    when it is a folder, when its folder is missing, not a folder or not writable, when it names one
+    of the inputs or an existing file inside an input folder (a checkpoint's weights, its config:
+    never written over), or when two outputs name the same file."""
+    given = [(flag, Path(path)) for flag, path in outputs if path is not None]
+    sources = [Path(p).resolve() for p in inputs]
+    seen: dict[Path, str] = {}
+    for flag, path in given:
+        where = path.resolve()
+        if where in seen:
+            raise InvalidArgumentError(f"{flag} {path}: the same file as {seen[where]}")
+        seen[where] = flag
+        if path.is_dir():
+            raise InvalidArgumentError(f"{flag} {path}: is a folder, expected a file name")
+        folder = path.parent
+        if not folder.is_dir():
+            what = "does not exist" if not folder.exists() else "is not a folder"
+            raise InvalidArgumentError(f"{flag} {path}: its folder {folder} {what}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise InvalidArgumentError(f"{flag} {path}: its folder {folder} is not writable")
+        for src in sources:
+            if where == src or (where.exists() and src.is_dir() and src in where.parents):
+                raise InvalidArgumentError(f"{flag} {path}: one of the command's inputs ({src}); give another file")

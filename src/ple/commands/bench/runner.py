@@ -508,7 +508,10 @@ def _geometry(args) -> Geometry:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--list`` / ``--profile``) as ``args`` say; returns the exit status."""
+    from ple.commands.report import check_destinations
     from ple.runtime import tune_host_allocator
+
+    check_destinations([("--output", args.output), ("--plot", args.plot)], [])
 
     # process-wide, so ple and transformers run on the same allocator (see docs/PERFORMANCE.md)
     tune_host_allocator()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -34,10 +33,10 @@ from ple.commands.demo.serving import (
     serve,
     synthesize_checkpoint,
 )
-from ple.commands.report import add_format_argument
+from ple.commands.report import add_format_argument, check_destinations
 from ple.common.argtypes import byte_size, int_between, non_negative_int, shown_size
 from ple.data.tokens import add_token_arguments, given_source
-from ple.errors import CommandLineError, InvalidArgumentError
+from ple.errors import CommandLineError
 from ple.integrations.demo_model import MODEL_DIRECT_BUDGET, MODEL_SIZES
 from ple.table.tiers.open import DEFAULT_MEMORY_BUDGET, DEFAULT_TIER, MODEL_TIERS
 
@@ -194,26 +193,11 @@ def _print_model(res: dict[str, Any], number: str = "") -> None:
         )
 
 
-def check_output(path: str | None) -> None:
-    """Refuse an ``--output`` file that could not be written at the end of the run (its folder is
-    missing, not a folder or not writable; the path is a folder), before any work starts."""
-    if path is None:
-        return
-    out = Path(path)
-    folder = out.parent
-    if out.is_dir():
-        raise InvalidArgumentError(f"--output {path}: is a folder, expected a file name")
-    if not folder.is_dir():
-        what = "does not exist" if not folder.exists() else "is not a folder"
-        raise InvalidArgumentError(f"--output {path}: its folder {folder} {what}")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"--output {path}: its folder {folder} is not writable")
-
-
 def run(args) -> int:
     """``ple demo``: both parts (or ``--only`` one); returns the exit status. With ``--ranks N
     --parallel MODE``, the serving workload on several processes instead (:mod:`.parallel`)."""
-    check_output(getattr(args, "output", None))
+    inputs = [getattr(args, name, None) for name in ("checkpoint", "config", "tokens", "text")]
+    check_destinations([("--output", getattr(args, "output", None))], [p for p in inputs if p is not None])
     if getattr(args, "memory_budget", None) is not None and args.tier != "direct":
         raise CommandLineError(f"--memory-budget is for --tier direct, not --tier {args.tier}")
     table_format = getattr(args, "table_format", None)

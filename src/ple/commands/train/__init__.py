@@ -156,6 +156,10 @@ def run(args) -> int:
     """``ple train``; returns the exit status (1 when a check fails)."""
     if args.merge:
         return _merge(args)
+    from ple.commands.report import check_destinations
+
+    inputs = [p for p in (getattr(args, "tokens", None), getattr(args, "text", None)) if p is not None]
+    check_destinations([("--plot", args.plot)], inputs)
     from ple.commands.train.loop import (
         LOSS_WINDOW,
         Options,
