@@ -129,3 +129,17 @@ def test_kernel_refuses_a_target_outside_the_vocabulary():
     ref, _ = reference_of(z, torch.tensor([0, 1, 5]), native=True)
     with pytest.raises(InvalidArgumentError, match="target token id -1 is outside"):
         compare_logits(ref, z, torch.tensor([0, -1, 5]))
+
+
+def test_the_pytorch_path_refuses_a_target_outside_the_vocabulary_as_the_kernel_does():
+    """``PLE_NATIVE=0`` (or no C compiler): the same ple error as the C kernel, never a raw torch error."""
+    from ple.errors import InvalidArgumentError
+
+    z = torch.randn(3, 100)
+    with pytest.raises(InvalidArgumentError, match="target token id 100 is outside the logits' vocabulary"):
+        reference_of(z, torch.tensor([0, 100, 5]), native=False)
+    ref, _ = reference_of(z, torch.tensor([0, 1, 5]), native=False)
+    with pytest.raises(InvalidArgumentError, match="target token id -1 is outside the logits' vocabulary"):
+        compare_logits(ref, z, torch.tensor([0, -1, 5]))
+    with pytest.raises(InvalidArgumentError, match="targets of shape"):
+        compare_logits(ref, z, torch.tensor([0, 1]))

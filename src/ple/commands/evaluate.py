@@ -235,7 +235,17 @@ def reference_of(
     return ref, nll.numpy()
 
 
+def _in_vocabulary(targets: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``targets`` checked as the C path checks them (shape, every id in the logits' vocabulary)."""
+    t = _checked_targets(targets, logits)
+    vocab = logits.shape[1]
+    if bool(((t < 0) | (t >= vocab)).any()):
+        raise _bad_target(t, vocab)
+    return t
+
+
 def _reference_torch(logits: torch.Tensor, targets: torch.Tensor, logp: torch.Tensor) -> tuple[Reference, np.ndarray]:
+    targets = _in_vocabulary(targets, logits)
     n = logits.shape[0]
     top = torch.empty(n, dtype=torch.int64)
     rows = _rows(logits.shape[1])
@@ -284,6 +294,7 @@ def compare_logits(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) 
 
 def _compare_torch(ref: Reference, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
     assert ref.logp is not None
+    targets = _in_vocabulary(targets, logits)
     n = logits.shape[0]
     kld = torch.empty(n, dtype=torch.float32)
     actual = torch.empty(n, dtype=torch.float32)
