@@ -4,6 +4,7 @@ reader of stdout goes away, and no progress bars when stderr is not a terminal."
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -181,3 +182,16 @@ def test_the_readme_table_lists_every_exit_status():
     table = readme.split("Exit status, the same for every command:", 1)[1].split("\n\n", 2)[1]
     listed = [int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)]
     assert listed == sorted({getattr(cli, n) for n in cli.__all__ if n.startswith("EXIT_")})
+
+
+def test_bare_ple_lists_every_command(capsys):
+    """``ple`` alone: the usage with every command and its one line on stderr, exit 2 (a wrong command line)."""
+    from ple.commands.cli import COMMANDS
+
+    assert main([]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    text = " ".join(captured.err.split())
+    for name, module in COMMANDS:
+        start = " ".join(importlib.import_module(module).HELP.split()[:4])
+        assert f"{name} {start}" in text, name

@@ -137,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv == ["--version"]:  # at once, without building the parser (which imports torch)
         print(f"ple {__version__}")
         return EXIT_OK
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    if not argv:  # bare ``ple``: what it can do, each command with its one line, then the usage error
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # the command's usage, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     name = f"ple {args.command}"
