@@ -106,7 +106,8 @@ def test_quick_run_writes_schema_json_table_and_plot(tmp_path, capsys):
         else:
             assert med["floor"] > 0
             assert r["ple_over_floor"] == pytest.approx(med["ple"] / med["floor"])
-        assert c["target_met"] in (True, False, None)
+        assert c["target_met"] is None  # the targets are the published geometry's, not the quick one's
+    assert "targets: the published geometry's; this geometry's ratios are not judged against them" in table
     bf16 = rep["cases"][1]
     assert bf16["dtype"] == "bf16" and bf16["targets"] == {"speedup_min": None, "floor_max": 1.3}
     assert bf16["check"]["metrics"]["max_abs_err_ple_vs_fp32"] <= bf16["check"]["metrics"]["bound"]
