@@ -3,8 +3,10 @@ batches (``ddp_worker.py``, as a user writes the loop): the ranks' trained rows,
 the other weights are equal bit for bit on every rank, and equal within fp32 rounding to one process
 training on the ranks' batches together with the loss averaged over them (DDP's mean of gradients);
 with gradient accumulation (``no_sync`` backwards) and a bf16 model too; and transformers' ``Trainer``
-launched with 2 processes by ``accelerate launch``. A fused optimizer and ranks whose tables disagree are
-refused on every rank."""
+launched with 2 processes by ``accelerate launch``. A fused optimizer and ranks that disagree on what decides
+an update (step count, learning rate, optimizer class, the table's format, an adapter's rows, optimizer
+states) are refused on
+every rank, naming the field; ranks that load the same adapter midway train on, identical."""
 
 from __future__ import annotations
 
@@ -22,19 +24,26 @@ from ple.parallel import spawn_local
 from ple.train import read_adapter, save_adapter
 from tests.integrations.helpers import tiny_config, tiny_model
 from tests.train import trainer_worker
-from tests.train.ddp_worker import CASES, LR_REST, LR_TABLE, load, rank_batch
+from tests.train.ddp_worker import CASES, LR_REST, LR_TABLE, REFUSALS, load, rank_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny qwen4_exp checkpoint and its table files (made once, before the ranks start)."""
+    """A tiny qwen4_exp checkpoint, its table files and their fp8 copies, and an adapter of a step's rows
+    in fp32 and bf16 (made once, before the ranks start)."""
     from ple.integrations.transformers import from_pretrained
 
     root = tmp_path_factory.mktemp("ddp")
     tiny_model(tiny_config(split_ngram_parts=4, ple_embed_dim=64), seed=81).save_pretrained(root / "ckpt")
-    from_pretrained(root / "ckpt", table_dir=root / "tables")
+    from_pretrained(root / "ckpt", table_dir=root / "tables", table_format="fp8")
+    model, opt, _ = load(root / "ckpt", root / "tables")
+    ids = rank_batch(5, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        save_adapter(root / f"adapter-{name}.safetensors", model, dtype=dtype)
     return root
 
 
@@ -131,14 +140,37 @@ def test_three_ranks_keep_one_table_equal_to_one_process_on_their_batches(checkp
 
 
 def test_a_fused_optimizer_and_ranks_that_disagree_are_refused_on_every_rank(checkpoint, tmp_path):
-    outputs = _spawn(checkpoint, 2, "refusals", tmp_path / "out")
+    out = tmp_path / "out"
+    outputs = _spawn(checkpoint, 2, "refusals", out)
+    sparse_adam = "SparseAdam(lr={}, betas=(0.9, 0.999), eps=1e-08)"
+    want = {  # what each case's refusal names, on every rank
+        "mismatch": "table 0's optimizer steps: rank 0: 1; rank 1: 0",
+        "lr": f"table 0's optimizer: rank 0: {sparse_adam.format(LR_TABLE)}; rank 1: {sparse_adam.format(2 * LR_TABLE)}",
+        "class": f"table 0's optimizer: rank 0: Adagrad(lr={LR_TABLE}, lr_decay=0.0, weight_decay=0.0, "
+        f"eps=1e-10); rank 1: {sparse_adam.format(LR_TABLE)}",
+        "format": "table 0's base table format: rank 0: fp32; rank 1: fp8_row",
+        "adapter": "table 0's trained rows' values: rank 0: digest ",
+        "states": "table 0's optimizer states: rank 0: digest ",
+    }
     for r, o in enumerate(outputs):
-        lines = [line for line in o.splitlines() if line.startswith(f"rank {r} ")]
-        assert len(lines) == 2, o
-        mismatch, fused = lines
-        assert "refused: RankMismatchError" in mismatch and "optimizer steps: rank 0: 1; rank 1: 0" in mismatch
-        assert "load the same adapter or checkpoint on every rank" in mismatch
+        lines = {line.split()[2]: line for line in o.splitlines() if line.startswith(f"rank {r} ")}
+        assert list(lines) == list(REFUSALS), o
+        for case, text in want.items():
+            assert f"rank {r} {case} refused: RankMismatchError: " in lines[case] and text in lines[case], lines[case]
+            assert f"this is rank {r}" in lines[case] and "load the same adapter or checkpoint" in lines[case]
+        assert "table 1's" in lines["lr"] and "table 1's" in lines["format"]  # both tables named
+        assert "base table header checksum: rank 0: " in lines["format"]
+        assert "optimizer" not in lines["adapter"].split("(")[1].split(";")[0]  # only the rows differ
+        assert lines["adapter"].count("trained rows' values") == 2 and "rank 1: digest " in lines["adapter"]
+        assert "table 1's" not in lines["states"] and "trained rows' values" not in lines["states"]
+        assert lines["agree"] == f"rank {r} agree not refused"
+        fused = lines["fused"]
         assert "refused: UsageError" in fused and "fused=False" in fused and "2 data-parallel ranks" in fused
+    agreed = [_trained(out / f"agree-rank{r}.safetensors") for r in range(2)]  # loaded midway, trained on alike
+    assert agreed[0][1] == agreed[1][1] == {"0": 2, "1": 2}
+    for i, want_rows in agreed[0][0].items():
+        for a, b in zip(want_rows, agreed[1][0][i], strict=True):
+            assert torch.equal(a, b), i
 
 
 def _free_port() -> int:

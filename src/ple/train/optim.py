@@ -48,7 +48,7 @@ import torch
 from ple.errors import ArgumentTypeError, InvalidArgumentError
 from ple.table.tiers.rowstore import RowMap, SlotStore
 from ple.train.attach import default_spill_dir, target_of
-from ple.train.data_parallel import group_of, mean_gradients
+from ple.train.data_parallel import TableStep, group_of, mean_gradients, table_marker
 
 __all__ = ["RowSparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "Adam", "AdamW", "CombinedOptimizer"]
 
@@ -158,6 +158,9 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         self.spill_dir = spill_dir
         self.fused = fused
         self._states: dict[torch.Tensor, _RowStates] = {}
+        self._checked: dict[torch.Tensor, tuple] = {}
+        """Per data-parallel table: its overlay and base (and the overlay's version) after this optimizer's
+        last step of it, which the ranks checked; anything else asks for a full check (:mod:`.data_parallel`)."""
         if self.fused:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -186,6 +189,8 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                 for p, rows, values, group in self._mean_over_ranks(averaged):
                     self._apply(p, rows, values, group, averaged=True)
                     updated.add(id(p))
+                for p, *_ in averaged:
+                    self._checked[p] = table_marker(target_of(p))
         except BaseException:
             for p, grad in taken:
                 if id(p) not in updated and p.grad is None:
@@ -231,16 +236,26 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         for dp in groups:
             mine = [a for a in averaged if a[4] is dp]
             items = []
-            for p, rows, values, _group, _dp in mine:
-                trained = sum(len(o) for o in target_of(p).overlays())
+            for p, rows, values, group, _dp in mine:
+                target = target_of(p)
                 steps = int(self.state[p].get("step", 0)) if p in self.state else 0
-                items.append((target_of(p), steps, trained, rows, values))
+                check = self._checked.get(p) != table_marker(target)
+                states = self._states.get(p)
+                export = states.export if states is not None else lambda: None
+                items.append(TableStep(target, steps, rows, values, self.describe(group), check, export))
             means, exchange = mean_gradients(dp, items)
             self.exchanged_nbytes += exchange.received
             for (p, _r, _v, group, _dp), (rows, values) in zip(mine, means, strict=True):
                 if rows.numel():
                     out.append((p, rows, values, group))
         return out
+
+    def describe(self, group: dict[str, Any]) -> str:
+        """What decides this optimizer's update of a table of ``group``: its class and hyperparameters."""
+        values = [f"{name}={group[name]!r}" for name in self.hyperparameters]
+        if self.initial_state:
+            values.append(f"initial_state={self.initial_state!r}")
+        return f"{type(self).__name__}({', '.join(values)})"
 
     def unfuse(self) -> None:
         """Stop applying updates in the backward (gradients are stored on the handles again)."""
@@ -430,6 +445,7 @@ class RowSparseOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_loaded(state_dict)
+        self._checked.clear()  # data-parallel ranks check what they loaded at the next step
         rows_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         plain = {"param_groups": state_dict["param_groups"], "state": {}}
         for k, st in state_dict["state"].items():
