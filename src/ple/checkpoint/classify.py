@@ -365,10 +365,11 @@ def _is_table_name(name: str) -> bool:
 
 
 def merge_phrase(record: dict[str, Any]) -> str:
+    """A merge record in words: the PLE layer of which adapter, how many rows, merged into which table."""
     into = record.get("into")
     into = into if isinstance(into, dict) else {}
     return (
-        f"{record.get('adapter')}'s PLE layer {record.get('ple_layer_index')} ({record.get('trained_rows')} trained "
+        f"PLE layer {record.get('ple_layer_index')} of {record.get('adapter')} ({record.get('trained_rows')} trained "
         f"rows) merged into {into.get('file')}"
     )
 

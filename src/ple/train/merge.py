@@ -6,11 +6,14 @@ to the table's format (:func:`requantize`): plain formats are cast; "fp8" keeps 
 scale (a trained value past ``448 * scale`` saturates); "fp8_row" and "int8_row" get a new per-row
 scale; block formats are quantized as ``ple convert`` quantizes (nvfp4 with the table's global
 scale). Every other row keeps its stored bytes exactly. The new file's header records the merge
-(``merged``: the adapter, its layer, the trained rows' count and the digest of their ids, the table
-merged into and the one the adapter was trained over, and the new table's ``identity``: that of the
-table merged into with this merge on top, :func:`ple.checkpoint.classify.merged_identity`), so that
-:func:`merged_rows` tells its trained rows from the rest (``ple verify FILE --checkpoint DIR``
-compares only the rest with the checkpoint, and the trained rows with the adapter).
+(``merged``, :mod:`ple.train.merge_record`: the adapter, its layer, the trained rows' count and the
+digest of their ids, the table merged into and the one the adapter was trained over, the new table's
+``identity``: that of the table merged into with this merge on top,
+:func:`ple.checkpoint.classify.merged_identity`; and the trained rows' ids with digests of their
+stored bytes), so that :func:`merged_rows` tells its trained rows from the rest: ``ple verify FILE
+--checkpoint DIR`` compares only the rest with the checkpoint, and the trained rows with the adapter
+when the file it names is there and is the one merged, else with the record's digests (the file
+verifies on its own, with no adapter file).
 
 An adapter merges into the table it was trained over, or into any table of the same identity
 (:func:`ple.checkpoint.classify.require_trained_over`): a conversion of the same checkpoint table to
@@ -26,12 +29,15 @@ then writes a checkpoint in the published layout with the trained rows in it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,6 +51,15 @@ from ple.table.formats.blocks import quantize_blocks
 from ple.table.tiers.adapted import AdaptedTable
 from ple.train.adapter import AdapterFile, AdapterLayer, as_adapter, layout_hash_of, read_adapter
 from ple.train.attach import ple_layers
+from ple.train.merge_record import (
+    MODEL_ADAPTER,
+    GroupDigests,
+    RecordedRows,
+    ids_digest,
+    recorded_rows,
+    rows_record,
+    stored_row_bytes,
+)
 
 __all__ = [
     "requantize",
@@ -55,6 +70,8 @@ __all__ = [
     "merged_rows",
     "check_merged_rows",
 ]
+
+_MAX_RECORD = 1 << 25  # bytes of a merge record's JSON (a table header holds at most 64 MiB)
 
 
 def requantize(values: torch.Tensor, format: str, global_scale: float | None = None):
@@ -145,10 +162,12 @@ def merge_table_file(
     ple_layer_index: int | None = None,
     force: bool = False,
     progress: bool = False,
+    adapter_name: str | None = None,
 ) -> Path:
     """Write ``out``: the table file ``table`` with ``adapter``'s rows for it merged in (see the module
     docstring). The adapter's layer is the one whose layout hash is the table's (``ple_layer_index``
-    picks one when several share it). ``force`` replaces an existing ``out``. Returns ``out``."""
+    picks one when several share it). ``force`` replaces an existing ``out``. ``adapter_name``: what the
+    record names as the adapter (default: the adapter file's absolute path). Returns ``out``."""
     table, out = Path(table), Path(out)
     file = as_adapter(adapter)
     header = read_table_header(table)
@@ -173,12 +192,14 @@ def merge_table_file(
     into = table_identity(table, header)
     if over is not None:
         into = require_trained_over(file.path, entry.ple_layer_index, over, table, header)
-    identity = merged_identity(into, "0" * 32, "0" * 32)  # the digests filled in as the rows are read
+    ids = _trained_ids(file, entry.ple_layer_index)
+    identity = merged_identity(into, ids_digest(ids), "0" * 32)  # the rows' digest filled in as they are read
+    stored = rows_record(ids)  # its digests filled in as the rows are written
     record: dict[str, Any] = {
-        "adapter": str(Path(file.path).resolve()),
+        "adapter": adapter_name if adapter_name is not None else str(Path(file.path).resolve()),
         "ple_layer_index": entry.ple_layer_index,
         "trained_rows": entry.trained_rows,
-        "ids_digest": "0" * 32,  # the digest of the trained rows' ids, filled in as they are read
+        "ids_digest": ids_digest(ids),
         "into": {
             "file": str(table.resolve()),
             "format": header["format"],
@@ -186,8 +207,15 @@ def merge_table_file(
         },
         "trained_over": over,
         "identity": identity.to_json(),
+        "rows": stored,
     }
+    if len(json.dumps(record)) > _MAX_RECORD:
+        raise InvalidArgumentError(
+            f"{file.path}: PLE layer {entry.ple_layer_index}'s {entry.trained_rows:,} trained rows are too many for "
+            f"a table file's merge record (at most {_MAX_RECORD:,} bytes)"
+        )
     ids_hash, rows_hash = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+    digests = GroupDigests(stored["group"])
     fmt, rows, shard_rows = header["format"], int(header["rows"]), int(header["shard_rows"])
     base = MmapTable.open(table, header["layout_hash"], random_access=False)
     try:
@@ -210,11 +238,15 @@ def merge_table_file(
                 ids_hash.update(ids.numpy().astype("<i8").tobytes())
                 rows_hash.update(values.to(torch.float32).numpy().astype("<f4").tobytes())
                 merge_rows(data, srow, ids - a, values, fmt, global_scale)
+                digests.add(stored_row_bytes(data[ids - a], None if srow is None else srow[ids - a]))
                 writer.write_shard(k, data, srow if kind == "row" else (scale if kind == "global" else None))
                 if bar is not None:
                     bar.update(b - a)
-            record["ids_digest"] = ids_hash.hexdigest()  # the final header's, written by close()
-            identity.merges[-1].update(ids=record["ids_digest"], rows=rows_hash.hexdigest())  # record["identity"]'s
+            if ids_hash.hexdigest() != record["ids_digest"]:
+                raise InvalidArgumentError(f"{file.path} changed while it was merged: merge it again")
+            # the final header's, written by close(), at the size reserved for them
+            stored["digests"] = base64.b64encode(digests.finish()).decode("ascii")
+            identity.merges[-1].update(rows=rows_hash.hexdigest())  # record["identity"]'s
         if bar is not None:
             bar.close()
     finally:
@@ -222,41 +254,83 @@ def merge_table_file(
     return out
 
 
-def _ids_digest(file: AdapterFile, index: int) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for ids, _ in file.chunks(index):
-        h.update(ids.numpy().astype("<i8").tobytes())
-    return h.hexdigest()
+def _trained_ids(file: AdapterFile, index: int) -> np.ndarray:
+    ids = [i.numpy() for i, _ in file.chunks(index)]
+    return np.concatenate(ids) if ids else np.empty(0, np.int64)
 
 
-def merged_rows(path: str | os.PathLike) -> tuple[dict | None, AdapterLayer | None, AdapterFile | None, str]:
-    """What a table file says was merged into it: ``(its header's merge record or None, the adapter's
-    layer entry, the adapter file, "")`` when the adapter it names is there and is the one merged (the
-    same trained rows' ids), else ``(record, None, None, why it cannot be used)``."""
+def merged_rows(
+    path: str | os.PathLike,
+) -> tuple[dict | None, AdapterLayer | RecordedRows | None, AdapterFile | RecordedRows | None, str]:
+    """What a table file says was merged into it: ``(its header's merge record or None, the trained rows'
+    source, the same, "")``. The source is the adapter's layer entry and the adapter file when the file
+    the record names is there and is the one merged (the same trained rows' ids, for a table of the same
+    geometry); else the record's own rows (:class:`~ple.train.merge_record.RecordedRows`, both times),
+    which :func:`check_merged_rows` checks against their recorded digests; a merge recorded without its
+    rows gives ``(record, None, None, why the adapter cannot be used)``. The record is checked first
+    (:func:`~ple.train.merge_record.recorded_rows`): a field that is wrong raises
+    :class:`~ple.table.TableFileError` naming it."""
     header = read_table_header(path)
     record = header.get("merged")
     if record is None:
         return None, None, None, ""
-    name = record.get("adapter")
-    if not isinstance(name, str) or not os.path.lexists(name):
-        return record, None, None, f"the adapter it names, {name}, is not there"
+    recorded = recorded_rows(path, header)
+    entry, file, why = _merged_adapter(record, header)
+    if entry is not None and file is not None:
+        return record, entry, file, ""
+    if recorded is not None:
+        return record, recorded, recorded, ""
+    return record, None, None, why
+
+
+def _merged_adapter(record: dict, header: dict) -> tuple[AdapterLayer | None, AdapterFile | None, str]:
+    """The adapter file a (checked) merge record names, when it is there and is the one merged."""
+    name = record["adapter"]
+    if not os.path.isabs(name) or not os.path.lexists(name):
+        return None, None, f"the adapter it names, {name}, is not there"
+    index = record["ple_layer_index"]
     try:
         file = read_adapter(name)
-        entry = file.layers[int(record["ple_layer_index"])]
-        same = entry.trained_rows == record.get("trained_rows")
-        same = same and _ids_digest(file, entry.ple_layer_index) == record.get("ids_digest")
-    except (OSError, PLEError, KeyError, TypeError, ValueError) as e:
-        return record, None, None, f"the adapter it names cannot be read ({e})"
+        entry = file.layers.get(index)
+        if entry is None:
+            return None, None, f"the adapter {name} has no PLE layer {index} (another file under its name)"
+        shape = (entry.rows, entry.head_dim, entry.layout_hash)
+        if shape != (header["rows"], header["head_dim"], header["layout_hash"]):
+            why = (
+                f"the adapter {name}'s PLE layer {index} is for [{entry.rows}, {entry.head_dim}] rows of another "
+                f"layout than the file's [{header['rows']}, {header['head_dim']}] (another file under its name)"
+            )
+            return None, None, why
+        same = entry.trained_rows == record["trained_rows"]
+        same = same and ids_digest(_trained_ids(file, index)) == record["ids_digest"]
+    except (OSError, PLEError) as e:
+        return None, None, f"the adapter it names cannot be read ({e})"
     if not same:
-        return record, None, None, f"the adapter {name} no longer holds the rows merged (another file under its name)"
-    return record, entry, file, ""
+        return None, None, f"the adapter {name} no longer holds the rows merged (another file under its name)"
+    return entry, file, ""
 
 
-def check_merged_rows(path: str | os.PathLike, file: AdapterFile, index: int) -> list[str]:
+def check_merged_rows(path: str | os.PathLike, file: AdapterFile | RecordedRows, index: int) -> list[str]:
     """Problems of the trained rows of the merged table file ``path``: each must hold exactly what
-    :func:`requantize` makes of the adapter's row (the merge's own arithmetic); ``[]`` when all do."""
+    :func:`requantize` makes of the adapter's row (the merge's own arithmetic), or, given the file's
+    :class:`~ple.train.merge_record.RecordedRows` (:func:`merged_rows`), give its recorded digests;
+    ``[]`` when all do. An adapter layer of another geometry than the file's is an
+    :class:`InvalidArgumentError`."""
+    if isinstance(file, RecordedRows):
+        if Path(file.path).resolve() != Path(path).resolve() or index != file.ple_layer_index:
+            raise InvalidArgumentError(
+                f"the merge record of {file.path} (PLE layer {file.ple_layer_index}) is "
+                f"not that of {path}'s PLE layer {index}"
+            )
+        return file.problems()
     table = MmapTable.open(path, random_access=False)
     try:
+        entry = file.layers.get(index)
+        if entry is None or (entry.rows, entry.head_dim) != (table.rows, table.head_dim):
+            have = "none" if entry is None else f"[{entry.rows}, {entry.head_dim}] rows"
+            raise InvalidArgumentError(
+                f"{file.path}: its PLE layer {index} ({have}) is not for {path} ([{table.rows}, {table.head_dim}])"
+            )
         fmt, kind = table.format, format_info(table.format).scale_kind
         g = global_scale_of(table)
         bad, first = 0, None
@@ -318,7 +392,15 @@ def merge_model(
             target = folder / path.name
             if target.resolve() == path.resolve():
                 raise InvalidArgumentError(f"{folder} holds the base table {path.name}: merge into another folder")
-            merge_table_file(path, file, target, ple_layer_index=layer.ple_layer_index, force=True, progress=progress)
+            merge_table_file(
+                path,
+                file,
+                target,
+                ple_layer_index=layer.ple_layer_index,
+                force=True,
+                progress=progress,
+                adapter_name=MODEL_ADAPTER if adapter is None else None,
+            )
             made.append((layer, target))
     finally:
         if adapter is None:

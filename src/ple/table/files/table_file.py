@@ -16,8 +16,8 @@ blake2b-128 checksum per shard covering the shard's row bytes followed by its pe
 (plus one for a global scale), and ``header_checksum``: blake2b-128 of the header itself (its JSON
 with sorted keys and no spaces, without this field). Checksums detect damage, not forgery. A table
 file written by merging an adapter into another (:func:`ple.train.merge_table_file`) also says so:
-``merged``, a JSON object naming the adapter and the table it was merged into (files without the
-key read as before).
+``merged``, a JSON object naming the adapter and the table it was merged into, and holding the trained
+rows' ids and digests (:mod:`ple.train.merge_record` checks it; files without the key read as before).
 
 Format version 2 (this one) added the header checksum; version 1 files are refused with a message
 saying to convert the table again (their headers cannot be trusted).
