@@ -121,7 +121,7 @@ def test_merge_model_files_verify_on_their_own(world, capsys, folder):
         assert (code, err) == (0, "")
         assert out == (
             f"{merged / name}: OK (a merge of {MODEL_ADAPTER} (PLE layer {record['ple_layer_index']}): "
-            f"{record['trained_rows']:,} rows trained, equal to the adapter's; the rest equal to the checkpoint's)\n"
+            f"{record['trained_rows']:,} rows trained, equal to their recorded digests; the rest equal to the checkpoint's)\n"
         )
     code, out, _ = run(capsys, "verify", merged, "--checkpoint", world.ck)
     assert code == 0 and out.endswith("2 files: all OK\n")

@@ -95,7 +95,7 @@ def test_the_report_the_merge_and_its_verification(tmp_path, capfd):
     assert f"{n:,} rows trained, equal to the adapter's; the rest equal to the checkpoint's" in said
     shutil.move(adapter, tmp_path / "elsewhere.safetensors")  # the header's merge record tells the trained rows
     assert main(["verify", str(out_file), "--checkpoint", str(work / "published")]) == 0
-    assert f"{n:,} rows trained" in capfd.readouterr().out
+    assert f"{n:,} rows trained, equal to their recorded digests" in capfd.readouterr().out
 
 
 def test_an_adapter_is_merged_only_into_the_table_it_was_trained_over(tmp_path, capsys):

@@ -141,7 +141,10 @@ def _compare_with_checkpoint(file: str, checkpoint: str) -> tuple[list[str], str
     ids = np.concatenate([i.numpy() for i, _ in adapter.chunks(trained.ple_layer_index)] or [np.empty(0, np.int64)])
     problems = check_merged_rows(file, adapter, trained.ple_layer_index)
     problems += compare_with_source(file, table_shards(entry), progress=show_progress(), skip_rows=ids)
+    from ple.train.merge_record import RecordedRows
+
+    against = "their recorded digests" if isinstance(adapter, RecordedRows) else "the adapter's"
     return (
         problems,
-        f"{what}: {trained.trained_rows:,} rows trained, equal to the adapter's; the rest equal to the checkpoint's",
+        f"{what}: {trained.trained_rows:,} rows trained, equal to {against}; the rest equal to the checkpoint's",
     )
