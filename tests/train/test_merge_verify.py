@@ -254,3 +254,5 @@ def test_a_wrong_merge_record_is_one_line_naming_the_field(world, tmp_path, caps
     with pytest.raises(TableFileError) as raised:  # the library says the same
         merged_rows(bad)
     assert str(raised.value) == err.removeprefix("ple verify: ").rstrip("\n")
+    code, out, err = run(capsys, "verify", bad)  # without the checkpoint: the record is checked all the same
+    assert code == 1 and err == "" and f"problem: {bad}: header field 'merged.{field}' is " in out

@@ -62,8 +62,17 @@ def run(args: argparse.Namespace) -> int:
             found, note = _compare_with_checkpoint(f, args.checkpoint)
             problems += found
         elif not problems:
-            record = read_table_header(f).get("merged")
-            if isinstance(record, dict):
+            header = read_table_header(f)
+            record = header.get("merged")
+            if record is not None:
+                from ple.table import TableFileError
+                from ple.train.merge_record import recorded_rows
+
+                try:
+                    recorded_rows(f, header)  # a damaged record is a problem even without the checkpoint
+                except TableFileError as e:
+                    problems.append(str(e))
+            if isinstance(record, dict) and not problems:
                 note = (
                     f"a merge of {record.get('adapter')} (PLE layer {record.get('ple_layer_index')}, "
                     f"{record.get('trained_rows')} rows trained; --checkpoint compares them and the rest)"
