@@ -462,9 +462,9 @@ class PLELayer(nn.Module):
         bits also match the whole batch's GEMM is the CPU's GEMM's choice: on the CPU an fp32 (or fp16)
         GEMM is padded with zero rows to a multiple of 4 rows, where PyTorch's GEMM on an AMD EPYC (AVX2,
         AVX-512) no longer depends on the row count (a decode step's GEMM reads the weights either way;
-        bf16 needs no padding there), so ranks that each project their own rows get the rows of the
-        whole batch's GEMM; on an Intel Xeon with AMX, GEMMs of a few rows (fp32 on one thread, bf16 on
-        one or four) are blocked otherwise and can differ from it in the last bit.
+        bf16 needs no padding there); on an Intel Xeon with AMX, GEMMs of a few rows (fp32 on one
+        thread, bf16 on one or four) are blocked otherwise and can differ from it in the last bit, so
+        sequence parallelism (:mod:`ple.parallel.sequence`) projects the whole batch's rows on every rank.
 
         A bf16 GEMM on the CPU of at most :func:`ple.kernels.cpu_gemm.max_rows` rows (any number with AVX-512
         BF16 and no AMX, else 255) multiplies with a copy of the weight packed once for oneDNN where

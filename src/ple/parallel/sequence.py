@@ -1,14 +1,17 @@
 """Sequence parallelism: the ranks of a group each hold a contiguous shard of a packed batch's token
-rows and together compute what one process computes, bit for bit where the CPU's GEMM gives a row the
-same bits whatever rows it is computed with (:meth:`ple.PLELayer.projections`; on an Intel Xeon with
-AMX, GEMMs of a few rows may differ from the whole batch's in the last bit).
+rows and together compute what one process computes, bit for bit by construction: what a GEMM
+library or the conv could compute otherwise for fewer rows (the projection, the conv) runs on the
+whole batch as in one process, and only the row-by-row work (ids, lookup, gate) on a shard.
 
 Rank ``s`` of a group of ``W`` holds rows ``[s*S, s*S + S)`` of the batch, ``S = ceil(T / W)``
 (the last shards padded, as the engines pad), and every rank has the whole ``input_ids`` and batch
 metadata. Per step, on the local rows only: n-gram ids (the context of a request cut by the shard
-boundary is its last N-1 tokens before the boundary, as for a prefill chunk), the table lookup (a
-table sharded across ranks is looked up with per-rank ids), the key/value projection and the gate,
-which gives this rank's residual rows ``hidden + v`` and conv inputs ``c``. The conv inputs are
+boundary is its last N-1 tokens before the boundary, as for a prefill chunk) and the table lookup (a
+table sharded across ranks is looked up with per-rank ids). The table rows are all-gathered and
+every rank projects the whole batch's rows (key and value, one GEMM): a CPU's GEMM library may
+block a GEMM of a shard's rows otherwise than the whole batch's and give its rows other last bits
+(an fp32 GEMM on an Intel Xeon with AMX does). The gate, row by row, runs on the local rows, which
+gives this rank's residual rows ``hidden + v`` and conv inputs ``c``. The conv inputs are
 all-gathered; every rank runs the conv over the whole batch with its replica of the state pool
 (updated identically everywhere) and keeps its own rows of ``residual + silu(conv(c))``.
 """
@@ -99,9 +102,10 @@ def sequence_parallel_forward(
     (:class:`ple.parallel.ParallelLayer` does). The layer's derived weights must be current
     (:meth:`ple.layer.PLELayer.refresh_weights` after changing parameters in place; ParallelLayer does).
 
-    The stages are those of the one-process fused step (:func:`ple.ops.gate_stage`,
-    :func:`ple.ops.conv_stage`, whose composition equals :func:`ple.ops.gate_conv` bit for bit) and
-    :meth:`~ple.layer.PLELayer.project`, whose rows do not depend on the other rows of the GEMM.
+    The stages are those of the one-process step: :meth:`~ple.layer.PLELayer.project` of the whole
+    batch's table rows (all-gathered), then :func:`ple.ops.gate_stage` of this rank's rows and
+    :func:`ple.ops.conv_stage` of the whole batch (their composition equals :func:`ple.ops.gate_conv`
+    bit for bit).
     """
     cfg = layer.config
     W, me = dist.get_world_size(group), dist.get_rank(group)
@@ -126,18 +130,27 @@ def sequence_parallel_forward(
         if layer.table is None:
             raise UsageError(f"PLE layer {layer.ple_layer_index} has no table: load a checkpoint or call set_table()")
         emb = layer.table.lookup(ids, layer.dtype)
-        key, value = layer.project(emb)
-        residual, c = ops.gate_stage(key, value, hidden[:n], layer.gate_weights)
         out = hidden.new_zeros(shard, C)
         if T == 0:
             return out
-        mine = c.new_zeros(shard, C)
-        mine[:n] = c
-        every = c.new_empty(W, shard, C)
-        dist.all_gather(list(every.unbind(0)), mine, group=group)
-        c_all = every.view(W * shard, C)[:T]
+        # the whole batch's GEMM, as one process runs it: a GEMM of a shard's rows may be blocked
+        # otherwise by the CPU's GEMM library and differ from it in the last bits
+        key, value = layer.project(_all_gather_rows(emb, shard, T, group))
+        residual, c = ops.gate_stage(key[start:stop], value[start:stop], hidden[:n], layer.gate_weights)
+        c_all = _all_gather_rows(c, shard, T, group)
         res_all = residual.new_zeros(T, C)  # the conv stage adds the conv to every row; only ours are kept
         res_all[start:stop] = residual
         full = ops.conv_stage(c_all, res_all, layer.conv_weights, batch.step_meta())
         out[:n] = full[start:stop]
         return out
+
+
+def _all_gather_rows(mine: torch.Tensor, shard: int, total: int, group) -> torch.Tensor:
+    """``[total, ...]``: every rank's rows ``mine`` (at most ``shard`` each, the first ranks' full) in
+    rank order, contiguous from the start of a new buffer (as one process's own tensor)."""
+    W = dist.get_world_size(group)
+    padded = mine.new_zeros((shard, *mine.shape[1:]))
+    padded[: mine.shape[0]] = mine
+    every = mine.new_empty((W, shard, *mine.shape[1:]))
+    dist.all_gather(list(every.unbind(0)), padded, group=group)
+    return every.view(W * shard, *mine.shape[1:])[:total]
