@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -139,6 +140,19 @@ def test_spawn_local_reports_each_rank_and_kills_stragglers():
     env = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'])"
     res = spawn_local([sys.executable, "-c", env], 2, deadline_s=60, grace_s=1.0, capture=True)
     assert res.ok and [o.split() for o in res.outputs] == [["0", "2", "0", "127.0.0.1"], ["1", "2", "1", "127.0.0.1"]]
+
+
+def test_spawn_local_gives_each_rank_its_share_of_the_cores(monkeypatch):
+    """Two local ranks on this machine's cores: each gets half of them (at least one) as OMP_NUM_THREADS,
+    as torchrun keeps its ranks from oversubscribing; a value the user set is kept."""
+    cores = len(os.sched_getaffinity(0))
+    show = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    res = spawn_local([sys.executable, "-c", show], 2, deadline_s=60, grace_s=1.0, capture=True)
+    assert res.ok and [o.strip() for o in res.outputs] == [str(max(1, cores // 2))] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    res = spawn_local([sys.executable, "-c", show], 2, deadline_s=60, grace_s=1.0, capture=True)
+    assert res.ok and [o.strip() for o in res.outputs] == ["3", "3"]
 
 
 def test_spawn_local_deadline():

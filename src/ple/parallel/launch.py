@@ -252,6 +252,12 @@ class LaunchResult:
         return all(rc == 0 for rc in self.returncodes)
 
 
+def rank_threads(ranks: int) -> int:
+    """Each of ``ranks`` local processes' share of the cores this process may run on (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks)
+
+
 def spawn_local(
     argv: Sequence[str],
     ranks: int,
@@ -263,7 +269,9 @@ def spawn_local(
 ) -> LaunchResult:
     """Run ``argv`` as ``ranks`` local processes with the environment ``torchrun`` would give them
     (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free
-    ``MASTER_PORT``), plus ``env``.
+    ``MASTER_PORT``), plus ``env``. Each rank gets its share of this process's cores as
+    ``OMP_NUM_THREADS`` (at least 1), unless ``env`` or the environment sets it: ranks that each start
+    a thread per core would oversubscribe the machine (``torchrun`` sets it to 1 for several ranks).
 
     Waits for every rank. Once one rank has failed, the others have ``grace_s`` seconds to end on
     their own (they should: their collectives fail); whatever is left after that, or after
@@ -280,6 +288,8 @@ def spawn_local(
         )
     base = dict(os.environ)
     base.update(env or {})
+    if "OMP_NUM_THREADS" not in base:
+        base["OMP_NUM_THREADS"] = str(rank_threads(ranks))
     base.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),
