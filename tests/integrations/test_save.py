@@ -169,6 +169,46 @@ def test_load_state_dict_takes_transformers_names(saved, tmp_path):
         unpatch(other)
 
 
+def test_load_state_dict_takes_the_experts_as_save_pretrained_writes_them(saved, tmp_path):
+    """What ``save_pretrained`` writes (one key per expert, reverted from transformers' fused tensors)
+    loads back onto the fused experts exactly as transformers' own conversion lays them out: the
+    ``load_state_dict`` of transformers' ``Trainer`` resume; an incomplete set is an error naming its keys."""
+    model, path = saved
+    written = tensors(path)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in written and not any("gate_up" in k for k in written)
+    reference = Qwen4ExpForCausalLM.from_pretrained(path).state_dict()  # transformers' conversion
+    experts = [k for k in model.state_dict() if ".experts." in k]
+    assert len(experts) == 2 * 3 and all(torch.equal(reference[k], model.state_dict()[k]) for k in experts)
+
+    other = tiny_model(tiny_config(split_ngram_parts=4), seed=35)
+    patch(other, "memory")
+    try:
+        assert not any(torch.equal(other.state_dict()[k], reference[k]) for k in experts)
+        result = other.load_state_dict(written, strict=False)  # as Trainer loads a checkpoint
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        after = other.state_dict()
+        for k in experts:
+            assert after[k].dtype == reference[k].dtype and torch.equal(after[k], reference[k]), k
+        lost = "model.layers.1.mlp.experts.2.down_proj.weight"
+        bad = {k: v for k, v in written.items() if k != lost}
+        with pytest.raises(RuntimeError, match=re.escape(f"missing ['{lost}'] (1)")):
+            other.load_state_dict(bad, strict=False)
+        extra = "model.layers.1.mlp.experts.9.gate_proj.weight"  # the model has 4 experts
+        bad = {**written, extra: written["model.layers.1.mlp.experts.0.gate_proj.weight"]}
+        with pytest.raises(RuntimeError, match=re.escape(f"has 4 experts; missing [] (0), unexpected ['{extra}'] (1)")):
+            other.load_state_dict(bad, strict=False)
+        bad = dict(written)
+        bad["model.layers.2.mlp.experts.1.up_proj.weight"] = bad["model.layers.2.mlp.experts.1.up_proj.weight"][:-1]
+        with pytest.raises(RuntimeError, match=r"experts.1.up_proj.weight has shape \[7, 16\], expected \[8, 16\]"):
+            other.load_state_dict(bad, strict=False)
+    finally:
+        unpatch(other)
+    with pytest.raises(
+        RuntimeError, match="Unexpected key.*experts.0.gate_proj.weight"
+    ):  # unpatched: transformers' own
+        other.load_state_dict(written)
+
+
 def test_a_patched_model_keeps_its_table_file_when_another_patch_replaces_it(tmp_path):
     """``patch(..., "mmap", table_dir=same)`` for a second model renames new files over the first
     model's: the first keeps saving and unpatching the rows of the file it holds."""

@@ -7,6 +7,9 @@
   dense tables (AdamW on the tables) is measured: it is no closer. The MoE experts are frozen on both
   sides: transformers' own resume does not restore them (``save_pretrained`` writes them one expert at a
   time, ``Trainer``'s ``load_state_dict`` expects them fused), nor a dense table (written as shards).
+- The same with every weight trained, the experts included: ple's model takes the per-expert keys back
+  onto its fused experts, and the resumed run ends bit for bit where the uninterrupted one ends (the
+  weights, the trained rows, SparseAdam's and AdamW's states).
 - ``model.state_dict()`` while the tables train: the weights and each table's trained rows exactly;
   ``load_state_dict`` of it on a fresh model puts them back (same logits); after ``freeze`` it is the
   published layout with the trained rows merged.
@@ -59,9 +62,9 @@ def _freeze_experts(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _ple_model(ckpt, tables):
+def _ple_model(ckpt, tables, freeze_experts=True):
     model = from_pretrained(ckpt, table_dir=tables)
-    rest = _freeze_experts(model)
+    rest = _freeze_experts(model) if freeze_experts else [p for p in model.parameters() if p.requires_grad]
     opt = CombinedOptimizer(SparseAdam(trainable(model), lr=0.05), torch.optim.AdamW(rest, lr=3e-3))
     return model, opt
 
@@ -145,6 +148,33 @@ def test_trainer_resumes_from_its_checkpoint_as_if_never_interrupted(ckpt, tmp_p
     )
     print(f"max |uninterrupted - resumed|: ple {ple_diff:.3g}, plain transformers with dense tables {dense_diff:.3g}")
     assert ple_diff <= dense_diff
+
+
+def test_trainer_resumes_every_weight_the_moe_experts_included(ckpt, tmp_path):
+    """Experts trained too: the checkpoint holds them one expert at a time (transformers' save_pretrained),
+    and the resumed model takes them back onto its fused experts (ple.integrations.experts), exactly."""
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+    tables = tmp_path / "tables"
+    whole, whole_opt = _ple_model(ckpt, tables, freeze_experts=False)
+    start = {n: p.detach().clone() for n, p in whole.named_parameters() if ".experts." in n}
+    assert len(start) == 2 * 3 and all(p.requires_grad for n, p in whole.named_parameters() if n in start)
+    _trainer_run(whole, whole_opt, tmp_path / "a")
+    with safe_open(tmp_path / "a" / "checkpoint-4" / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in f.keys()
+    resumed, resumed_opt = _ple_model(ckpt, tables, freeze_experts=False)
+    _trainer_run(resumed, resumed_opt, tmp_path / "b", resume=tmp_path / "a" / "checkpoint-4")
+
+    for (ids_a, rows_a), (ids_b, rows_b) in zip(_trained_rows(whole), _trained_rows(resumed), strict=True):
+        assert ids_a.numel() > 100 and torch.equal(ids_a, ids_b) and torch.equal(rows_a, rows_b)
+    for (ids_a, s_a), (ids_b, s_b) in zip(_states(whole_opt), _states(resumed_opt), strict=True):
+        assert torch.equal(ids_a, ids_b) and torch.equal(s_a, s_b)
+    dense_a, dense_b = whole_opt.optimizers[1], resumed_opt.optimizers[1]
+    for p, q in zip(table_parameters_of(dense_a), table_parameters_of(dense_b), strict=True):
+        sa, sb = dense_a.state.get(p, {}), dense_b.state.get(q, {})
+        assert sorted(sa) == sorted(sb) and all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa)
+    for (n, p), (_, q) in zip(whole.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert all(not torch.equal(start[n], p) for n, p in whole.named_parameters() if n in start)  # they trained
 
 
 # ---------------------------------------------------------------------------------------------- state_dict

@@ -40,7 +40,10 @@ merged: the base's rows with the trained rows requantized into its format, as
 refuses to be saved, naming what to do instead. A table being trained (``ple.train.trainable``, until
 ``ple.train.freeze``) is saved as its training state instead: its trained rows alone, fp32, exactly
 (``...ngram_embedding.trained_ids`` / ``trained_rows``), which ``load_state_dict`` puts back on the
-model's table: transformers' ``Trainer`` checkpoints and resumes exactly, and no table is written.
+model's table: transformers' ``Trainer`` checkpoints and resumes exactly, and no table is written. A
+patched model's ``load_state_dict`` also takes the MoE experts as ``save_pretrained`` writes them (one key
+per expert) back onto transformers' fused experts, as transformers' conversion lays them out
+(:mod:`ple.integrations.experts`): plain transformers' ``Trainer`` resume leaves them as they were.
 
 Training: with autograd recording (a call outside ``torch.no_grad()``), fresh sequences go through
 :meth:`ple.PLELayer.forward_padded` (the differentiable reference); continuing a cache needs
@@ -81,6 +84,7 @@ from ple.config import ConfigError, PLEConfig, architecture_names
 from ple.convert.dequantized import dequantize_checkpoint
 from ple.convert.folder import PreparedTable, default_table_dir, prepare_table, served_format
 from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from ple.integrations.experts import accept_per_expert_keys, remove_per_expert_hooks
 from ple.integrations.patched import (
     PatchedPLELayer,
 )
@@ -382,6 +386,7 @@ def patch(
     if callable(getattr(type(model), "save_pretrained", None)):
         # on the instance: ``model.save_pretrained(..., dequantize=...)``, and the warning for scaled tables
         model.__dict__["save_pretrained"] = types.MethodType(_save_pretrained, model)
+    accept_per_expert_keys(model)  # what save_pretrained writes (and Trainer resumes from) loads back exactly
     return model
 
 
@@ -406,6 +411,7 @@ def unpatch(model: nn.Module, *, materialize: bool = False) -> nn.Module:
     saver = model.__dict__.get("save_pretrained")
     if isinstance(saver, types.MethodType) and saver.__func__ is _save_pretrained:
         del model.__dict__["save_pretrained"]
+    remove_per_expert_hooks(model)
     return model
 
 
