@@ -516,15 +516,16 @@ class PLELayer(nn.Module):
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
         """
-        if torch.compiler.is_compiling():
-            if prefetched is not None:
-                raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
-            return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         if torch.is_grad_enabled() and hidden.requires_grad:
             raise UsageError(
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
+        if torch.compiler.is_compiling():
+            if prefetched is not None:
+                raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
+            with torch.no_grad():  # as eagerly: weights that require grad record nothing here
+                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         # _checked=False: ple.Session's call only. It built every operand itself from inputs it checked
         # (its batch from its own state, range-checked tokens, hidden [T, HC*H] in the layer's dtype), so
         # the argument checks and the operators' checks on the CPU are skipped; devices are still looked
