@@ -516,15 +516,16 @@ class PLELayer(nn.Module):
                 zeroed (as transformers masks padded positions); their ids should already read EOS.
             add_hidden: False returns ``v + conv`` (what transformers' module returns) instead.
         """
-        if torch.compiler.is_compiling():
-            if prefetched is not None:
-                raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
-            return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         if torch.is_grad_enabled() and hidden.requires_grad:
             raise UsageError(
                 "the engine call is inference-only (it updates the state pool in place); "
                 "use forward_padded() for gradients"
             )
+        if torch.compiler.is_compiling():
+            if prefetched is not None:
+                raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
+            with torch.no_grad():  # as eagerly: weights that require grad record nothing here
+                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         # _checked=False: ple.Session's call only. It built every operand itself from inputs it checked
         # (its batch from its own state, range-checked tokens, hidden [T, HC*H] in the layer's dtype), so
         # the argument checks and the operators' checks on the CPU are skipped; devices are still looked
@@ -628,6 +629,20 @@ class PLELayer(nn.Module):
             return (out, c) if return_conv_input else out
 
     # ------------------------------------------------------------------ training-style call
+    @torch.compiler.disable
+    def _padded_lookup(self, ids: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
+        """The rows of ``ids [B*S, G]`` for :meth:`forward_padded`, recorded for autograd: the row-sparse
+        gradient of a trainable table's handle, or ``F.embedding``'s of a stored fp table's data. Run
+        eagerly under ``torch.compile`` (one graph break: the row-sparse backward is host code)."""
+        table = self._require_table()
+        if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+            return lookup_with_grad(table, ids, self.dtype, weight)  # the table's row-sparse gradient
+        if isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32"):
+            return (
+                F.embedding(ids, table.data).to(self.dtype).reshape(ids.shape[0], -1)
+            )  # differentiable w.r.t. the table
+        return table.lookup(ids, self.dtype)
+
     def _gate_conv_grad(self) -> bool:
         return any(p.requires_grad for p in (self.norm_key, self.norm_query, self.norm_conv, self.conv_weight))
 
@@ -661,14 +676,13 @@ class PLELayer(nn.Module):
         qsl = torch.arange(0, b * s + 1, s, dtype=torch.int64, device=flat.device)
         ctx = torch.full((b, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64, device=flat.device)
         ids = ngram_ids(flat, qsl, ctx, self.layout, cfg.eos_token_id)
-        table = self._require_table()
         weight = self._table_weight[0]
-        if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-            emb = lookup_with_grad(table, ids, self.dtype, weight)  # the table's row-sparse gradient
-        elif isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32"):
-            emb = F.embedding(ids, table.data).to(self.dtype).reshape(b * s, -1)  # differentiable w.r.t. the table
+        if torch.compiler.is_compiling() and not (
+            weight is not None and weight.requires_grad and torch.is_grad_enabled()
+        ):
+            emb = lookup_through(ids, self._table_ref, self.layout.head_dim, self.dtype)  # the table by reference
         else:
-            emb = table.lookup(ids, self.dtype)
+            emb = self._padded_lookup(ids, weight)
         key = F.linear(emb, self.key_proj)
         value = F.linear(emb, self.value_proj)
         if (

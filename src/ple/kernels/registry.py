@@ -14,7 +14,9 @@ module that owns its computation (``ple.ngram``: ``ngram_ids``; ``ple.table.base
 Every kernel and the reference take the operator's arguments as its schema lists them. A device's
 function, the one the dispatcher calls (:meth:`Operator.on` gives it to Python callers that skip the
 dispatcher), is ``check`` and then the device's first kernel whose ``takes`` accepts the arguments
-(the last kernel of a device takes everything). Registration uses the low-level ``Library.define`` +
+(the last kernel of a device takes everything). The operators are not differentiable: their outputs never
+require grad (the ``Autograd`` key falls through), as the inference-only engine call that runs them
+needs; the training path (:meth:`ple.PLELayer.forward_padded`) runs differentiable PyTorch code. Registration uses the low-level ``Library.define`` +
 ``impl`` per device, which dispatches in a few microseconds (``torch.library.custom_op`` costs
 15-25 us a call, too much for a decode step); no other Python layer is added per call.
 """
@@ -122,6 +124,9 @@ def register(
     _LIB.define(schema)
     for device, impl in impls.items():
         _LIB.impl(name, impl, device.upper())
+    # not differentiable: the outputs carry no gradient, whatever their inputs (no autograd warning, and
+    # tracing with inputs that require grad records no backward through the operator)
+    _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"ple::{name}", _one_device_fake(name, schema, fake), lib=_LIB)
     op = Operator(name, schema, reference, tuple(kernels), fake, check, impls, kernel_impls)
     OPERATORS[name] = op

@@ -75,6 +75,8 @@ def check_ngram_inputs(
         )
     if not 0 <= eos_token_id < layout.vocab_size:
         raise NgramInputError(f"eos_token_id={eos_token_id} is outside [0, vocab_size={layout.vocab_size})")
+    if torch.compiler.is_compiling():
+        return  # values are not read while tracing: the compiled call's operator checks the tokens' range
     qsl = query_start_loc.detach().to("cpu", torch.int64)
     if int(qsl[0]) != 0:
         raise NgramInputError(f"query_start_loc must start at 0, got {int(qsl[0])}")
@@ -187,10 +189,19 @@ def ngram_ids(
         layout: the layer's :class:`~ple.layout.Layout` (``PLEConfig.layout(i)``).
         eos_token_id: the id that cuts n-gram history.
         check: validate inputs first (default). ``False`` skips the checks for hot loops whose
-            inputs were validated upstream.
+            inputs were validated upstream. While ``torch.compile`` traces, only shapes, dtypes and
+            the EOS id are checked there; the compiled program's operator call checks the tokens'
+            range (on the CPU; tokens on an accelerator are not read), and the offsets are taken as
+            given (:meth:`ple.PLELayer.forward_padded` builds them).
     """
     if check:
         check_ngram_inputs(input_ids, query_start_loc, ngram_context, layout, eos_token_id)
+    if torch.compiler.is_compiling():  # the operator as one node; each call checks its tokens' range
+        mult, sizes, offs = layout_tensors.__wrapped__(layout, input_ids.device)  # constants, not the cache
+        vocab = layout.vocab_size if check else -1
+        return torch.ops.ple.ngram_ids(
+            input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id, vocab
+        )
     mult, sizes, offs = layout_tensors(layout, input_ids.device)
     run = _OPERATOR.on(input_ids.device)
     return run(input_ids, query_start_loc, ngram_context, mult, sizes, offs, layout.heads_per_ngram, eos_token_id)

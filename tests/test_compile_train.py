@@ -1,0 +1,114 @@
+"""torch.compile with gradients on: the engine call of a layer whose weights require grad, the
+training call (``forward_padded``) with a trainable table, and a model's training steps, each
+compared with eager. aot_eager (AOTAutograd's forward and backward graphs, no Inductor) keeps the
+compiles short on 2 cores; what is checked (no warning, no graph break, equal numbers) is decided
+before Inductor would run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ple.ngram import NgramInputError
+from tests.test_compile import CFG, _layer, _step
+
+pytestmark = pytest.mark.slow
+
+
+def test_compiled_engine_call_with_weights_that_require_grad_warns_nothing_and_records_nothing():
+    torch._dynamo.reset()
+    counters.clear()
+    layer = _layer(torch.float32, seed=4)
+    assert all(p.requires_grad for p in layer.parameters())
+    eager_pool, compiled_pool = layer.new_state_pool(4), layer.new_state_pool(4)
+    h, ids, be = _step(layer, [3, 2], [0, 1], [False, False], eager_pool, seed=5)
+    _, _, bc = _step(layer, [3, 2], [0, 1], [False, False], compiled_pool, seed=5)
+    want = layer(h, ids, be)
+    engine = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the autograd fallback's "silently incorrect behavior" warning
+        got = engine(h, ids, bc)
+    assert not got.requires_grad and got.grad_fn is None  # as eagerly: the engine call records nothing
+    assert torch.equal(got, want) and torch.equal(compiled_pool, eager_pool)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_the_operators_outputs_never_require_grad():
+    layer = _layer(torch.float32, seed=6)
+    pool = layer.new_state_pool(4)
+    h, ids, b = _step(layer, [4], [0], [False], pool, seed=7)
+    with torch.no_grad():
+        rows = layer.table.lookup(layer_ids(layer, ids, b), torch.float32)
+    key, value = (x.detach().requires_grad_(True) for x in layer.project(rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.ops.ple.gate_conv(
+            key, value, h.requires_grad_(True), *layer._fused_args, b.query_start_loc, b.conv_state,
+            b.slot_indices, b.has_initial_state, b.num_rejected, torch.empty(0, dtype=torch.int64), False, None,
+            True, False,
+        )[0]  # fmt: skip
+    assert not out.requires_grad
+
+
+def layer_ids(layer, ids, batch):
+    return torch.ops.ple.ngram_ids(
+        ids, batch.query_start_loc, batch.ngram_context, layer.ngram_multipliers, layer.ngram_head_sizes,
+        layer.ngram_head_offsets, layer.layout.heads_per_ngram, CFG.eos_token_id, CFG.vocab_size,
+    )  # fmt: skip
+
+
+def test_forward_padded_with_a_frozen_table_traces_whole_and_equals_eager():
+    torch._dynamo.reset()
+    layer = _layer(torch.float32, seed=8)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(2, 5, CFG.hc_hidden_size, generator=g)
+    ids = torch.randint(0, CFG.vocab_size, (2, 5), generator=g)
+    got = torch.compile(layer.forward_padded, backend="aot_eager", fullgraph=True)(h, ids)
+    assert torch.equal(got, layer.forward_padded(h, ids))
+    bad = ids.clone()
+    bad[1, 3] = CFG.vocab_size  # the compiled program's call still refuses a token outside the vocabulary
+    with pytest.raises(NgramInputError, match=f"token id {CFG.vocab_size} at position 8"):
+        torch.compile(layer.forward_padded, backend="aot_eager", fullgraph=True)(h, bad)
+
+
+def _trained(tmp_path, compiled: bool):
+    from ple.integrations.transformers import from_pretrained, patched_layers
+    from ple.train import SparseAdam, trainable
+    from tests.integrations.helpers import EOS, VOCAB, tiny_config, tiny_model
+
+    ckpt = tmp_path / "ckpt"
+    if not ckpt.exists():
+        tiny_model(tiny_config(split_ngram_parts=4, ple_embed_dim=128), seed=51).save_pretrained(ckpt)
+    model = from_pretrained(ckpt, table_dir=tmp_path / ("tables_c" if compiled else "tables_e"))
+    tables = SparseAdam(trainable(model), lr=0.05)
+    rest = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    ids = torch.randint(EOS + 1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    model.train()
+    losses = []
+    for _ in range(3):
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        tables.step()
+        rest.step()
+        rest.zero_grad()
+        losses.append(float(loss.detach()))
+    rows = [w.layer.table.overlay.range(0, w.layer.table.rows) for w in patched_layers(model)]
+    return losses, rows, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_compiled_training_steps_equal_eager(tmp_path):
+    torch._dynamo.reset()
+    want_losses, want_rows, want_params = _trained(tmp_path, compiled=False)
+    got_losses, got_rows, got_params = _trained(tmp_path, compiled=True)
+    assert got_losses == pytest.approx(want_losses, abs=1e-5)
+    assert want_losses[-1] < want_losses[0]
+    for (gi, gv), (wi, wv) in zip(got_rows, want_rows):
+        assert torch.equal(gi, wi) and len(wi) > 10  # the same rows trained
+        torch.testing.assert_close(gv, wv, rtol=0, atol=1e-5)
+    assert got_params.keys() == want_params.keys()
+    for name, w in want_params.items():
+        torch.testing.assert_close(got_params[name], w, rtol=0, atol=1e-5, msg=name)
