@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ple.ngram import NgramInputError
+from ple.table import MemoryTable
 from tests.test_compile import CFG, _layer, _step
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,23 @@ def test_forward_padded_with_a_frozen_table_traces_whole_and_equals_eager():
     bad[1, 3] = CFG.vocab_size  # the compiled program's call still refuses a token outside the vocabulary
     with pytest.raises(NgramInputError, match=f"token id {CFG.vocab_size} at position 8"):
         torch.compile(layer.forward_padded, backend="aot_eager", fullgraph=True)(h, bad)
+
+
+def test_compiled_forward_padded_gives_a_table_that_requires_grad_its_gradient():
+    """A stored fp32 table whose data is a parameter (``patch(table_grad=True)``): the compiled call looks
+    it up eagerly (one graph break) so its data gets eager's gradient, never none."""
+    torch._dynamo.reset()
+    layer = _layer(torch.float32, seed=10)
+    data = torch.nn.Parameter(layer.table.data.clone())
+    layer.set_table(MemoryTable(data))
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(2, 5, CFG.hc_hidden_size, generator=g)
+    ids = torch.randint(0, CFG.vocab_size, (2, 5), generator=g)
+    layer.forward_padded(h, ids).square().sum().backward()
+    want, data.grad = data.grad.clone(), None
+    assert want.abs().sum() > 0
+    torch.compile(layer.forward_padded, backend="aot_eager")(h, ids).square().sum().backward()
+    assert data.grad is not None and torch.allclose(data.grad, want, rtol=1e-5, atol=1e-6)
 
 
 def _trained(tmp_path, compiled: bool):

@@ -125,6 +125,7 @@ class PLELayer(nn.Module):
             self.norm_conv = nn.Parameter(torch.zeros(c, dtype=dtype, device=device))
             self.conv_weight = nn.Parameter(torch.zeros(c, k, dtype=dtype, device=device))
         self._table_ref = TableRef()
+        self._table_data_grad = False  # set_table: a stored fp table whose data requires grad
         self._table_weight: tuple[nn.Parameter | None] = (None,)
         self._seen: tuple = ()
         self.refresh_weights()
@@ -145,6 +146,7 @@ class PLELayer(nn.Module):
     def table(self, table) -> None:
         if table is None:
             self._table_ref.table = None
+            self._table_data_grad = False
         else:
             self.set_table(table)
 
@@ -172,6 +174,9 @@ class PLELayer(nn.Module):
                     "or model"
                 )
         self._table_ref.table = table
+        self._table_data_grad = (
+            isinstance(table, StoredTable) and table.format in ("bf16", "fp16", "fp32") and table.data.requires_grad
+        )
 
     @property
     def table_weight(self) -> nn.Parameter | None:
@@ -643,6 +648,15 @@ class PLELayer(nn.Module):
             )  # differentiable w.r.t. the table
         return table.lookup(ids, self.dtype)
 
+    def _table_records_grad(self, weight: nn.Parameter | None) -> bool:
+        """Whether compiled code must record this call's lookup for autograd (then it runs eagerly: one
+        graph break): a trainable table's handle, or a stored fp table whose data required grad when it
+        was set (``patch(table_grad=True)``), in grad mode. Read from plain attributes: compiled code
+        cannot look inside the table reference."""
+        if not torch.is_grad_enabled():
+            return False
+        return (weight is not None and weight.requires_grad) or self._table_data_grad
+
     def _gate_conv_grad(self) -> bool:
         return any(p.requires_grad for p in (self.norm_key, self.norm_query, self.norm_conv, self.conv_weight))
 
@@ -677,9 +691,7 @@ class PLELayer(nn.Module):
         ctx = torch.full((b, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64, device=flat.device)
         ids = ngram_ids(flat, qsl, ctx, self.layout, cfg.eos_token_id)
         weight = self._table_weight[0]
-        if torch.compiler.is_compiling() and not (
-            weight is not None and weight.requires_grad and torch.is_grad_enabled()
-        ):
+        if torch.compiler.is_compiling() and not self._table_records_grad(weight):
             emb = lookup_through(ids, self._table_ref, self.layout.head_dim, self.dtype)  # the table by reference
         else:
             emb = self._padded_lookup(ids, weight)
