@@ -1,4 +1,4 @@
-/* Fused CPU kernels of the PLE layer, compiled on first use by ple._native (plain C, no Python API).
+/* Fused CPU kernels of the PLE layer, compiled on first use by ple.kernels.native (plain C, no Python API).
  *
  * ple_gate_conv: gate (three grouped RMS norms, key/query match, gated value, conv input), the
  * dilated causal depthwise conv over a packed batch with its state pool, SiLU and the residual, in
@@ -1427,7 +1427,7 @@ static void *thread_main(void *arg) {
 /* ---------------------------------------------------------------------------------------------------
  * Teams. ple_team_run runs fn(arg) on up to `threads` threads, the caller's among them, and returns
  * once every one returned; the work inside takes its pieces from a shared counter, so it finishes
- * whatever number of threads joined. Built with OpenMP (ple._native does so when the process's
+ * whatever number of threads joined. Built with OpenMP (ple.kernels.native does so when the process's
  * PyTorch runs on GNU OpenMP, whose runtime the library then shares), the threads are the caller's
  * OpenMP team: PyTorch's own intra-op threads, already started, and still spinning after the step's
  * GEMM. A team then starts in about a microsecond and no idle thread competes with it for a core.
@@ -1438,7 +1438,7 @@ static int g_forked; /* this process is a fork of one that may have run OpenMP t
 
 /* GNU OpenMP cannot run a team in a child forked after its parent ran one (the child waits forever for
  * threads that were not copied), so a forked child runs its teams on POSIX threads: forks after this
- * library was loaded are seen here, forks before it by ple._native (os.register_at_fork). */
+ * library was loaded are seen here, forks before it by ple.kernels.native (os.register_at_fork). */
 void ple_team_after_fork(void) { g_forked = 1; }
 
 __attribute__((constructor)) static void team_init(void) { pthread_atfork(0, 0, ple_team_after_fork); }

@@ -1,8 +1,8 @@
-/* Table conversion kernels (ple.table.encode): source rows decoded to float32, checked, encoded into a
+/* Table conversion kernels (ple.table.formats.encode): source rows decoded to float32, checked, encoded into a
  * block or per-row format, decoded again and compared, in one pass over each row; and scans of stored
  * rows for values that are not finite.
  *
- * Every encoder computes what its numpy reference in ple.table.blocks / ple.table.quantize computes,
+ * Every encoder computes what its numpy reference in ple.table.formats.blocks / ple.table.formats.quantize computes,
  * bit for bit: float32 arithmetic, one rounding per operation in the reference's order (no fused
  * multiply-add: hence the pragma, and statements kept apart), the same tie rules (the first of equal
  * values, GGML's nearest-grid rule), fp16 and E4M3 rounding to nearest even as numpy's astype and
@@ -118,7 +118,7 @@ __attribute__((constructor)) static void encode_init(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * Source rows -> float32 values, exactly as ple.table.convert dequantizes them */
+ * Source rows -> float32 values, exactly as ple.table.files.transcode dequantizes them */
 
 typedef struct {
     int src_kind, scale_kind; /* scale_kind 0 none, 1 global, 2 per row */
@@ -523,7 +523,7 @@ static int enc_block(int target, int isa, const float *x, uint8_t *out) {
     }
 }
 
-/* one GGML block -> its 32 values (ple.table.blocks' definitions) */
+/* one GGML block -> its 32 values (ple.table.formats.blocks' definitions) */
 static void dec_block(int target, const uint8_t *b, float *v) {
     const float d = f32_of_f16((uint32_t)b[0] | ((uint32_t)b[1] << 8));
     int j;
@@ -588,7 +588,7 @@ static void dec_block(int target, const uint8_t *b, float *v) {
     }
 }
 
-/* nearest E2M1 code, ties to even, sign in bit 3 (the thresholds of ple.table.blocks._e2m1_codes) */
+/* nearest E2M1 code, ties to even, sign in bit 3 (the thresholds of ple.table.formats.blocks._e2m1_codes) */
 static uint8_t e2m1_code(float v) {
     const float a = fabsf(v);
     const int mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
@@ -731,7 +731,7 @@ static void *encode_worker(void *arg) {
 /* Rows [0, n) of `src` (rows src_stride bytes apart, in source kind src_kind with the given scale)
  * encoded into `out` (rows out_bytes apart) in format `target` (or, for target -1, each row's largest
  * magnitude into out_scale); out_scale receives the per-row scales of fp8_row / int8_row; err_sq,
- * ref_sq, max_rel (each [n] or all null) the error statistics of ple.table.quantize.RowStats. */
+ * ref_sq, max_rel (each [n] or all null) the error statistics of ple.table.formats.quantize.RowStats. */
 int ple_encode_rows(int src_kind, const uint8_t *src, int64_t src_stride, int64_t n, int64_t D, int scale_kind,
                     const float *scale, float src_global, int target, float target_global, uint8_t *out,
                     int64_t out_bytes, float *out_scale, double *err_sq, double *ref_sq, double *max_rel,

@@ -1,4 +1,4 @@
-/* ple eval's passes over a window's next-token logits (ple.evaluate): the reference's distribution,
+/* ple eval's passes over a window's next-token logits (ple.commands.evaluate): the reference's distribution,
  * and each candidate's negative log-likelihood, KL divergence to the reference and top token, in two
  * passes over each row (the row held in cache) instead of a log-softmax and its separate passes.
  *

@@ -1,7 +1,7 @@
-/* Fused gather + dequantize of block-format table rows (ple.table.blocks) on the CPU.
+/* Fused gather + dequantize of block-format table rows (ple.table.formats.blocks) on the CPU.
  *
  * ple_quant_lookup reads, for each of n row ids, the row's stored bytes and writes its head_dim
- * values in the activation dtype: float32 values computed exactly as ple.table.blocks defines them
+ * values in the activation dtype: float32 values computed exactly as ple.table.formats.blocks defines them
  * (one float32 rounding per operation, in its order: no fused multiply-add, hence the pragma and
  * the separate statements), then rounded once, to nearest even, to bf16 or fp16.
  *
