@@ -529,8 +529,9 @@ class PLELayer(nn.Module):
         if torch.compiler.is_compiling():
             if prefetched is not None:
                 raise UsageError("wait a prefetch handle outside compiled code and pass its rows as rows=")
-            with torch.no_grad():  # as eagerly: weights that require grad record nothing here
-                return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
+            # no torch.no_grad() here: a compiled graph that raises inside one (a refused token) would leave
+            # grad mode off; the operators are not differentiable, so the output records nothing anyway
+            return self._step(hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input)
         # _checked=False: ple.Session's call only. It built every operand itself from inputs it checked
         # (its batch from its own state, range-checked tokens, hidden [T, HC*H] in the layer's dtype), so
         # the argument checks and the operators' checks on the CPU are skipped; devices are still looked

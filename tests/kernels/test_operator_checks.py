@@ -221,6 +221,7 @@ def test_compiled_and_eager_engine_calls_agree_on_a_token_outside_the_vocabulary
     for fn in (step, compiled):
         with pytest.raises(NgramInputError, match="token id 50 at position 1 .* outside \\[0, vocab_size=50\\)"):
             fn(hidden, bad)
+    assert torch.is_grad_enabled()  # the compiled call that raised left grad mode as it was
 
 
 # ---------------------------------------------------------------------------------------------- fuzz
