@@ -39,15 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ple.checkpoint.classify import ADAPTER_FORMAT, table_identity
+from ple.checkpoint.classify import ADAPTER_FORMAT
 from ple.common.files import file_kind, parse_json, sweep_partial_files, write_atomically_from
 from ple.common.safetensors import CheckpointError, PreadReader, TensorInfo, read_header
 from ple.errors import ArgumentTypeError, InvalidArgumentError, PLEError, UsageError
 from ple.layer import PLELayer
 from ple.table import ShardedTable, Table
-from ple.table.files.table_file import hash_layout, read_table_header
+from ple.table.files.table_file import hash_layout
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.train.attach import TableTarget, ple_layers
+from ple.train.identity import base_identity, base_of
 from ple.train.optim import RowSparseOptimizer, check_step, short_repr
 from ple.train.sharded import all_gather_rows
 
@@ -80,37 +81,6 @@ class AdapterFileError(PLEError, ValueError):
 # ---------------------------------------------------------------------------------------------- sources
 def layout_hash_of(layer: PLELayer) -> str:
     return hash_layout(layer.config.layout_fields(layer.ple_layer_index))
-
-
-def base_of(table: Table) -> Table:
-    """The table under an adapter (the table itself when it has none)."""
-    return table.base if isinstance(table, AdaptedTable) else table
-
-
-def base_identity(table: Table) -> dict[str, Any] | None:
-    """The table file under ``table`` (through caches): ``{"file", "format", "header_checksum",
-    "identity"}``; the header checksum covers every shard's checksum, so it names the rows exactly, and
-    the identity what the table was made from (:func:`ple.checkpoint.classify.table_identity`: what a
-    merge checks). None for a table not read from a table file."""
-    at: Any = base_of(table)
-    for _ in range(8):
-        path = getattr(at, "path", None)
-        if isinstance(path, (str, os.PathLike)):
-            header = getattr(at, "header", None)
-            try:
-                header = header if isinstance(header, dict) else read_table_header(path)
-            except (OSError, PLEError):
-                return None
-            return {
-                "file": str(Path(path).resolve()),
-                "format": header["format"],
-                "header_checksum": header["header_checksum"],
-                "identity": table_identity(path, header).to_json(),
-            }
-        at = getattr(at, "backing", None)
-        if at is None:
-            return None
-    return None
 
 
 def _local(layer: PLELayer) -> tuple[Table, int, int, bool]:

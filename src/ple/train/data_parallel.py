@@ -70,6 +70,7 @@ import torch.distributed as dist
 from ple.common.collective import RankMismatchError, collective_device, differing, exchange_records, hash60
 from ple.errors import InvalidArgumentError, UsageError
 from ple.table.formats.catalog import FORMATS
+from ple.train.identity import base_identity
 
 __all__ = [
     "group_of",
@@ -210,8 +211,6 @@ def _digest(pairs) -> int:
 
 def _check_words(item: TableStep) -> list[int]:
     """``[format, header checksum, trained rows digest, states digest]`` of a table (see CHECK_FIELDS)."""
-    from ple.train.adapter import base_identity
-
     parts = item.target.parts()
     base = parts[0].base
     identity = base_identity(base)
