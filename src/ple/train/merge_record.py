@@ -41,7 +41,7 @@ import torch
 
 from ple.checkpoint.classify import TableIdentity
 from ple.table import MmapTable
-from ple.table.files.table_file import TableFileError
+from ple.table.files.table_file import HeaderFields, TableFileError
 from ple.table.formats.catalog import FORMATS, format_info
 
 __all__ = [
@@ -184,34 +184,14 @@ class RecordedRows:
         ]
 
 
-class _Record:
-    """Typed access to a merge record: every field that is wrong is a :class:`TableFileError` naming it."""
-
-    def __init__(self, path: str | os.PathLike, doc: dict[str, Any], where: str = "merged.") -> None:
-        self.path, self.d, self.where = path, doc, where
-
-    def bad(self, key: str, expected: str) -> TableFileError:
-        shown = repr(self.d.get(key, "<missing>"))
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        return TableFileError(f"{self.path}: header field '{self.where}{key}' is {shown}, expected {expected}")
-
-    def integer(self, key: str, lo: int, hi: int) -> int:
-        v = self.d.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise self.bad(key, f"an integer in [{lo}, {hi}]")
-        return v
+class _Record(HeaderFields):
+    """A merge record's fields (:class:`~ple.table.files.table_file.HeaderFields`), plus strings and blobs."""
 
     def string(self, key: str, pattern: re.Pattern[str] | None = None, expected: str = "a non-empty string") -> str:
         v = self.d.get(key)
         if not isinstance(v, str) or not v or (pattern is not None and not pattern.match(v)):
             raise self.bad(key, expected)
         return v
-
-    def obj(self, key: str) -> _Record:
-        v = self.d.get(key)
-        if not isinstance(v, dict):
-            raise self.bad(key, "a JSON object")
-        return _Record(self.path, v, f"{self.where}{key}.")
 
     def blob(self, key: str, nbytes: int, what: str, compressed: bool = False, exact: bool = True) -> bytes:
         """Field ``key``'s bytes (base64, ``compressed`` with zlib): ``nbytes`` of them (at most, not ``exact``)."""
@@ -237,7 +217,7 @@ def recorded_rows(path: str | os.PathLike, header: dict[str, Any]) -> RecordedRo
     doc = header.get("merged")
     if not isinstance(doc, dict):
         raise TableFileError(f"{path}: header field 'merged' is {doc!r}, expected a JSON object")
-    f, rows = _Record(path, doc), int(header["rows"])
+    f, rows = _Record(doc, path, "merged."), int(header["rows"])
     f.string("adapter")
     layout = header.get("layout")
     own = layout.get("ple_layer_index") if isinstance(layout, dict) else None

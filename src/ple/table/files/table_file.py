@@ -71,7 +71,7 @@ import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -238,10 +238,14 @@ def sweep_partials(path: Path) -> list[Path]:
     return live
 
 
-class _Fields:
-    """Typed access to a parsed header: every malformed field is a :class:`TableFileError` naming it."""
+_F = TypeVar("_F", bound="HeaderFields")
 
-    def __init__(self, d: Any, path: Path, where: str = "") -> None:
+
+class HeaderFields:
+    """Typed access to a parsed header (or a part of it, ``where`` its key path): every malformed field is
+    a :class:`TableFileError` naming it."""
+
+    def __init__(self, d: Any, path: str | os.PathLike, where: str = "") -> None:
         self.d, self.path, self.where = d, path, where
 
     def bad(self, key: str, expected: str) -> TableFileError:
@@ -267,14 +271,14 @@ class _Fields:
             raise self.bad(key, f"one of {list(options)}")
         return v
 
-    def obj(self, key: str) -> _Fields:
+    def obj(self: _F, key: str) -> _F:
         v = self.d.get(key)
         if not isinstance(v, dict):
             raise self.bad(key, "a JSON object")
-        return _Fields(v, self.path, f"{self.where}{key}.")
+        return type(self)(v, self.path, f"{self.where}{key}.")
 
 
-def _check_digest(fields: _Fields, key: str, allow_empty: bool) -> None:
+def _check_digest(fields: HeaderFields, key: str, allow_empty: bool) -> None:
     v = fields.d.get(key)
     if isinstance(v, str) and (_HEX32.match(v) or (allow_empty and v == "")):
         return
@@ -296,7 +300,7 @@ def _validate(header: Any, path: Path, header_end: int, file_size: int) -> dict[
     want = header.get("header_checksum")
     if not isinstance(want, str) or header_digest(header) != want:
         raise TableFileError(f"{path}: header checksum mismatch: the header was changed or damaged")
-    f = _Fields(header, path)
+    f = HeaderFields(header, path)
     if not isinstance(header.get("complete"), bool):
         raise f.bad("complete", "true or false")
     info = format_info(f.choice("format", FORMATS))
