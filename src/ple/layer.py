@@ -36,7 +36,7 @@ from ple.ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_g
 from ple.runtime.batch import Batch
 from ple.runtime.native_step import NativeStep
 from ple.table import StoredTable
-from ple.table.base import TableRef, lookup_built, lookup_through
+from ple.table.base import TableRef, lookup_built, lookup_through, with_adapters
 from ple.table.files.table_file import hash_layout
 from ple.table.grad import lookup_with_grad
 
@@ -547,6 +547,9 @@ class PLELayer(nn.Module):
         if prefetched is not None:
             prefetched.check_bound(self, input_ids, batch.query_start_loc, batch.ngram_context)
             rows = prefetched.wait()
+            if batch.adapter_indices is not None:  # the prefetch read the layer's table: named adapters on top
+                ids = self.ngram_ids(input_ids, batch)
+                rows = with_adapters(self._table_ref, ids, rows, batch.adapter_indices, batch.query_start_loc)
         elif rows is None:
             self._require_table()
         try:
@@ -580,6 +583,11 @@ class PLELayer(nn.Module):
                 f"rows must be [T, E] = ({tokens}, {self.layout.embed_dim}) {self.dtype}, got "
                 f"{tuple(rows.shape)} {rows.dtype}"
             )
+        if rows is not None and batch.adapter_indices is not None:
+            raise InvalidArgumentError(
+                "rows= are used as given, but the batch names adapters per request (adapter_indices): let the "
+                "layer read its table (or prefetch with start_prefetch)"
+            )
         if token_mask is not None and token_mask.shape != (tokens,):
             raise InvalidArgumentError(f"token_mask must be [T={tokens}], got {tuple(token_mask.shape)}")
 
@@ -607,7 +615,13 @@ class PLELayer(nn.Module):
                     self.config.vocab_size,  # token values checked where they are in host memory
                 )
             with ops_library.named_range("ple.lookup"):
-                rows = lookup_op(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                if batch.adapter_indices is None:
+                    rows = lookup_op(ids, self._table_ref, self.layout.head_dim, hidden.dtype)
+                else:  # the sequences that name an adapter read its rows
+                    rows = lookup_op(
+                        ids, self._table_ref, self.layout.head_dim, hidden.dtype, batch.adapter_indices,
+                        batch.query_start_loc,
+                    )  # fmt: skip
         with ops_library.named_range("ple.gemm"):
             key, value = self.project(rows)
         with ops_library.named_range("ple.gate_conv"):

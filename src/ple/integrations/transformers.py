@@ -603,7 +603,7 @@ def from_pretrained(
 
         patch(model, factory)
         if adapter is not None:
-            from ple.train.adapter import load_adapter
+            from ple.train.serve import load_adapter
 
             load_adapter(model, adapter)
     except BaseException:

@@ -50,6 +50,9 @@ class Batch:
         num_spec: speculative tokens per verify row (the pool's extra columns).
         state_offsets: ``[slots]`` int64 ring offsets (updated in place), or None (engine layout).
         token_count: T as a host integer (set by :meth:`build`; None when unknown). Host-side only.
+        adapter_indices: ``[R]`` int64, the named adapter each request reads (its index, see
+            :mod:`ple.table.tiers.named`; ``-1``: the layer's table as it is, with its default adapter
+            if any), or None: every request reads the default.
 
     A batch made by :meth:`build` is validated; the layer's engine call then checks only shapes
     and dtypes. Made directly from tensors, a batch is trusted as it is.
@@ -65,6 +68,7 @@ class Batch:
     num_spec: int = 0
     state_offsets: torch.Tensor | None = None
     token_count: int | None = None
+    adapter_indices: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -108,6 +112,9 @@ class Batch:
         ):
             if t.dtype not in _INT_DTYPES:
                 raise BatchError(f"{name} must be int32/int64, got {t.dtype}")
+        ai = self.adapter_indices
+        if ai is not None and (tuple(ai.shape) != (r,) or ai.dtype != torch.int64):
+            raise BatchError(f"adapter_indices must be int64 [R={r}], got {ai.dtype} {tuple(ai.shape)}")
         if self.has_initial_state.dtype != torch.bool:
             raise BatchError(f"has_initial_state must be bool, got {self.has_initial_state.dtype}")
         pool = self.conv_state
@@ -136,6 +143,7 @@ class Batch:
         device: torch.device | str | None = None,
         state_offsets: torch.Tensor | None = None,
         vocab_size: int | None = None,
+        adapter_indices: Sequence[int] | None = None,
     ) -> Batch:
         """Build and validate a batch.
 
@@ -144,7 +152,8 @@ class Batch:
         the previous step was not speculative. ``num_rejected`` may be given directly instead.
         ``conv_window`` = (K-1)*N lets the builder check the pool width; ``vocab_size`` the context
         values. Counts, slots and lengths must be integers (not bools), flags bools, contexts an
-        integer tensor: nothing is converted silently.
+        integer tensor: nothing is converted silently. ``adapter_indices``: per request the index of
+        the named adapter it reads, -1 for the default (see :attr:`adapter_indices`).
         """
         if not isinstance(num_spec, numbers.Integral) or isinstance(num_spec, bool) or num_spec < 0:
             raise BatchError(f"num_spec must be a non-negative int, got {num_spec!r}")
@@ -219,6 +228,12 @@ class Batch:
         if vocab_size is not None and (at := first_out_of_range(ngram_context, vocab_size)) is not None:
             bad = int(ngram_context.reshape(-1)[at])
             raise BatchError(f"ngram_context holds token {bad}, outside [0, vocab_size={vocab_size})")
+        if adapter_indices is not None:
+            if len(adapter_indices) != r:
+                raise BatchError(f"adapter_indices has {len(adapter_indices)} entries for {r} requests")
+            for i, a in enumerate(adapter_indices):
+                if not is_int(a) or a < -1:
+                    raise BatchError(f"request {i}: adapter index {a!r} must be an int >= -1 (-1: the default)")
         lens = [int(n) for n in query_lens]
         offsets = [0, *_cumsum(lens)]
         return cls(
@@ -232,6 +247,9 @@ class Batch:
             num_spec=int(num_spec),
             state_offsets=state_offsets,
             token_count=offsets[-1],
+            adapter_indices=None
+            if adapter_indices is None
+            else torch.tensor([int(a) for a in adapter_indices], dtype=torch.int64, device=device),
         )
 
 
@@ -253,6 +271,7 @@ _LEAVES = (
     "num_rejected",
     "conv_state",
     "state_offsets",
+    "adapter_indices",
 )
 
 

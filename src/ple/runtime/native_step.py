@@ -26,6 +26,7 @@ from ple.errors import InvalidArgumentError
 from ple.kernels import native as _native
 from ple.ops.fused import native as fused_native
 from ple.ops.records import StepMeta
+from ple.table.base import with_adapters
 
 __all__ = ["NativeStep"]
 
@@ -194,6 +195,8 @@ class NativeStep:
                 rows = scratch.rows[:tokens]
             else:
                 rows = table.lookup(scratch.ids[:tokens], self._dtype, check=False)
+            if batch.adapter_indices is not None:  # the requests that name an adapter read its rows
+                rows = with_adapters(layer.table_ref, scratch.ids[:tokens], rows, batch.adapter_indices, qsl)
             # the outputs first: the first PyTorch call after the GEMM would find the dispatcher's caches
             # empty (tens of microseconds); after it only attribute reads and the kernel's call remain
             out = torch.empty((tokens, self._channels), dtype=self._dtype)

@@ -11,18 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
 import torch
 
-from ple.errors import PLEError
+from ple.errors import InvalidArgumentError, PLEError
 from ple.ngram import next_ngram_context
 from ple.ops.state import ring_window
 from ple.runtime.batch import Batch, is_int
 from ple.runtime.slots import SlotArrays, SlotField
+from ple.table.tiers.named import DEFAULT_ADAPTER, adapter_index
 
-__all__ = ["PrefixKeeping", "PrefixState", "Request", "SessionError", "SessionStep"]
+__all__ = [
+    "PrefixKeeping",
+    "PrefixState",
+    "Request",
+    "SessionError",
+    "SessionStep",
+    "adapter_of",
+    "check_resumable",
+    "packed_rows",
+]
 
 
 class SessionError(PLEError, ValueError):
@@ -35,12 +46,16 @@ class PrefixState:
 
     ``conv_window`` the last conv inputs (zeros before the start): ``[HC*H, (K-1)*N]`` for a session
     of one layer, ``[layers, HC*H, (K-1)*N]`` for several; ``ngram_context [N-1]`` int64 (the last N-1
-    tokens, EOS-filled).
+    tokens, EOS-filled). ``adapter``: what the request read its table rows through (the conv window
+    depends on them): None for the base table, ``(name, serial)`` for a named adapter and ``("", serial)``
+    for the model's default adapter (``serial``: that loaded adapter's, unique in the process); a
+    request resumed from the state must read through the same.
     """
 
     conv_window: torch.Tensor
     ngram_context: torch.Tensor
     length: int
+    adapter: tuple[str, int] | None = None
 
 
 @dataclasses.dataclass
@@ -59,10 +74,12 @@ class Request:
     slot holds state and how many of its last columns were rejected live in the session's
     :class:`~ple.runtime.slots.SlotArrays` (read and written here as attributes)."""
 
-    __slots__ = ("slot", "pending", "prefix_states", "wanted", "_arrays")
+    __slots__ = ("slot", "pending", "prefix_states", "wanted", "adapter", "adapter_key", "_arrays")
 
-    def __init__(self, slot: int, arrays: SlotArrays):
+    def __init__(self, slot: int, arrays: SlotArrays, adapter: int = -1, adapter_key: tuple[str, int] | None = None):
         self.slot = slot
+        self.adapter = adapter  # the named adapter's index, -1: the default
+        self.adapter_key = adapter_key  # what its prefix states record (PrefixState.adapter)
         self.pending: Pending | None = None
         self.prefix_states: dict[int, PrefixState] = {}
         self.wanted: set[int] = set()  # positions the caller named
@@ -180,12 +197,12 @@ class PrefixKeeping:
                 out.append(pool[req.slot, :, end - self._window : end].clone())
         return torch.stack(out).cpu()
 
-    def _state(self, windows: torch.Tensor, ctx: torch.Tensor, length: int) -> PrefixState:
+    def _state(self, req: Request, windows: torch.Tensor, ctx: torch.Tensor, length: int) -> PrefixState:
         w = windows[0] if len(self.layers) == 1 else windows
-        return PrefixState(w.contiguous(), ctx, length)
+        return PrefixState(w.contiguous(), ctx, length, req.adapter_key)
 
     def _state_now(self, req: Request) -> PrefixState:
-        return self._state(self._window_of(req), self._arrays.contexts[req.slot].clone(), req.length)
+        return self._state(req, self._window_of(req), self._arrays.contexts[req.slot].clone(), req.length)
 
     def _open_chunk_end(self, request_id: Hashable, req: Request) -> int | None:
         """The request's length after its chunk in the open step, or None when it is not in one."""
@@ -243,5 +260,71 @@ class PrefixKeeping:
             hist = torch.cat([prev_window, c[:, :k].transpose(1, 2).to(prev_window.dtype)], dim=2)
             window = hist[:, :, hist.shape[2] - self._window :].clone()
             ctx = next_ngram_context(tokens[:k], torch.tensor([0, k]), prev_ctx.view(1, -1))[0]
-            req.prefix_states[pos] = self._state(window, ctx, pos)
+            req.prefix_states[pos] = self._state(req, window, ctx, pos)
             req.wanted.discard(pos)
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+def adapter_of(layers, name: str | None) -> tuple[int, tuple[str, int] | None]:
+    """``(index, key)`` of the adapter ``name`` (None: the default) a request of ``layers`` reads: its
+    index in batches (-1 for the default) and what its prefix states record (:attr:`PrefixState.adapter`)."""
+    refs = [layer.table_ref for layer in layers]
+    if name is None:
+        overlay = getattr(refs[0].table, "overlay", None)  # an adapted table: the model's default adapter
+        return DEFAULT_ADAPTER, None if overlay is None else ("", overlay.serial)
+    try:
+        index = adapter_index(refs, name)
+    except InvalidArgumentError as e:
+        raise SessionError(str(e)) from None
+    return index, (name, refs[0].adapters.get(index).overlay.serial)
+
+
+def _describe(key: tuple[str, int] | None) -> str:
+    if key is None:
+        return "the base table"
+    return "the model's default adapter" if key[0] == "" else f"adapter {key[0]!r}"
+
+
+def check_resumable(request_id: Hashable, state: PrefixState, key: tuple[str, int] | None) -> None:
+    """Refuse to resume ``state`` in a request that reads through ``key`` when it was taken through another."""
+    if state.adapter != key:
+        raise SessionError(
+            f"request {request_id!r}: the prefix state was taken reading {_describe(state.adapter)}, this request "
+            f"reads {_describe(key)} (an adapter loaded again is another): its conv state depends on the rows read"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- packing
+_dtype_of = attrgetter("dtype")
+_base_of, _data_ptr = attrgetter("_base"), methodcaller("data_ptr")
+_is_contiguous = methodcaller("is_contiguous")
+
+
+def packed_rows(hs: list[torch.Tensor], total: int, width: int) -> torch.Tensor:
+    """``torch.cat(hs)`` ``[total, width]``; when the rows already lie one after another in one tensor
+    (views an engine cut from its packed hidden, in order), a view of them instead of a copy."""
+    if len(hs) == 1:
+        return hs[0]
+    base = hs[0]._base
+    # identities, not the tensors: a set of tensors would hash each one through a Python method
+    if base is not None and set(map(id, map(_base_of, hs))) == {id(base)} and set(map(_dtype_of, hs)) == {base.dtype}:
+        if set(map(_is_contiguous, hs)) == {True}:
+            ptrs = list(map(_data_ptr, hs))
+            row = width * hs[0].element_size()
+            first = ptrs[0]
+            if total == len(hs):  # one row each: consecutive rows
+                at = list(range(first, first + row * total, row))
+            else:
+                at = [first + row * k for k in _starts(hs)]
+            if ptrs == at:
+                return torch.as_strided(base, (total, width), (width, 1), hs[0].storage_offset())
+    return torch.cat(hs)
+
+
+def _starts(hs: list[torch.Tensor]) -> list[int]:
+    """Each tensor's first row in the packed order."""
+    out, total = [], 0
+    for h in hs:
+        out.append(total)
+        total += h.shape[0]
+    return out

@@ -37,6 +37,9 @@ from ple.runtime.requests import (
     Request,
     SessionError,
     SessionStep,
+    adapter_of,
+    check_resumable,
+    packed_rows,
     positive_int,
 )
 from ple.runtime.slots import SlotArrays
@@ -141,6 +144,7 @@ class Session(PrefixKeeping):
         self._open: SessionStep | None = None
         self.lookahead = bool(lookahead)
         self._ahead: list | None = None  # (ids, handle) per layer, from prefetch()
+        self._named_live = 0  # live requests that read a named adapter
 
     def _new_pool(self, slots: int) -> torch.Tensor:
         shape = (slots, self._width, self._channels) if self._ring else (slots, self._channels, self._width)
@@ -182,8 +186,14 @@ class Session(PrefixKeeping):
         if self._open is not None and not self._open.ended:
             raise SessionError(f"{what} during a step: call end() first")
 
-    def add(self, request_id: Hashable, from_state: PrefixState | None = None) -> None:
-        """Start a request, fresh or resuming from a :class:`PrefixState`."""
+    def add(self, request_id: Hashable, from_state: PrefixState | None = None, *, adapter: str | None = None) -> None:
+        """Start a request, fresh or resuming from a :class:`PrefixState`.
+
+        ``adapter``: the name of the named adapter the request reads its table rows through
+        (``ple.train.load_adapter(model, path, name=...)``; unknown names are refused here), or None
+        for the layers' tables as they are (the model's default adapter, if any). A prefix state
+        resumes only under the adapter it was taken under. Until :meth:`finish`, the adapter cannot
+        be removed."""
         self._check_idle("add()")
         try:
             active = request_id in self._requests
@@ -193,10 +203,16 @@ class Session(PrefixKeeping):
             raise SessionError(f"request {request_id!r} is already active")
         if not self._free:
             raise SessionError(f"all {self.max_requests} slots are in use (max_requests); finish a request first")
+        index, key = adapter_of(self.layers, adapter)
         if from_state is not None:
             window, ctx = self._check_state(from_state)
+            check_resumable(request_id, from_state, key)
         slot = self._free.pop()
-        req = Request(slot, self._arrays)
+        req = Request(slot, self._arrays, index, key)
+        if index >= 0:
+            for layer in self.layers:
+                layer.table_ref.adapters.pin(self, request_id, index)
+            self._named_live += 1
         self._arrays.contexts[slot] = self._eos
         if from_state is not None:
             for k in range(len(self.layers)):
@@ -252,6 +268,11 @@ class Session(PrefixKeeping):
         del self._requests[request_id]
         if req.pending is not None:
             self._pending_count -= 1
+        if req.adapter >= 0:
+            self._named_live -= 1
+            for layer in self.layers:
+                if layer.table_ref.adapters is not None:
+                    layer.table_ref.adapters.unpin(self, request_id)
         self._free.append(req.slot)
 
     def grow(self, max_requests: int) -> None:
@@ -484,6 +505,9 @@ class Session(PrefixKeeping):
             num_spec=self.num_spec,
             state_offsets=self._offsets[0] if self._ring else None,
             token_count=total,
+            adapter_indices=to(torch.tensor([r.adapter for r in reqs], dtype=torch.int64))
+            if self._named_live and count
+            else None,
         )
         step = SessionStep(
             request_ids=order,
@@ -667,7 +691,7 @@ class Session(PrefixKeeping):
                 self.run(step, 0, torch.zeros(0, width, dtype=self._dtype, device=self._device))
                 self.end(step)
                 return {}
-            out = self.run(step, 0, _packed_rows(hs, step.num_tokens, width))
+            out = self.run(step, 0, packed_rows(hs, step.num_tokens, width))
         except BaseException:
             if not step.done[0]:
                 self._open = None  # nothing changed: the step is dropped
@@ -718,40 +742,6 @@ class Session(PrefixKeeping):
         req.rejected = n - kept
         req.pending = None
         self._pending_count -= 1
-
-
-_base_of, _data_ptr = attrgetter("_base"), methodcaller("data_ptr")
-_is_contiguous = methodcaller("is_contiguous")
-
-
-def _packed_rows(hs: list[torch.Tensor], total: int, width: int) -> torch.Tensor:
-    """``torch.cat(hs)`` ``[total, width]``; when the rows already lie one after another in one tensor
-    (views an engine cut from its packed hidden, in order), a view of them instead of a copy."""
-    if len(hs) == 1:
-        return hs[0]
-    base = hs[0]._base
-    # identities, not the tensors: a set of tensors would hash each one through a Python method
-    if base is not None and set(map(id, map(_base_of, hs))) == {id(base)} and set(map(_dtype, hs)) == {base.dtype}:
-        if set(map(_is_contiguous, hs)) == {True}:
-            ptrs = list(map(_data_ptr, hs))
-            row = width * hs[0].element_size()
-            first = ptrs[0]
-            if total == len(hs):  # one row each: consecutive rows
-                at = list(range(first, first + row * total, row))
-            else:
-                at = [first + row * k for k in _starts(hs)]
-            if ptrs == at:
-                return torch.as_strided(base, (total, width), (width, 1), hs[0].storage_offset())
-    return torch.cat(hs)
-
-
-def _starts(hs: list[torch.Tensor]) -> list[int]:
-    """Each tensor's first row in the packed order."""
-    out, total = [], 0
-    for h in hs:
-        out.append(total)
-        total += h.shape[0]
-    return out
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:

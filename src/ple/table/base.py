@@ -37,7 +37,7 @@ from ple.table.lookup import dequantize_rows_into, gather_dequant, gather_dequan
 from ple.table.lookup.prefetch import PrefetchEngine, PrefetchHandle
 from ple.table.lookup.torch_impl import gather_rows
 
-__all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through"]
+__all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through", "with_adapters"]
 
 
 class Table(abc.ABC):
@@ -278,31 +278,65 @@ except ImportError:  # pragma: no cover - older torch: the operator still runs e
 class TableRef(OpaqueBase):
     """A mutable reference to a :class:`Table` (or None until one is set), handed to
     ``torch.ops.ple.table_lookup``. Compiled and exported programs hold the reference, not the
-    table: assigning ``ref.table`` switches what they read, without recompiling."""
+    table: assigning ``ref.table`` switches what they read, without recompiling. ``adapters``: the
+    named adapters served over the table (:class:`ple.table.tiers.named.NamedAdapters`, or None),
+    which a lookup given ``adapter_indices`` reads per sequence."""
 
     def __init__(self, table: Table | None = None) -> None:
         self.table = table
+        self.adapters = None
 
     def __repr__(self) -> str:
         return f"TableRef({self.table!r})"
 
 
-def _lookup_reference(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """The literal lookup of a table whose rows are readable here (a :class:`StoredTable`)."""
+def with_adapters(
+    ref: TableRef, ids: torch.Tensor, rows: torch.Tensor, adapter_indices, query_start_loc
+) -> torch.Tensor:
+    """``rows [T, G*D]`` read for ``ids [T, G]`` from ``ref.table``, with the named adapters' rows put in
+    place for the sequences ``adapter_indices [R]`` (-1: none) names (``query_start_loc [R+1]`` says
+    which tokens are whose); ``rows`` itself when no sequence names one."""
+    if adapter_indices is None or not adapter_indices.numel():
+        return rows
+    if query_start_loc is None:
+        raise InvalidArgumentError("table_lookup: adapter_indices need query_start_loc (which tokens are whose)")
+    lo, hi = (int(v) for v in torch.aminmax(adapter_indices))
+    if lo < -1:
+        raise InvalidArgumentError(f"table_lookup: adapter index {lo} (an adapter's index, or -1 for the default)")
+    if hi < 0:
+        return rows
+    named = ref.adapters
+    if named is None:
+        raise InvalidArgumentError(f"table_lookup: adapter index {hi} names an adapter, but the table serves none")
+    named.apply(ref.table, ids, rows, adapter_indices, query_start_loc)
+    return rows
+
+
+def _lookup_reference(
+    ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype, adapter_indices=None, query_start_loc=None
+) -> torch.Tensor:
+    """The literal lookup of a table whose rows are readable here (a :class:`StoredTable`), the named
+    adapters' rows put in place (:func:`with_adapters`)."""
     table = require_stored(ref.table, "the reference lookup")  # type: ignore[arg-type]
-    return gather_dequant_reference(table.data, table.scale, ids, dtype, format=table.format)
+    rows = gather_dequant_reference(table.data, table.scale, ids, dtype, format=table.format)
+    return with_adapters(ref, ids, rows, adapter_indices, query_start_loc)
 
 
-def _lookup_fake(ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _lookup_fake(
+    ids: torch.Tensor, ref, head_dim: int, dtype: torch.dtype, adapter_indices=None, query_start_loc=None
+) -> torch.Tensor:
     if ids.dim() != 2 or ids.dtype != torch.int64:
         raise InvalidArgumentError(f"table_lookup: ids must be int64 [T, G], got {ids.dtype} {tuple(ids.shape)}")
     return ids.new_empty((ids.shape[0], ids.shape[1] * head_dim), dtype=dtype)
 
 
-def _lookup_checked(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+def _lookup_checked(
+    ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype, adapter_indices=None, query_start_loc=None
+) -> torch.Tensor:
     """The operator's work: ``head_dim`` must be the table's, ``ids`` int64 ``[T, G]``; ids in host
     memory are also checked against the table's rows (no synchronization), ids on an accelerator
-    are not read."""
+    are not read. With ``adapter_indices [R]`` (and ``query_start_loc [R+1]``), the sequences that
+    name an adapter read its rows (:func:`with_adapters`)."""
     table = ref.table
     if table is None:
         raise InvalidArgumentError("table_lookup: the TableRef holds no table")
@@ -318,31 +352,44 @@ def _lookup_checked(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torc
                 lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or hi >= table.rows:
                 check_ids(ids, table.rows)  # raises, naming the id and where it is
-    return table.lookup(ids, dtype, check=False)
+    if adapter_indices is not None and adapter_indices.shape != (query_start_loc.shape[0] - 1,):
+        raise InvalidArgumentError(
+            f"table_lookup: adapter_indices has shape {tuple(adapter_indices.shape)}, expected one per sequence "
+            f"({query_start_loc.shape[0] - 1},)"
+        )
+    return with_adapters(ref, ids, table.lookup(ids, dtype, check=False), adapter_indices, query_start_loc)
 
 
 if register_opaque_type is not None:
     register_opaque_type(TableRef, typ="reference")
     register(
-        f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype) -> Tensor",
+        f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype, "
+        "Tensor? adapter_indices=None, Tensor? query_start_loc=None) -> Tensor",
         reference=_lookup_reference,
         kernels=(Kernel("table", "cpu", _lookup_checked), Kernel("table", "cuda", _lookup_checked)),
         fake=_lookup_fake,
     )
 
 
-def lookup_built(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+def lookup_built(
+    ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype, adapter_indices=None, query_start_loc=None
+) -> torch.Tensor:
     """The lookup of ids a layer's own kernel computed from its layout (so inside the table's rows,
     which the layer checked against that layout when it took the table): the operator's work without
     its checks, for ``ple.Session``'s steps (which checked that the layer holds a table)."""
     table = ref.table
     assert table is not None
-    return table.lookup(ids, dtype, check=False)
+    return with_adapters(ref, ids, table.lookup(ids, dtype, check=False), adapter_indices, query_start_loc)
 
 
-def lookup_through(ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)``; on a torch without opaque
-    reference types the operator does not exist and the table is called directly (eager only)."""
+def lookup_through(
+    ids: torch.Tensor, ref: TableRef, head_dim: int, dtype: torch.dtype, adapter_indices=None, query_start_loc=None
+) -> torch.Tensor:
+    """``torch.ops.ple.table_lookup(ids, ref, head_dim, dtype, adapter_indices, query_start_loc)``; on a
+    torch without opaque reference types the operator does not exist and the table is called directly
+    (eager only)."""
     if register_opaque_type is not None:
-        return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)
-    return _lookup_checked(ids, ref, head_dim, dtype)
+        if adapter_indices is None:
+            return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype)
+        return torch.ops.ple.table_lookup(ids, ref, head_dim, dtype, adapter_indices, query_start_loc)
+    return _lookup_checked(ids, ref, head_dim, dtype, adapter_indices, query_start_loc)

@@ -13,8 +13,9 @@ tokens), so training one keeps per-row memory for the rows read and nothing tabl
   optionally inside the backward (``fused=True``). The base table is never written.
 - Adapters (:mod:`.adapter`): the trained rows as a small file of their own (:func:`save_adapter`,
   atomic; with the optimizer's state, a checkpoint to resume from), served on top of any base table
-  (:func:`load_adapter`, :func:`remove_adapter`: load, swap and remove on a running model), or
-  merged into a table file (:mod:`.merge`).
+  (:func:`load_adapter`, :func:`remove_adapter`: load, swap and remove on a running model; several at
+  once under names, chosen per request, :func:`adapter_names`; see :mod:`.serve`), or merged into a
+  table file (:mod:`.merge`).
 - Tables sharded across ranks (:mod:`.sharded`): each rank trains the rows it owns.
 - Data parallelism (:mod:`.data_parallel`: DDP, ``torchrun``, a multi-process ``Trainer``): every rank
   holds the whole table and the optimizers apply the ranks' mean row-sparse gradient at each step.
@@ -27,10 +28,8 @@ from __future__ import annotations
 from ple.train.adapter import (
     AdapterFile,
     AdapterFileError,
-    load_adapter,
     load_optimizer_state,
     read_adapter,
-    remove_adapter,
     save_adapter,
     save_sharded_adapter,
 )
@@ -46,6 +45,7 @@ from ple.train.optim import (
     RowWiseAdagrad,
     SparseAdam,
 )
+from ple.train.serve import adapter_index, adapter_names, load_adapter, remove_adapter
 
 __all__ = [
     "AdapterFile",
@@ -60,6 +60,8 @@ __all__ = [
     "SGD",
     "SparseAdam",
     "TableTarget",
+    "adapter_index",
+    "adapter_names",
     "freeze",
     "load_adapter",
     "load_optimizer_state",

@@ -15,10 +15,8 @@ the base is not a table file),
 ``optimizer`` (JSON, checkpoints only: class, hyperparameters and step count per layer) and
 ``user`` (JSON: what the caller passed as ``meta``).
 
-An adapter is served on top of any base table, tier and format (:func:`load_adapter`: each layer's
-table becomes an :class:`~ple.table.tiers.adapted.AdaptedTable`, the base untouched and shared); loading
-another adapter swaps it, on a running model (the layer's ``TableRef`` switches, compiled programs
-included), and :func:`remove_adapter` serves the bases again. Files are written atomically
+An adapter is served on top of any base table, tier and format, as the model's default adapter or
+beside others under a name (:mod:`ple.train.serve`). Files are written atomically
 (:func:`ple.common.files.write_atomically_from`, streamed), so a process killed while saving leaves the last
 saved file whole; :func:`save_adapter` first removes temporary files that dead writers of the same
 path left.
@@ -48,7 +46,7 @@ from ple.table import ShardedTable, Table
 from ple.table.files.table_file import hash_layout
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.train.attach import TableTarget, ple_layers
-from ple.train.identity import base_identity, base_of
+from ple.train.identity import base_identity
 from ple.train.optim import RowSparseOptimizer, check_step, short_repr
 from ple.train.sharded import all_gather_rows
 
@@ -58,12 +56,11 @@ __all__ = [
     "AdapterFileError",
     "AdapterLayer",
     "adapter_overlays",
+    "local_part",
     "base_identity",
     "as_adapter",
-    "load_adapter",
     "load_optimizer_state",
     "read_adapter",
-    "remove_adapter",
     "save_adapter",
     "save_sharded_adapter",
     "write_adapter_file",
@@ -83,7 +80,7 @@ def layout_hash_of(layer: PLELayer) -> str:
     return hash_layout(layer.config.layout_fields(layer.ple_layer_index))
 
 
-def _local(layer: PLELayer) -> tuple[Table, int, int, bool]:
+def local_part(layer: PLELayer) -> tuple[Table, int, int, bool]:
     """``(the table this process adapts, its first row, its last row + 1, sharded)``."""
     table = layer.table
     if table is None:
@@ -98,7 +95,7 @@ def adapter_overlays(model: nn.Module | PLELayer) -> dict[int, tuple[RowOverlay,
     this process (a rank of a sharded table holds its own rows: ``id = first row + overlay id``)."""
     out: dict[int, tuple[RowOverlay, int, Table]] = {}
     for layer in ple_layers(model):
-        table, start, _, _ = _local(layer)
+        table, start, _, _ = local_part(layer)
         if isinstance(table, AdaptedTable):
             out[layer.ple_layer_index] = (table.overlay, start, table)
     return out
@@ -145,11 +142,11 @@ def save_adapter(
         raise InvalidArgumentError("a training checkpoint (optimizer=...) keeps its rows in torch.float32")
     path = Path(path)
     check_destination(path, model)
-    layers = [layer for layer in ple_layers(model) if isinstance(_local(layer)[0], AdaptedTable)]
+    layers = [layer for layer in ple_layers(model) if isinstance(local_part(layer)[0], AdaptedTable)]
     if not layers:
         raise UsageError("no PLE layer of this model holds an adapter: nothing to save (ple.train.trainable(model))")
     for layer in layers:
-        if _local(layer)[3]:
+        if local_part(layer)[3]:
             raise UsageError(
                 "an adapter of a table sharded across ranks is saved with ple.train.save_sharded_adapter "
                 "(every rank calls it; rank 0 writes the file)"
@@ -431,79 +428,6 @@ def read_adapter(path: str | os.PathLike) -> AdapterFile:
 def as_adapter(adapter: str | os.PathLike | AdapterFile) -> AdapterFile:
     """``adapter`` itself, or the file it names opened with :func:`read_adapter`."""
     return adapter if isinstance(adapter, AdapterFile) else read_adapter(adapter)
-
-
-# ---------------------------------------------------------------------------------------------- serving
-def load_adapter(
-    model: nn.Module | PLELayer,
-    adapter: str | os.PathLike | AdapterFile,
-    *,
-    dtype: torch.dtype | None = None,
-    memory_budget: int | None = None,
-    spill_dir: str | os.PathLike | None = None,
-) -> AdapterFile:
-    """Serve ``adapter``'s rows on top of each PLE layer's table (any tier and format).
-
-    Every layer of the file must be a layer of ``model`` with the same layout; a layer the file
-    does not name serves its base table (an adapter already there is removed: loading swaps
-    adapters). All rows are read and checked before any table changes, so a bad file leaves the
-    model as it was. ``dtype``: the rows' dtype in memory (default: the file's; ``torch.float32``
-    to keep training them). ``memory_budget``/``spill_dir``: as for :func:`ple.train.trainable`.
-    A table sharded across ranks gets, on each rank, the rows it owns. Returns the file's header."""
-    file = as_adapter(adapter)
-    dtype = file.dtype if dtype is None else dtype
-    layers = {layer.ple_layer_index: layer for layer in ple_layers(model)}
-    missing = sorted(set(file.layers) - set(layers))
-    if missing:
-        raise AdapterFileError(f"{file.path}: holds rows of PLE layers {missing}, which the model does not have")
-    overlays: dict[int, RowOverlay] = {}
-    try:
-        for i, e in file.layers.items():
-            layer = layers[i]
-            want = layout_hash_of(layer)
-            local, start, stop, _ = _local(layer)
-            full_rows = layer.table.rows if layer.table is not None else -1
-            if e.layout_hash != want or (e.rows, e.head_dim) != (full_rows, local.head_dim):
-                raise AdapterFileError(
-                    f"{file.path}: layer {i} was trained for another layout or table ([{e.rows}, {e.head_dim}], "
-                    f"layout hash {e.layout_hash[:16]}...) than this model's PLE layer {i} "
-                    f"([{full_rows}, {local.head_dim}], {want[:16]}...)"
-                )
-            overlay = RowOverlay(local.rows, local.head_dim, dtype, memory_budget=memory_budget, spill_dir=spill_dir)
-            overlays[i] = overlay
-            for ids, rows in file.chunks(i):
-                keep = (ids >= start) & (ids < stop)
-                if bool(keep.any()):
-                    overlay.put(ids[keep] - start, rows[keep].to(dtype))
-    except BaseException:
-        for overlay in overlays.values():
-            overlay.close()
-        raise
-    for i, layer in layers.items():
-        _install(layer, overlays.get(i))
-    return file
-
-
-def _install(layer: PLELayer, overlay: RowOverlay | None) -> None:
-    table = layer.table
-    if table is None:
-        raise UsageError(f"PLE layer {layer.ple_layer_index} has no table")
-    if isinstance(table, ShardedTable):
-        base = base_of(table.local_table)
-        table.local_table = base if overlay is None else AdaptedTable(base, overlay)
-        return
-    base = base_of(table)
-    layer.set_table(base if overlay is None else AdaptedTable(base, overlay))
-
-
-def remove_adapter(model: nn.Module | PLELayer) -> None:
-    """Serve every PLE layer's base table again (the adapters' rows are dropped; save them first)."""
-    for layer in ple_layers(model):
-        local = _local(layer)[0]
-        if isinstance(local, AdaptedTable):
-            overlay = local.overlay
-            _install(layer, None)
-            overlay.close()
 
 
 def load_optimizer_state(optimizer: RowSparseOptimizer, adapter: str | os.PathLike | AdapterFile) -> None:

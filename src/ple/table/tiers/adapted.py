@@ -25,6 +25,7 @@ recompiling.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -39,6 +40,8 @@ __all__ = ["AdaptedTable", "RowOverlay", "OVERLAY_DTYPES"]
 
 OVERLAY_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes an overlay keeps its rows in (training keeps fp32)."""
+
+_SERIALS = itertools.count(1)
 
 
 class RowOverlay:
@@ -76,6 +79,8 @@ class RowOverlay:
         self.lock = threading.RLock()
         self.version = 0
         """Counts the changes (a training run's steps, a load): what a saved file was made from."""
+        self.serial = next(_SERIALS)
+        """A number no other overlay made in this process has (what a prefix state records of its adapter)."""
 
     def __len__(self) -> int:
         return len(self._map)

@@ -1,0 +1,213 @@
+"""Named adapters: several adapters served over one base table at once, chosen per sequence.
+
+A layer serves its table (``layer.table``: the base, or the base with the model's *default* adapter on
+top, an :class:`~ple.table.tiers.adapted.AdaptedTable`) to every sequence that names no adapter. Named
+adapters (:class:`NamedAdapters`, held by the layer's :class:`~ple.table.base.TableRef` as
+``ref.adapters``) sit over the base alone, never over the default: a sequence that names adapter ``k``
+reads adapter ``k``'s row where ``k`` holds one and the base's elsewhere, bit for bit what a model
+serving ``k`` as its default reads.
+
+The engine call's :class:`~ple.runtime.Batch` says which sequence reads which
+(``adapter_indices [R]`` int64, ``-1`` for the default); the lookup operator reads the table as
+always, then :meth:`NamedAdapters.apply` puts the named adapters' rows (and the base's rows under
+the default adapter's) in place for the sequences that name one. An index is a number the adapter
+keeps while it is loaded (the smallest free one at load); names and indices are the same on every
+layer of a model (:mod:`ple.train.adapter` loads and removes them).
+
+Loading, removing and serving may run on different threads: the set of adapters is replaced, never
+changed in place, so a lookup sees the set as it was when it started; an adapter's rows are read
+under its overlay's lock. Live requests pin their adapter (:meth:`NamedAdapters.pin`): removing an
+adapter a request still names is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Hashable
+
+import torch
+
+from ple.errors import InvalidArgumentError, UsageError
+from ple.table.base import Table
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
+
+__all__ = ["DEFAULT_ADAPTER", "NamedAdapter", "NamedAdapters", "adapter_index", "served_adapters"]
+
+DEFAULT_ADAPTER = -1
+"""The adapter index of a sequence that names none: the layer's table as it is (its default adapter, if any)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedAdapter:
+    """One named adapter of a layer: its ``name``, ``index`` (what batches carry) and rows (``overlay``,
+    whose ``serial`` no other adapter loaded in the process has)."""
+
+    name: str
+    index: int
+    overlay: RowOverlay
+
+
+class NamedAdapters:
+    """The named adapters of one layer, over ``base`` (see the module docstring)."""
+
+    def __init__(self, base: Table) -> None:
+        self.base = base
+        self._by_index: dict[int, NamedAdapter] = {}  # replaced on every change, never mutated
+        self._lock = threading.Lock()
+        self._pins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {request: index}
+
+    # ------------------------------------------------------------------ the set
+    def __len__(self) -> int:
+        return len(self._by_index)
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"{a.index}:{a.name}" for a in self.entries())
+        return f"NamedAdapters({names})"
+
+    def entries(self) -> list[NamedAdapter]:
+        """The adapters in index order."""
+        held = self._by_index
+        return [held[i] for i in sorted(held)]
+
+    def get(self, index: int) -> NamedAdapter | None:
+        return self._by_index.get(index)
+
+    def find(self, name: str) -> NamedAdapter | None:
+        for a in self._by_index.values():
+            if a.name == name:
+                return a
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the adapters' rows held in memory (spilled rows not counted)."""
+        return sum(a.overlay.nbytes for a in self._by_index.values())
+
+    def add(self, adapter: NamedAdapter) -> None:
+        """Serve ``adapter`` (its name and index free here)."""
+        with self._lock:
+            if adapter.index in self._by_index or self.find(adapter.name) is not None:
+                raise UsageError(f"adapter {adapter.name!r} (index {adapter.index}) is already served here")
+            self._by_index = {**self._by_index, adapter.index: adapter}
+
+    def remove(self, name: str) -> NamedAdapter:
+        """Stop serving adapter ``name`` and return it (its rows stay open: the caller closes them)."""
+        with self._lock:
+            found = self.find(name)
+            if found is None:
+                raise InvalidArgumentError(f"no adapter named {name!r} is served (served: {self.names()})")
+            self._by_index = {i: a for i, a in self._by_index.items() if i != found.index}
+            return found
+
+    def names(self) -> list[str]:
+        return [a.name for a in self.entries()]
+
+    # ------------------------------------------------------------------ live requests
+    def pin(self, owner: object, request: Hashable, index: int) -> None:
+        """Record that ``owner``'s live request ``request`` reads adapter ``index``."""
+        with self._lock:
+            self._pins.setdefault(owner, {})[request] = index
+
+    def unpin(self, owner: object, request: Hashable) -> None:
+        with self._lock:
+            held = self._pins.get(owner)
+            if held is not None:
+                held.pop(request, None)
+
+    def requests_of(self, index: int) -> list[Hashable]:
+        """The live requests (of every owner) that read adapter ``index``."""
+        with self._lock:
+            return [r for held in self._pins.values() for r, i in held.items() if i == index]
+
+    # ------------------------------------------------------------------ reads
+    def apply(
+        self,
+        table: Table,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        adapter_indices: torch.Tensor,
+        query_start_loc: torch.Tensor,
+    ) -> None:
+        """Put the named adapters' rows in place: ``rows [T, G*D]`` were read for ``ids [T, G]`` from
+        ``table`` (the layer's table: this set's base, or an :class:`AdaptedTable` over it);
+        ``adapter_indices [R]`` int64 per sequence (-1: the default, left as read) and
+        ``query_start_loc [R+1]`` say which tokens read which adapter."""
+        chosen = adapter_indices.to("cpu", torch.int64)
+        if not chosen.numel() or int(chosen.max()) < 0:
+            return
+        if int(chosen.min()) < DEFAULT_ADAPTER:
+            raise InvalidArgumentError(f"adapter index {int(chosen.min())}: an adapter's index, or -1 for the default")
+        held = self._by_index
+        wanted = torch.unique(chosen[chosen >= 0]).tolist()
+        for k in wanted:
+            if k not in held:
+                raise InvalidArgumentError(
+                    f"adapter index {k} is not served by this layer (served: "
+                    f"{', '.join(f'{a.index}:{a.name}' for a in self.entries()) or 'none'})"
+                )
+        over = table.base if isinstance(table, AdaptedTable) else table
+        if over is not self.base:
+            raise UsageError(
+                f"the named adapters were loaded over {self.base!r}, but the layer now serves {over!r}: load them "
+                "again over the new table"
+            )
+        starts = query_start_loc.to("cpu", torch.int64)
+        tokens, groups = ids.shape
+        per_token = torch.repeat_interleave(chosen, starts[1:] - starts[:-1], output_size=tokens)
+        width = rows.shape[1] // groups
+        grid = rows.view(tokens, groups, width)
+        host_ids = ids if ids.device.type == "cpu" else ids.cpu()
+        if isinstance(table, AdaptedTable) and len(table.overlay):
+            # tokens of a named adapter read the base where the default adapter holds a row
+            named = (per_token >= 0).nonzero().squeeze(1)
+            flat = host_ids.index_select(0, named).reshape(-1)
+            where, _ = table.overlay.get(flat)
+            if where.numel():
+                base_rows = self.base.lookup(flat[where].view(-1, 1).to(ids.device), rows.dtype)
+                self._put(grid, named, groups, where, base_rows)
+        for k in wanted:
+            mine = (per_token == k).nonzero().squeeze(1)
+            flat = host_ids.index_select(0, mine).reshape(-1)
+            where, values = held[k].overlay.get(flat)
+            if where.numel():
+                self._put(grid, mine, groups, where, values)
+
+    @staticmethod
+    def _put(grid: torch.Tensor, tokens: torch.Tensor, groups: int, where: torch.Tensor, values: torch.Tensor):
+        """``grid[tokens[where // G], where % G] = values`` (``grid [T, G, D]``, ``where`` into the
+        flattened ids of ``tokens``)."""
+        t = tokens.index_select(0, torch.div(where, groups, rounding_mode="floor"))
+        g = torch.remainder(where, groups)
+        dev = grid.device
+        grid[t.to(dev), g.to(dev)] = values.to(device=dev, dtype=grid.dtype)
+
+
+def served_adapters(refs) -> dict[str, int]:
+    """``{name: index}`` of the named adapters any of ``refs`` (:class:`~ple.table.base.TableRef`) serves,
+    in index order."""
+    out: dict[str, int] = {}
+    for ref in refs:
+        held = ref.adapters
+        for a in held.entries() if held is not None else ():
+            out[a.name] = a.index
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+def adapter_index(refs, name: str) -> int:
+    """The index of named adapter ``name`` on every one of ``refs`` (the layers' table references): what
+    a batch's ``adapter_indices`` carries. :class:`InvalidArgumentError` naming the served adapters when
+    one of them does not serve it."""
+    refs = list(refs)
+    found: set[int] = set()
+    for ref in refs:
+        held = ref.adapters
+        entry = held.find(name) if held is not None and isinstance(name, str) else None
+        if entry is None:
+            served = ", ".join(served_adapters(refs)) or "none"
+            raise InvalidArgumentError(f"unknown adapter {name!r} (served: {served})")
+        found.add(entry.index)
+    if len(found) != 1:
+        raise InvalidArgumentError(f"adapter {name!r} has different indices on the layers: {sorted(found)}")
+    return found.pop()
