@@ -426,7 +426,7 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     (and in compiled code, other devices, tensor subclasses) the torch.ops.ple operators; the session's
     unchecked call runs the C kernels from the layer's NativeStep, or without it the kernels through the
     operators' registry. All give the same outputs and states, bit for bit, and refuse the same tokens."""
-    import ple.layer as layer_module
+    import ple.runtime.native_step as layer_module
     from ple.ngram import NgramInputError
 
     hf, mod, rng = _random_hf(21, dtype)
@@ -440,8 +440,8 @@ def test_engine_call_without_the_dispatcher_equals_the_operators(dtype):
     start.normal_()
 
     def operators(checked=True):
-        eager = layer_module._eager_on_cpu(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
-        return layer_module._operators_for(eager, checked)
+        eager = layer_module.eager_on_cpu(layer, h, toks, Batch.build(lens, [0, 1, 2], ctx, start), None)
+        return layer_module.operators_for(eager, checked)
 
     direct = operators()
     assert direct[2] is not torch.ops.ple.gate_conv  # the CPU function, not the operator

@@ -8,7 +8,7 @@ returns what transformers' module returns, with autograd, through the literal re
 The engine call is the hot path of a serving engine, written for ``torch.compile(fullgraph=True)``,
 ``torch.export`` and CUDA graphs: the ids, the lookup and the fused step are ``torch.ops.ple``
 operators (eagerly on the CPU their CPU functions are called without the dispatcher, see
-:func:`_operators_for`); checks run outside compiled code and read only shapes, dtypes and host-side
+:func:`ple.runtime.native_step.operators_for`); checks run outside compiled code and read only shapes, dtypes and host-side
 values (never device data: no host synchronization); the weights the kernels read (the key and value
 projections as one ``[HC*H + H, E]`` matrix, the gate's and the conv's fp32 factors) are buffers
 derived when weights load or change; the table is an opaque reference (never a graph constant).
@@ -27,16 +27,15 @@ from torch import nn
 from ple.config import PLEConfig
 from ple.errors import InvalidArgumentError, UsageError
 from ple.kernels import cpu_gemm
-from ple.kernels.registry import OPERATORS
 from ple.ngram import layout_tensors, ngram_ids
 from ple.ops import library as ops_library
 from ple.ops.gate import reference as gate_reference
 from ple.ops.padded_grad import gate_conv_padded
 from ple.ops.records import ConvWeights, GateWeights, derive_conv_taps, derive_gate_factors
 from ple.runtime.batch import Batch
-from ple.runtime.native_step import NativeStep
+from ple.runtime.native_step import NativeStep, eager_on_cpu, operators_for
 from ple.table import StoredTable
-from ple.table.base import TableRef, lookup_built, lookup_through, with_adapters
+from ple.table.base import TableRef, lookup_through, with_adapters
 from ple.table.files.table_file import hash_layout
 from ple.table.grad import lookup_with_grad
 
@@ -594,13 +593,13 @@ class PLELayer(nn.Module):
     def _step(self, hidden, input_ids, batch, rows, token_mask, add_hidden, return_conv_input, checked=True):
         """The hot path: operators only, no host synchronization (``torch.compile``-able); ``checked=False``
         runs the CPU kernels without the operators' checks (``ple.Session``'s calls, see :meth:`forward`)."""
-        eager_cpu = _eager_on_cpu(self, hidden, input_ids, batch, token_mask)
+        eager_cpu = eager_on_cpu(self, hidden, input_ids, batch, token_mask)
         if not checked and eager_cpu and rows is None and token_mask is None and self._native_step is not None:
             # the session's step: the C kernels called directly (None: they do not take these operands)
             got = self._native_step(hidden, input_ids, batch, add_hidden, return_conv_input)
             if got is not None:
                 return got
-        ids_op, lookup_op, fused_op = _operators_for(eager_cpu, checked)
+        ids_op, lookup_op, fused_op = operators_for(eager_cpu, checked)
         if rows is None:
             with ops_library.named_range("ple.ids"):
                 ids = ids_op(
@@ -682,6 +681,7 @@ class PLELayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         return_conv_input: bool = False,
+        adapter_indices: torch.Tensor | None = None,
     ):
         """What transformers' ``Qwen4ExpTextPLELayer`` returns (``v + conv``, ``[B, S, HC*H]``) for
         fresh sequences, through the literal reference ops, with autograd (recording an fp32 step, the
@@ -690,6 +690,8 @@ class PLELayer(nn.Module):
         ``attention_mask [B, S]`` (1 = token, 0 = padding, e.g. left padding): padded positions read
         as EOS for the ids and are zeroed before the conv, as transformers does.
         ``return_conv_input=True`` also returns the conv inputs ``c [B, S, HC*H]``.
+        ``adapter_indices [B]`` int64: the named adapter each row reads (-1: the default; see
+        :class:`ple.runtime.Batch`), for a table that records no gradient.
         """
         cfg = self.config
         b, s, width = hidden.shape
@@ -706,10 +708,18 @@ class PLELayer(nn.Module):
         ctx = torch.full((b, cfg.ngram_size - 1), cfg.eos_token_id, dtype=torch.int64, device=flat.device)
         ids = ngram_ids(flat, qsl, ctx, self.layout, cfg.eos_token_id)
         weight = self._table_weight[0]
+        if adapter_indices is not None and self._table_records_grad(weight):
+            raise UsageError("named adapters are served, not trained: freeze the table (or run under torch.no_grad())")
         if torch.compiler.is_compiling() and not self._table_records_grad(weight):
-            emb = lookup_through(ids, self._table_ref, self.layout.head_dim, self.dtype)  # the table by reference
+            # the table by reference
+            emb = lookup_through(
+                ids, self._table_ref, self.layout.head_dim, self.dtype, adapter_indices,
+                None if adapter_indices is None else qsl,
+            )  # fmt: skip
         else:
             emb = self._padded_lookup(ids, weight)
+            if adapter_indices is not None:
+                emb = with_adapters(self._table_ref, ids, emb, adapter_indices, qsl)
         key = F.linear(emb, self.key_proj)
         value = F.linear(emb, self.value_proj)
         if (
@@ -735,54 +745,6 @@ class PLELayer(nn.Module):
         conv = F.conv1d(x, self.conv_weight.unsqueeze(1), groups=cfg.hc_hidden_size, dilation=cfg.ngram_size)
         out = v + F.silu(conv).transpose(1, 2)
         return (out, c) if return_conv_input else out
-
-
-_CPU = torch.device("cpu")
-_DISPATCH_STACK = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-
-def _dispatch_modes() -> int:
-    """How many dispatch modes are active (fake tensors, tracing); a torch without the count is
-    taken to have one, so the engine call then always goes through the operators."""
-    return 1 if _DISPATCH_STACK is None else _DISPATCH_STACK()
-
-
-def _eager_on_cpu(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor, batch: Batch, token_mask) -> bool:
-    """Whether the engine call runs eagerly with every operand on the CPU: plain tensors, no profiler,
-    no dispatch mode, not compiling (so the operators' CPU functions may be called directly)."""
-    return not (
-        torch.compiler.is_compiling()
-        or type(hidden) is not torch.Tensor
-        or hidden.device.type != "cpu"
-        or not layer._on_cpu
-        or input_ids.device.type != "cpu"
-        or batch.ngram_context.device.type != "cpu"
-        or batch.slot_indices.device.type != "cpu"
-        or batch.has_initial_state.device.type != "cpu"
-        or (batch.num_rejected is not None and batch.num_rejected.device.type != "cpu")
-        or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
-        or (token_mask is not None and token_mask.device.type != "cpu")
-        or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
-        or _dispatch_modes()
-        or "table_lookup" not in OPERATORS
-    )
-
-
-def _operators_for(eager_cpu: bool, checked: bool = True) -> tuple:
-    """The ids, lookup and fused operators as the engine call runs them.
-
-    Eagerly with every operand on the CPU (``eager_cpu``, see :func:`_eager_on_cpu`; the CPU functions'
-    checks skip the devices): the functions the dispatcher would run for CPU tensors
-    (:meth:`ple.kernels.registry.Operator.on`: the same checks and kernels, without the dispatcher's few
-    microseconds per call), or with ``checked=False`` the kernels alone
-    (:meth:`~ple.kernels.registry.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
-    ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
-    subclasses, profiles that show each operator)."""
-    if not eager_cpu:
-        return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
-    if not checked:
-        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
-    return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)
 
 
 def _carried_layout_hash(table) -> str | None:

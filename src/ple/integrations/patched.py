@@ -21,6 +21,7 @@ from ple.errors import InvalidArgumentError, UsageError
 from ple.integrations.qwen4_exp import (
     TableStub,
 )
+from ple.integrations.row_adapters import current_row_adapters
 from ple.integrations.table_state import (
     TRAINED_KEYS,
     load_trained,
@@ -119,6 +120,9 @@ class PatchedPLELayer(nn.Module):
             return hidden_states.new_zeros(b, 0, width)
         device = hidden_states.device
         ids = input_ids.long().to(device)
+        chosen = current_row_adapters()  # ple_adapters= of the model call: an adapter per row
+        if chosen is not None and chosen.shape[0] != b:
+            raise InvalidArgumentError(f"ple_adapters names {chosen.shape[0]} rows, but the batch has {b}")
         mask = None if conv_mask is None else conv_mask.to(device)
 
         # Read both states before anything is written (update_conv_state writes in place).
@@ -133,13 +137,15 @@ class PatchedPLELayer(nn.Module):
                     f"PLE layer {self.layer_idx}: continuing a cache with autograd is not supported by the patched "
                     "module; run under torch.no_grad() (generate() does) or unpatch the model"
                 )
-            out, conv_input = layer.forward_padded(hidden_states, ids, mask, return_conv_input=True)
+            out, conv_input = layer.forward_padded(
+                hidden_states, ids, mask, return_conv_input=True, adapter_indices=chosen
+            )
             self._store_states(cache, ids, None, conv_input.detach())
             return out
         out, conv_input = layer(
             hidden_states.reshape(b * s, width),
             ids.reshape(b * s),
-            self._batch(b, s, cached_ctx, cached_conv, device),
+            self._batch(b, s, cached_ctx, cached_conv, device, chosen),
             return_conv_input=True,
             token_mask=None if mask is None else mask.reshape(b * s),
             add_hidden=False,
@@ -147,7 +153,7 @@ class PatchedPLELayer(nn.Module):
         self._store_states(cache, ids, cached_ctx, conv_input.view(b, s, width))
         return out.view(b, s, width)
 
-    def _batch(self, b: int, s: int, cached_ctx, cached_conv, device) -> Batch:
+    def _batch(self, b: int, s: int, cached_ctx, cached_conv, device, adapters=None) -> Batch:
         """``B`` requests of ``S`` tokens, slot ``r`` = row ``r`` of a temporary pool filled from the cache."""
         cfg = self.layer.config
         n_ctx = cfg.ngram_size - 1
@@ -171,6 +177,7 @@ class PatchedPLELayer(nn.Module):
             has_initial_state=[cached_conv is not None] * b,
             conv_window=window,
             device=device,
+            adapter_indices=None if adapters is None else adapters.tolist(),
         )
 
     def _store_states(self, cache, ids: torch.Tensor, cached_ctx, conv_input: torch.Tensor) -> None:

@@ -95,6 +95,7 @@ from ple.integrations.qwen4_exp import (
     require_transformers,
     tableless_load,
 )
+from ple.integrations.row_adapters import accept_row_adapters, remove_row_adapters
 from ple.integrations.table_state import (
     staging,
 )
@@ -387,6 +388,7 @@ def patch(
         # on the instance: ``model.save_pretrained(..., dequantize=...)``, and the warning for scaled tables
         model.__dict__["save_pretrained"] = types.MethodType(_save_pretrained, model)
     accept_per_expert_keys(model)  # what save_pretrained writes (and Trainer resumes from) loads back exactly
+    accept_row_adapters(model)  # model(..., ple_adapters=[...]) and generate(..., ple_adapters=[...])
     return model
 
 
@@ -412,6 +414,7 @@ def unpatch(model: nn.Module, *, materialize: bool = False) -> nn.Module:
     if isinstance(saver, types.MethodType) and saver.__func__ is _save_pretrained:
         del model.__dict__["save_pretrained"]
     remove_per_expert_hooks(model)
+    remove_row_adapters(model)
     return model
 
 

@@ -24,11 +24,12 @@ import torch
 
 from ple.errors import InvalidArgumentError
 from ple.kernels import native as _native
+from ple.kernels.registry import OPERATORS
 from ple.ops.fused import native as fused_native
 from ple.ops.records import StepMeta
-from ple.table.base import with_adapters
+from ple.table.base import lookup_built, lookup_through, with_adapters
 
-__all__ = ["NativeStep"]
+__all__ = ["NativeStep", "eager_on_cpu", "operators_for"]
 
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 _GATHER_ROWS_PER_THREAD = 256  # the row gather's second thread joins from 512 rows (as the lookup's)
@@ -242,3 +243,52 @@ class _Scratch:
     def fits(self, tokens: int, return_c: bool) -> bool:
         """Whether a step of ``tokens`` tokens can use these buffers."""
         return tokens <= self.tokens and (return_c or self.c is not None)
+
+
+# ---------------------------------------------------------------------------------------------- the operators
+_CPU = torch.device("cpu")
+_DISPATCH_STACK = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _dispatch_modes() -> int:
+    """How many dispatch modes are active (fake tensors, tracing); a torch without the count is
+    taken to have one, so the engine call then always goes through the operators."""
+    return 1 if _DISPATCH_STACK is None else _DISPATCH_STACK()
+
+
+def eager_on_cpu(layer, hidden: torch.Tensor, input_ids: torch.Tensor, batch, token_mask) -> bool:
+    """Whether the engine call runs eagerly with every operand on the CPU: plain tensors, no profiler,
+    no dispatch mode, not compiling (so the operators' CPU functions may be called directly)."""
+    return not (
+        torch.compiler.is_compiling()
+        or type(hidden) is not torch.Tensor
+        or hidden.device.type != "cpu"
+        or not layer._on_cpu
+        or input_ids.device.type != "cpu"
+        or batch.ngram_context.device.type != "cpu"
+        or batch.slot_indices.device.type != "cpu"
+        or batch.has_initial_state.device.type != "cpu"
+        or (batch.num_rejected is not None and batch.num_rejected.device.type != "cpu")
+        or (batch.state_offsets is not None and batch.state_offsets.device.type != "cpu")
+        or (token_mask is not None and token_mask.device.type != "cpu")
+        or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+        or _dispatch_modes()
+        or "table_lookup" not in OPERATORS
+    )
+
+
+def operators_for(eager_cpu: bool, checked: bool = True) -> tuple:
+    """The ids, lookup and fused operators as the engine call runs them.
+
+    Eagerly with every operand on the CPU (``eager_cpu``, see :func:`eager_on_cpu`; the CPU functions'
+    checks skip the devices): the functions the dispatcher would run for CPU tensors
+    (:meth:`ple.kernels.registry.Operator.on`: the same checks and kernels, without the dispatcher's few
+    microseconds per call), or with ``checked=False`` the kernels alone
+    (:meth:`~ple.kernels.registry.Operator.kernel_on`, :func:`~ple.table.base.lookup_built`). Otherwise the
+    ``torch.ops.ple`` operators themselves (compiled and exported code, other devices, tensor
+    subclasses, profiles that show each operator)."""
+    if not eager_cpu:
+        return torch.ops.ple.ngram_ids, lookup_through, torch.ops.ple.gate_conv
+    if not checked:
+        return OPERATORS["ngram_ids"].kernel_on(_CPU), lookup_built, OPERATORS["gate_conv"].kernel_on(_CPU)
+    return OPERATORS["ngram_ids"].on(_CPU), OPERATORS["table_lookup"].on(_CPU), OPERATORS["gate_conv"].on(_CPU)

@@ -1,0 +1,105 @@
+"""``ple_adapters=``: a patched transformers model serving a named adapter per batch row, in calls and
+in ``generate``; each row exactly as the same batch on a model serving that row's adapter as its default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ple.errors import InvalidArgumentError
+from ple.integrations.transformers import patch, unpatch
+from ple.table.tiers.adapted import AdaptedTable, RowOverlay
+from ple.train import adapter_names, load_adapter, ple_layers, remove_adapter, save_adapter
+from tests.integrations.helpers import VOCAB, tiny_model
+
+
+def _adapter(model, path, seed):
+    g = torch.Generator().manual_seed(seed)
+    for layer in ple_layers(model):
+        base = layer.table
+        overlay = RowOverlay(base.rows, base.head_dim)
+        ids = torch.randperm(base.rows, generator=g)[: base.rows // 2]
+        overlay.put(ids, torch.randn(ids.numel(), base.head_dim, generator=g) * 2)
+        layer.set_table(AdaptedTable(base, overlay))
+    save_adapter(path, model)
+    remove_adapter(model)
+    return path
+
+
+@pytest.fixture
+def served(tmp_path):
+    model = patch(tiny_model(seed=3))
+    files = {k: _adapter(model, tmp_path / f"{k}.safetensors", seed) for seed, k in enumerate(("a", "b"))}
+    load_adapter(model, files["a"], name="legal")
+    load_adapter(model, files["b"], name="medical")
+    return model, files
+
+
+ROWS = ["legal", None, "medical"]
+
+
+def _as_default(model, files, name):
+    if name is None:
+        remove_adapter(model)
+    else:
+        load_adapter(model, files["a" if name == "legal" else "b"])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_each_row_reads_its_adapter(served, grad):
+    model, files = served
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.set_grad_enabled(grad):
+        mixed = model(input_ids=ids, ple_adapters=ROWS).logits
+        for row, name in enumerate(ROWS):
+            _as_default(model, files, name)
+            alone = model(input_ids=ids).logits
+            assert torch.equal(mixed[row], alone[row]), (row, name)
+        remove_adapter(model)
+        plain = model(input_ids=ids).logits
+    assert not torch.equal(mixed[0], plain[0]) and not torch.equal(mixed[2], plain[2])
+
+
+def test_generate_takes_one_adapter_per_row(served):
+    model, files = served
+    ids = torch.randint(6, VOCAB, (3, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    mixed = model.generate(ids, ple_adapters=ROWS, **kw)
+    for row, name in enumerate(ROWS):
+        _as_default(model, files, name)
+        assert torch.equal(mixed[row], model.generate(ids, **kw)[row]), (row, name)
+    # beams repeat each row: its adapter goes with it (row 1 reads the default: none again)
+    remove_adapter(model)
+    beams = model.generate(ids, ple_adapters=ROWS, num_beams=2, **kw)
+    for row, name in enumerate(ROWS):
+        _as_default(model, files, name)
+        assert torch.equal(beams[row], model.generate(ids, num_beams=2, **kw)[row]), (row, name)
+
+
+def test_refusals(served):
+    model, _ = served
+    ids = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with pytest.raises(InvalidArgumentError, match="names 2 rows, but the batch has 3"):
+            model(input_ids=ids, ple_adapters=["legal", None])
+        with pytest.raises(InvalidArgumentError, match="unknown adapter 'finance' \\(served: legal, medical\\)"):
+            model(input_ids=ids, ple_adapters=["legal", "finance", None])
+        with pytest.raises(InvalidArgumentError, match="one adapter name \\(or None\\) per batch row"):
+            model(input_ids=ids, ple_adapters="legal")
+        with pytest.raises(InvalidArgumentError, match="names 1 rows, but the batch has 3"):
+            model.generate(ids, ple_adapters=["legal"], max_new_tokens=2)
+        # a refused call leaves nothing behind: the next call without ple_adapters reads the default
+        plain = model(input_ids=ids).logits
+        remove_adapter(model, name="legal")
+        remove_adapter(model, name="medical")
+        assert adapter_names(model) == [] and torch.equal(model(input_ids=ids).logits, plain)
+
+
+def test_unpatch_removes_the_keyword(served):
+    model, _ = served
+    remove_adapter(model, name="legal")
+    remove_adapter(model, name="medical")
+    unpatch(model)
+    assert "generate" not in model.__dict__
+    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    assert not [h for h in hooks if getattr(h, "__module__", "") == "ple.integrations.row_adapters"]
