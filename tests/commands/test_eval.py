@@ -1,7 +1,8 @@
 """``ple eval`` on the demo's model (fp8 tables in the published layout, and its fp32 plain copy):
 the reference's perplexity is plain transformers', a format's KL divergence is the one computed
 from two independently loaded models' logits, the checkpoint's own format costs nothing, an adapter
-row is the model served with that adapter, bad input is refused with the right exit status."""
+row is the model served with that adapter (several adapters: one row each, the model loaded once),
+bad input is refused with the right exit status."""
 
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ def demo(tmp_path_factory):
     """The demo's model (published fp8 checkpoint and fp32 plain copy), a token file of
     ``WINDOWS`` windows and a bit, and an adapter trained for two steps on those tokens."""
     from ple.integrations.demo_model import MODEL_SIZES, write_checkpoints
-    from ple.integrations.transformers import from_pretrained
-    from ple.train import SGD, save_adapter, trainable
 
     root = tmp_path_factory.mktemp("eval")
     before = torch.get_num_threads()
@@ -44,14 +43,8 @@ def demo(tmp_path_factory):
         write_checkpoints(root / "model", MODEL_SIZES["quick"], seed=3)
         tokens = np.random.default_rng(7).integers(0, 1024, WINDOWS * CTX + CTX // 2)
         np.save(root / "tokens.npy", tokens)
-        model = from_pretrained(root / "model" / "published", table_dir=root / "tables")
-        opt = SGD(trainable(model), lr=0.5)
         ids = torch.from_numpy(tokens[: 2 * CTX]).view(2, CTX)
-        for _ in range(2):
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        save_adapter(root / "adapter.safetensors", model)
+        train_adapter(root / "model" / "published", root / "tables", ids, 0.5, root / "adapter.safetensors")
     finally:
         torch.set_num_threads(before)
     return {
@@ -62,6 +55,20 @@ def demo(tmp_path_factory):
         "tables": root / "tables",
         "ids": torch.from_numpy(tokens[: WINDOWS * CTX]).view(WINDOWS, CTX),
     }
+
+
+def train_adapter(published: Path, tables: Path, ids: torch.Tensor, lr: float, path: Path) -> None:
+    """An adapter of the model's tables trained for two SGD steps on ``ids`` (the rest frozen), saved to ``path``."""
+    from ple.integrations.transformers import from_pretrained
+    from ple.train import SGD, save_adapter, trainable
+
+    model = from_pretrained(published, table_dir=tables)
+    opt = SGD(trainable(model), lr=lr)
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    save_adapter(path, model)
 
 
 def run_eval(demo, capsys, *extra: str) -> dict:
@@ -153,6 +160,117 @@ def test_adapter_row_is_the_model_with_the_adapter(demo, capsys, plain_logits):
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
     assert [line.split()[0] for line in out[2:]] == ["reference", "q8_0", "adapter"]
+
+
+TIMINGS = ("tokens_per_s", "forward_seconds", "compare_seconds")
+
+
+@pytest.fixture(scope="module")
+def two_adapters(demo, tmp_path_factory):
+    """Two different adapters of the demo's model, in different folders: legal/legal.safetensors (the
+    demo's adapter) and medical/medical.safetensors (trained on other tokens, at another rate)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("adapters")
+    (root / "legal").mkdir()
+    (root / "medical").mkdir()
+    legal, medical = root / "legal" / "legal.safetensors", root / "medical" / "medical.safetensors"
+    shutil.copy(demo["adapter"], legal)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_adapter(demo["published"], demo["tables"], demo["ids"][2:], 0.2, medical)
+    finally:
+        torch.set_num_threads(before)
+    return legal, medical
+
+
+def test_several_adapters_one_row_each_from_one_model(demo, capsys, monkeypatch, two_adapters):
+    """Two --adapter: the model is loaded once and each adapter once; one variant an adapter, keyed by
+    its file's stem, whose numbers are exactly those of ple eval with that adapter alone (the same
+    reference, the same windows); the text report has one row a variant, named so."""
+    import ple.commands.evaluate as evaluate
+    import ple.train
+
+    legal, medical = two_adapters
+    calls = {"model": 0, "adapters": []}
+    load, load_adapter = evaluate._load, ple.train.load_adapter
+
+    def counted_load(*a, **k):
+        calls["model"] += 1
+        return load(*a, **k)
+
+    def counted_adapter(model, path, *a, **k):
+        calls["adapters"].append(Path(path))
+        return load_adapter(model, path, *a, **k)
+
+    monkeypatch.setattr(evaluate, "_load", counted_load)
+    monkeypatch.setattr(ple.train, "load_adapter", counted_adapter)
+    doc = run_eval(demo, capsys, "--formats", "q4_0", "--adapter", str(legal), "--adapter", str(medical))
+    assert calls == {"model": 1, "adapters": [legal, medical]}
+    assert list(doc["variants"]) == ["q4_0", "legal", "medical"]
+    for path in (legal, medical):
+        alone = run_eval(demo, capsys, "--adapter", str(path))
+        assert alone["reference"]["nll"] == doc["reference"]["nll"]
+        want = {k: v for k, v in alone["variants"]["adapter"].items() if k not in TIMINGS}
+        got = {k: v for k, v in doc["variants"][path.stem].items() if k not in TIMINGS}
+        assert got == want and got["adapter_bytes"] == path.stat().st_size
+    assert calls["model"] == 3
+    a, b = doc["variants"]["legal"], doc["variants"]["medical"]
+    assert a["nll"] != b["nll"] and a["kld_mean"] > 1e-5 and b["kld_mean"] > 1e-5  # two real adapters
+
+    argv = ["eval", str(demo["published"]), "--tokens", str(demo["tokens"]), "--ctx", str(CTX), "--table-dir"]
+    argv += [str(demo["tables"]), "--adapter", str(medical), "--adapter", str(legal)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out[2:]] == ["reference", "medical", "legal"]
+
+
+def test_several_adapters_refused_before_the_model_is_loaded(demo, capsys, monkeypatch, tmp_path, two_adapters):
+    """Two --adapter of the same stem, or a stem naming a format compared: exit 2 naming the paths; a
+    missing file or one that is no adapter: exit 2 naming it; an adapter of another layout: exit 1
+    naming it. Each before the model is loaded."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import ple.commands.evaluate as evaluate
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(evaluate, "_load", no_load)
+    legal, medical = two_adapters
+    other = tmp_path / "other" / "legal.safetensors"
+    other.parent.mkdir()
+    shutil.copy(medical, other)
+    q4 = tmp_path / "q4_0.safetensors"
+    shutil.copy(medical, q4)
+    with safe_open(str(medical), "pt") as f:  # the same rows, recorded for another layout
+        tensors, md = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    layers = json.loads(md["layers"])
+    layers[0]["layout_hash"] = "0" * 64
+    save_file(tensors, str(tmp_path / "foreign.safetensors"), {**md, "layers": json.dumps(layers)})
+
+    base = ["eval", str(demo["published"]), "--tokens", str(demo["tokens"]), "--ctx", str(CTX)]
+    base += ["--table-dir", str(demo["tables"])]
+    cases = [
+        ([legal, medical, other], 2, f"--adapter {legal} and --adapter {other}: the same stem 'legal'"),
+        ([q4, legal], 2, f"--adapter {q4}: its stem 'q4_0' is the name of a format of --formats's row"),
+        ([legal, tmp_path / "missing.safetensors"], 2, f"--adapter {tmp_path / 'missing.safetensors'}: no such file"),
+        ([legal, demo["tokens"]], 2, f"--adapter {demo['tokens']}: "),
+        ([legal, tmp_path / "foreign.safetensors"], 1, f"{tmp_path / 'foreign.safetensors'}: PLE layer 0 was trained "),
+    ]
+    for files, status, message in cases:
+        argv = [*base, "--formats", "q4_0"] + [x for f in files for x in ("--adapter", str(f))]
+        assert main(argv) == status, files
+        err = capsys.readouterr().err
+        last = err.splitlines()[-1]  # after the usage (exit 2), or the one line (exit 1)
+        assert message in last and last.startswith("ple eval: error: " if status == 2 else "ple eval: "), err
+        assert status == 2 or err == last + "\n"
+    assert main([*base, "--adapter", str(tmp_path / "foreign.safetensors")]) == 1  # one adapter: checked alike
+    assert "another layout or table" in capsys.readouterr().err
 
 
 def test_every_tier_gives_the_same_numbers(demo, capsys):

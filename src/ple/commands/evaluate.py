@@ -5,8 +5,11 @@ without ``table_format`` (its tables in their own format, each lookup ``row * sc
 other weight as stored). Each candidate is the same model with other tables: a copy in a format of
 ``--formats`` (made once beside the checkpoint-format table files and reused, as
 ``from_pretrained(table_format=)`` makes it), or the reference's tables with an adapter's trained
-rows on top (``--adapter``, :func:`ple.train.load_adapter`). The model's other weights are loaded
-once: every candidate swaps only the PLE layers' tables (``PLELayer.set_table``), which stay on disk.
+rows on top (``--adapter``, repeatable: one candidate an adapter, each loaded once with
+:func:`ple.train.load_adapter`). The model is loaded once: every candidate swaps only the PLE
+layers' tables (``PLELayer.set_table``), which stay on disk. One adapter's candidate is named
+"adapter"; several are named by their files' stems (``legal`` for ``/x/legal.safetensors``), which
+must differ.
 
 The token stream is cut into non-overlapping windows of ``--ctx`` tokens (the last incomplete window
 dropped); in each window every position but the last predicts the next token. Windows run one after
@@ -50,8 +53,10 @@ DESCRIPTION = f"""\
 The reference is CHECKPOINT as stored (its PLE tables in their own format, dequantized exactly).
 Each format of --formats is the same model served from a copy of its tables in that format (made
 once and reused, as from_pretrained(table_format=) makes it); --adapter adds the reference with an
-adapter's trained rows on top. The token stream is cut into windows of --ctx tokens (the last
-incomplete one dropped); every position of a window but the last predicts the next token.
+adapter's trained rows on top; repeated, one row an adapter, the model loaded once (one adapter's row
+is "adapter"; several are named by their files' stems, which must differ). The token stream is cut
+into windows of --ctx tokens (the last incomplete one dropped); every position of a window but the
+last predicts the next token.
 
 Per variant: perplexity and mean negative log-likelihood; against the reference, per predicted
 token: KL divergence of the next-token distributions (mean, median, 99th / 99.9th percentile, max),
@@ -72,7 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"table formats to compare with the reference, separated by commas ({accepted_names()}; "
         "'fp8' on an fp8 checkpoint is the checkpoint's own format, on another fp8_row)",
     )
-    p.add_argument("--adapter", metavar="FILE", help="an adapter file (ple train): the reference with its rows on top")
+    p.add_argument(
+        "--adapter",
+        metavar="FILE",
+        action="append",
+        help="an adapter file (ple train): the reference with its rows on top; repeat it for several "
+        "(one row each, named by the file's stem)",
+    )
     add_token_arguments(p)
     p.add_argument(
         "--ctx", type=int_between(2, 1 << 20), default=512, help="tokens a window (512): ctx - 1 predictions each"
@@ -394,7 +405,51 @@ def format_variant(model, checkpoint: Path, fmt: str, table_dir: Path, tier: str
     return v
 
 
-def adapter_variant(model, reference: Variant, adapter: Path) -> Variant:
+def adapter_names(files: list[str] | None, formats: list[str]) -> list[tuple[str, Path]]:
+    """``--adapter``'s files, each with its variant's name: "adapter" for one, each file's stem for
+    several (a stem given twice, or naming the reference or a format compared, is refused)."""
+    paths = [Path(f) for f in files or []]
+    if len(paths) == 1:
+        return [("adapter", paths[0])]
+    named: dict[str, Path] = {}
+    for path in paths:
+        if path.stem in named:
+            raise CommandLineError(
+                f"--adapter {named[path.stem]} and --adapter {path}: the same stem {path.stem!r}, which names "
+                "each adapter's row (rename one)"
+            )
+        if path.stem == "reference" or path.stem in formats:
+            row = "the reference" if path.stem == "reference" else "a format of --formats"
+            raise CommandLineError(f"--adapter {path}: its stem {path.stem!r} is the name of {row}'s row (rename it)")
+        named[path.stem] = path
+    return list(named.items())
+
+
+def check_adapter(path: Path, config, checkpoint: str) -> None:
+    """``path`` is an adapter file whose layers fit ``checkpoint``'s tables (``config``: its PLE
+    config); its header only: the rows are read and checked as it is loaded."""
+    from ple.checkpoint.classify import ADAPTER, classify
+    from ple.table.files.table_file import hash_layout
+    from ple.train.adapter import AdapterFileError, read_adapter
+
+    if not path.is_file():
+        raise CommandLineError(f"--adapter {path}: no such file")
+    if (given := classify(path)).kind != ADAPTER:
+        raise CommandLineError(f"--adapter {path}: {given.what}, not an adapter file (ple train writes one)")
+    n = len(config.ple_layer_ids)
+    for i, e in sorted(read_adapter(path).layers.items()):
+        if not 0 <= i < n:
+            raise AdapterFileError(f"{path}: holds rows of PLE layer {i}; {checkpoint} has {n} PLE layer(s)")
+        layout, want = config.layout(i), hash_layout(config.layout_fields(i))
+        if e.layout_hash != want or (e.rows, e.head_dim) != (layout.padded_rows, layout.head_dim):
+            raise AdapterFileError(
+                f"{path}: PLE layer {i} was trained for another layout or table ([{e.rows}, {e.head_dim}], layout "
+                f"hash {e.layout_hash[:16]}...) than {checkpoint}'s ([{layout.padded_rows}, {layout.head_dim}], "
+                f"{want[:16]}...)"
+            )
+
+
+def adapter_variant(model, reference: Variant, adapter: Path, name: str = "adapter") -> Variant:
     """The reference's tables with ``adapter``'s rows on top (the model is left serving the reference)."""
     from ple.integrations.transformers import patched_layers
     from ple.train import load_adapter
@@ -405,7 +460,7 @@ def adapter_variant(model, reference: Variant, adapter: Path) -> Variant:
     for w in layers:
         w.layer.set_table(reference.tables[w.layer.ple_layer_index])
     size = adapter.stat().st_size
-    v = Variant("adapter", reference.format, tables, reference.bytes_per_row, reference.table_bytes + size)
+    v = Variant(name, reference.format, tables, reference.bytes_per_row, reference.table_bytes + size)
     v.adapter_bytes = size
     v.owned = [t.overlay for t in tables.values() if hasattr(t, "overlay")]
     return v
@@ -508,7 +563,7 @@ def _peak_rss() -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``ple eval``; returns the exit status."""
-    from ple.checkpoint.classify import ADAPTER, CHECKPOINT, OTHER, TRAINING, classify
+    from ple.checkpoint.classify import CHECKPOINT, OTHER, TRAINING, classify
     from ple.data.tokens import read_tokens
     from ple.integrations.qwen4_exp import require_transformers
 
@@ -517,11 +572,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError(f"--memory-budget is for --tier direct, not --tier {args.tier}")
     if args.plot and not _has_matplotlib():
         raise CommandLineError(f"--plot {args.plot}: drawing needs matplotlib (pip install matplotlib)")
-    adapter = Path(args.adapter) if args.adapter else None
-    if adapter is not None and not adapter.is_file():
-        raise CommandLineError(f"--adapter {adapter}: no such file")
-    if adapter is not None and (given := classify(adapter)).kind != ADAPTER:
-        raise CommandLineError(f"--adapter {adapter}: {given.what}, not an adapter file (ple train writes one)")
+    adapters = adapter_names(args.adapter, formats)
     info = classify(args.checkpoint)
     if info.kind in (TRAINING, OTHER):  # how to load a training checkpoint; why a path is no model
         raise info.refusal("a model folder")
@@ -530,9 +581,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError(
             f"{args.checkpoint}: not a model folder with weights (config.json + safetensors): {info.what}"
         )
+    for _, path in adapters:
+        check_adapter(path, cfg, args.checkpoint)
     from ple.commands.report import check_destinations
 
-    inputs = [p for p in (args.checkpoint, args.table_dir, args.adapter, args.tokens, args.text) if p is not None]
+    named = (args.checkpoint, args.table_dir, *(args.adapter or []), args.tokens, args.text)
+    inputs = [p for p in named if p is not None]
     check_destinations([("--output", args.output), ("--plot", args.plot)], inputs)
     if args.real_text is not None and args.real_text < args.ctx:
         raise CommandLineError(f"--real-text {args.real_text} is fewer tokens than one window (--ctx {args.ctx})")
@@ -549,8 +603,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for fmt in formats:
             variants.append(format_variant(model, root, fmt, table_dir, args.tier, budget, show))
-        if adapter is not None:
-            variants.append(adapter_variant(model, variants[0], adapter))
+        for name, path in adapters:
+            variants.append(adapter_variant(model, variants[0], path, name))
         load_s = time.perf_counter() - t0
         bar = None
         if show:
@@ -642,16 +696,17 @@ def print_report(doc: dict[str, Any]) -> None:
         f"{doc['windows']} windows of {doc['ctx']} tokens, {doc['predictions']:,} predictions; tables served from "
         f"{doc['tier']}; peak RSS {doc['peak_rss_bytes'] / 1e6:,.0f} MB"
     )
+    rows = [("reference", doc["reference"])] + list(doc["variants"].items())
+    w = max(10, *(len(name) for name, _ in rows))  # the names of several adapters are their files' stems
     head = (
-        f"{'variant':<10} {'format':<9} {'B/row':>6} {'table MB':>9} {'ppl':>9} {'nll':>7} {'KLD mean':>9} "
+        f"{'variant':<{w}} {'format':<9} {'B/row':>6} {'table MB':>9} {'ppl':>9} {'nll':>7} {'KLD mean':>9} "
         f"{'median':>9} {'p99':>8} {'p99.9':>8} {'max':>8} {'same top':>8} {'dp mean':>8} {'dp p1':>8} "
         f"{'dp p99':>8} {'tok/s':>8}"
     )
     print(head)
-    rows = [("reference", doc["reference"])] + list(doc["variants"].items())
     for name, r in rows:
         print(
-            f"{name:<10} {r['format']:<9} {r['bytes_per_row']:6d} {r['table_bytes'] / 1e6:9.2f} {r['ppl']:9.3f} "
+            f"{name:<{w}} {r['format']:<9} {r['bytes_per_row']:6d} {r['table_bytes'] / 1e6:9.2f} {r['ppl']:9.3f} "
             f"{r['nll']:7.4f} {_f(r.get('kld_mean'), '9.3g'):>9} {_f(r.get('kld_median'), '9.3g'):>9} "
             f"{_f(r.get('kld_p99'), '8.3g'):>8} {_f(r.get('kld_p999'), '8.3g'):>8} {_f(r.get('kld_max'), '8.3g'):>8} "
             f"{_f(r.get('same_top'), '8.2%'):>8} {_f(r.get('delta_p_mean'), '+8.4f'):>8} "
@@ -678,8 +733,8 @@ def plot(doc: dict[str, Any], path: Path, title: str) -> None:
     from ple.common.files import write_atomically
 
     ref = doc["reference"]
-    formats = [(k, r) for k, r in doc["variants"].items() if k != "adapter"]
-    adapter = doc["variants"].get("adapter")
+    formats = [(k, r) for k, r in doc["variants"].items() if "adapter_bytes" not in r]
+    adapters = [(k, r) for k, r in doc["variants"].items() if "adapter_bytes" in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     a.plot(ref["bytes_per_row"], ref["ppl"], "o", color="#d62728")
     a.annotate(f"reference ({ref['format']})", (ref["bytes_per_row"], ref["ppl"]), fontsize=7, xytext=(3, 3),
@@ -692,12 +747,14 @@ def plot(doc: dict[str, Any], path: Path, title: str) -> None:
             axes.plot(r["bytes_per_row"], y, "o", color="#1f77b4")
             axes.annotate(r["format"], (r["bytes_per_row"], y), fontsize=7, xytext=(-5 if k % 2 else 5, -3),
                           textcoords="offset points", ha="right" if k % 2 else "left")  # fmt: skip
-    if adapter is not None:  # its perplexity in the legend (a fine-tune moves it off the formats' scale)
-        a.plot([], [], "*", color="#2ca02c", label=f"with the adapter: {adapter['ppl']:.3f}")
+    for name, r in adapters:  # their perplexities in the legend (a fine-tune moves them off the formats' scale)
+        label = "the adapter" if len(adapters) == 1 else name
+        a.plot([], [], "*", color="#2ca02c", label=f"with {label}: {r['ppl']:.3f}")
+        k = max(r["kld_mean"], 1e-12)
+        b.plot(r["bytes_per_row"], k, "*", color="#2ca02c", markersize=9)
+        b.annotate(name, (r["bytes_per_row"], k), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if adapters:
         a.legend(fontsize=7)
-        k = max(adapter["kld_mean"], 1e-12)
-        b.plot(adapter["bytes_per_row"], k, "*", color="#2ca02c", markersize=9)
-        b.annotate("adapter", (adapter["bytes_per_row"], k), fontsize=7, xytext=(3, 3), textcoords="offset points")
     a.axhline(doc["reference"]["ppl"], color="#d62728", linewidth=0.5)
     a.set_xlabel("table bytes per row")
     a.set_ylabel("perplexity")
