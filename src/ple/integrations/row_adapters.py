@@ -89,7 +89,7 @@ def _post_hook(module: nn.Module, args, kwargs, output):
 
 
 def _generate(self: nn.Module, *args, ple_adapters=None, **kwargs):
-    original = type(self).generate
+    original: Any = type(self).generate  # type: ignore[attr-defined]
     if ple_adapters is None:
         return original(self, *args, **kwargs)
     indices = resolve(self, ple_adapters, _batch_rows(args, kwargs))

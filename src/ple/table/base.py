@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import itertools
 import threading
+from typing import Any
 
 import torch
 
@@ -284,7 +285,7 @@ class TableRef(OpaqueBase):
 
     def __init__(self, table: Table | None = None) -> None:
         self.table = table
-        self.adapters = None
+        self.adapters: Any = None  # ple.table.tiers.named.NamedAdapters (a higher module: not imported here)
 
     def __repr__(self) -> str:
         return f"TableRef({self.table!r})"

@@ -9,7 +9,9 @@ Two parts, each checked:
    process: tokens equal, largest logit difference, peak resident memory, load and generate time,
    table bytes on disk vs resident, and a second start that reuses the table files;
 2. serving (:mod:`.serving`): a PLE layer at the published geometry driven through a
-   :class:`~ple.runtime.Session` with every output checked against the one-shot reference.
+   :class:`~ple.runtime.Session` with every output checked against the one-shot reference, then
+   requests of two named adapters and of the base table in one session, each checked against its
+   adapter served alone (:mod:`.adapters`).
 
 Exit status 0 only when every check passes.
 """
@@ -249,6 +251,7 @@ def run(args) -> int:
             say(f"{_part(parts, 'serving')}serving workload: a PLE layer through a Session ...")
             doc["serving"] = run_serving(args, work, progress)
             checks["serving_outputs_equal_reference"] = doc["serving"]["ok"]
+            checks["serving_adapters_equal_alone"] = doc["serving"]["adapters"]["ok"]
         if "model" in parts:
             say(f"{_part(parts, 'model')}the user's path: plain transformers vs ple, each in a fresh process ...")
             base = MODEL_SIZES["quick" if args.quick else "default"]

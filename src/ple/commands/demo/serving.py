@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ple.commands.demo.adapters import serve_adapters
 from ple.config import PLEConfig
 from ple.errors import CommandLineError, InvalidArgumentError
 from ple.table import CachedTable, DirectTable, Table, format_info
@@ -351,6 +352,7 @@ def run_serving(args, work: Path, progress: bool) -> dict[str, Any]:
         res["cache_hit_rate"] = t.hit_rate
     if isinstance(t, DirectTable):
         res["cache_hit_rate"] = t.hits / max(1, t.hits + t.misses)
+    res["adapters"] = serve_adapters(layer, work, seed=args.seed)
     res["ok"] = res["checked_tokens"] > 0 and res["worst_error_vs_tolerance"] <= 1.0
     return res
 
@@ -380,4 +382,11 @@ def print_serving(res: dict[str, Any]) -> None:
     else:
         print(
             f"check FAILED   : an output is {res['worst_error_vs_tolerance']:.2f} x the fp32 tolerance off the reference"
+        )
+    ad = res.get("adapters")
+    if ad is not None:
+        verdict = "equal" if ad["ok"] else "FAILED: not equal"
+        print(
+            f"adapters       : {ad['requests']} requests of adapters {', '.join(ad['adapters'])} and the base table in "
+            f"one session ({ad['rows']:,} adapter rows): {verdict} to each adapter served alone, bit for bit"
         )
