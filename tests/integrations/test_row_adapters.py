@@ -103,3 +103,30 @@ def test_unpatch_removes_the_keyword(served):
     assert "generate" not in model.__dict__
     hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
     assert not [h for h in hooks if getattr(h, "__module__", "") == "ple.integrations.row_adapters"]
+
+
+def test_served_over_a_conversion_of_the_table_it_was_trained_over(tmp_path):
+    """An adapter trained over a checkpoint's table file is served by name over a q4_0 copy of the same
+    checkpoint table; over another checkpoint's table it is refused, naming both, with nothing changed."""
+    from ple.integrations.transformers import from_pretrained
+    from ple.train import AdapterFileError
+    from tests.integrations.helpers import tiny_config
+
+    paths = []
+    for seed in (31, 32):
+        path = tmp_path / f"ckpt{seed}"
+        tiny_model(tiny_config(split_ngram_parts=3, ple_embed_dim=128), seed=seed).save_pretrained(path)
+        paths.append(path)
+    trained_over = from_pretrained(paths[0], table_dir=tmp_path / "t0")
+    adapter = _adapter(trained_over, tmp_path / "a.safetensors", 4)
+    copy = from_pretrained(paths[0], table_dir=tmp_path / "q4", table_format="q4_0")
+    load_adapter(copy, adapter, name="x")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        mixed = copy(input_ids=ids, ple_adapters=["x", None]).logits
+        load_adapter(copy, adapter)
+        assert torch.equal(mixed[0], copy(input_ids=ids).logits[0])
+    other = from_pretrained(paths[1], table_dir=tmp_path / "t1")
+    with pytest.raises(AdapterFileError, match="was trained over the table file .*t0"):
+        load_adapter(other, adapter, name="x")
+    assert adapter_names(other) == []

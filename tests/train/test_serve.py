@@ -73,9 +73,9 @@ class Script:
             for chunk, _, _ in self.steps
         ]
 
-    def run(self, model, adapters: dict, dtype=torch.float32, keep_at: int | None = None):
+    def run(self, model, adapters: dict, dtype=torch.float32, keep_at: int | None = None, lookahead=False):
         """Outputs per step ``{request: rows}``, and the session (its prefix states kept at ``keep_at``)."""
-        session = Session(list(model), 8, num_spec=self.num_spec, prefix_every=keep_at)
+        session = Session(list(model), 8, num_spec=self.num_spec, prefix_every=keep_at, lookahead=lookahead)
         for r in self.requests:
             session.add(r, adapter=adapters.get(r))
         outs = []
@@ -170,6 +170,23 @@ def test_every_tier_and_format(tmp_path, tier, fmt):
     files = {name: _write_adapter(model, tmp_path / f"{name}.safetensors", seed) for seed, name in enumerate("ab")}
     script = Script(["r0", "r1", "r2", "r3"], seed=3)
     _check_mixed(model, {"x": files["a"]}, script, {"r0": "x", "r3": "x"}, files["b"])
+
+
+@pytest.mark.parametrize("tier", ["memory", "direct"])
+def test_lookahead_reads_the_adapters_too(tmp_path, tier):
+    """A session that starts its lookups at begin() (prefetch handles) puts the named rows in place too."""
+    model = _model(tmp_path, tier, "bf16")
+    files = {name: _write_adapter(model, tmp_path / f"{name}.safetensors", seed) for seed, name in enumerate("ab")}
+    load_adapter(model, files["a"], name="x")
+    load_adapter(model, files["b"], name="y")
+    script = Script(["r0", "r1", "r2", "r3"], seed=9)
+    chosen = {"r0": "x", "r1": "y", "r3": "x"}
+    ahead, _ = script.run(model, chosen, lookahead=True)
+    plain, _ = script.run(model, chosen)
+    _equal_for(script.requests, ahead, plain)
+    load_adapter(model, files["a"])
+    alone, _ = script.run(model, {}, lookahead=True)
+    _equal_for(["r0", "r3"], ahead, alone)
 
 
 def test_bf16_layers(tmp_path):
