@@ -43,6 +43,7 @@ from ple.runtime.requests import (
     positive_int,
 )
 from ple.runtime.slots import SlotArrays
+from ple.table.tiers.named import ADAPTER_CHANGES
 
 __all__ = ["Session", "SessionStep", "PrefixState", "SessionError"]
 
@@ -203,16 +204,17 @@ class Session(PrefixKeeping):
             raise SessionError(f"request {request_id!r} is already active")
         if not self._free:
             raise SessionError(f"all {self.max_requests} slots are in use (max_requests); finish a request first")
-        index, key = adapter_of(self.layers, adapter)
-        if from_state is not None:
-            window, ctx = self._check_state(from_state)
-            check_resumable(request_id, from_state, key)
-        slot = self._free.pop()
-        req = Request(slot, self._arrays, index, key)
-        if index >= 0:
-            for layer in self.layers:
-                layer.table_ref.adapters.pin(self, request_id, index)
-            self._named_live += 1
+        with ADAPTER_CHANGES:  # the adapter stays loaded from here: pinned before the lock is released
+            index, key = adapter_of(self.layers, adapter)
+            if from_state is not None:
+                window, ctx = self._check_state(from_state)
+                check_resumable(request_id, from_state, key)
+            slot = self._free.pop()
+            req = Request(slot, self._arrays, index, key)
+            if index >= 0:
+                for layer in self.layers:
+                    layer.table_ref.adapters.pin(self, request_id, index)
+                self._named_live += 1
         self._arrays.contexts[slot] = self._eos
         if from_state is not None:
             for k in range(len(self.layers)):

@@ -22,7 +22,6 @@ table in any format). Everything is read and checked before anything changes.
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from ple.errors import InvalidArgumentError, UsageError
 from ple.layer import PLELayer
 from ple.table import ShardedTable
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
-from ple.table.tiers.named import NamedAdapter, NamedAdapters, served_adapters
+from ple.table.tiers.named import ADAPTER_CHANGES, NamedAdapter, NamedAdapters, served_adapters
 from ple.table.tiers.named import adapter_index as served_index
 from ple.train.adapter import AdapterFile, AdapterFileError, AdapterLayer, as_adapter, layout_hash_of, local_part
 from ple.train.attach import ple_layers
@@ -40,8 +39,7 @@ from ple.train.identity import base_identity, base_of
 
 __all__ = ["adapter_index", "adapter_names", "load_adapter", "remove_adapter"]
 
-_CHANGES = threading.Lock()
-"""Held while adapters are loaded or removed (readers never take it)."""
+_CHANGES = ADAPTER_CHANGES  # held while adapters are loaded or removed (lookups never take it)
 
 
 def _check_trained_over(file: AdapterFile, index: int, entry: AdapterLayer, table) -> None:
@@ -145,29 +143,34 @@ def load_adapter(
     if name is not None:
         _check_name(name)
     layers = {layer.ple_layer_index: layer for layer in ple_layers(model)}
-    with _CHANGES:
-        if name is not None:
-            served = _served(layers.values())
-            if name in served:
-                raise InvalidArgumentError(f"an adapter named {name!r} is already served: remove it first")
-        overlays = _read_overlays(file, layers, dtype, memory_budget, spill_dir, named=name is not None)
-        if name is None:
-            for i, layer in layers.items():
-                _install(layer, overlays.get(i))
-            return file
-        try:
+    if name is not None:
+        _check_free(name, layers.values())  # before the rows are read; again when they are installed
+    overlays = _read_overlays(file, layers, dtype, memory_budget, spill_dir, named=name is not None)
+    added: list[NamedAdapters] = []
+    try:
+        with _CHANGES:  # only the install: a session choosing an adapter waits for no file
+            if name is None:
+                for i, layer in layers.items():
+                    _install(layer, overlays.get(i))
+                return file
+            _check_free(name, layers.values())
             index = _free_index(layers.values())
             for layer in layers.values():
-                _named_set(layer).add(NamedAdapter(name, index, overlays[layer.ple_layer_index]))
-        except BaseException:
-            for layer in layers.values():
-                held = layer.table_ref.adapters
-                if held is not None and held.find(name) is not None:
-                    held.remove(name)
-            for overlay in overlays.values():
-                overlay.close()
-            raise
+                held = _named_set(layer)
+                held.add(NamedAdapter(name, index, overlays[layer.ple_layer_index]))
+                added.append(held)
+    except BaseException:
+        for held in added:
+            held.remove(name)  # type: ignore[arg-type]
+        for overlay in overlays.values():
+            overlay.close()
+        raise
     return file
+
+
+def _check_free(name: str, layers) -> None:
+    if name in _served(layers):
+        raise InvalidArgumentError(f"an adapter named {name!r} is already served: remove it first")
 
 
 def _named_set(layer: PLELayer) -> NamedAdapters:

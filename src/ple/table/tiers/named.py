@@ -33,7 +33,11 @@ from ple.errors import InvalidArgumentError, UsageError
 from ple.table.base import Table
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 
-__all__ = ["DEFAULT_ADAPTER", "NamedAdapter", "NamedAdapters", "adapter_index", "served_adapters"]
+__all__ = ["ADAPTER_CHANGES", "DEFAULT_ADAPTER", "NamedAdapter", "NamedAdapters", "adapter_index", "served_adapters"]
+
+ADAPTER_CHANGES = threading.RLock()
+"""Held while named adapters are loaded or removed, and while a request chooses one (so that an adapter
+cannot go between a request's choice and its pin). Lookups never take it."""
 
 DEFAULT_ADAPTER = -1
 """The adapter index of a sequence that names none: the layer's table as it is (its default adapter, if any)."""
