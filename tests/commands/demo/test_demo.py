@@ -42,11 +42,15 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
     assert json.loads(out.read_text())["checks"] == doc["checks"]
     assert doc["ok"] and set(doc["checks"]) == {
         "serving_outputs_equal_reference",
+        "serving_adapters_equal_alone",
         "tokens_equal",
         "logits_close",
         "tables_reused_on_second_start",
         "memory_saved",
     }
+    adapters = doc["serving"]["adapters"]  # two named adapters and the base in one session
+    assert adapters["ok"] and adapters["requests"] == 6 and adapters["rows"] > 0
+    assert adapters["adapters"] == ["legal", "medical"]
     model = doc["model"]
     assert model["tokens_equal"] and model["max_logit_diff"] <= 1e-4
     assert len(model["plain"]["tokens"]) == model["prompts"]
