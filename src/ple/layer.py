@@ -37,7 +37,7 @@ from ple.runtime.native_step import NativeStep, eager_on_cpu, operators_for
 from ple.table import StoredTable
 from ple.table.base import TableRef, lookup_through, with_adapters
 from ple.table.files.table_file import hash_layout
-from ple.table.grad import lookup_with_grad
+from ple.table.grad import RECORDED_LOOKUP, lookup_with_grad, recorded_lookup
 
 __all__ = ["PLELayer"]
 
@@ -651,8 +651,9 @@ class PLELayer(nn.Module):
     @torch.compiler.disable
     def _padded_lookup(self, ids: torch.Tensor, weight: nn.Parameter | None) -> torch.Tensor:
         """The rows of ``ids [B*S, G]`` for :meth:`forward_padded`, recorded for autograd: the row-sparse
-        gradient of a trainable table's handle, or ``F.embedding``'s of a stored fp table's data. Run
-        eagerly under ``torch.compile`` (one graph break: the row-sparse backward is host code)."""
+        gradient of a trainable table's handle, or ``F.embedding``'s of a stored fp table's data. Under
+        ``torch.compile`` it runs eagerly (one graph break) for a stored fp table's data only: compiled
+        code takes a trainable table's lookup whole (``torch.ops.ple.table_lookup_grad``)."""
         table = self._require_table()
         if weight is not None and weight.requires_grad and torch.is_grad_enabled():
             return lookup_with_grad(table, ids, self.dtype, weight)  # the table's row-sparse gradient
@@ -663,10 +664,11 @@ class PLELayer(nn.Module):
         return table.lookup(ids, self.dtype)
 
     def _table_records_grad(self, weight: nn.Parameter | None) -> bool:
-        """Whether compiled code must record this call's lookup for autograd (then it runs eagerly: one
-        graph break): a trainable table's handle, or a stored fp table whose data required grad when it
-        was set (``patch(table_grad=True)``), in grad mode. Read from plain attributes: compiled code
-        cannot look inside the table reference."""
+        """Whether compiled code must record this call's lookup for autograd: a trainable table's
+        handle (the lookup operator whose backward records its row-sparse gradient), or a stored fp
+        table whose data required grad when it was set (``patch(table_grad=True)``: looked up eagerly,
+        one graph break), in grad mode. Read from plain attributes: compiled code cannot look inside
+        the table reference."""
         if not torch.is_grad_enabled():
             return False
         return (weight is not None and weight.requires_grad) or self._table_data_grad
@@ -716,6 +718,9 @@ class PLELayer(nn.Module):
                 ids, self._table_ref, self.layout.head_dim, self.dtype, adapter_indices,
                 None if adapter_indices is None else qsl,
             )  # fmt: skip
+        elif torch.compiler.is_compiling() and RECORDED_LOOKUP and weight is not None and weight.requires_grad:
+            # one node; its backward gives the handle the row-sparse gradient, as the eager lookup does
+            emb = recorded_lookup(ids, self._table_ref, weight, self.layout.head_dim, self.dtype)
         else:
             emb = self._padded_lookup(ids, weight)
             if adapter_indices is not None:

@@ -16,7 +16,9 @@ function, the one the dispatcher calls (:meth:`Operator.on` gives it to Python c
 dispatcher), is ``check`` and then the device's first kernel whose ``takes`` accepts the arguments
 (the last kernel of a device takes everything). The operators are not differentiable: their outputs never
 require grad (the ``Autograd`` key falls through), as the inference-only engine call that runs them
-needs; the training path (:meth:`ple.PLELayer.forward_padded`) runs differentiable PyTorch code. Registration uses the low-level ``Library.define`` +
+needs; the training path (:meth:`ple.PLELayer.forward_padded`) runs differentiable PyTorch code (compiled,
+its trainable table's lookup is ``ple::table_lookup_grad`` of :mod:`ple.table.grad`, a differentiable
+operator outside this registry). Registration uses the low-level ``Library.define`` +
 ``impl`` per device, which dispatches in a few microseconds (``torch.library.custom_op`` costs
 15-25 us a call, too much for a decode step); no other Python layer is added per call.
 """

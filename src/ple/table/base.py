@@ -362,7 +362,9 @@ def _lookup_checked(
 
 
 if register_opaque_type is not None:
-    register_opaque_type(TableRef, typ="reference")
+    # hoist: Inductor's FX graph cache keys a reference by its type alone (it is an input of the program,
+    # never baked in), rather than pickling the table it holds (a whole table; a trainable one refuses)
+    register_opaque_type(TableRef, typ="reference", hoist=True)
     register(
         f"table_lookup(Tensor ids, {TableRef.__module__}.TableRef table, int head_dim, ScalarType dtype, "
         "Tensor? adapter_indices=None, Tensor? query_start_loc=None) -> Tensor",
