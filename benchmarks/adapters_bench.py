@@ -17,14 +17,15 @@ can have), topped up with random rows. Parts:
   rotating order, each after an untimed reset of the state; the median of each round's own ratio
   (adapters / base of the same round).
 - **prefill**: one request of ``--prefill`` tokens with an adapter against the same without, likewise.
-- **apply**: ``NamedAdapters.apply`` alone (the named rows put in place after the base lookup), timed
-  inside the adapter steps: what the adapters add to a step, in ms and as a share of the base step.
+- **apply**: ``NamedAdapters.apply`` (the named rows put in place after the base lookup), timed inside
+  the adapter steps: what the adapters add to a step, in ms and as a share of the base step; and its
+  last call made again back to back outside the step ("apply alone").
 - **memory** (in a child process of its own, so that what the timing left in the allocator is not
   counted): resident memory (``VmRSS``, ``RssAnon``) of the model alone, then with 1, 8 and 64
   adapters (``--counts``) of ``--rows`` rows loaded (the files loaded under several names each), the
   adapters' own bytes (``NamedAdapters.nbytes``) and bytes per adapter row; then a session of
-  ``--requests`` requests stepped on the base, and the same steps with each request on an adapter:
-  what choosing adapters costs per request.
+  ``--requests`` requests stepped on the base, the same steps with each request on an adapter, then
+  both again (RSS after each): what choosing adapters leaves behind.
 - **load**: ``load_adapter(model, path, name=...)`` of one adapter of ``--load-rows`` rows (bf16 rows;
   the file written once and in the page cache), median of ``--load-repeat`` (each removed after).
 
@@ -215,13 +216,14 @@ def side_by_side(reset, by_step, by_phases, repeat: int, apply_repeat: int, step
                 fns[f"{variant}, {way}"] = functools.partial(fn, variant)
                 resets[f"{variant}, {way}"] = functools.partial(reset, variant)
         samples = interleaved(fns, resets, repeat)
-        apply_s = time_apply(lambda: (reset("adapters"), by_phases("adapters")), apply_repeat, steps)
+        apply_s, alone_s = time_apply(lambda: (reset("adapters"), by_phases("adapters")), apply_repeat, steps)
     return {
         "steps": steps,
         "outputs_equal": same,
         "adapter_rows_read": read,
         "samples": samples,
         "apply_s_per_step": apply_s,
+        "apply_alone_s": alone_s,
     }
 
 
@@ -250,13 +252,16 @@ def prefill_case(layer: PLELayer, inp: Inputs, repeat: int) -> dict:
     return {"case": f"prefill 1 x {tokens}, 1 adapter", **out}
 
 
-def time_apply(run, repeat: int, steps: int) -> float:
-    """Median seconds of ``NamedAdapters.apply`` per step, timed inside ``run()`` (``steps`` steps a run;
-    one untimed run first)."""
+def time_apply(run, repeat: int, steps: int) -> tuple[float, float]:
+    """``NamedAdapters.apply`` per step: the median seconds of it timed inside ``run()`` (``steps`` steps a
+    run; one untimed run first), and the median of its last call made again ``4 * repeat`` times back to
+    back outside the step (the same arguments; what it costs without the step's other work around it)."""
     spent: list[float] = []
+    last: list = []
     original = NamedAdapters.apply
 
     def timed(self, *a, **k):
+        last[:] = [self, a, k]
         t0 = time.perf_counter()
         try:
             return original(self, *a, **k)
@@ -274,7 +279,13 @@ def time_apply(run, repeat: int, steps: int) -> float:
             per_run.append(sum(spent[n:]) / steps)
     finally:
         NamedAdapters.apply = original  # type: ignore[method-assign]
-    return statistics.median(per_run)
+    self, a, k = last
+    alone = []
+    for _ in range(4 * repeat):  # the rows are overwritten in place with the same values each time
+        t0 = time.perf_counter()
+        original(self, *a, **k)
+        alone.append(time.perf_counter() - t0)
+    return statistics.median(per_run), statistics.median(alone)
 
 
 def load_case(layer: PLELayer, folder: Path, rows: int, repeat: int) -> dict:
@@ -339,14 +350,15 @@ def memory_child(args) -> dict:
     hidden = torch.randn(PROMPT + args.steps, R, cfg.hc_hidden_size, generator=g).to(layer.dtype)
     tokens = torch.randint(0, cfg.vocab_size, (PROMPT + args.steps, R), generator=g)
     session = Session(layer, R)
-    for variant in ("base", "adapters"):
+    out["session"] = []
+    for variant in ("base", "adapters", "adapters", "base"):  # again each: what stays is no request's
         for r in range(R):
             session.add(r, adapter=f"m{r % named}" if variant == "adapters" else None)
         with torch.no_grad():
             session.step({r: (hidden[:PROMPT, r], tokens[:PROMPT, r]) for r in range(R)})
             for s in range(PROMPT, PROMPT + args.steps):
                 session.step({r: (hidden[s : s + 1, r], tokens[s : s + 1, r]) for r in range(R)})
-        out[f"session_{variant}"] = rss()
+        out["session"].append({"variant": variant, **rss()})
         for r in range(R):
             session.finish(r)
     return out
@@ -375,8 +387,8 @@ def report(res: dict) -> str:
         f"load average {res['load_start']} -> {res['load_end']}",
         "",
         "| case | base ms | adapters ms | adapters / base (median of the rounds' ratios) | goal | "
-        "`NamedAdapters.apply` ms a step | apply / base step | outputs equal, adapters read |",
-        "|---|---:|---:|---:|---|---:|---:|---|",
+        "`NamedAdapters.apply` ms a step | apply / base step | apply alone ms | outputs equal, adapters read |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in res["timed"]:
         s = r["samples"]
@@ -388,7 +400,7 @@ def report(res: dict) -> str:
             met = "met" if ratio <= 1.05 else "not met"
             lines.append(
                 f"| {r['case']}, {how} | {base:.2f} | {over:.2f} | {ratio:.3f} | <= 1.05: {met} | {apply_ms:.3f} | "
-                f"{100 * apply_ms / base:.1f} % | {'yes' if r['outputs_equal'] else 'NO'}, "
+                f"{100 * apply_ms / base:.1f} % | {r['apply_alone_s'] * 1e3:.3f} | {'yes' if r['outputs_equal'] else 'NO'}, "
                 f"{'yes' if r['adapter_rows_read'] else 'NO'} |"
             )
     if "memory" in res:
@@ -411,11 +423,11 @@ def report(res: dict) -> str:
                 f"{e['adapters_nbytes'] / e['rows']:.1f} | {e['rss_bytes'] / mb:,.0f} | {grown / mb:,.1f} | "
                 f"{grown / e['rows']:.1f} |"
             )
-        sb, sa = mem["session_base"]["rss_bytes"], mem["session_adapters"]["rss_bytes"]
+        rounds = ", ".join(f"{e['variant']} {e['rss_bytes'] / mb:,.1f}" for e in mem["session"])
         lines += [
             "",
-            f"a session of {res['requests']} requests stepped on the base: RSS {sb / mb:,.1f} MB; the same steps, each "
-            f"request on an adapter: {sa / mb:,.1f} MB ({(sa - sb) / res['requests'] / 1e3:+.1f} kB a request)",
+            f"a session of {res['requests']} requests ({PROMPT}-token prompts, {res['args']['steps']} decode steps), "
+            f"stepped on the base, then each request on an adapter, then both again: RSS after each (MB) {rounds}",
         ]
     if "load" in res:
         ld = res["load"]
