@@ -139,53 +139,74 @@ class NamedAdapters:
         ``adapter_indices [R]`` int64 per sequence (-1: the default, left as read) and
         ``query_start_loc [R+1]`` say which tokens read which adapter."""
         chosen = adapter_indices.to("cpu", torch.int64)
-        if not chosen.numel() or int(chosen.max()) < 0:
+        named = sorted(set(chosen.tolist()))
+        if not named or named[-1] < 0:
             return
-        if int(chosen.min()) < DEFAULT_ADAPTER:
-            raise InvalidArgumentError(f"adapter index {int(chosen.min())}: an adapter's index, or -1 for the default")
+        if named[0] < DEFAULT_ADAPTER:
+            raise InvalidArgumentError(f"adapter index {named[0]}: an adapter's index, or -1 for the default")
         held = self._by_index
-        wanted = torch.unique(chosen[chosen >= 0]).tolist()
-        for k in wanted:
-            if k not in held:
+        over = table.base if isinstance(table, AdaptedTable) else table
+        for k in named:
+            if k >= 0 and k not in held:
                 raise InvalidArgumentError(
                     f"adapter index {k} is not served by this layer (served: "
                     f"{', '.join(f'{a.index}:{a.name}' for a in self.entries()) or 'none'})"
                 )
-        over = table.base if isinstance(table, AdaptedTable) else table
         if over is not self.base:
             raise UsageError(
                 f"the named adapters were loaded over {self.base!r}, but the layer now serves {over!r}: load them "
                 "again over the new table"
             )
-        starts = query_start_loc.to("cpu", torch.int64)
         tokens, groups = ids.shape
-        per_token = torch.repeat_interleave(chosen, starts[1:] - starts[:-1], output_size=tokens)
-        width = rows.shape[1] // groups
-        grid = rows.view(tokens, groups, width)
+        if not tokens:
+            return
+        # each token's adapter (its request's: the count of later requests' starts at or before it), then
+        # the tokens grouped by adapter, the default's first: one pass, whatever the number of adapters
+        starts = query_start_loc.to("cpu", torch.int64)
+        owner = torch.bincount(starts[1:-1], minlength=tokens + 1)[:tokens].cumsum(0)
+        per_token = chosen.index_select(0, owner)
+        order = torch.argsort(per_token, stable=True)
+        wanted, counts = (t.tolist() for t in torch.unique_consecutive(per_token[order], return_counts=True))
+        if wanted[-1] < 0:  # no token of this step reads a named adapter
+            return
         host_ids = ids if ids.device.type == "cpu" else ids.cpu()
+        out = rows.view(tokens * groups, rows.shape[1] // groups)
+        if len(wanted) == 1:  # every token reads one adapter: the ids in their own order
+            flat, place = host_ids.reshape(-1), None
+        else:  # the ids and their places in ``out`` [T*G, D], in the tokens' order above
+            flat = host_ids.index_select(0, order).reshape(-1)
+            place = (order.view(-1, 1) * groups + torch.arange(groups)).reshape(-1)
+
+        def places(a: int, b: int, where: torch.Tensor) -> torch.Tensor:
+            """The places in ``out`` of ``flat[a:b][where]``."""
+            return where + a if place is None else place[a:b][where]
+
+        first = groups * (counts[0] if wanted[0] < 0 else 0)  # the first id of a named adapter's token
+        end = tokens * groups
         if isinstance(table, AdaptedTable) and len(table.overlay):
             # tokens of a named adapter read the base where the default adapter holds a row
-            named = (per_token >= 0).nonzero().squeeze(1)
-            flat = host_ids.index_select(0, named).reshape(-1)
-            where, _ = table.overlay.get(flat)
+            where, _ = table.overlay.get(flat[first:])
             if where.numel():
-                base_rows = self.base.lookup(flat[where].view(-1, 1).to(ids.device), rows.dtype)
-                self._put(grid, named, groups, where, base_rows)
-        for k in wanted:
-            mine = (per_token == k).nonzero().squeeze(1)
-            flat = host_ids.index_select(0, mine).reshape(-1)
-            where, values = held[k].overlay.get(flat)
-            if where.numel():
-                self._put(grid, mine, groups, where, values)
+                base_rows = self.base.lookup(flat[first:][where].view(-1, 1).to(ids.device), rows.dtype)
+                self._put(out, places(first, end, where), base_rows)
+        at, values = [], []
+        a = 0
+        for k, n in zip(wanted, counts):
+            b = a + n * groups
+            if k >= 0:
+                where, got = held[k].overlay.get(flat[a:b])
+                if where.numel():
+                    at.append(places(a, b, where))
+                    values.append(got)
+            a = b
+        if at:
+            self._put(out, torch.cat(at) if len(at) > 1 else at[0], torch.cat(values) if len(values) > 1 else values[0])
 
     @staticmethod
-    def _put(grid: torch.Tensor, tokens: torch.Tensor, groups: int, where: torch.Tensor, values: torch.Tensor):
-        """``grid[tokens[where // G], where % G] = values`` (``grid [T, G, D]``, ``where`` into the
-        flattened ids of ``tokens``)."""
-        t = tokens.index_select(0, torch.div(where, groups, rounding_mode="floor"))
-        g = torch.remainder(where, groups)
-        dev = grid.device
-        grid[t.to(dev), g.to(dev)] = values.to(device=dev, dtype=grid.dtype)
+    def _put(out: torch.Tensor, places: torch.Tensor, values: torch.Tensor) -> None:
+        """``out[places] = values`` (``out [T*G, D]``, ``places`` distinct)."""
+        dev = out.device
+        out.index_copy_(0, places.to(dev), values.to(device=dev, dtype=out.dtype))
 
 
 def served_adapters(refs) -> dict[str, int]:
