@@ -121,7 +121,11 @@ def test_exported_engine_call_reproduces_eager_and_holds_the_table_by_reference(
     pool = layer.new_state_pool(8)
     h, ids, b = _step(layer, [5, 3], [0, 1], [False, False], pool, seed=0)
     t, r = Dim("T", min=1, max=1 << 20), Dim("R", min=1, max=4096)
-    shapes = {"hidden": {0: t}, "input_ids": {0: t}, "batch": [{0: r + 1}, {0: r}, {0: r}, {0: r}, {0: r}, None, None]}
+    shapes = {
+        "hidden": {0: t},
+        "input_ids": {0: t},
+        "batch": [{0: r + 1}, {0: r}, {0: r}, {0: r}, {0: r}, None, None, None],
+    }
     with torch.no_grad():
         ep = torch.export.export(layer, (h, ids, b), dynamic_shapes=shapes)
     kinds = {s.kind.name for s in ep.graph_signature.input_specs}

@@ -16,6 +16,7 @@ returned sequences repeat each input row); the patched PLE modules read the rows
 from __future__ import annotations
 
 import contextvars
+import threading
 import types
 from typing import Any
 
@@ -29,11 +30,31 @@ __all__ = ["accept_row_adapters", "current_row_adapters", "remove_row_adapters"]
 
 _ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("ple_row_adapters", default=None)
 _HANDLES = "_ple_row_adapter_hooks"
+_ACTIVE = 0
+"""Calls with ``ple_adapters`` under way in the process (any thread): while none is, the patched modules
+do not read the context variable (which compiled code cannot trace)."""
+_COUNT = threading.Lock()
 
 
 def current_row_adapters() -> torch.Tensor | None:
     """``[B]`` int64: the adapter index of each row of the model call under way (-1: the default), or None."""
+    if not _ACTIVE:  # a plain global read: traced by torch.compile without a graph break
+        return None
     return _ROWS.get()
+
+
+def _enter(indices: torch.Tensor) -> contextvars.Token:
+    global _ACTIVE
+    with _COUNT:
+        _ACTIVE += 1
+    return _ROWS.set(indices)
+
+
+def _leave(token: contextvars.Token) -> None:
+    global _ACTIVE
+    _ROWS.reset(token)
+    with _COUNT:
+        _ACTIVE -= 1
 
 
 def _batch_rows(args: tuple, kwargs: dict[str, Any]) -> int | None:
@@ -75,7 +96,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         stack.append(None)
         return args, kwargs
     indices = resolve(module, names, _batch_rows(args, kwargs))
-    stack.append(_ROWS.set(indices))
+    stack.append(_enter(indices))
     return args, kwargs
 
 
@@ -84,7 +105,7 @@ def _post_hook(module: nn.Module, args, kwargs, output):
     if stack:
         token = stack.pop()
         if token is not None:
-            _ROWS.reset(token)
+            _leave(token)
     return None
 
 
@@ -97,11 +118,11 @@ def _generate(self: nn.Module, *args, ple_adapters=None, **kwargs):
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
     returned = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1
     repeat = max(int(beams), int(returned))  # transformers expands each row this many times, in place
-    token = _ROWS.set(indices.repeat_interleave(repeat) if repeat > 1 else indices)
+    token = _enter(indices.repeat_interleave(repeat) if repeat > 1 else indices)
     try:
         return original(self, *args, **kwargs)
     finally:
-        _ROWS.reset(token)
+        _leave(token)
 
 
 def accept_row_adapters(model: nn.Module) -> None:

@@ -80,6 +80,11 @@ def test_the_main_command_shows_the_users_path(tmp_path, capsys):
         assert "over 100 %: transformers' peak holds the tables twice" in text
 
 
+def res_adapters_ok(out) -> bool:
+    """The serving part's check of two named adapters and the base in one session passed."""
+    return json.loads(out.read_text())["serving"]["adapters"]["ok"] is True
+
+
 @pytest.mark.parametrize("tier", ["mmap", "cached", "memory", "direct", "synthetic"])
 def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
     out = tmp_path / "demo.json"
@@ -91,7 +96,8 @@ def test_serving_checks_every_output(tier, small_config, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     lines = [" ".join(line.split()) for line in text.splitlines()]  # content, not column layout
-    assert "equals the one-shot reference" in text and "checks : all passed (1 check)" in lines
+    assert "equals the one-shot reference" in text and "checks : all passed (2 checks)" in lines
+    assert "equal to each adapter served alone, bit for bit" in text and res_adapters_ok(out)
     assert "== serving: one PLE layer through a Session ==" in lines  # not the published geometry
     res = json.loads(out.read_text())["serving"]
     assert res["tier"] == tier and res["checked_tokens"] > 0
