@@ -27,6 +27,7 @@ import threading
 import weakref
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError, UsageError
@@ -138,20 +139,23 @@ class NamedAdapters:
         ``table`` (the layer's table: this set's base, or an :class:`AdaptedTable` over it);
         ``adapter_indices [R]`` int64 per sequence (-1: the default, left as read) and
         ``query_start_loc [R+1]`` say which tokens read which adapter."""
-        chosen = adapter_indices.to("cpu", torch.int64)
-        named = sorted(set(chosen.tolist()))
-        if not named or named[-1] < 0:
+        chosen = adapter_indices.to("cpu", torch.int64).numpy()  # host arrays in numpy: a few us a call
+        if not chosen.size:
             return
-        if named[0] < DEFAULT_ADAPTER:
-            raise InvalidArgumentError(f"adapter index {named[0]}: an adapter's index, or -1 for the default")
+        lo, hi = int(chosen.min()), int(chosen.max())
+        if hi < 0:
+            return
+        if lo < DEFAULT_ADAPTER:
+            raise InvalidArgumentError(f"adapter index {lo}: an adapter's index, or -1 for the default")
         held = self._by_index
-        over = table.base if isinstance(table, AdaptedTable) else table
+        named = np.unique(chosen[chosen >= 0]).tolist()
         for k in named:
-            if k >= 0 and k not in held:
+            if k not in held:
                 raise InvalidArgumentError(
                     f"adapter index {k} is not served by this layer (served: "
                     f"{', '.join(f'{a.index}:{a.name}' for a in self.entries()) or 'none'})"
                 )
+        over = table.base if isinstance(table, AdaptedTable) else table
         if over is not self.base:
             raise UsageError(
                 f"the named adapters were loaded over {self.base!r}, but the layer now serves {over!r}: load them "
@@ -160,53 +164,34 @@ class NamedAdapters:
         tokens, groups = ids.shape
         if not tokens:
             return
-        # each token's adapter (its request's: the count of later requests' starts at or before it), then
-        # the tokens grouped by adapter, the default's first: one pass, whatever the number of adapters
-        starts = query_start_loc.to("cpu", torch.int64)
-        owner = torch.bincount(starts[1:-1], minlength=tokens + 1)[:tokens].cumsum(0)
-        per_token = chosen.index_select(0, owner)
-        order = torch.argsort(per_token, stable=True)
-        wanted, counts = (t.tolist() for t in torch.unique_consecutive(per_token[order], return_counts=True))
-        if wanted[-1] < 0:  # no token of this step reads a named adapter
-            return
-        host_ids = ids if ids.device.type == "cpu" else ids.cpu()
+        starts = query_start_loc.to("cpu", torch.int64).numpy()
+        # each id's adapter (its token's request's), the ids and the rows flat: [T*G] and [T*G, D]
+        per_id = np.repeat(chosen, np.diff(starts) * groups)
+        flat = (ids if ids.device.type == "cpu" else ids.cpu()).reshape(-1).numpy()
         out = rows.view(tokens * groups, rows.shape[1] // groups)
-        if len(wanted) == 1:  # every token reads one adapter: the ids in their own order
-            flat, place = host_ids.reshape(-1), None
-        else:  # the ids and their places in ``out`` [T*G, D], in the tokens' order above
-            flat = host_ids.index_select(0, order).reshape(-1)
-            place = (order.view(-1, 1) * groups + torch.arange(groups)).reshape(-1)
-
-        def places(a: int, b: int, where: torch.Tensor) -> torch.Tensor:
-            """The places in ``out`` of ``flat[a:b][where]``."""
-            return where + a if place is None else place[a:b][where]
-
-        first = groups * (counts[0] if wanted[0] < 0 else 0)  # the first id of a named adapter's token
-        end = tokens * groups
         if isinstance(table, AdaptedTable) and len(table.overlay):
-            # tokens of a named adapter read the base where the default adapter holds a row
-            where, _ = table.overlay.get(flat[first:])
+            # ids of a named adapter's tokens read the base where the default adapter holds a row
+            mine = np.flatnonzero(per_id >= 0)
+            where, _ = table.overlay.get(torch.from_numpy(flat[mine]))
             if where.numel():
-                base_rows = self.base.lookup(flat[first:][where].view(-1, 1).to(ids.device), rows.dtype)
-                self._put(out, places(first, end, where), base_rows)
-        at, values = [], []
-        a = 0
-        for k, n in zip(wanted, counts):
-            b = a + n * groups
-            if k >= 0:
-                where, got = held[k].overlay.get(flat[a:b])
-                if where.numel():
-                    at.append(places(a, b, where))
-                    values.append(got)
-            a = b
-        if at:
-            self._put(out, torch.cat(at) if len(at) > 1 else at[0], torch.cat(values) if len(values) > 1 else values[0])
+                at = mine[where.numpy()]
+                base_rows = self.base.lookup(torch.from_numpy(flat[at]).view(-1, 1).to(ids.device), rows.dtype)
+                self._put(out, at, base_rows)
+        places, values = [], []
+        for k in named:
+            mine = np.flatnonzero(per_id == k)
+            where, got = held[k].overlay.get(torch.from_numpy(flat[mine]))
+            if where.numel():
+                places.append(mine[where.numpy()])
+                values.append(got)
+        if places:
+            self._put(out, np.concatenate(places), torch.cat(values) if len(values) > 1 else values[0])
 
     @staticmethod
-    def _put(out: torch.Tensor, places: torch.Tensor, values: torch.Tensor) -> None:
+    def _put(out: torch.Tensor, places: np.ndarray, values: torch.Tensor) -> None:
         """``out[places] = values`` (``out [T*G, D]``, ``places`` distinct)."""
         dev = out.device
-        out.index_copy_(0, places.to(dev), values.to(device=dev, dtype=out.dtype))
+        out.index_copy_(0, torch.from_numpy(places).to(dev), values.to(device=dev, dtype=out.dtype))
 
 
 def served_adapters(refs) -> dict[str, int]:

@@ -43,6 +43,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError, PLEError
@@ -60,6 +61,8 @@ SPILL_CHUNK = 1 << 14
 """A spill file grows by whole multiples of this many slots (doubling, mapped again as it grows)."""
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_SMALL_FIND = 8192
+"""Lookups of at most this many ids search in numpy (PyTorch's per-call cost dominates there)."""
 
 
 class RowMap:
@@ -79,6 +82,13 @@ class RowMap:
         if n == 0 or ids.numel() == 0:
             return _EMPTY, _EMPTY
         ids = ids.contiguous()
+        if ids.numel() <= _SMALL_FIND and ids.device.type == "cpu" and ids.dtype == torch.int64:
+            # a few ids (a decode step's): the same search in numpy, a few microseconds instead of tens
+            keys, want = self.keys.numpy(), ids.numpy()
+            at = np.searchsorted(keys, want)
+            np.minimum(at, n - 1, out=at)
+            hit = np.flatnonzero(keys[at] == want)
+            return torch.from_numpy(hit), torch.from_numpy(self.slots.numpy()[at[hit]])
         pos = torch.searchsorted(self.keys, ids).clamp_(max=n - 1)
         where = (self.keys[pos] == ids).nonzero().squeeze(1)
         return where, self.slots[pos[where]]
