@@ -97,6 +97,8 @@ def _read_overlays(
                     f"([{full_rows}, {local.head_dim}], {want[:16]}...)"
                 )
             _check_trained_over(file, i, e, local)
+            if not sharded:
+                overlay.presize(e.trained_rows)  # the rows held once, in one buffer of their size
             for ids, rows in file.chunks(i):
                 keep = (ids >= start) & (ids < stop)
                 if bool(keep.any()):

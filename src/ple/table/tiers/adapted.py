@@ -167,6 +167,12 @@ class RowOverlay:
             slots[missing] = new_slots
         return slots
 
+    def presize(self, k: int) -> None:
+        """Hold memory for ``k`` more rows at once (an adapter file's rows, about to be put): no copies
+        while they are added, no room left unused."""
+        with self.lock:
+            self._store.presize(self._store.count + k)
+
     def reserve(self, k: int) -> None:
         """Make room for ``k`` more rows (the spill file's space, where rows spill), so that adding up to
         ``k`` rows and writing them cannot fail on a full disk: :class:`~ple.table.tiers.rowstore.SpillFileError`

@@ -220,6 +220,12 @@ class SlotStore:
         grown[:have] = self._mem
         self._mem = grown
 
+    def presize(self, n: int) -> None:
+        """Hold room in memory for ``n`` records at once (a store about to take that many), so that
+        appending them copies nothing and leaves no unused room; with a memory budget, nothing."""
+        if self.memory_slots is None:
+            self._grow_frames(n)
+
     def reserve(self, n: int) -> None:
         """Make sure slots ``0 .. n-1`` can live in the spill file when they must leave memory: with a
         budget of fewer than ``n`` frames, the file is grown (its space allocated) to ``n`` records at
