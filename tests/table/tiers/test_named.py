@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ple.table.tiers.named as named_module
 from ple.errors import InvalidArgumentError
 from ple.table import MemoryTable
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
@@ -38,6 +39,24 @@ def _reference(table, named: dict[int, RowOverlay], ids, chosen, starts) -> torc
                     row = (table if k < 0 else base).lookup(one, torch.float32)[0]
                 out[t, g * D : (g + 1) * D] = row
     return out
+
+
+@pytest.fixture(params=["c", "numpy"], autouse=True)
+def path(request, monkeypatch):
+    """Every test twice: the named rows put in place by the C row copy, and by the numpy path."""
+    calls: list[bool] = []
+    real = named_module.NamedAdapters._native_rows
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(named_module.NamedAdapters, "_native_rows", staticmethod(spy))
+    if request.param == "numpy":
+        monkeypatch.setattr(named_module._native, "available", lambda: False)
+    yield request.param
+    if calls:  # the path asked for ran (the C copy declines an overlay whose rows spill)
+        assert (True in calls) if request.param == "c" else set(calls) == {False}
 
 
 @pytest.fixture
@@ -74,6 +93,36 @@ def test_every_token_reads_its_adapter_or_the_base(served, chosen, lengths, defa
     want = _reference(table, overlays, ids, chosen, starts)
     held.apply(table, ids, rows, torch.tensor(chosen), torch.tensor(starts))
     assert torch.equal(rows, want)
+
+
+def test_bf16_rows_and_an_overlay_over_a_budget(path):
+    """bf16 rows (the C copy's bytes), and an overlay whose rows spill (the numpy path takes it)."""
+    g = torch.Generator().manual_seed(8)
+    base = MemoryTable(torch.randn(ROWS, D, generator=g).bfloat16())
+    held = NamedAdapters(base)
+    small = RowOverlay(ROWS, D, torch.bfloat16)
+    small.put(torch.arange(0, ROWS, 2), torch.randn(ROWS // 2, D, generator=g))
+    spilled = RowOverlay(ROWS, D, torch.bfloat16, memory_budget=4 * D * 2)
+    spilled.put(torch.arange(1, ROWS, 3), torch.randn(len(range(1, ROWS, 3)), D, generator=g))
+    held.add(NamedAdapter("small", 0, small))
+    held.add(NamedAdapter("spilled", 1, spilled))
+    ids = torch.randint(0, ROWS, (6, G), generator=g)
+    for chosen in ([0, -1, 0], [1, 0, -1]):
+        rows = base.lookup(ids, torch.bfloat16)
+        want = _reference_bf16(base, {0: small, 1: spilled}, ids, chosen, [0, 2, 4, 6])
+        held.apply(base, ids, rows, torch.tensor(chosen), torch.tensor([0, 2, 4, 6]))
+        assert torch.equal(rows, want), chosen
+
+
+def _reference_bf16(base, named, ids, chosen, starts) -> torch.Tensor:
+    out = base.lookup(ids, torch.bfloat16)
+    for r, k in enumerate(chosen):
+        for t in range(starts[r], starts[r + 1]):
+            for g in range(G):
+                i = int(ids[t, g])
+                if k >= 0 and i in set(named[k].ids().tolist()):
+                    out[t, g * D : (g + 1) * D] = named[k].get(torch.tensor([i]))[1][0]
+    return out
 
 
 def test_an_unknown_index_is_refused_even_for_a_request_of_no_tokens(served):

@@ -345,6 +345,7 @@ _SYMBOLS = (
     "ple_quant_lookup",
     "ple_gather_rows",
     "ple_gather_lut",
+    "ple_overlay_rows",
     "ple_isa_available",
     "ple_set_isa",
     "ple_current_isa",
@@ -414,6 +415,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     rows = lib.ple_gather_rows
     rows.restype = i32
     rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32]  # data, rows, row stride (B), row bytes, ids, n, out, threads
+    over = lib.ple_overlay_rows
+    over.restype = i64
+    # n, ids, which, adapters, keys**, counts, slots**, rows**, capacity, row bytes, out
+    over.argtypes = [i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]
     lut = lib.ple_gather_lut
     lut.restype = i32
     lut.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]  # ... ids, n, lut [256], element bytes, out, threads

@@ -317,3 +317,64 @@ int ple_gather_lut(const uint8_t *data, int64_t rows, int64_t stride, int64_t ro
     gather_job_t G = {data, stride, row_bytes, n, ids, lut, esize, out, 0};
     return gather(&G, threads);
 }
+
+/*
+ * ple_overlay_rows: the rows of several row overlays (ple.table.tiers.adapted.RowOverlay, each held
+ * fully in memory), put in place over looked-up rows. For each i < n whose which[i] = a is >= 0: ids[i]
+ * is searched among keys[a][0 .. counts[a]) (sorted, distinct); when found at p, row slots[a][p] of
+ * rows[a] (row_bytes each, capacity[a] rows) is copied to out + i * row_bytes. The searches of
+ * SEARCH_GROUP ids advance together, one level at a time (each level requesting the next level's two
+ * possible keys), so that their reads of the keys overlap; then their rows are requested together.
+ * Returns how many rows were copied; -1 (before anything is written) for an adapter outside
+ * [0, adapters); -2 for a bad geometry or a slot outside its rows (what was copied before stays).
+ */
+#define SEARCH_GROUP 32
+
+int64_t ple_overlay_rows(int64_t n, const int64_t *ids, const int64_t *which, int64_t adapters,
+                         const int64_t *const *keys, const int64_t *counts, const int64_t *const *slots,
+                         const uint8_t *const *rows, const int64_t *capacity, int64_t row_bytes, uint8_t *out) {
+    if (n < 0 || adapters < 0 || row_bytes < 1) return -2;
+    for (int64_t i = 0; i < n; i++)
+        if (which[i] >= adapters) return -1;
+    int64_t copied = 0;
+    int64_t at[SEARCH_GROUP], lo[SEARCH_GROUP], len[SEARCH_GROUP], who[SEARCH_GROUP];
+    for (int64_t i0 = 0; i0 < n;) {
+        int g = 0; /* the next ids of an adapter, up to SEARCH_GROUP of them */
+        for (; i0 < n && g < SEARCH_GROUP; i0++) {
+            const int64_t a = which[i0];
+            if (a < 0 || counts[a] <= 0) continue;
+            at[g] = i0, who[g] = a, lo[g] = 0, len[g] = counts[a];
+            g++;
+        }
+        for (int busy = 1; busy;) {
+            busy = 0;
+            for (int j = 0; j < g; j++) {
+                if (len[j] <= 0) continue;
+                const int64_t half = len[j] >> 1, *k = keys[who[j]];
+                const int right = k[lo[j] + half] < ids[at[j]];
+                /* the next probe is a quarter of the range to either side: request both */
+                __builtin_prefetch(k + lo[j] + (half >> 1), 0, 0);
+                __builtin_prefetch(k + lo[j] + half + 1 + ((len[j] - half - 1) >> 1), 0, 0);
+                lo[j] = right ? lo[j] + half + 1 : lo[j];
+                len[j] = right ? len[j] - half - 1 : half;
+                busy |= len[j] > 0;
+            }
+        }
+        const uint8_t *src[SEARCH_GROUP];
+        for (int j = 0; j < g; j++) { /* the rows found, requested together */
+            const int64_t a = who[j];
+            src[j] = NULL;
+            if (lo[j] >= counts[a] || keys[a][lo[j]] != ids[at[j]]) continue;
+            const int64_t s = slots[a][lo[j]];
+            if (s < 0 || s >= capacity[a]) return -2;
+            src[j] = rows[a] + s * row_bytes;
+            prefetch_row(src[j], row_bytes);
+        }
+        for (int j = 0; j < g; j++) {
+            if (!src[j]) continue;
+            memcpy(out + at[j] * row_bytes, src[j], (size_t)row_bytes);
+            copied++;
+        }
+    }
+    return copied;
+}

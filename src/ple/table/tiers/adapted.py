@@ -125,6 +125,13 @@ class RowOverlay:
             where, slots = self._map.find(ids)
             return where, self._store.read(slots)
 
+    def held_in_memory(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(ids [n], slots [n], rows [capacity, head_dim])``: the sorted ids held, their slots and the
+        rows by slot, when every row is in memory (no budget), else None. For a reader that searches
+        the ids itself (:meth:`ple.table.tiers.named.NamedAdapters.apply`); call under :attr:`lock`."""
+        rows = self._store.memory_rows()
+        return None if rows is None else (self._map.keys, self._map.slots, rows)
+
     def range(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids [m], rows [m, head_dim])``: the held rows with ids in ``[start, stop)``, in id order."""
         with self.lock:

@@ -22,6 +22,7 @@ adapter a request still names is refused.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 import weakref
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from ple.errors import InvalidArgumentError, UsageError
+from ple.kernels import native as _native
 from ple.table.base import Table
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 
@@ -177,6 +179,8 @@ class NamedAdapters:
                 at = mine[where.numpy()]
                 base_rows = self.base.lookup(torch.from_numpy(flat[at]).view(-1, 1).to(ids.device), rows.dtype)
                 self._put(out, at, base_rows)
+        if self._native_rows(named, held, flat, per_id, out):
+            return
         places, values = [], []
         for k in named:
             mine = np.flatnonzero(per_id == k)
@@ -186,6 +190,47 @@ class NamedAdapters:
                 values.append(got)
         if places:
             self._put(out, np.concatenate(places), torch.cat(values) if len(values) > 1 else values[0])
+
+    @staticmethod
+    def _native_rows(named: list[int], held: dict, flat: np.ndarray, per_id: np.ndarray, out: torch.Tensor) -> bool:
+        """The named rows put in place by one C call (``ple_overlay_rows``: every id searched in its
+        adapter's ids, its row copied), when ``out`` is a contiguous host tensor and every adapter holds
+        all its rows in memory in ``out``'s dtype; False (nothing written) otherwise."""
+        if out.device.type != "cpu" or not out.is_contiguous() or not _native.available():
+            return False
+        overlays = [held[k].overlay for k in named]
+        if any(o.dtype != out.dtype for o in overlays):
+            return False
+        count = max(named) + 1
+        locks = [o.lock for o in overlays]
+        for lock in locks:
+            lock.acquire()
+        try:
+            views = [o.held_in_memory() for o in overlays]
+            if any(v is None for v in views):
+                return False
+            keys, counts, slots, rows, capacity = (
+                (ctypes.c_void_p * count)(),
+                np.zeros(count, np.int64),
+                (ctypes.c_void_p * count)(),
+                (ctypes.c_void_p * count)(),
+                np.zeros(count, np.int64),
+            )
+            for k, (ids, at, mem) in zip(named, views):
+                keys[k], slots[k], rows[k] = ids.data_ptr(), at.data_ptr(), mem.data_ptr()
+                counts[k], capacity[k] = ids.numel(), mem.shape[0]
+            want = np.ascontiguousarray(flat, dtype=np.int64)
+            which = np.ascontiguousarray(per_id, dtype=np.int64)
+            got = _native.library().ple_overlay_rows(
+                want.size, want.ctypes.data, which.ctypes.data, count, keys, counts.ctypes.data, slots, rows,
+                capacity.ctypes.data, out.shape[1] * out.element_size(), out.data_ptr(),
+            )  # fmt: skip
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        if got < 0:
+            raise InvalidArgumentError(f"named adapters: the C row copy refused its arguments (code {got})")
+        return True
 
     @staticmethod
     def _put(out: torch.Tensor, places: np.ndarray, values: torch.Tensor) -> None:

@@ -220,6 +220,11 @@ class SlotStore:
         grown[:have] = self._mem
         self._mem = grown
 
+    def memory_rows(self) -> torch.Tensor | None:
+        """``[capacity, width]``: every record by slot, when all are held in memory (no budget), else
+        None. The tensor is replaced when the store grows: read it under the owner's lock."""
+        return self._mem if self.memory_slots is None else None
+
     def presize(self, n: int) -> None:
         """Hold room in memory for ``n`` records at once (a store about to take that many), so that
         appending them copies nothing and leaves no unused room; with a memory budget, nothing."""
