@@ -189,6 +189,22 @@ def test_lookahead_reads_the_adapters_too(tmp_path, tier):
     _equal_for(["r0", "r3"], ahead, alone)
 
 
+def test_a_memory_budget_per_adapter(served, tmp_path):
+    """An adapter whose rows spill beyond its budget serves the same rows (the numpy path reads them)."""
+    model, files = served
+    load_adapter(model, files["a"], name="tight", memory_budget=4096, spill_dir=tmp_path)
+    load_adapter(model, files["b"], name="roomy")
+    tight = model[0].table_ref.adapters.get(adapter_index(model, "tight")).overlay
+    assert tight.spilled_rows > 0
+    script = Script(["r0", "r1", "r2", "r3"], seed=11)
+    chosen = {"r0": "tight", "r1": "roomy", "r2": "tight"}
+    mixed, _ = script.run(model, chosen)
+    for name, path in (("tight", files["a"]), ("roomy", files["b"])):
+        load_adapter(model, path)
+        alone, _ = script.run(model, {})
+        _equal_for([r for r, c in chosen.items() if c == name], mixed, alone)
+
+
 def test_bf16_layers(tmp_path):
     model = _model(tmp_path, "memory", "bf16", dtype=torch.bfloat16)
     files = {name: _write_adapter(model, tmp_path / f"{name}.safetensors", seed) for seed, name in enumerate("ab")}
