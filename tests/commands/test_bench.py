@@ -662,3 +662,14 @@ def test_packed_gemm_script_prints_a_row_per_count(capsys, monkeypatch, limit, t
     assert "the layer's GEMM here" in out
     with pytest.raises(SystemExit):
         module.main(["--rows", "0"])
+
+
+def test_the_parallel_benchmark_checks_its_output_before_the_work(tmp_path, capsys):
+    """``python -m ple.commands.bench.parallel --output`` in a missing folder: refused at once (exit 2),
+    before any rank is spawned."""
+    from ple.commands.bench import parallel
+
+    with pytest.raises(SystemExit) as e:
+        parallel.main(["--ranks", "2", "--output", str(tmp_path / "missing" / "x.json")])
+    assert e.value.code == 2
+    assert f"--output {tmp_path / 'missing' / 'x.json'}: its folder" in capsys.readouterr().err

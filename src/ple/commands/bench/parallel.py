@@ -30,7 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ple.commands.report import check_destinations
+from ple.common.files import write_atomically
 from ple.config import PLEConfig
+from ple.errors import InvalidArgumentError
 from ple.layer import PLELayer
 from ple.parallel import ParallelLayer, init_from_env, shard_of, spawn_local
 from ple.runtime.batch import Batch
@@ -180,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(json.loads(Path(args.worker).read_text()))
         return 0
+    try:
+        check_destinations([("--output", args.output)], [])  # before the work, not after it
+    except InvalidArgumentError as e:
+        ap.error(str(e))
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="ple-bench-parallel-") as tmp:
         for W in (int(x) for x in args.ranks.split(",")):
@@ -204,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 results.setdefault(mode, {})[str(W)] = json.loads(Path(spec["out"]).read_text())
                 print(f"{mode:9s} W={W}: {results[mode][str(W)]}", file=sys.stderr, flush=True)
+    print(json.dumps(results, indent=1))  # first: a failed write keeps the results on stdout
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+        write_atomically(args.output, json.dumps(results, indent=1).encode())
     return 0
 
 
