@@ -42,3 +42,6 @@ if trainer.is_world_process_zero():
     ple.train.save_adapter(f"{out}/adapter.safetensors", model, optimizer=tables)
     ple.train.freeze(model)  # training done: save_pretrained writes the tables, trained rows merged
     model.save_pretrained(f"{out}/tuned")
+trainer.accelerator.wait_for_everyone()  # every process waits for the saves, then leaves its group
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()  # a group left alive can abort a process at exit

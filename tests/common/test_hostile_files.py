@@ -164,6 +164,7 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_quant_lookup(void) { return 0; }\n"
     "int ple_gather_rows(void) { return 0; }\n"
     "int ple_gather_lut(void) { return 0; }\n"
+    "long long ple_overlay_rows(void) { return 0; }\n"
     # the instruction-set entry points (the loader sets "auto" through ple_set_isa: 0 = done)
     "int ple_isa_available(int isa) { return isa == 0; }\n"
     "int ple_set_isa(int isa) { (void)isa; return 0; }\n"
