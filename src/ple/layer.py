@@ -547,8 +547,9 @@ class PLELayer(nn.Module):
             prefetched.check_bound(self, input_ids, batch.query_start_loc, batch.ngram_context)
             rows = prefetched.wait()
             if batch.adapter_indices is not None:  # the prefetch read the layer's table: named adapters on top
-                ids = self.ngram_ids(input_ids, batch)
-                rows = with_adapters(self._table_ref, ids, rows, batch.adapter_indices, batch.query_start_loc)
+                rows = with_adapters(
+                    self._table_ref, prefetched.ids, rows, batch.adapter_indices, batch.query_start_loc
+                )
         elif rows is None:
             self._require_table()
         try:

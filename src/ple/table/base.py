@@ -28,6 +28,7 @@ import itertools
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from ple.errors import ArgumentTypeError, InvalidArgumentError, UsageError
@@ -38,7 +39,7 @@ from ple.table.lookup import dequantize_rows_into, gather_dequant, gather_dequan
 from ple.table.lookup.prefetch import PrefetchEngine, PrefetchHandle
 from ple.table.lookup.torch_impl import gather_rows
 
-__all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through", "with_adapters"]
+__all__ = ["Table", "StoredTable", "TableRef", "require_stored", "lookup_through", "with_adapters", "adapter_choice"]
 
 
 class Table(abc.ABC):
@@ -291,25 +292,53 @@ class TableRef(OpaqueBase):
         return f"TableRef({self.table!r})"
 
 
+def adapter_choice(adapter_indices, query_start_loc, tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sequences' adapters ``[R]`` and token starts ``[R+1]`` as host int64 arrays, checked against
+    each other and the lookup's ``tokens`` ids: ``adapter_indices`` int64 ``[R]``, each -1 (the default)
+    or an adapter's index; ``query_start_loc`` int64 ``[R+1]`` from 0 to ``tokens``, non-decreasing.
+    None when no sequence names an adapter. :class:`InvalidArgumentError` naming what disagrees."""
+    for name, t in (("adapter_indices", adapter_indices), ("query_start_loc", query_start_loc)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+            raise InvalidArgumentError(f"table_lookup: {name} must be a 1-D int64 tensor, got {got}")
+    r = adapter_indices.shape[0]
+    if query_start_loc.shape[0] != r + 1:
+        raise InvalidArgumentError(
+            f"table_lookup: {r} adapter indices need query_start_loc of {r + 1} offsets, got {query_start_loc.shape[0]}"
+        )
+    chosen = adapter_indices.to("cpu").numpy()
+    if not r or int(chosen.max()) < 0:
+        return None
+    if int(chosen.min()) < -1:
+        raise InvalidArgumentError(
+            f"table_lookup: adapter index {int(chosen.min())} (an adapter's index, or -1 for the default)"
+        )
+    starts = query_start_loc.to("cpu").numpy()
+    if starts[0] != 0 or starts[-1] != tokens or bool((np.diff(starts) < 0).any()):
+        raise InvalidArgumentError(
+            f"table_lookup: query_start_loc {starts.tolist()} must run from 0 to the {tokens} ids' tokens, non-decreasing"
+        )
+    return chosen, starts
+
+
 def with_adapters(
     ref: TableRef, ids: torch.Tensor, rows: torch.Tensor, adapter_indices, query_start_loc
 ) -> torch.Tensor:
     """``rows [T, G*D]`` read for ``ids [T, G]`` from ``ref.table``, with the named adapters' rows put in
     place for the sequences ``adapter_indices [R]`` (-1: none) names (``query_start_loc [R+1]`` says
-    which tokens are whose); ``rows`` itself when no sequence names one."""
-    if adapter_indices is None or not adapter_indices.numel():
+    which tokens are whose; both checked by :func:`adapter_choice`); ``rows`` itself when no sequence
+    names one."""
+    if adapter_indices is None:
         return rows
-    if query_start_loc is None:
-        raise InvalidArgumentError("table_lookup: adapter_indices need query_start_loc (which tokens are whose)")
-    lo, hi = (int(v) for v in torch.aminmax(adapter_indices))
-    if lo < -1:
-        raise InvalidArgumentError(f"table_lookup: adapter index {lo} (an adapter's index, or -1 for the default)")
-    if hi < 0:
+    choice = adapter_choice(adapter_indices, query_start_loc, ids.shape[0])
+    if choice is None:
         return rows
     named = ref.adapters
     if named is None:
-        raise InvalidArgumentError(f"table_lookup: adapter index {hi} names an adapter, but the table serves none")
-    named.apply(ref.table, ids, rows, adapter_indices, query_start_loc)
+        raise InvalidArgumentError(
+            f"table_lookup: adapter index {int(choice[0].max())} names an adapter, but the table serves none"
+        )
+    named.apply(ref.table, ids, rows, *choice)
     return rows
 
 
@@ -353,11 +382,8 @@ def _lookup_checked(
                 lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or hi >= table.rows:
                 check_ids(ids, table.rows)  # raises, naming the id and where it is
-    if adapter_indices is not None and adapter_indices.shape != (query_start_loc.shape[0] - 1,):
-        raise InvalidArgumentError(
-            f"table_lookup: adapter_indices has shape {tuple(adapter_indices.shape)}, expected one per sequence "
-            f"({query_start_loc.shape[0] - 1},)"
-        )
+    if adapter_indices is not None:  # checked before the table is read
+        adapter_choice(adapter_indices, query_start_loc, ids.shape[0])
     return with_adapters(ref, ids, table.lookup(ids, dtype, check=False), adapter_indices, query_start_loc)
 
 

@@ -10,6 +10,7 @@ import torch
 import ple.table.tiers.named as named_module
 from ple.errors import InvalidArgumentError
 from ple.table import MemoryTable
+from ple.table.base import TableRef, adapter_choice
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.table.tiers.named import NamedAdapter, NamedAdapters
 
@@ -91,7 +92,7 @@ def test_every_token_reads_its_adapter_or_the_base(served, chosen, lengths, defa
     ids = torch.randint(0, ROWS, (starts[-1], G), generator=g)
     rows = table.lookup(ids, torch.float32)
     want = _reference(table, overlays, ids, chosen, starts)
-    held.apply(table, ids, rows, torch.tensor(chosen), torch.tensor(starts))
+    _apply(held, table, ids, rows, chosen, starts)
     assert torch.equal(rows, want)
 
 
@@ -110,7 +111,7 @@ def test_bf16_rows_and_an_overlay_over_a_budget(path):
     for chosen in ([0, -1, 0], [1, 0, -1]):
         rows = base.lookup(ids, torch.bfloat16)
         want = _reference_bf16(base, {0: small, 1: spilled}, ids, chosen, [0, 2, 4, 6])
-        held.apply(base, ids, rows, torch.tensor(chosen), torch.tensor([0, 2, 4, 6]))
+        _apply(held, base, ids, rows, chosen, [0, 2, 4, 6])
         assert torch.equal(rows, want), chosen
 
 
@@ -125,13 +126,44 @@ def _reference_bf16(base, named, ids, chosen, starts) -> torch.Tensor:
     return out
 
 
+def _apply(held, table, ids, rows, chosen, starts) -> None:
+    """``held.apply`` as the lookup calls it: through the checks of :func:`adapter_choice`."""
+    choice = adapter_choice(torch.tensor(chosen), torch.tensor(starts), ids.shape[0])
+    if choice is not None:
+        held.apply(table, ids, rows, *choice)
+
+
 def test_an_unknown_index_is_refused_even_for_a_request_of_no_tokens(served):
     base, held, _ = served
     ids = torch.zeros(2, G, dtype=torch.int64)
     rows = base.lookup(ids, torch.float32)
     before = rows.clone()
     with pytest.raises(InvalidArgumentError, match="adapter index 3 is not served by this layer"):
-        held.apply(base, ids, rows, torch.tensor([0, 3]), torch.tensor([0, 2, 2]))
-    with pytest.raises(InvalidArgumentError, match="adapter index -2"):
-        held.apply(base, ids, rows, torch.tensor([0, -2]), torch.tensor([0, 1, 2]))
+        _apply(held, base, ids, rows, [0, 3], [0, 2, 2])
     assert torch.equal(rows, before)
+
+
+@pytest.mark.parametrize(
+    "chosen, starts, message",
+    [
+        ([0, -2], [0, 1, 2], "adapter index -2"),
+        ([0, 2], [0, 1], "2 adapter indices need query_start_loc of 3 offsets"),
+        ([0, 2], [0, 1, 3], "must run from 0 to the 2 ids' tokens"),  # more tokens than ids: never read
+        ([0, 2], [1, 1, 2], "must run from 0"),
+        ([0, 2], [0, 2, 1], "non-decreasing"),
+    ],
+)
+def test_indices_and_offsets_that_disagree_are_refused(served, chosen, starts, message):
+    base, held, _ = served
+    ids = torch.zeros(2, G, dtype=torch.int64)
+    with pytest.raises(InvalidArgumentError, match=message):
+        _apply(held, base, ids, base.lookup(ids, torch.float32), chosen, starts)
+    with pytest.raises(InvalidArgumentError, match="must be a 1-D int64 tensor"):
+        adapter_choice(torch.tensor([0.0]), torch.tensor([0, 2]), 2)
+    # the operator refuses them before reading the table
+    ref = TableRef(base)
+    ref.adapters = held
+    with pytest.raises(InvalidArgumentError, match=message):
+        torch.ops.ple.table_lookup(ids, ref, D, torch.float32, torch.tensor(chosen), torch.tensor(starts))
+    with pytest.raises(InvalidArgumentError, match="query_start_loc must be a 1-D int64 tensor"):
+        torch.ops.ple.table_lookup(ids, ref, D, torch.float32, torch.tensor(chosen), None)

@@ -130,25 +130,12 @@ class NamedAdapters:
 
     # ------------------------------------------------------------------ reads
     def apply(
-        self,
-        table: Table,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        adapter_indices: torch.Tensor,
-        query_start_loc: torch.Tensor,
+        self, table: Table, ids: torch.Tensor, rows: torch.Tensor, chosen: np.ndarray, starts: np.ndarray
     ) -> None:
         """Put the named adapters' rows in place: ``rows [T, G*D]`` were read for ``ids [T, G]`` from
-        ``table`` (the layer's table: this set's base, or an :class:`AdaptedTable` over it);
-        ``adapter_indices [R]`` int64 per sequence (-1: the default, left as read) and
-        ``query_start_loc [R+1]`` say which tokens read which adapter."""
-        chosen = adapter_indices.to("cpu", torch.int64).numpy()  # host arrays in numpy: a few us a call
-        if not chosen.size:
-            return
-        lo, hi = int(chosen.min()), int(chosen.max())
-        if hi < 0:
-            return
-        if lo < DEFAULT_ADAPTER:
-            raise InvalidArgumentError(f"adapter index {lo}: an adapter's index, or -1 for the default")
+        ``table`` (the layer's table: this set's base, or an :class:`AdaptedTable` over it); ``chosen
+        [R]`` (each sequence's adapter index, -1: the default, left as read) and ``starts [R+1]`` (its
+        tokens) as :func:`ple.table.base.adapter_choice` gives them, checked."""
         held = self._by_index
         named = np.unique(chosen[chosen >= 0]).tolist()
         for k in named:
@@ -164,9 +151,8 @@ class NamedAdapters:
                 "again over the new table"
             )
         tokens, groups = ids.shape
-        if not tokens:
+        if not tokens or not named:
             return
-        starts = query_start_loc.to("cpu", torch.int64).numpy()
         # each id's adapter (its token's request's), the ids and the rows flat: [T*G] and [T*G, D]
         per_id = np.repeat(chosen, np.diff(starts) * groups)
         flat = (ids if ids.device.type == "cpu" else ids.cpu()).reshape(-1).numpy()
