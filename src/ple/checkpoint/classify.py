@@ -248,6 +248,17 @@ def trained_over_identity(base: dict[str, Any]) -> TableIdentity:
     return TableIdentity({"table": base.get("header_checksum")})
 
 
+def trained_over_mismatch(base: dict[str, Any], have: TableIdentity, header: dict[str, Any]) -> TableIdentity | None:
+    """None when a table of identity ``have`` (header ``header``) is one an adapter layer trained over the
+    table ``base`` records may read or be merged into: that very table (the same header checksum) or one
+    of the same identity (a conversion of the same checkpoint table); else the identity it was trained
+    over (for the caller's message)."""
+    if base.get("header_checksum") == header["header_checksum"]:
+        return None
+    want = trained_over_identity(base)
+    return None if want.same(have) else want
+
+
 def require_trained_over(
     adapter: str | os.PathLike, index: int, base: dict[str, Any], table: str | os.PathLike, header: dict[str, Any]
 ) -> TableIdentity:
@@ -255,11 +266,10 @@ def require_trained_over(
     trained over the table ``base`` records, may be merged into it: the very table (the same header
     checksum), or one of the same identity; else :class:`InvalidArgumentError` naming both."""
     have = table_identity(table, header)
-    if base.get("header_checksum") == header["header_checksum"]:
+    mismatch = trained_over_mismatch(base, have, header)
+    if mismatch is None:
         return have
-    want = trained_over_identity(base)
-    if want.same(have):
-        return have
+    want = mismatch
     raise InvalidArgumentError(
         f"{adapter}: PLE layer {index} was trained over the table file {base.get('file')} ({base.get('format')}, "
         f"{want.describe()}), not {table} ({header['format']}, {have.describe()}): the rows it did not train are "

@@ -22,6 +22,7 @@ from ple.ngram import next_ngram_context
 from ple.ops.state import ring_window
 from ple.runtime.batch import Batch, is_int
 from ple.runtime.slots import SlotArrays, SlotField
+from ple.table.tiers.adapted import AdaptedTable
 from ple.table.tiers.named import DEFAULT_ADAPTER, adapter_index
 
 __all__ = [
@@ -76,9 +77,11 @@ class Request:
 
     __slots__ = ("slot", "pending", "prefix_states", "wanted", "adapter", "adapter_key", "_arrays")
 
-    def __init__(self, slot: int, arrays: SlotArrays, adapter: int = -1, adapter_key: tuple[str, int] | None = None):
+    def __init__(
+        self, slot: int, arrays: SlotArrays, adapter: int = DEFAULT_ADAPTER, adapter_key: tuple[str, int] | None = None
+    ):
         self.slot = slot
-        self.adapter = adapter  # the named adapter's index, -1: the default
+        self.adapter = adapter  # the named adapter's index, or DEFAULT_ADAPTER
         self.adapter_key = adapter_key  # what its prefix states record (PrefixState.adapter)
         self.pending: Pending | None = None
         self.prefix_states: dict[int, PrefixState] = {}
@@ -270,8 +273,8 @@ def adapter_of(layers, name: str | None) -> tuple[int, tuple[str, int] | None]:
     index in batches (-1 for the default) and what its prefix states record (:attr:`PrefixState.adapter`)."""
     refs = [layer.table_ref for layer in layers]
     if name is None:
-        overlay = getattr(refs[0].table, "overlay", None)  # an adapted table: the model's default adapter
-        return DEFAULT_ADAPTER, None if overlay is None else ("", overlay.serial)
+        table = refs[0].table  # an adapted table: the model's default adapter
+        return DEFAULT_ADAPTER, ("", table.overlay.serial) if isinstance(table, AdaptedTable) else None
     try:
         index = adapter_index(refs, name)
     except InvalidArgumentError as e:

@@ -26,10 +26,11 @@ import os
 import torch
 from torch import nn
 
-from ple.checkpoint.classify import TableIdentity, trained_over_identity
+from ple.checkpoint.classify import table_identity, trained_over_mismatch
 from ple.errors import InvalidArgumentError, UsageError
 from ple.layer import PLELayer
 from ple.table import ShardedTable
+from ple.table.files.table_file import read_table_header
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.table.tiers.named import ADAPTER_CHANGES, NamedAdapter, NamedAdapters, served_adapters
 from ple.table.tiers.named import adapter_index as served_index
@@ -39,28 +40,25 @@ from ple.train.identity import base_identity, base_of
 
 __all__ = ["adapter_index", "adapter_names", "load_adapter", "remove_adapter"]
 
-_CHANGES = ADAPTER_CHANGES  # held while adapters are loaded or removed (lookups never take it)
-
 
 def _check_trained_over(file: AdapterFile, index: int, entry: AdapterLayer, table) -> None:
     """Refuse ``entry`` (layer ``index`` of ``file``) over ``table`` when both name their table files and
-    the table was not made from the one the adapter was trained over."""
-    if not entry.base:
-        return
-    have = base_identity(table)
-    if have is None or entry.base.get("header_checksum") == have["header_checksum"]:
-        return
-    served = TableIdentity.from_json(have.get("identity"))
-    want = trained_over_identity(entry.base)
-    if served is not None and want.same(served):
-        return
-    raise AdapterFileError(
-        f"{file.path}: PLE layer {index} was trained over the table file {entry.base.get('file')} "
-        f"({entry.base.get('format')}, {want.describe()}), not the table served here, {have['file']} "
-        f"({have['format']}, {served.describe() if served is not None else 'of unknown origin'}): the rows it did "
-        "not train would be another table's; serve it over the table it was trained over or a conversion of the "
-        "same checkpoint table"
-    )
+    the table was not made from the one the adapter was trained over (the judge merges ask too,
+    :func:`ple.checkpoint.classify.trained_over_mismatch`)."""
+    base = entry.base
+    have = base_identity(table) if base else None
+    if base is None or have is None or base.get("header_checksum") == have["header_checksum"]:
+        return  # the very table it was trained over (no header to read again)
+    header = read_table_header(have["file"])
+    served = table_identity(have["file"], header)
+    want = trained_over_mismatch(base, served, header)
+    if want is not None:
+        raise AdapterFileError(
+            f"{file.path}: PLE layer {index} was trained over the table file {base.get('file')} "
+            f"({base.get('format')}, {want.describe()}), not the table served here, {have['file']} "
+            f"({have['format']}, {served.describe()}): the rows it did not train would be another table's; serve "
+            "it over the table it was trained over or a conversion of the same checkpoint table"
+        )
 
 
 def _read_overlays(
@@ -150,7 +148,7 @@ def load_adapter(
     overlays = _read_overlays(file, layers, dtype, memory_budget, spill_dir, named=name is not None)
     added: list[NamedAdapters] = []
     try:
-        with _CHANGES:  # only the install: a session choosing an adapter waits for no file
+        with ADAPTER_CHANGES:  # only the install: a session choosing an adapter waits for no file
             if name is None:
                 for i, layer in layers.items():
                     _install(layer, overlays.get(i))
@@ -218,7 +216,7 @@ def remove_adapter(model: nn.Module | PLELayer, name: str | None = None) -> None
     stop serving that named adapter; refused while a live request (added to a session and not
     finished) names it, naming the requests."""
     layers = ple_layers(model)
-    with _CHANGES:
+    with ADAPTER_CHANGES:
         if name is None:
             for layer in layers:
                 local = local_part(layer)[0]
@@ -250,8 +248,7 @@ def remove_adapter(model: nn.Module | PLELayer, name: str | None = None) -> None
 
 def adapter_names(model: nn.Module | PLELayer) -> list[str]:
     """The names of the adapters ``model`` serves (named ones, in the order of their indices)."""
-    served = _served(ple_layers(model))
-    return sorted(served, key=served.__getitem__)
+    return list(_served(ple_layers(model)))
 
 
 def adapter_index(model: nn.Module | PLELayer, name: str) -> int:
