@@ -130,3 +130,35 @@ def test_served_over_a_conversion_of_the_table_it_was_trained_over(tmp_path):
     with pytest.raises(AdapterFileError, match="was trained over the table file .*t0"):
         load_adapter(other, adapter, name="x")
     assert adapter_names(other) == []
+
+
+def test_threads_calling_one_model_each_read_their_own_adapters(served):
+    """Two threads call the same model at once with different ``ple_adapters``: each call reads its own."""
+    import threading
+
+    model, _ = served
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    choices = (["legal", "medical"], ["medical", None])
+    with torch.no_grad():
+        want = [model(input_ids=ids, ple_adapters=c).logits for c in choices]
+    got: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(4):
+                    got[k].append(model(input_ids=ids, ple_adapters=choices[k]).logits)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    for k in (0, 1):
+        assert all(torch.equal(x, want[k]) for x in got[k])
+    with torch.no_grad():  # nothing left set: a plain call reads the default (none)
+        assert torch.equal(model(input_ids=ids).logits[1], want[1][1])

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ple.errors import InvalidArgumentError
+from ple.table.tiers.named import DEFAULT_ADAPTER
 from ple.train.serve import adapter_index
 
 __all__ = ["accept_row_adapters", "current_row_adapters", "remove_row_adapters"]
@@ -34,6 +35,7 @@ _ACTIVE = 0
 """Calls with ``ple_adapters`` under way in the process (any thread): while none is, the patched modules
 do not read the context variable (which compiled code cannot trace)."""
 _COUNT = threading.Lock()
+_CALLS = threading.local()
 
 
 def current_row_adapters() -> torch.Tensor | None:
@@ -78,7 +80,7 @@ def resolve(model: nn.Module, names, rows: int | None) -> torch.Tensor:
     out = []
     for name in names:
         if name is None:
-            out.append(-1)
+            out.append(DEFAULT_ADAPTER)
         elif not isinstance(name, str):
             raise InvalidArgumentError(f"ple_adapters holds {name!r}: each entry is an adapter's name or None")
         else:
@@ -86,26 +88,30 @@ def resolve(model: nn.Module, names, rows: int | None) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int64)
 
 
+def _calls() -> list:
+    """This thread's model calls under way, innermost last: the context token each set, or None."""
+    stack = getattr(_CALLS, "stack", None)
+    if stack is None:
+        stack = _CALLS.stack = []
+    return stack
+
+
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-    stack = module.__dict__.setdefault("_ple_row_tokens", [])
+    stack = _calls()
+    stack.append(None)  # first: the forward hook pops one entry a call, even when this hook raises
     if "ple_adapters" not in kwargs:
-        stack.append(None)
         return None
     names = kwargs.pop("ple_adapters")
-    if names is None:
-        stack.append(None)
-        return args, kwargs
-    indices = resolve(module, names, _batch_rows(args, kwargs))
-    stack.append(_enter(indices))
+    if names is not None:
+        stack[-1] = _enter(resolve(module, names, _batch_rows(args, kwargs)))
     return args, kwargs
 
 
 def _post_hook(module: nn.Module, args, kwargs, output):
-    stack = module.__dict__.get("_ple_row_tokens")
-    if stack:
-        token = stack.pop()
-        if token is not None:
-            _leave(token)
+    stack = _calls()
+    token = stack.pop() if stack else None
+    if token is not None:
+        _leave(token)
     return None
 
 
