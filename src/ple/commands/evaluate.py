@@ -430,7 +430,7 @@ def check_adapter(path: Path, config, checkpoint: str) -> None:
     config); its header only: the rows are read and checked as it is loaded."""
     from ple.checkpoint.classify import ADAPTER, classify
     from ple.table.files.table_file import hash_layout
-    from ple.train.adapter import AdapterFileError, read_adapter
+    from ple.train.adapter import AdapterFileError, check_layer_fits, read_adapter
 
     if not path.is_file():
         raise CommandLineError(f"--adapter {path}: no such file")
@@ -440,13 +440,10 @@ def check_adapter(path: Path, config, checkpoint: str) -> None:
     for i, e in sorted(read_adapter(path).layers.items()):
         if not 0 <= i < n:
             raise AdapterFileError(f"{path}: holds rows of PLE layer {i}; {checkpoint} has {n} PLE layer(s)")
-        layout, want = config.layout(i), hash_layout(config.layout_fields(i))
-        if e.layout_hash != want or (e.rows, e.head_dim) != (layout.padded_rows, layout.head_dim):
-            raise AdapterFileError(
-                f"{path}: PLE layer {i} was trained for another layout or table ([{e.rows}, {e.head_dim}], layout "
-                f"hash {e.layout_hash[:16]}...) than {checkpoint}'s ([{layout.padded_rows}, {layout.head_dim}], "
-                f"{want[:16]}...)"
-            )
+        layout = config.layout(i)
+        check_layer_fits(
+            path, e, hash_layout(config.layout_fields(i)), layout.padded_rows, layout.head_dim, f"{checkpoint}'s"
+        )
 
 
 def adapter_variant(model, reference: Variant, adapter: Path, name: str = "adapter") -> Variant:

@@ -58,6 +58,7 @@ __all__ = [
     "adapter_overlays",
     "local_part",
     "base_identity",
+    "check_layer_fits",
     "as_adapter",
     "load_optimizer_state",
     "read_adapter",
@@ -78,6 +79,17 @@ class AdapterFileError(PLEError, ValueError):
 # ---------------------------------------------------------------------------------------------- sources
 def layout_hash_of(layer: PLELayer) -> str:
     return hash_layout(layer.config.layout_fields(layer.ple_layer_index))
+
+
+def check_layer_fits(path, entry: AdapterLayer, layout_hash: str, rows: int, head_dim: int, what: str) -> None:
+    """Refuse ``entry`` (a layer of adapter file ``path``) unless it was trained for ``what`` (a phrase
+    naming the layer it is served or checked against): that layout hash, rows and row width."""
+    if entry.layout_hash != layout_hash or (entry.rows, entry.head_dim) != (rows, head_dim):
+        raise AdapterFileError(
+            f"{path}: PLE layer {entry.ple_layer_index} was trained for another layout or table ([{entry.rows}, "
+            f"{entry.head_dim}], layout hash {entry.layout_hash[:16]}...) than {what} ([{rows}, {head_dim}], "
+            f"{layout_hash[:16]}...)"
+        )
 
 
 def local_part(layer: PLELayer) -> tuple[Table, int, int, bool]:

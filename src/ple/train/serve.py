@@ -34,7 +34,15 @@ from ple.table.files.table_file import read_table_header
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 from ple.table.tiers.named import ADAPTER_CHANGES, NamedAdapter, NamedAdapters, served_adapters
 from ple.table.tiers.named import adapter_index as served_index
-from ple.train.adapter import AdapterFile, AdapterFileError, AdapterLayer, as_adapter, layout_hash_of, local_part
+from ple.train.adapter import (
+    AdapterFile,
+    AdapterFileError,
+    AdapterLayer,
+    as_adapter,
+    check_layer_fits,
+    layout_hash_of,
+    local_part,
+)
 from ple.train.attach import ple_layers
 from ple.train.identity import base_identity, base_of
 
@@ -86,14 +94,10 @@ def _read_overlays(
             overlays[i] = overlay
             if e is None:
                 continue  # the adapter trained nothing here: this layer serves its base under that name
-            want = layout_hash_of(layer)
             full_rows = layer.table.rows if layer.table is not None else -1
-            if e.layout_hash != want or (e.rows, e.head_dim) != (full_rows, local.head_dim):
-                raise AdapterFileError(
-                    f"{file.path}: layer {i} was trained for another layout or table ([{e.rows}, {e.head_dim}], "
-                    f"layout hash {e.layout_hash[:16]}...) than this model's PLE layer {i} "
-                    f"([{full_rows}, {local.head_dim}], {want[:16]}...)"
-                )
+            check_layer_fits(
+                file.path, e, layout_hash_of(layer), full_rows, local.head_dim, f"this model's PLE layer {i}"
+            )
             _check_trained_over(file, i, e, local)
             if not sharded:
                 overlay.presize(e.trained_rows)  # the rows held once, in one buffer of their size
