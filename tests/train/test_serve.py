@@ -6,6 +6,7 @@ model as it was; loading and removing while another thread steps."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,77 @@ def test_the_compiled_engine_call_reads_adapters_without_recompiling(served):
     load_adapter(model, files["c"], name="legal")
     assert torch.equal(run(engine, [1, 0, -1]), run(lambda *a: a[0](*a[1:]), [1, 0, -1]))
     assert cnt.frame_count == 1 and not counters["graph_break"]
+
+
+def test_a_fork_while_another_thread_loads_and_removes_adapters(served, tmp_path):
+    """Forks taken while a thread loads and removes a named adapter and a session adds and finishes
+    requests of it: every child finds the adapters' locks free and serves a mixed step as the parent."""
+    from tests.table._helpers import run_forked
+
+    model, files = served
+    load_adapter(model, files["a"], name="legal")
+    script = Script(["r0", "r1", "r2", "r3"])
+    chosen = {"r0": "legal", "r2": "legal"}
+    want, _ = script.run(model, chosen)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn():
+        try:
+            session = Session(list(model), 2)
+            while not stop.is_set():
+                load_adapter(model, files["b"], name="other")
+                session.add("x", adapter="other")
+                session.finish("x")
+                remove_adapter(model, name="other")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def child():
+        load_adapter(model, files["c"], name="child")
+        got, _ = script.run(model, chosen)
+        return [{r: o[r] for r in chosen} for o in got]
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for n in range(4):
+            got = run_forked(child, tmp_path / f"child{n}.pkl")
+            _equal_for(list(chosen), got, want)
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors
+
+
+def test_a_fork_waits_for_an_adapter_change_in_progress(served, tmp_path):
+    """Another thread holds the adapters' locks (a load being installed) when the process forks: the fork
+    waits for them, so the child can load and serve adapters (a lock copied held would hang it)."""
+    from ple.table.tiers.named import ADAPTER_CHANGES
+    from tests.table._helpers import run_forked
+
+    model, files = served
+    load_adapter(model, files["a"], name="legal")
+    held = model[0].table_ref.adapters
+    holding = threading.Event()
+
+    def install():
+        with ADAPTER_CHANGES, held._lock:
+            holding.set()
+            time.sleep(0.3)
+
+    def child():
+        load_adapter(model, files["b"], name="other")
+        session = Session(list(model), 1)
+        session.add("x", adapter="other")
+        session.finish("x")
+        remove_adapter(model, name="other")
+        return adapter_names(model)
+
+    worker = threading.Thread(target=install)
+    worker.start()
+    holding.wait()
+    try:
+        assert run_forked(child, tmp_path / "child.pkl", deadline=30) == ["legal"]
+    finally:
+        worker.join()

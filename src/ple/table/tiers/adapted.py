@@ -80,7 +80,8 @@ class RowOverlay:
         self.version = 0
         """Counts the changes (a training run's steps, a load): what a saved file was made from."""
         self.serial = next(_SERIALS)
-        """A number no other overlay made in this process has (what a prefix state records of its adapter)."""
+        """A number no other overlay made in this process has (what a prefix state records of its adapter);
+        overlays made later have larger ones (a reader holding several locks takes them in this order)."""
 
     def __len__(self) -> int:
         return len(self._map)

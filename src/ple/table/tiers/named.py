@@ -12,7 +12,7 @@ The engine call's :class:`~ple.runtime.Batch` says which sequence reads which
 always, then :meth:`NamedAdapters.apply` puts the named adapters' rows (and the base's rows under
 the default adapter's) in place for the sequences that name one. An index is a number the adapter
 keeps while it is loaded (the smallest free one at load); names and indices are the same on every
-layer of a model (:mod:`ple.train.adapter` loads and removes them).
+layer of a model (:mod:`ple.train.serve` loads and removes them).
 
 Loading, removing and serving may run on different threads: the set of adapters is replaced, never
 changed in place, so a lookup sees the set as it was when it started; an adapter's rows are read
@@ -34,6 +34,7 @@ import torch
 from ple.errors import InvalidArgumentError, UsageError
 from ple.kernels import native as _native
 from ple.table.base import Table
+from ple.table.forks import track
 from ple.table.tiers.adapted import AdaptedTable, RowOverlay
 
 __all__ = ["ADAPTER_CHANGES", "DEFAULT_ADAPTER", "NamedAdapter", "NamedAdapters", "adapter_index", "served_adapters"]
@@ -41,6 +42,21 @@ __all__ = ["ADAPTER_CHANGES", "DEFAULT_ADAPTER", "NamedAdapter", "NamedAdapters"
 ADAPTER_CHANGES = threading.RLock()
 """Held while named adapters are loaded or removed, and while a request chooses one (so that an adapter
 cannot go between a request's choice and its pin). Lookups never take it."""
+
+
+class _Changes:
+    """:data:`ADAPTER_CHANGES` across ``fork()`` (:mod:`ple.table.forks`): a fork waits for a load or
+    removal being installed. Tracked at import, before any overlay: taken first, as the code takes it."""
+
+    def _fork_locks(self) -> list:
+        return [ADAPTER_CHANGES]
+
+    def _after_fork_in_child(self) -> None:
+        pass
+
+
+_CHANGES_AT_FORK = _Changes()
+track(_CHANGES_AT_FORK)
 
 DEFAULT_ADAPTER = -1
 """The adapter index of a sequence that names none: the layer's table as it is (its default adapter, if any)."""
@@ -64,6 +80,13 @@ class NamedAdapters:
         self._by_index: dict[int, NamedAdapter] = {}  # replaced on every change, never mutated
         self._lock = threading.Lock()
         self._pins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> {request: index}
+        track(self)  # a fork waits for a change of the set or of the pins in progress
+
+    def _fork_locks(self) -> list:
+        return [self._lock]
+
+    def _after_fork_in_child(self) -> None:
+        pass
 
     # ------------------------------------------------------------------ the set
     def __len__(self) -> int:
@@ -188,7 +211,7 @@ class NamedAdapters:
         if any(o.dtype != out.dtype for o in overlays):
             return False
         count = max(named) + 1
-        locks = [o.lock for o in overlays]
+        locks = [o.lock for o in sorted(overlays, key=lambda o: o.serial)]  # one order for every reader
         for lock in locks:
             lock.acquire()
         try:
