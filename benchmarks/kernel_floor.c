@@ -2,12 +2,14 @@
  *
  *   cc -O3 -fopenmp -fno-math-errno -fno-trapping-math -pthread -o /tmp/kernel_floor \
  *      benchmarks/kernel_floor.c -lm
- *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD [PLAN]]]
+ *   /tmp/kernel_floor BF16(1|0) TOKENS THREADS ISA(0 portable, 1 avx2, 2 avx512, 3 avx512bf16) [REPEAT [COLD [PLAN [LAYOUT]]]]
  *
- * Published geometry (H 2560, HC 4, K 4, dilation 3, L 9), one decode token per request, ring state
- * pool with every request resuming (K-1 taps from its slot). The floor copies, per token, the key,
- * hidden, value rows and K-1 state columns read and the output and state column written (memcpy of
- * the written bytes, a read pass over the rest), warm like the kernel's operands. Prints medians: of
+ * Published geometry (H 2560, HC 4, K 4, dilation 3, L 9), one decode token per request, every request
+ * resuming (K-1 taps from its slot). LAYOUT 0 (the default): the ring state pool [S, L, C] a session
+ * keeps; 1: the engine layout [S, C, L], where every channel's run of L values moves on by one. The
+ * floor copies, per token, the key, hidden, value rows and the state read (ring: K-1 columns; engine
+ * layout: the whole slot) and the output and the state written (ring: one column; engine layout: the
+ * whole slot) (memcpy of the written bytes, a read pass over the rest), warm like the kernel's operands. Prints medians: of
  * this thread's CPU time with THREADS 1 (time spent descheduled on a shared machine is not counted),
  * else of the wall clock.
  * COLD 1 writes 64 MB before each call (the caches then hold none of the kernel's operands, as in a
@@ -57,7 +59,7 @@ static void fill(void *p, int64_t n, int bf) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s BF16 TOKENS THREADS ISA [REPEAT [COLD [PLAN]]]\n", argv[0]);
+        fprintf(stderr, "usage: %s BF16 TOKENS THREADS ISA [REPEAT [COLD [PLAN [LAYOUT]]]]\n", argv[0]);
         return 2;
     }
     const int bf = atoi(argv[1]), threads = atoi(argv[3]), isa = atoi(argv[4]);
@@ -69,6 +71,7 @@ int main(int argc, char **argv) {
     const int64_t H = 2560, HC = 4, C = H * HC, K = 4, D = 3, L = 9, esz = bf ? 2 : 4;
     if (threads == 1) clock_used = CLOCK_THREAD_CPUTIME_ID;
     const int64_t plan = argc > 7 ? atoll(argv[7]) : -1;
+    const int engine = argc > 8 ? atoi(argv[8]) : 0;
     if (R < 1 || reps < 1 || ple_set_isa(isa) != 0 || ple_set_prefetch_lines(plan) != 0) {
         fprintf(stderr, "bad arguments, or this CPU lacks instruction set %d\n", isa);
         return 2;
@@ -81,7 +84,8 @@ int main(int argc, char **argv) {
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(R + 1)), *slots = malloc(sizeof(int64_t) * (size_t)R);
     int64_t *base = calloc((size_t)R, sizeof(int64_t));
     uint8_t *init = malloc((size_t)R);
-    const int64_t rd = R * (2 * C + H + (K - 1) * C) * esz, wr = R * 2 * C * esz;
+    const int64_t state_rd = engine ? L * C : (K - 1) * C, state_wr = engine ? L * C : C;
+    const int64_t rd = R * (2 * C + H + state_rd) * esz, wr = R * (C + state_wr) * esz;
     char *src = malloc((size_t)rd), *dst = malloc((size_t)rd);
     double *t_kernel = malloc(sizeof(double) * (size_t)reps), *t_copy = malloc(sizeof(double) * (size_t)reps);
     if (!key || !val || !hid || !state || !out || !cout || !wkq || !wc || !cw || !starts || !slots || !base ||
@@ -102,7 +106,7 @@ int main(int argc, char **argv) {
         if (cold) memset(flush, i, flush_bytes);
         const double a = now();
         const int rc = ple_gate_conv(bf, R, H, HC, K, D, L, R, R, 1e-6f, key, C, val, H, hid, C, wkq, wc, cw, starts,
-                                     slots, init, 0, 0, state, base, 1, 0, 0, 0, out, cout, 0, 32, threads);
+                                     slots, init, 0, 0, state, engine ? 0 : base, 1, 0, 0, 0, out, cout, 0, 32, threads);
         double b = now();
         t_kernel[i] = b - a;
         if (rc != 0) {
@@ -129,9 +133,9 @@ int main(int argc, char **argv) {
     else
         snprintf(plan_text, sizeof plan_text, "%ld lines", (long)lines);
     const char *team = threads == 1 ? "" : ple_team_kind() ? " (an OpenMP team)" : " (threads started per call)";
-    printf("%s, %ld tokens, %d threads%s, isa %d, prefetch %s, %s%s: kernel %.0f us, floor %.0f us (%.1f MB, one thread), "
+    printf("%s, %s, %ld tokens, %d threads%s, isa %d, prefetch %s, %s%s: kernel %.0f us, floor %.0f us (%.1f MB, one thread), "
            "kernel / floor %.2f\n",
-           bf ? "bf16" : "fp32", (long)R, threads, team, isa, plan_text, threads == 1 ? "CPU time" : "wall",
+           bf ? "bf16" : "fp32", engine ? "engine layout" : "ring", (long)R, threads, team, isa, plan_text, threads == 1 ? "CPU time" : "wall",
            cold ? ", cold" : "", k * 1e6, c * 1e6, (double)(rd + wr) / 1e6, k / c);
     return 0;
 }

@@ -9,8 +9,10 @@ engine call on prebuilt batches (the same steps from the same state), then times
 each after an untimed reset of the state: the floor (the two projections as the layer computes them,
 ``PLELayer.projections`` of ``[T, 2560]`` with ``[12800, 2560]``: see ``ple.kernels.cpu_gemm``), ``F.linear`` of the
 same shapes (for reference: on a CPU where the layer packs its bf16 weights for small steps, the GEMM most
-code runs), the engine call ``layer(hidden, ids, batch)`` with prebuilt batches (the engine layout of the state pool,
-``[slots, HC*H, L]``), the session's engine call ``begin``/``run``/``end`` (packed hidden, ring pools), and
+code runs), the engine call ``layer(hidden, ids, batch)`` with prebuilt batches, once on a state pool in the engine
+layout ``[slots, HC*H, L]`` (each step moves every channel's whole window of each request) and once on a ring
+pool (``PLELayer.new_ring_pool``: one new row per request), the session's engine call ``begin``/``run``/``end``
+(packed hidden, ring pools), and
 ``Session.step`` (per-request inputs and outputs), for ``--steps`` decode steps of ``--requests`` requests and for one prompt of
 ``--prefill`` tokens. Prints medians (ms) and ratios to the floor; ``ple bench`` runs the same steps
 with the check against transformers (``session-*`` cases), which costs far more time on a CPU.
@@ -54,6 +56,7 @@ from ple import PLEConfig, PLELayer, Session, tune_host_allocator
 from ple.commands.bench.cases import step_traffic, traffic_copy
 from ple.commands.bench.runner import versions
 from ple.kernels import cpu_gemm
+from ple.ops.state import engine_to_ring
 from ple.runtime import Batch
 from ple.table import MemoryTable
 
@@ -140,7 +143,7 @@ def interleaved(fns: dict, reset: dict, repeat: int) -> dict[str, list[float]]:
     return out
 
 
-_LABELS = {"engine": "engine", "phases": "begin/run/end", "session": "session"}
+_LABELS = {"engine": "engine [S, C, L]", "ring": "engine ring", "phases": "begin/run/end", "session": "session"}
 
 
 def paired_ratios(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -181,12 +184,22 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     for r in range(requests):
         pool0[r] = saved[r].conv_window.to(dtype)
     pool = pool0.clone()
+    ring0, offsets0 = engine_to_ring(pool0)  # the same columns, in the ring layout
+    ring, offsets = ring0.clone(), offsets0.clone()
     ctx = torch.stack([saved[r].ngram_context for r in range(requests)])
-    batches = []
+    batches, ring_batches = [], []
     for s in range(steps):
-        batches.append(
-            Batch.build([1] * requests, list(range(requests)), ctx, pool, has_initial_state=[True] * requests)
-        )
+        for out, p, off in ((batches, pool, None), (ring_batches, ring, offsets)):
+            out.append(
+                Batch.build(
+                    [1] * requests,
+                    list(range(requests)),
+                    ctx,
+                    p,
+                    has_initial_state=[True] * requests,
+                    state_offsets=off,
+                )
+            )
         ctx = torch.cat([ctx[:, 1:], step_t[s].view(-1, 1)], dim=1)
 
     def reset_session():
@@ -200,6 +213,13 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
     def run_engine():
         return [layer(step_h[s], step_t[s], batches[s]) for s in range(steps)]
 
+    def run_ring():
+        return [layer(step_h[s], step_t[s], ring_batches[s]) for s in range(steps)]
+
+    def reset_ring():
+        ring.copy_(ring0)
+        offsets.copy_(offsets0)
+
     chunks = [{r: step_t[s, r : r + 1] for r in range(requests)} for s in range(steps)]
 
     def run_phases():
@@ -212,10 +232,11 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
 
     reset_session()
     pool.copy_(pool0)
-    a, b = [torch.cat(list(out.values())) for out in run_session()], run_engine()
+    reset_ring()
+    a, b, d = [torch.cat(list(out.values())) for out in run_session()], run_engine(), run_ring()
     reset_session()
     c = run_phases()
-    same = all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+    same = all(torch.equal(x, y) and torch.equal(x, z) and torch.equal(x, e) for x, y, z, e in zip(a, b, c, d))
     w = _kv_weight(layer)
     x = torch.randn(requests, cfg.ple_embed_dim, generator=g).to(dtype)
     read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
@@ -224,6 +245,7 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
         "floor": lambda: [layer.projections(x) for _ in range(steps)],
         "linear": lambda: [F.linear(x, w) for _ in range(steps)],
         "engine": run_engine,
+        "ring": run_ring,
         "session": run_session,
         "phases": run_phases,
         "traffic": lambda: [copy() for _ in range(steps)],
@@ -232,6 +254,7 @@ def decode_case(layer: PLELayer, requests: int, steps: int, repeat: int) -> dict
         "floor": lambda: None,
         "linear": lambda: None,
         "engine": lambda: pool.copy_(pool0),
+        "ring": reset_ring,
         "session": reset_session,
         "phases": reset_session,
         "traffic": lambda: None,
@@ -254,6 +277,12 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
     session = Session(layer, 1)
     pool = layer.new_state_pool(1)
     batch = Batch.build([tokens], [0], torch.full((1, 2), cfg.eos_token_id), pool)
+    ring, offsets = layer.new_ring_pool(1)
+    ring_batch = Batch.build([tokens], [0], torch.full((1, 2), cfg.eos_token_id), ring, state_offsets=offsets)
+
+    def reset_ring():
+        ring.zero_()
+        offsets.zero_()
 
     def reset_session():
         for r in list(session.request_ids):
@@ -271,6 +300,8 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
     same = torch.equal(session.step({0: (hidden, ids)})[0], want)
     reset_session()
     same &= torch.equal(run_phases(), want)
+    reset_ring()
+    same &= torch.equal(layer(hidden, ids, ring_batch), want)
     w = _kv_weight(layer)
     x = torch.randn(tokens, cfg.ple_embed_dim, generator=g).to(layer.dtype)
     read, written = step_traffic(layer, tokens, 1, 0)
@@ -279,6 +310,7 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
         "floor": lambda: layer.projections(x),
         "linear": lambda: F.linear(x, w),
         "engine": lambda: layer(hidden, ids, batch),
+        "ring": lambda: layer(hidden, ids, ring_batch),
         "session": lambda: session.step({0: (hidden, ids)}),
         "phases": run_phases,
         "traffic": copy,
@@ -287,6 +319,7 @@ def prefill_case(layer: PLELayer, tokens: int, repeat: int) -> dict:
         "floor": lambda: None,
         "linear": lambda: None,
         "engine": lambda: pool.zero_(),
+        "ring": reset_ring,
         "session": reset_session,
         "phases": reset_session,
         "traffic": lambda: None,
@@ -464,23 +497,30 @@ def main(argv=None) -> int:
         f"{', GEMM cached' if args.without_gemm else ''}{', thread CPU time' if args.cpu_time else ''}, "
         f"load average {load_start} -> {os.getloadavg() if hasattr(os, 'getloadavg') else None}"
     )
+    names = list(_LABELS.values())
     print(
-        "| case | floor ms | F.linear ms | engine ms | begin/run/end ms | session ms | engine / floor | begin/run/end / floor "
-        "| session / floor | traffic MB | traffic ms | engine / traffic | begin/run/end / traffic "
-        "| session / traffic | outputs equal |"
+        "| case | floor ms | F.linear ms | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} / floor" for n in names)
+        + " | traffic MB | traffic ms | "
+        + " | ".join(f"{n} / traffic" for n in names)
+        + " | outputs equal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|" + "---:|" * (4 + 3 * len(names)) + "---|")
     ok = True
     for r in results:
         med = {k: statistics.median(v) * 1e3 for k, v in r["samples"].items()}
         r["median_ms"] = med
         ok &= r["session_equals_engine"]
         print(
-            f"| {r['case']} | {med['floor']:.2f} | {med['linear']:.2f} | {med['engine']:.2f} | {med['phases']:.2f} | {med['session']:.2f} | "
-            f"{med['engine'] / med['floor']:.3f} | {med['phases'] / med['floor']:.3f} | "
-            f"{med['session'] / med['floor']:.3f} | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
-            f"{med['engine'] / med['traffic']:.2f} | {med['phases'] / med['traffic']:.2f} | "
-            f"{med['session'] / med['traffic']:.2f} | {'yes' if r['session_equals_engine'] else 'NO'} |"
+            f"| {r['case']} | {med['floor']:.2f} | {med['linear']:.2f} | "
+            + " | ".join(f"{med[k]:.2f}" for k in _LABELS)
+            + " | "
+            + " | ".join(f"{med[k] / med['floor']:.3f}" for k in _LABELS)
+            + f" | {r['traffic_bytes'] / 1e6:.1f} | {med['traffic']:.3f} | "
+            + " | ".join(f"{med[k] / med['traffic']:.2f}" for k in _LABELS)
+            + f" | {'yes' if r['session_equals_engine'] else 'NO'} |"
         )
     for r in results:
         r["paired_ratios"] = paired = paired_ratios(r["samples"])

@@ -295,13 +295,14 @@ def test_project_rows_do_not_depend_on_the_other_rows(dtype, threads):
         torch.set_num_threads(saved)
 
 
-def test_engine_call_projects_through_project(monkeypatch):
+def test_engine_call_projects_through_projections(monkeypatch):
+    # one GEMM of every row of the step, through the one seam both the C path and the operators take
     hf, mod, rng = _random_hf(12)
     layer = PLELayer.from_transformers(mod)
     cfg = layer.config
     calls = []
-    real = layer.project
-    monkeypatch.setattr(layer, "project", lambda emb: calls.append(emb.shape) or real(emb))
+    real = layer.projections
+    monkeypatch.setattr(layer, "projections", lambda emb: calls.append(emb.shape) or real(emb))
     batch = Batch.build([3, 2], [0, 1], torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id), layer.new_state_pool(2))
     layer(torch.randn(5, cfg.hc_hidden_size), _stream(rng, 5, cfg.vocab_size, cfg.eos_token_id), batch)
     assert calls == [(5, layer.layout.embed_dim)]

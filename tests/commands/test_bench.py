@@ -569,14 +569,33 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
     assert got["engine call"] >= got["GEMM"] + got["fused gate + conv kernel"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_session_floor_cases_check_every_way_in_against_the_others(dtype):
+    """The decode and prefill cases time the floor, the engine call on prebuilt batches in both pool
+    layouts, begin/run/end and Session.step, after checking that all four give the same outputs."""
+    from ple import PLEConfig
+
+    module = _session_floor_script()
+    cfg = PLEConfig(
+        hidden_size=16, hc_count=2, ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, vocab_size=500,
+        eos_token_id=3, ngram_vocab_size_base=300, ple_layer_ids=(1,),
+    )  # fmt: skip
+    layer = module.build_layer(cfg, dtype)
+    for case in (module.decode_case(layer, 3, 2, 1), module.prefill_case(layer, 7, 1)):
+        assert case["session_equals_engine"], case["case"]
+        assert set(case["samples"]) == {"floor", "linear", "engine", "ring", "phases", "session", "traffic"}
+        assert all(len(v) == 1 and v[0] > 0 for v in case["samples"].values())
+
+
 def test_session_floor_paired_ratios_divide_each_round_by_its_own_floor():
     module = _session_floor_script()
     # the machine slows down 2x in the second half; each call is 1.1x / 1.2x / 1.3x its round's floor
     floor = [1.0, 1.0, 1.0, 2.0, 2.0]
     samples = {"floor": floor, "engine": [1.1 * f for f in floor], "phases": [1.2 * f for f in floor]}
     samples["session"] = [1.3 * f for f in floor]
+    samples["ring"] = [1.05 * f for f in floor]
     got = module.paired_ratios(samples)
-    assert got == pytest.approx({"engine": 1.1, "phases": 1.2, "session": 1.3})
+    assert got == pytest.approx({"engine": 1.1, "ring": 1.05, "phases": 1.2, "session": 1.3})
 
 
 def test_kernel_floor_builds_and_runs_with_each_prefetch_plan(tmp_path):
@@ -598,6 +617,11 @@ def test_kernel_floor_builds_and_runs_with_each_prefetch_plan(tmp_path):
         )
         assert out.returncode == 0, out.stderr
         assert said in out.stdout and "kernel / floor" in out.stdout, out.stdout
+    for layout, said in (("0", "bf16, ring, 4 tokens"), ("1", "bf16, engine layout, 4 tokens")):
+        out = subprocess.run(
+            [str(exe), "1", "4", "1", "0", "3", "0", "-1", layout], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and said in out.stdout, out.stdout + out.stderr
     bad = subprocess.run([str(exe), "1", "4", "1", "0", "3", "0", "-5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "bad arguments" in bad.stderr
     # two threads: started per call in this build; an OpenMP team in the documented -fopenmp build

@@ -225,3 +225,114 @@ def test_operands_that_disagree_are_refused_before_any_kernel_reads_them():
             layer._native_step(h.contiguous(), t, batch, True, False)
     assert torch.equal(pool, before)
     assert layer._native_step(hidden, torch.tensor([1, 2]), batch, True, False).shape == hidden.shape
+
+
+def _engine_steps(layer, ring: bool, seed: int = 7):
+    """An engine's steps on prebuilt batches (``layer(hidden, ids, batch)``, checked): two requests'
+    prefill chunks, a mixed chunk + decode step, a verify step whose drafts are partly rejected, decode.
+    Returns the outputs and the final pool in the engine layout."""
+    from ple.ops.state import ring_to_engine
+    from ple.runtime import Batch
+
+    cfg = layer.config
+    g = torch.Generator().manual_seed(seed)
+    if ring:
+        pool, offsets = layer.new_ring_pool(3, num_spec=2)
+    else:
+        pool, offsets = layer.new_state_pool(3, num_spec=2), None
+    kept: dict[int, list[int]] = {0: [], 1: []}
+    started = {0: False, 1: False}
+    rejected = {0: 0, 1: 0}
+    outs = []
+    # (slot -> chunk length, verify?) per step; a verify step keeps the first `accept` tokens
+    for lens, verify, accept in [({0: 5, 1: 3}, False, 0), ({0: 1, 1: 4}, False, 0), ({0: 3, 1: 3}, True, 1),
+                                 ({0: 1, 1: 1}, False, 0)]:  # fmt: skip
+        n = cfg.ngram_size - 1
+        ctx = torch.tensor([([cfg.eos_token_id] * n + kept[r])[-n:] for r in lens], dtype=torch.int64)
+        tokens = torch.randint(0, cfg.vocab_size, (sum(lens.values()),), generator=g)
+        hidden = torch.randn(tokens.shape[0], cfg.hc_hidden_size, generator=g).to(layer.dtype)
+        batch = Batch.build(
+            list(lens.values()), list(lens), ctx, pool, kinds=["verify" if verify else "prefill"] * 2,
+            has_initial_state=[started[r] for r in lens], num_rejected=[rejected[r] for r in lens], num_spec=2,
+            state_offsets=offsets,
+        )  # fmt: skip
+        with torch.no_grad():
+            outs.append(layer(hidden, tokens, batch))
+        at = 0
+        for r, k in lens.items():
+            keep = accept if verify else k
+            kept[r] += tokens[at : at + keep].tolist()
+            rejected[r] = k - keep
+            started[r] = True
+            at += k
+    return outs, (ring_to_engine(pool, offsets) if ring else pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ring", [False, True], ids=["engine", "ring"])
+def test_the_engine_call_on_prebuilt_batches_runs_the_native_step(dtype, ring):
+    """The checked engine call (an engine's prebuilt batches, either pool layout) runs the C kernels
+    straight from the native step, and gives the operators' bits: outputs and pool, through chunks,
+    a verify step with rejected drafts and decode."""
+    layer = _layer(0).to(dtype)
+    real = layer._native_step
+    try:
+        spy = _Spy(real)
+        layer._native_step = spy
+        native = _engine_steps(layer, ring)
+        assert spy.took == 4 and spy.declined == 0
+        layer._native_step = None
+        operators = _engine_steps(layer, ring)
+    finally:
+        layer._native_step = real
+        layer.to(torch.float32)
+    for a, b in zip(native[0], operators[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(native[1], operators[1])
+
+
+def test_a_ring_pool_holds_the_engine_layouts_columns():
+    """The same steps on a ring pool and on an engine-layout pool: equal outputs, and the ring pool read
+    back in the engine layout equals the other pool exactly."""
+    layer = _layer(1)
+    a, b = _engine_steps(layer, ring=True), _engine_steps(layer, ring=False)
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert torch.equal(a[1], b[1])
+    pool, offsets = layer.new_ring_pool(2, num_spec=1)
+    assert pool.shape == (2, layer.config.conv_window + 1, layer.config.hc_hidden_size)
+    assert pool.dtype == layer.dtype and offsets.dtype == torch.int64 and not offsets.any()
+
+
+@pytest.mark.parametrize("where", ["input_ids", "ngram_context"])
+@pytest.mark.parametrize("value", [-1, 40])
+def test_the_checked_engine_call_refuses_tokens_outside_the_vocabulary_before_any_write(where, value):
+    """A token or a context value outside [0, vocab_size) is refused by the native path as by the
+    operators (the same error and message, naming it), and the pool is unchanged."""
+    from ple.ngram import NgramInputError
+    from ple.runtime import Batch
+
+    layer = _layer(0)
+    cfg = layer.config
+    assert cfg.vocab_size == 40
+    messages = []
+    for native in (True, False):
+        real = layer._native_step
+        layer._native_step = real if native else None
+        try:
+            pool = layer.new_state_pool(2)
+            torch.nn.init.normal_(pool)
+            before = pool.clone()
+            ctx = torch.full((2, cfg.ngram_size - 1), cfg.eos_token_id)
+            batch = Batch.build([2, 1], [0, 1], ctx, pool, has_initial_state=[True, True])
+            tokens = torch.tensor([5, 6, 7])
+            if where == "input_ids":
+                tokens[1] = value
+            else:
+                ctx[1, 0] = value  # changed after the batch was built: the call checks it
+            with pytest.raises(NgramInputError) as err, torch.no_grad():
+                layer(torch.randn(3, cfg.hc_hidden_size), tokens, batch)
+            messages.append(str(err.value))
+            assert torch.equal(pool, before)
+        finally:
+            layer._native_step = real
+    assert messages[0] == messages[1] and str(value) in messages[0]

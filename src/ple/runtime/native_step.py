@@ -1,13 +1,18 @@
-"""A session's engine call on the CPU as direct C calls: ids, row gather, the GEMM, the fused step.
+"""The engine call on the CPU as direct C calls: ids, row gather, the GEMM, the fused step.
 
-``ple.Session`` builds every operand of its engine call itself (the batch from its own state, tokens it
-range-checked, ``hidden [T, HC*H]`` checked in the layer's dtype), so :meth:`ple.PLELayer.forward` with
-the session's private ``_checked=False`` may skip every check. On the CPU it then runs this: the C kernels
-the operators would choose (``ple_ngram_ids``, ``ple_gather_rows`` for plain rows in the activation dtype
+On the CPU, eagerly, :meth:`ple.PLELayer.forward` runs this instead of its operators: the C kernels the
+operators would choose (``ple_ngram_ids``, ``ple_gather_rows`` for plain rows in the activation dtype
 held in memory, ``ple_gate_conv``) called straight from here, with the weights' and layout's pointers
 taken once when the layer's weights or table change. The operators' Python layers (records, kernel
 choice, argument conversion: about a hundred calls a step) are not run; each of those costs tens of
 microseconds right after the GEMM, whose weights leave every cache cold.
+
+What is checked stays checked. An engine's call (prebuilt batches) has its shapes and dtypes checked by
+the layer and its tokens and n-gram context range-checked here (``vocab_size``), as the ids operator
+would; the kernels refuse offsets, slots and histories outside the pool before writing anything.
+``ple.Session`` builds every operand itself (the batch from its own state, tokens it range-checked,
+``hidden [T, HC*H]`` checked in the layer's dtype), so its call (the private ``_checked=False``) skips
+the range check too.
 
 The same kernels on the same operands give the same bits as the operators (tested). A table of another
 tier or format is read through its own lookup (``Table.lookup(check=False)``); anything the kernels do
@@ -25,6 +30,7 @@ import torch
 from ple.errors import InvalidArgumentError
 from ple.kernels import native as _native
 from ple.kernels.registry import OPERATORS
+from ple.ngram import check_token_range
 from ple.ops.fused import native as fused_native
 from ple.ops.records import StepMeta
 from ple.table.base import lookup_built, lookup_through, with_adapters
@@ -113,11 +119,23 @@ class NativeStep:
         esize = data.element_size()
         return (data.data_ptr(), data.shape[0], data.stride(0) * esize, data.shape[1] * esize)
 
-    def __call__(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, add_hidden: bool, return_c: bool):
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        batch,
+        add_hidden: bool,
+        return_c: bool,
+        vocab_size: int | None = None,
+    ):
         """``hidden + v + conv`` ``[T, HC*H]`` (and the conv inputs ``[T, HC*H]`` with ``return_c``) for the
-        session-built step ``(hidden [T, HC*H], input_ids [T] int64, batch)``, with every tensor on the CPU;
-        the state pool is updated in place. None (nothing computed, nothing changed) where the kernels
-        do not take these operands."""
+        step ``(hidden [T, HC*H], input_ids [T] int64, batch)``, with every tensor on the CPU; the state
+        pool is updated in place. None (nothing computed, nothing changed) where the kernels do not take
+        these operands.
+
+        ``vocab_size``: the tokens and the n-gram context are checked to lie in ``[0, vocab_size)`` first
+        (the engine call's check, as the ids operator's; a session's tokens were checked by the session).
+        The kernels themselves refuse offsets, slots and histories outside the pool before any write."""
         try:
             lib = _native.library()  # PLE_NATIVE=0 takes effect at once, as for the operators
         except _native.NativeUnavailable:
@@ -170,6 +188,11 @@ class NativeStep:
         layer = self._layer()
         if layer is None:
             return None
+        if vocab_size is not None and (
+            lib.ple_first_outside(input_ids.data_ptr(), tokens, vocab_size) >= 0
+            or lib.ple_first_outside(ctx.data_ptr(), ctx.numel(), vocab_size) >= 0
+        ):
+            check_token_range(input_ids, ctx, vocab_size)  # raises, naming the value and where it is
         table = layer.table_ref.table
         if table is not self._table:
             self._table, self._table_args = table, self._gather_args(table)

@@ -358,6 +358,7 @@ _SYMBOLS = (
     "ple_team_after_fork",
     "ple_slots_read",
     "ple_slots_advance",
+    "ple_first_outside",
     "ple_reader_new",
     "ple_uring_new",
     "ple_uring_read",
@@ -448,6 +449,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # tokens, slots, n, contexts, ctx_len, has_state, rejected, length
     lib.ple_slots_advance.restype = None
     lib.ple_slots_advance.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr]
+    # values, n, vocab: the first index outside [0, vocab), or -1
+    lib.ple_first_outside.restype = i64
+    lib.ple_first_outside.argtypes = [ptr, i64, i64]
     # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
     lib.ple_reader_new.restype = i32
     lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]

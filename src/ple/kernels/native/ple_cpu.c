@@ -1721,6 +1721,14 @@ int64_t ple_slots_read(const int64_t *tokens, const int64_t *slots, int64_t n, i
     return -1;
 }
 
+/* The index of the first of n values outside [0, vocab), or -1 when every one lies in it: the engine
+ * call's check of its tokens and n-gram context on the CPU (one pass each, no allocation). */
+int64_t ple_first_outside(const int64_t *values, int64_t n, int64_t vocab) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)values[i] >= (uint64_t)vocab) return i;
+    return -1;
+}
+
 /* After a session's decode step: each request's context row shifts in its token, its slot holds
  * state, nothing is rejected, its length grows by one. */
 void ple_slots_advance(const int64_t *tokens, const int64_t *slots, int64_t n, int64_t *contexts,
