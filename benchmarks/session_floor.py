@@ -29,7 +29,7 @@ that many bytes (a copy reads and writes as much), both buffers warm, as the ste
 ``--cpu-time`` (with ``--threads 1``) reads this thread's CPU time instead of the wall clock, so time
 spent descheduled on a machine shared with other work is not counted.
 
-``--parts`` also times the parts of a ``begin``/``run``/``end`` decode step inside it (``begin``, the ids,
+``--parts`` also times the parts of a ``begin``/``run``/``end`` decode step and prompt inside them (``begin``, the ids,
 gather and fused kernels, the GEMM, the rest of the engine call, ``end``), and the traffic floor (warm
 copies, timed after the steps): the fused kernel and the work beside the GEMM are also given as
 multiples of it.
@@ -361,12 +361,13 @@ def bookkeeping_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     return {"case": "bookkeeping", "samples": samples, "per_request_us": per_request * 1e6}
 
 
-def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
-    """Where a ``begin``/``run``/``end`` decode step of ``requests`` goes, each part timed inside the
-    step by wrapping it (the rest of the engine call: its Python, records and outputs around the three
-    C kernels and the GEMM), then as many warm copies of the bytes the step must move (the traffic
-    floor, as in the decode case), back to back after the steps so that no copy runs between two of
-    them. ``repeat`` x 4 steps after 8 untimed ones; seconds per part and step."""
+def parts_case(layer: PLELayer, requests: int, repeat: int, prefill: int = 0) -> dict:
+    """Where a ``begin``/``run``/``end`` decode step of ``requests`` goes (with ``prefill``: a fresh
+    request's prompt of that many tokens instead), each part timed inside the step by wrapping it (the
+    rest of the engine call: its Python, records and outputs around the three C kernels and the GEMM),
+    then as many warm copies of the bytes the step must move (the traffic floor, as in the decode and
+    prefill cases), back to back after the steps so that no copy runs between two of them. ``repeat`` x
+    4 steps after 8 untimed ones (a prompt: ``repeat`` steps after 1); seconds per part and step."""
     import ple.ngram.native as ids_native
     import ple.ops.fused.native as fused_native
     import ple.table.lookup.torch_impl as lookup_torch
@@ -374,11 +375,25 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
     cfg = layer.config
     c, dtype = cfg.hc_hidden_size, layer.dtype
     g = torch.Generator().manual_seed(4)
-    session = prefilled_session(layer, requests, g)
-    hidden = torch.randn(4, requests, c, generator=g).to(dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (4, requests), generator=g)
-    chunks = [{r: tokens[s, r : r + 1] for r in range(requests)} for s in range(4)]
-    read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
+    if prefill:
+        session = Session(layer, 1)
+        session.add(0)
+        hidden = torch.randn(1, prefill, c, generator=g).to(dtype)
+        chunks = [{0: torch.randint(0, cfg.vocab_size, (prefill,), generator=g)}]
+        read, written = step_traffic(layer, prefill, 1, 0)
+    else:
+        session = prefilled_session(layer, requests, g)
+        hidden = torch.randn(4, requests, c, generator=g).to(dtype)
+        tokens = torch.randint(0, cfg.vocab_size, (4, requests), generator=g)
+        chunks = [{r: tokens[s, r : r + 1] for r in range(requests)} for s in range(4)]
+        read, written = step_traffic(layer, requests, requests, cfg.ple_conv_kernel_size - 1)
+    steps = len(chunks)
+
+    def fresh():  # a prompt's step starts a new request
+        if prefill:
+            session.finish(0)
+            session.add(0)
+
     copy = traffic_copy(read + written)
     spent: dict[str, list[float]] = {}
     wrapped = [
@@ -413,6 +428,7 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
         st = session.begin(chunks[0])
         session.run(st, 0, hidden[0])
         session.end(st)
+        fresh()
     native_originals = [(name, getattr(native, name)) for name, _ in native_fns] if native is not None else []
     for (owner, name, label), (_, _, fn) in zip(wrapped, originals):
         setattr(owner, name, timed(fn, label))
@@ -420,16 +436,18 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
         setattr(native, name, timed(fn, label))
     try:
         with torch.no_grad():
-            for i in range(repeat + 2):
-                if i == 2:
+            warm = 1 if prefill else 2
+            for i in range(repeat + warm):
+                if i == warm:
                     spent.clear()
-                for s in range(4):
+                for s in range(steps):
                     t0 = CLOCK()
                     st = session.begin(chunks[s])
                     session.run(st, 0, hidden[s])
                     session.end(st)
                     spent.setdefault("step", []).append(CLOCK() - t0)
-            for _ in range(4 * repeat + 1):  # the traffic floor: warm copies, back to back
+                    fresh()
+            for _ in range(steps * repeat + 1):  # the traffic floor: warm copies, back to back
                 t0 = CLOCK()
                 copy()
                 spent.setdefault("traffic", []).append(CLOCK() - t0)
@@ -441,9 +459,17 @@ def parts_case(layer: PLELayer, requests: int, repeat: int) -> dict:
             setattr(native, name, fn)
     med = {k: statistics.median(v) for k, v in spent.items()}
     kernels = ("fused gate + conv kernel", "row gather kernel", "n-gram ids kernel", "GEMM")
-    med["rest of the engine call"] = med["engine call"] - sum(med.get(k, 0.0) for k in kernels)
-    med["beside the GEMM"] = med["step"] - med["GEMM"]
-    return {"case": f"parts of a decode step, {requests} requests", "median_s": med}
+    # per step where every part ran once a step (paired: a long GEMM's noise cancels), else of the medians
+    calls = spent["engine call"]
+    if all(len(spent.get(k, calls)) == len(calls) for k in kernels) and len(spent["step"]) == len(calls):
+        rest = [e - sum(spent[k][i] for k in kernels if k in spent) for i, e in enumerate(calls)]
+        med["rest of the engine call"] = statistics.median(rest)
+        med["beside the GEMM"] = statistics.median(t - gemm for t, gemm in zip(spent["step"], spent["GEMM"]))
+    else:
+        med["rest of the engine call"] = med["engine call"] - sum(med.get(k, 0.0) for k in kernels)
+        med["beside the GEMM"] = med["step"] - med["GEMM"]
+    what = f"a prompt of {prefill} tokens" if prefill else f"a decode step, {requests} requests"
+    return {"case": f"parts of {what}", "median_s": med}
 
 
 def main(argv=None) -> int:
@@ -458,7 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--without-gemm", action="store_true", help="cache the GEMM's result (time the rest alone)")
     p.add_argument("--bookkeeping", action="store_true", help="also time the session's own work per request")
-    p.add_argument("--parts", action="store_true", help="also time the parts of a begin/run/end decode step")
+    p.add_argument("--parts", action="store_true", help="also time the parts of a begin/run/end decode step and prompt")
     p.add_argument(
         "--cpu-time",
         action="store_true",
@@ -537,8 +563,10 @@ def main(argv=None) -> int:
             + f"; per request {b['per_request_us']:.2f} us"
         )
         results.append(b)
-    if args.parts and args.requests > 0:
-        parts = parts_case(layer, args.requests, max(8, args.repeat))
+    wanted = [(args.requests, 0)] if args.requests > 0 else []
+    wanted += [(1, args.prefill)] if args.prefill > 0 else []
+    for requests, prompt in wanted if args.parts else ():
+        parts = parts_case(layer, requests, args.repeat if prompt else max(8, args.repeat), prompt)
         print(f"{parts['case']} (ms, medians):")
         order = ("begin", "n-gram ids kernel", "row gather kernel", "GEMM", "fused gate + conv kernel")
         order += ("rest of the engine call", "end", "beside the GEMM", "step")

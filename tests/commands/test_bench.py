@@ -567,6 +567,9 @@ def test_session_floor_parts_time_every_part_and_restore_what_they_wrap():
     assert got["traffic"] > 0  # the copy of the step's bytes, timed beside the steps
     assert got["step"] >= got["GEMM"] and got["engine call"] >= got["GEMM"]
     assert got["engine call"] >= got["GEMM"] + got["fused gate + conv kernel"]
+    prompt = module.parts_case(layer, 1, 2, prefill=9)  # a fresh request's prompt per step
+    assert prompt["case"] == "parts of a prompt of 9 tokens"
+    assert all(prompt["median_s"][part] >= 0 for part in parts) and prompt["median_s"]["traffic"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
