@@ -181,6 +181,7 @@ _BOTH_KERNELS_C = _ONE_KERNEL_C + (
     "int ple_slots_read(void) { return 0; }\n"
     "void ple_slots_advance(void) {}\n"
     "long long ple_first_outside(void) { return -1; }\n"
+    "int ple_gate_conv_backward(void) { return 0; }\n"
     # the direct tier's reader
     "int ple_reader_new(void) { return 0; }\n"
     "int ple_reader_read(void) { return 0; }\n"

@@ -1,5 +1,5 @@
 """An fp32 training step's gate and conv (one autograd node with a written-out backward,
-:mod:`ple.ops.padded_grad`) against autograd through the reference ops: the same outputs and
+:mod:`ple.ops.padded_grad`, in C or in PyTorch) against autograd through the reference ops: the same outputs and
 gradients within fp32 rounding, for every input that asks for one, with padding, sequences shorter
 than the conv's reach, the conv inputs returned and used, and frozen weights."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ple.ops.padded_grad as padded_grad
 from ple.layer import PLELayer
 from ple.train import trainable
 from tests.train._helpers import CFG, batch, make_tier, new_layer
@@ -37,7 +38,9 @@ def _run(layer, hidden, ids, mask, use_c, seed):
     (12, False, False, False), (12, True, True, False), (2, False, True, False), (1, True, False, False),
     (7, True, False, True), (5, False, True, "norms"),
 ])  # fmt: skip
-def test_the_written_backward_gives_autograds_gradients(tmp_path, monkeypatch, s, mask, use_c, frozen):
+@pytest.mark.parametrize("c_backward", [True, False], ids=["C", "torch"])
+def test_the_written_backward_gives_autograds_gradients(tmp_path, monkeypatch, s, mask, use_c, frozen, c_backward):
+    monkeypatch.setattr(padded_grad, "NATIVE_BACKWARD", c_backward)  # the C kernel, or the PyTorch backward
     layer = new_layer(seed=3, table=make_tier("mmap", "fp8", tmp_path, seed=3))
     trainable(layer)
     if frozen is True:

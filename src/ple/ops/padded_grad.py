@@ -12,6 +12,10 @@ backward is derived by hand:
   gradient, the gate's sigmoid and signed square root in closed form; gradients are computed only for
   the inputs that require them (a frozen model's weights get none).
 
+On the CPU the backward runs as one C kernel (``ple_gate_conv_backward``, ``ple_train.c``: two passes
+over the rows, sums over rows in fixed row ranges, so the same bits for any thread count and instruction
+set); elsewhere, or with :data:`NATIVE_BACKWARD` off, as the PyTorch operations below.
+
 Every gradient equals autograd's through the reference within fp32 rounding (``tests/test_layer.py``
 compares both with transformers'). Only fp32 takes this path; bf16/fp16 keep autograd through the
 reference, which rounds each intermediate to the activation dtype exactly as transformers does.
@@ -84,6 +88,10 @@ class _GateConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dc_out):
+        if NATIVE_BACKWARD:
+            got = _native_backward(ctx, dout, dc_out)
+            if got is not None:
+                return got
         value, kr, rk, qr, rq, kn, qn, match, root, gate, cr, rc, c, y, nk, nq, nc, taps, mask = ctx.saved_tensors
         b, s, hc, eps, dilation = ctx.geometry
         t, width = b * s, hc * value.shape[1]
@@ -135,6 +143,68 @@ class _GateConv(torch.autograd.Function):
             None,
             None,
         )
+
+
+NATIVE_BACKWARD = True
+"""Whether the backward runs as the C kernel where it takes the step (see :func:`_native_backward`);
+False: the written-out PyTorch backward above (its reference in the tests)."""
+
+
+def _native_backward(ctx, dout, dc_out):
+    """The backward's gradients from ``ple_gate_conv_backward`` (``ple_train.c``): two passes over the
+    rows instead of some forty operations over ``[T, HC*H]`` tensors, the same gradients within fp32
+    rounding, the same bits for any thread count. None (nothing computed) where it does not take the
+    step: the C library unavailable, a tensor off the CPU or not fp32, more than 64 heads."""
+    from ple.kernels import native as _native
+
+    saved = ctx.saved_tensors
+    value, kr, rk, qr, rq, kn, qn, match, root, gate, cr, rc, c, y, nk, nq, nc, taps, mask = saved
+    b, s, hc, eps, dilation = ctx.geometry
+    f32 = torch.float32
+    if hc > 64 or any(t is not None and (t.device.type != "cpu" or t.dtype != f32) for t in (*saved, dout, dc_out)):
+        return None
+    try:
+        lib = _native.library()
+    except _native.NativeUnavailable:
+        return None
+    t, h = b * s, value.shape[1]
+    width = hc * h
+    need = ctx.needs_input_grad
+    if dout is None:
+        dout = torch.zeros(t, width, dtype=f32)
+    dout = dout.reshape(t, width).contiguous()
+    dc_out = None if dc_out is None else dc_out.reshape(t, width).contiguous()
+    if value.stride(1) != 1:
+        value = value.contiguous()
+    flat = [x.contiguous() for x in (kr, rk, qr, rq, kn, qn, match, root, gate, cr, rc, c)]
+    m = None if mask is None else mask.reshape(t).contiguous()
+    k = taps.shape[0]
+    out = [
+        torch.empty(t, width, dtype=f32) if need[0] else None,
+        torch.empty(t, h, dtype=f32) if need[1] else None,
+        torch.empty(t, width, dtype=f32) if need[2] else None,
+        torch.empty(width, dtype=f32) if need[3] else None,
+        torch.empty(width, dtype=f32) if need[4] else None,
+        torch.empty(width, dtype=f32) if need[5] else None,
+        torch.empty(k, width, dtype=f32) if need[6] else None,
+    ]
+    weights = [x.contiguous() for x in (nk, nq, nc, taps)]
+    ptr = _ptr
+    rc_code = lib.ple_gate_conv_backward(
+        b, s, hc, h, k, dilation, dout.data_ptr(), ptr(dc_out), ptr(m), value.data_ptr(), value.stride(0),
+        *(x.data_ptr() for x in flat), y.data_ptr(), *y.stride(), *(x.data_ptr() for x in weights),
+        *(ptr(x) for x in out), int(need[0] or need[3]), int(need[2] or need[4]), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc_code == -2:
+        raise MemoryError("gate_conv backward: the C kernel could not allocate its scratch")
+    if rc_code != 0:
+        return None
+    dk, dvalue, dq, dnk, dnq, dnc, dtaps = out
+    return dk, dvalue, dq, dnk, dnq, dnc, None if dtaps is None else dtaps.t(), None, None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def gate_conv_padded(

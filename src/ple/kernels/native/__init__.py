@@ -71,10 +71,12 @@ _SOURCES = (
     Path(__file__).with_name("ple_direct.c"),
     Path(__file__).with_name("ple_encode.c"),
     Path(__file__).with_name("ple_eval.c"),
+    Path(__file__).with_name("ple_train.c"),
 )
 """Every C file of the library: the fused step and ids (``ple_cpu.c``), the block-format lookup
 (``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``), the table conversion kernels
-(``ple_encode.c``), ``ple eval``'s log-sum-exp, KL and top-token passes (``ple_eval.c``)."""
+(``ple_encode.c``), ``ple eval``'s log-sum-exp, KL and top-token passes (``ple_eval.c``), the backward of a
+training step's gate and conv (``ple_train.c``)."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -359,6 +361,7 @@ _SYMBOLS = (
     "ple_slots_read",
     "ple_slots_advance",
     "ple_first_outside",
+    "ple_gate_conv_backward",
     "ple_reader_new",
     "ple_uring_new",
     "ple_uring_read",
@@ -452,6 +455,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     # values, n, vocab: the first index outside [0, vocab), or -1
     lib.ple_first_outside.restype = i64
     lib.ple_first_outside.argtypes = [ptr, i64, i64]
+    # B, S, HC, H, K, dilation | dout, dc_out, mask, value, value stride | kr, rk, qr, rq, kn, qn, match, root,
+    # gate, cr, rc, c, y, y's three strides | nk, nq, nc, taps | dk, dvalue, dq, dnk, dnq, dnc, dtaps | kpath,
+    # qpath, threads
+    lib.ple_gate_conv_backward.restype = i32
+    lib.ple_gate_conv_backward.argtypes = (
+        [i64] * 6 + [ptr] * 4 + [i64] + [ptr] * 13 + [i64] * 3 + [ptr] * 11 + [i32] * 3
+    )
     # the direct tier's reader (ple_direct.c): fd, depth, align, drop, file size, out handle
     lib.ple_reader_new.restype = i32
     lib.ple_reader_new.argtypes = [i32, i32, i64, i32, i64, ptr]
