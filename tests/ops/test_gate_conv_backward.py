@@ -28,7 +28,11 @@ def _grads(native, *, b=2, s=9, hc=3, h=10, k=4, dilation=3, mask=True, use_c=Tr
     conv = 0.4 * torch.randn(c_width, k, generator=g)
     leaves = dict(zip(NAMES, [kv, None, hidden, *norms, conv]))
     for name in ("key", "hidden", "norm_key", "norm_query", "norm_conv", "conv_weight"):
-        leaves[name] = leaves[name].clone().requires_grad_(name.split("_")[0] not in frozen and name not in frozen)
+        grad = name.split("_")[0] not in frozen and name not in frozen
+        if name.startswith(("norm", "conv")):  # as the layer holds them (saved for backward as such)
+            leaves[name] = torch.nn.Parameter(leaves[name].clone(), requires_grad=grad)
+        else:
+            leaves[name] = leaves[name].clone().requires_grad_(grad)
     kv = leaves["key"]
     key, value = kv.split_with_sizes([c_width, h], 1)  # value: rows c_width + h apart, as the layer's
     attn = None
@@ -44,7 +48,13 @@ def _grads(native, *, b=2, s=9, hc=3, h=10, k=4, dilation=3, mask=True, use_c=Tr
         torch.set_num_threads(threads)
     calls = []
     real = padded_grad._native_backward
-    padded_grad._native_backward = lambda *a: calls.append(1) or real(*a)
+
+    def spy(*args):
+        got = real(*args)
+        calls.append(got is not None)  # whether the C kernel computed the gradients
+        return got
+
+    padded_grad._native_backward = spy
     try:
         out, c = padded_grad.gate_conv_padded(key, value, leaves["hidden"], gate, leaves["conv_weight"], dilation,
                                               (b, s), attn)  # fmt: skip
@@ -54,8 +64,8 @@ def _grads(native, *, b=2, s=9, hc=3, h=10, k=4, dilation=3, mask=True, use_c=Tr
         padded_grad.NATIVE_BACKWARD = before
         padded_grad._native_backward = real
         torch.set_num_threads(saved)
-    assert bool(calls) == native
-    grads = {}
+    grads = {"took C": calls == [True]} if native else {}
+    assert native or not calls
     if kv.grad is not None:
         grads["key"], grads["value"] = kv.grad[:, :c_width], kv.grad[:, c_width:]
     for name in NAMES[2:]:
@@ -79,6 +89,7 @@ def _grads(native, *, b=2, s=9, hc=3, h=10, k=4, dilation=3, mask=True, use_c=Tr
 def test_the_c_backward_gives_the_written_backwards_gradients(s, mask, use_c, frozen, k, dilation):
     want = _grads(False, s=s, mask=mask, use_c=use_c, frozen=frozen, k=k, dilation=dilation, seed=s)
     got = _grads(True, s=s, mask=mask, use_c=use_c, frozen=frozen, k=k, dilation=dilation, seed=s)
+    assert got.pop("took C")
     assert sorted(got) == sorted(want)
     assert ("key" in got) == ("value" in got) == ("key" not in frozen)  # key and value: one leaf, as the layer's
     for name in want:
@@ -87,8 +98,10 @@ def test_the_c_backward_gives_the_written_backwards_gradients(s, mask, use_c, fr
 
 def test_the_c_backward_gives_the_same_bits_for_any_thread_count_and_instruction_set():
     want = _grads(True, b=3, s=40, h=37, threads=1, seed=5)  # 120 rows: every fixed row range in use
+    assert want.pop("took C")
     for threads in (2, 3):
         got = _grads(True, b=3, s=40, h=37, threads=threads, seed=5)
+        assert got.pop("took C")
         assert all(torch.equal(got[n], want[n]) for n in want), threads
     before = native_build.current_isa()
     try:
@@ -97,6 +110,7 @@ def test_the_c_backward_gives_the_same_bits_for_any_thread_count_and_instruction
                 continue
             native_build.set_isa(isa)
             got = _grads(True, b=3, s=40, h=37, threads=2, seed=5)
+            assert got.pop("took C")
             assert all(torch.equal(got[n], want[n]) for n in want), isa
     finally:
         native_build.set_isa(before)
@@ -105,6 +119,7 @@ def test_the_c_backward_gives_the_same_bits_for_any_thread_count_and_instruction
 def test_the_c_backward_steps_aside_for_what_it_does_not_take():
     """More heads than it holds: the PyTorch backward runs (and gives the gradients)."""
     got = _grads(True, hc=65, h=2, s=4, seed=2)
+    assert not got.pop("took C")
     want = _grads(False, hc=65, h=2, s=4, seed=2)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -41,6 +41,8 @@ def _run(layer, hidden, ids, mask, use_c, seed):
 @pytest.mark.parametrize("c_backward", [True, False], ids=["C", "torch"])
 def test_the_written_backward_gives_autograds_gradients(tmp_path, monkeypatch, s, mask, use_c, frozen, c_backward):
     monkeypatch.setattr(padded_grad, "NATIVE_BACKWARD", c_backward)  # the C kernel, or the PyTorch backward
+    took, real = [], padded_grad._native_backward
+    monkeypatch.setattr(padded_grad, "_native_backward", lambda *a: took.append(real(*a)) or took[-1])
     layer = new_layer(seed=3, table=make_tier("mmap", "fp8", tmp_path, seed=3))
     trainable(layer)
     if frozen is True:
@@ -53,6 +55,7 @@ def test_the_written_backward_gives_autograds_gradients(tmp_path, monkeypatch, s
     for written in (True, False):
         monkeypatch.setattr(PLELayer, "written_backward", written)
         runs[written] = _run(layer, hidden, ids, attn, use_c, seed=s)
+    assert took and all(t is not None for t in took) if c_backward else not took  # the layer's steps took C
     (out_w, c_w, g_w), (out_r, c_r, g_r) = runs[True], runs[False]
     assert torch.equal(out_w, out_r) and torch.equal(c_w, c_r)  # the forward is the reference's
     assert sorted(g_w) == sorted(g_r) and "table" in g_w and "hidden" in g_w

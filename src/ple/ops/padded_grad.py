@@ -154,15 +154,21 @@ def _native_backward(ctx, dout, dc_out):
     """The backward's gradients from ``ple_gate_conv_backward`` (``ple_train.c``): two passes over the
     rows instead of some forty operations over ``[T, HC*H]`` tensors, the same gradients within fp32
     rounding, the same bits for any thread count. None (nothing computed) where it does not take the
-    step: the C library unavailable, a tensor off the CPU or not fp32, more than 64 heads."""
+    step: the C library unavailable, a tensor off the CPU or not fp32, more than 64 heads, or code being
+    traced (compiled or exported: the written-out operations are traced instead)."""
     from ple.kernels import native as _native
 
+    if torch.compiler.is_compiling():
+        return None
     saved = ctx.saved_tensors
     value, kr, rk, qr, rq, kn, qn, match, root, gate, cr, rc, c, y, nk, nq, nc, taps, mask = saved
     b, s, hc, eps, dilation = ctx.geometry
     f32 = torch.float32
-    if hc > 64 or any(t is not None and (t.device.type != "cpu" or t.dtype != f32) for t in (*saved, dout, dc_out)):
-        return None
+    if hc > 64 or any(
+        t is not None and (type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype != f32)
+        for t in (*saved, dout, dc_out)
+    ):
+        return None  # tensor subclasses (fake tensors, a dispatch mode's) included
     try:
         lib = _native.library()
     except _native.NativeUnavailable:
@@ -201,6 +207,9 @@ def _native_backward(ctx, dout, dc_out):
         return None
     dk, dvalue, dq, dnk, dnq, dnc, dtaps = out
     return dk, dvalue, dq, dnk, dnq, dnc, None if dtaps is None else dtaps.t(), None, None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the kernel reads by address (no fake or traced tensors)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -58,7 +58,16 @@ typedef struct {
 
 /* e^x for x in [-87, 88] (the caller clamps): 2^n e^r, |r| <= ln2/2, a degree-7 Taylor polynomial. */
 GCB_INLINE float gcb_exp(float x) {
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* to nearest: 1.5 * 2^23 */
+    /* n = x / ln2 to the nearest integer (1.5 * 2^23 added and taken away), its integer from the sum's
+     * low bits (no float-to-int conversion: a NaN stays a NaN through p) */
+    union {
+        float f;
+        int32_t i;
+    } big, magic;
+    big.f = x * 1.44269504088896341f + 12582912.0f;
+    magic.f = 12582912.0f;
+    const float n = big.f - 12582912.0f;
+    const int32_t ni = big.i - magic.i;
     const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
@@ -72,7 +81,7 @@ GCB_INLINE float gcb_exp(float x) {
         uint32_t u;
         float f;
     } s;
-    s.u = (uint32_t)((int32_t)n + 127) << 23;
+    s.u = (uint32_t)(ni + 127) << 23;
     return p * s.f;
 }
 
