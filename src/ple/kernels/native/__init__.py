@@ -77,6 +77,9 @@ _SOURCES = (
 (``ple_quant.c``), the direct tier's pread pool (``ple_direct.c``), the table conversion kernels
 (``ple_encode.c``), ``ple eval``'s log-sum-exp, KL and top-token passes (``ple_eval.c``), the backward of a
 training step's gate and conv (``ple_train.c``)."""
+_HEADERS = (Path(__file__).with_name("ple_common.h"),)
+"""What the C files include (``ple_common.h``: the shared declarations, targets and exponential), hashed
+with them into the library's cache key."""
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -312,7 +315,7 @@ def _build() -> ctypes.CDLL:
 
 
 def _build_with(cc: str, version: str, flags: list[str]) -> ctypes.CDLL:
-    source = b"\0".join(p.read_bytes() for p in _SOURCES)
+    source = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     digest = hashlib.sha256(
         b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature()])
     ).hexdigest()[:16]

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ple_common.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float bf16_to_f32(uint16_t b) {
@@ -56,29 +58,6 @@ ALWAYS_INLINE void st_exact(void *p, int64_t i, float x, int bf) {
 
 ALWAYS_INLINE float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
-/* exp(x) within 2 ulp on [-87, 88] (clamped outside): 2^n * p(r), r = x - n ln2, Taylor degree 7.
- * The clamps are written as min/max selects: other spellings make gcc compute both sides under
- * masks, and the discarded lanes hit denormal assists (ten times slower). */
-ALWAYS_INLINE float exp_vec(float x) {
-    x = x < 88.0f ? x : 88.0f;
-    x = x > -87.0f ? x : -87.0f;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
-}
-
 /* 1/d for d >= 1 within 2 ulp (d beyond 2^125 is taken as 2^125): a bit-level first guess refined by
  * three Newton steps, all multiply-adds. A vector division costs more than the rest of the SiLU. */
 ALWAYS_INLINE float recip_ge1(float d) {
@@ -95,7 +74,7 @@ ALWAYS_INLINE float recip_ge1(float d) {
 }
 
 /* SiLU, a * sigmoid(a) */
-ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + exp_vec(-a)); }
+ALWAYS_INLINE float silu(float a) { return a * recip_ge1(1.0f + ple_exp_vec(-a)); }
 
 /* ---------------------------------------------------------------------------------------------------
  * Rows written by hand for CPUs with AVX-512 BF16 (the `avx512bf16` instruction set below): the two

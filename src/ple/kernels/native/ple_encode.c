@@ -28,8 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int ple_team_run(int threads, void *(*fn)(void *), void *arg); /* ple_cpu.c */
-int ple_current_isa(void);                                       /* ple_cpu.c: 0 portable, 1 avx2, 2+ avx512 */
+#include "ple_common.h"
 
 /* source kinds */
 enum { S_F32 = 0, S_F16, S_BF16, S_E4M3, S_E5M2, S_I8, S_NVFP4 };

@@ -40,8 +40,7 @@
 #include <stdint.h>
 #include <string.h>
 
-int ple_team_run(int threads, void *(*fn)(void *), void *arg); /* ple_cpu.c */
-int ple_current_isa(void);                                        /* ple_cpu.c */
+#include "ple_common.h"
 
 #define EVAL_BLOCK 512      /* values summed in float before the block's sum is added in double */
 #define EVAL_FAR 60.0f      /* candidate maximum this far from the reference's: its own shift */
@@ -218,13 +217,8 @@ static void rows_portable(eval_job *J) { rows_of(J); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define EVAL_X86 1
-#if defined(__clang__)
-#define EVAL_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c"
-#else
-#define EVAL_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
-#endif
-__attribute__((target("avx2,fma,bmi2,f16c"))) static void rows_avx2(eval_job *J) { rows_of(J); }
-__attribute__((target(EVAL_AVX512))) static void rows_avx512(eval_job *J) { rows_of(J); }
+__attribute__((target(PLE_TARGET_AVX2))) static void rows_avx2(eval_job *J) { rows_of(J); }
+__attribute__((target(PLE_TARGET_AVX512))) static void rows_avx512(eval_job *J) { rows_of(J); }
 #endif
 
 static void *eval_worker(void *arg) {

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ple_common.h"
+
 enum { F_Q8_0 = 0, F_Q5_1, F_Q5_0, F_Q4_1, F_Q4_0, F_IQ4_NL, F_MXFP4, F_NVFP4 };
 enum { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 };
 
@@ -160,7 +162,6 @@ static void decode32(int fmt, const uint8_t *b, float *v) {
     }
 }
 
-int ple_team_run(int threads, void *(*fn)(void *), void *arg); /* ple_cpu.c */
 
 static int ids_in_range(const int64_t *ids, int64_t n, int64_t rows) {
     int64_t bad = 0;

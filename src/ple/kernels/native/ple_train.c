@@ -16,8 +16,7 @@
  * Every sum over rows goes to one of GCB_PIECES fixed row ranges (its partial), and the partials are
  * added in range order; every sum over a head's channels is kept in GCB_LANES running sums added in
  * order: the same bits for any number of threads and every instruction set (no fused multiply-adds:
- * the pragma). The sigmoid's exponential is a polynomial the compiler vectorizes (Cody-Waite reduction,
- * degree 7: a few float roundings).
+ * the pragma). The sigmoid's exponential is ple_exp_vec (ple_common.h), which the compiler vectorizes.
  */
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -30,8 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int ple_team_run(int threads, void *(*fn)(void *), void *arg); /* ple_cpu.c */
-int ple_current_isa(void);                                        /* ple_cpu.c */
+#include "ple_common.h"
 
 #define GCB_PIECES 16 /* fixed row ranges, each with its partial sums: results independent of threads */
 #define GCB_LANES 8   /* running sums per reduction over a head's channels */
@@ -56,41 +54,9 @@ typedef struct {
     int phase;
 } gcb_job;
 
-/* e^x for x in [-87, 88] (the caller clamps): 2^n e^r, |r| <= ln2/2, a degree-7 Taylor polynomial. */
-GCB_INLINE float gcb_exp(float x) {
-    /* n = x / ln2 to the nearest integer (1.5 * 2^23 added and taken away), its integer from the sum's
-     * low bits (no float-to-int conversion: a NaN stays a NaN through p) */
-    union {
-        float f;
-        int32_t i;
-    } big, magic;
-    big.f = x * 1.44269504088896341f + 12582912.0f;
-    magic.f = 12582912.0f;
-    const float n = big.f - 12582912.0f;
-    const int32_t ni = big.i - magic.i;
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union {
-        uint32_t u;
-        float f;
-    } s;
-    s.u = (uint32_t)(ni + 127) << 23;
-    return p * s.f;
-}
-
 /* silu'(y) = s (1 + y (1 - s)), s = sigmoid(y) */
 GCB_INLINE float gcb_silu_grad(float y) {
-    float z = -y;
-    z = z < -87.0f ? -87.0f : z;
-    z = z > 88.0f ? 88.0f : z; /* NaN stays NaN */
-    const float s = 1.0f / (1.0f + gcb_exp(z));
+    const float s = 1.0f / (1.0f + ple_exp_vec(-y)); /* a NaN y: s near 0, the product NaN */
     return s * (1.0f + y * (1.0f - s));
 }
 
@@ -269,13 +235,8 @@ static void gcb_portable(gcb_job *J) { gcb_run(J); }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define GCB_X86 1
-#if defined(__clang__)
-#define GCB_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c"
-#else
-#define GCB_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c,prefer-vector-width=512"
-#endif
-__attribute__((target("avx2,fma,bmi2,f16c"))) static void gcb_avx2(gcb_job *J) { gcb_run(J); }
-__attribute__((target(GCB_AVX512))) static void gcb_avx512(gcb_job *J) { gcb_run(J); }
+__attribute__((target(PLE_TARGET_AVX2))) static void gcb_avx2(gcb_job *J) { gcb_run(J); }
+__attribute__((target(PLE_TARGET_AVX512))) static void gcb_avx512(gcb_job *J) { gcb_run(J); }
 #endif
 
 static void *gcb_worker(void *arg) {
