@@ -1677,6 +1677,14 @@ int ple_ngram_ids(const int64_t *tokens, int64_t total, const int64_t *starts, i
     return 0;
 }
 
+/* The index of the first of n values outside [0, vocab), or -1 when every one lies in it: the engine
+ * call's check of its tokens and n-gram context on the CPU (one pass each, no allocation). */
+int64_t ple_first_outside(const int64_t *values, int64_t n, int64_t vocab) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)values[i] >= (uint64_t)vocab) return i;
+    return -1;
+}
+
 /* A session's decode step reads its per-slot arrays in one pass: request i (slot slots[i], token
  * tokens[i]) gets its context row [ctx_len], has_state flag and rejected count. Returns -1 when every
  * token lies in [0, vocab), else the index of the first that does not (the outputs are then
@@ -1686,8 +1694,8 @@ int64_t ple_slots_read(const int64_t *tokens, const int64_t *slots, int64_t n, i
                        const int64_t *contexts, int64_t ctx_len, const uint8_t *has_state,
                        const int64_t *rejected, int64_t *ctx_out, uint8_t *has_out, int64_t *rej_out,
                        int32_t *all_has) {
-    for (int64_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= vocab) return i;
+    const int64_t bad = ple_first_outside(tokens, n, vocab);
+    if (bad >= 0) return bad;
     int32_t all = 1;
     for (int64_t i = 0; i < n; i++) {
         const int64_t s = slots[i];
@@ -1697,14 +1705,6 @@ int64_t ple_slots_read(const int64_t *tokens, const int64_t *slots, int64_t n, i
         rej_out[i] = rejected[s];
     }
     *all_has = all;
-    return -1;
-}
-
-/* The index of the first of n values outside [0, vocab), or -1 when every one lies in it: the engine
- * call's check of its tokens and n-gram context on the CPU (one pass each, no allocation). */
-int64_t ple_first_outside(const int64_t *values, int64_t n, int64_t vocab) {
-    for (int64_t i = 0; i < n; i++)
-        if ((uint64_t)values[i] >= (uint64_t)vocab) return i;
     return -1;
 }
 
